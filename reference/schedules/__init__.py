@@ -1,0 +1,10 @@
+"""Schedule emulations: the per-rank programs of the stock order's multi-GPU variants.
+
+* :mod:`reference.schedules.comm` — the communication layer (virtual ranks in one process
+  or real ranks under ``torch.distributed``; ordered BF16 all-reduce; the Lamport mailbox).
+* :mod:`reference.schedules.dep` — S1, the DEP layer (experts EP over all ranks).
+* :mod:`reference.schedules.wide` — S2, the wide layer (TP over all ranks).
+* :mod:`reference.schedules.launch` — the same per-rank code under ``torchrun``.
+
+S0 (the stock order on one rank) is :mod:`reference.layer`.
+"""
