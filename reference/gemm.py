@@ -1,22 +1,27 @@
 """The model of an FP32-accumulated GEMM used by every reference stage.
 
-`matmul(a, b)` returns each `sum_k a[m, k] * b[n, k]` computed (almost always) exactly and
-rounded ONCE to the output dtype:
+`matmul(a, b)` returns each `sum_k a[m, k] * b[n, k]` accumulated in float64 and rounded
+ONCE to the output dtype:
 
 1. products in float64 — exact for BF16 and FP32 operands (at most 24 + 24 significand
    bits, no float64 overflow/underflow from FP32 exponents);
-2. a pairwise TwoSum tree over k: each level adds neighbours in float64 and keeps each
-   addition's exact error, so `hi + lo` (the tree's root plus the float64 sum of all
-   errors) equals the exact sum up to the rounding of that error sum, at most about
-   `K * 2^-106 * sum_k |a_k b_k|` — far below an FP32 ulp of any non-cancelling sum;
-3. one rounding of the pair: round-to-odd at 53 bits, then RNE to FP32 (and round-to-odd
-   at 24 bits then RNE to BF16 for a BF16 output), see `reference.fp`.
+2. the float64 sum (a float64 GEMM), whose error is at most `gamma_K(2^-53) *
+   sum_k |a_k b_k|` — about 2^-29 of an FP32 ulp of a non-cancelling sum for K = 7168;
+3. one rounding of the float64 value: RNE to FP32, or round-to-odd at 24 bits then RNE to
+   BF16 for a BF16 output (one rounding in effect, see `reference.fp`).
 
-The result therefore does not depend on the summation order, on the device, or on the
-other rows of the batch (deterministic and batch invariant). A real kernel accumulates in
-FP32 in its own order: it differs from this model by the accumulation error only, which
-the verification contracts bound (`gamma_K * sum |a_k b_k|` plus the final rounding).
-`split_k_matmul` models the split-K tactic's extra FP32 rounding of each partial.
+Determinism and batch invariance: the float64 GEMM runs on fixed blocks of
+`ROW_BLOCK` rows (the last block zero-padded), so every row goes through the same library
+call shape whatever the batch, its position in it or its batch-mates: a row's bits depend
+on that row alone. (A float64 BLAS may choose its summation order by the shape of the
+call; fixing the shape fixes the order.) The same code on another device (cuBLAS) may
+differ from the CPU only where the exact sum lies within the float64 error of an output
+rounding boundary.
+
+A real kernel accumulates in FP32 in its own order: it differs from this model by the
+accumulation error only, which the verification contracts bound (`gamma_K * sum |a_k b_k|`
+plus the final rounding). `split_k_matmul` models the split-K tactic's extra FP32
+rounding of each partial.
 """
 
 from __future__ import annotations
@@ -25,12 +30,13 @@ import torch
 
 from reference.fp import pair_to_bfloat16, pair_to_float32, two_sum
 
-__all__ = ["matmul", "split_k_matmul", "addmm", "exact_dot_pair"]
+__all__ = ["matmul", "split_k_matmul", "addmm", "exact_dot_pair", "exact_sum_pair"]
 
 _INPUT_DTYPES = (torch.bfloat16, torch.float32)
 _OUT_DTYPES = (torch.float32, torch.bfloat16)
-# float64 elements of the [M, n_chunk, K] product tensor materialized at once.
-_CHUNK_ELEMENTS = 1 << 22
+#: Rows of every float64 GEMM call (the batch is cut into blocks of this many rows, the
+#: last zero-padded), so a row's summation order never depends on the batch.
+ROW_BLOCK = 8
 
 
 def _check_operands(a: torch.Tensor, b: torch.Tensor, fn: str) -> None:
@@ -49,27 +55,29 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, fn: str) -> None:
         raise ValueError(f"{fn}: a and b must be on one device, got {a.device} and {b.device}")
 
 
-def _tree_sum(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pairwise TwoSum reduction of float64 `p [..., K]` -> `(hi, lo)` with `hi = fl(hi + lo)`."""
-    lo = torch.zeros(p.shape[:-1], dtype=torch.float64, device=p.device)
-    while p.shape[-1] > 1:
-        if p.shape[-1] % 2:
-            p = torch.cat([p, torch.zeros_like(p[..., :1])], dim=-1)
-        s, e = two_sum(p[..., 0::2], p[..., 1::2])
-        lo = lo + torch.where(torch.isfinite(s), e, torch.zeros_like(e)).sum(-1)
-        p = s
-    hi = p[..., 0]
-    finite = torch.isfinite(hi)
-    lo = torch.where(finite, lo, torch.zeros_like(lo))
-    hi, lo2 = two_sum(hi, lo)  # renormalize: hi = fl(hi + lo)
-    lo = torch.where(torch.isfinite(hi), lo2, torch.zeros_like(lo2))
-    return hi, lo
+def exact_sum_pair(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum over the last dim of float64 `p [..., K]` as a pair `hi + lo`.
+
+    Same pairwise TwoSum tree as `matmul` (exact up to the `K * 2^-106 * sum|p|` rounding
+    of the error sum). Round the pair once with `reference.fp.pair_to_float32` /
+    `pair_to_bfloat16`.
+
+    Returns:
+        `(hi, lo)`, float64 [...] each, `hi = fl(hi + lo)`.
+    """
+    if not isinstance(p, torch.Tensor) or p.dtype != torch.float64 or p.dim() < 1:
+        raise ValueError(f"exact_sum_pair: p must be a float64 tensor [..., K], got "
+                         f"{getattr(p, 'dtype', type(p))} {tuple(getattr(p, 'shape', ()))}")
+    if p.shape[-1] == 0:
+        p = torch.zeros(*p.shape[:-1], 1, dtype=torch.float64, device=p.device)
+    return _tree_sum(p)
 
 
 def exact_dot_pair(
     a: torch.Tensor, b: torch.Tensor, c: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`a @ b.T (+ c)` as a float64 pair `hi + lo` (see the module docstring).
+    """`a @ b.T (+ c)` as a float64 pair `hi + lo`: `hi` the float64 GEMM (in blocks of
+    `ROW_BLOCK` rows), `c` added exactly as a TwoSum pair (see the module docstring).
 
     Args:
         a: [M, K] bfloat16/float32.
@@ -87,21 +95,17 @@ def exact_dot_pair(
     b64 = b.to(torch.float64)
     if c is not None and tuple(c.shape) != (m, n):
         raise ValueError(f"exact_dot_pair: c must be [M, N] = [{m}, {n}], got {tuple(c.shape)}")
-    his, los = [], []
-    step = max(1, _CHUNK_ELEMENTS // max(1, m * (k + 1)))
-    for n0 in range(0, n, step):
-        p = a64[:, None, :] * b64[None, n0:n0 + step, :]
-        if c is not None:
-            p = torch.cat([p, c[:, n0:n0 + step, None].to(torch.float64)], dim=-1)
-        if p.shape[-1] == 0:
-            p = torch.zeros(*p.shape[:-1], 1, dtype=torch.float64, device=p.device)
-        hi, lo = _tree_sum(p)
-        his.append(hi)
-        los.append(lo)
-    if n == 0:
-        empty = torch.zeros(m, 0, dtype=torch.float64, device=a.device)
+    if n == 0 or m == 0:
+        empty = torch.zeros(m, n, dtype=torch.float64, device=a.device)
         return empty, empty.clone()
-    return torch.cat(his, dim=1), torch.cat(los, dim=1)
+    rows = -(-m // ROW_BLOCK) * ROW_BLOCK
+    padded = torch.zeros(rows, k, dtype=torch.float64, device=a.device)
+    padded[:m] = a64
+    bt = b64.t()
+    hi = torch.cat([padded[r:r + ROW_BLOCK] @ bt for r in range(0, rows, ROW_BLOCK)])[:m]
+    if c is None:
+        return hi, torch.zeros_like(hi)
+    return two_sum(hi, c.to(torch.float64))
 
 
 def _round_pair(hi: torch.Tensor, lo: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
