@@ -1,0 +1,47 @@
+"""The case grid of the contracts: batches, rank counts, configs, and cached inputs.
+
+* Batches (DESIGN §3): S1 (DEP) serves 1..``front_max`` (64) tokens per rank with its
+  split-K front and the stock order above; S2 (wide) serves 65..``wide_rows`` (1024).
+* Rank counts: every divisor of the experts and the latent width up to 16.
+* Configs: ``small`` everywhere (keeps top-16 and the 32-element blocks, so every real code
+  path runs); ``kimi_k3`` (the real dimensions) only on a GPU, where its 15 GB of MXFP4
+  experts fit.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from reference.config import LatentMoEConfig
+from reference.weights import LatentMoEWeights
+
+ALL_BATCHES = (1, 2, 3, 7, 16, 64, 65, 100, 256, 1024)
+DEP_BATCHES = tuple(b for b in ALL_BATCHES if b <= 64)
+WIDE_BATCHES = (1, 3, 65, 100, 256)  # the emulation serves any batch; 65.. is production
+RANKS = (1, 2, 4, 8, 16)
+
+CONFIGS = {
+    "small": LatentMoEConfig.small,
+    "kimi_k3": LatentMoEConfig.kimi_k3,
+}
+
+
+def config(name: str) -> LatentMoEConfig:
+    return CONFIGS[name]()
+
+
+@functools.cache
+def weights(name: str, device: str = "cpu", seed: int = 2026) -> LatentMoEWeights:
+    """The layer's weights for a config (one fixed seed: the weights are the model; the
+    inputs vary per case)."""
+    return LatentMoEWeights.random(config(name), seed, device=device)
+
+
+def hidden_rows(cfg: LatentMoEConfig, tokens: int, seed: int, device: str = "cpu",
+                scale: float = 1.0) -> torch.Tensor:
+    """Hidden rows x [tokens, H] BF16 like a decoder's normalized residual stream."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, cfg.hidden, generator=g) * scale
+    return x.to(torch.bfloat16).to(device)

@@ -1,0 +1,175 @@
+"""The verification report: one row per (contract, backend, config), aggregated over the
+cases (batches, rank counts, orderings) that ran.
+
+Each contract test records what it compared through the ``contract`` fixture
+(``verify/conftest.py``); the pytest hooks there add the outcome of the test and, at the
+end of the session, print :func:`format_table` and write ``verify-report.json`` and
+``verify-report.md`` (:func:`write_report`).
+
+A row's columns:
+
+* ``cases`` / ``passed`` / ``failed`` / ``skipped`` — test cases of that row and their
+  outcomes (a skip carries its reason into ``skip_reasons``);
+* ``bitwise`` — how many bitwise comparisons were made (all must be equal to pass);
+* ``worst_ulp`` — the largest ULP distance seen by a ULP comparison;
+* ``worst_ratio`` — the largest ``|actual - exact| / bound`` seen by a bounded comparison
+  (a pass needs every ratio <= 1), with ``bound`` naming the bound that was used;
+* ``flips`` — routing decisions that differ from the reference and were accepted because
+  the competing scores lie within the logits' error bound (DESIGN §4.4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+
+@dataclasses.dataclass
+class Row:
+    """Aggregated figures of one (contract, backend, config) row."""
+
+    contract: str
+    backend: str
+    config: str
+    cases: int = 0
+    passed: int = 0
+    failed: int = 0
+    skipped: int = 0
+    bitwise: int = 0
+    worst_ulp: int | None = None
+    worst_ratio: float | None = None
+    bound: str | None = None
+    flips: int = 0
+    decisions: int = 0
+    figures: dict = dataclasses.field(default_factory=dict)
+    skip_reasons: list = dataclasses.field(default_factory=list)
+    failures: list = dataclasses.field(default_factory=list)
+
+    def add_comparison(self, kind: str, *, worst_ulp=None, worst_ratio=None, bound=None):
+        if kind == "bitwise":
+            self.bitwise += 1
+        if worst_ulp is not None:
+            self.worst_ulp = max(self.worst_ulp or 0, int(worst_ulp))
+        if worst_ratio is not None and not math.isnan(worst_ratio):
+            self.worst_ratio = max(self.worst_ratio or 0.0, float(worst_ratio))
+        if bound is not None:
+            self.bound = bound
+
+    def add_figure(self, name: str, value: float, *, worst: str):
+        """Keep the worst value of a tracked figure (``worst`` is "min" or "max")."""
+        old = self.figures.get(name)
+        if old is None:
+            self.figures[name] = value
+        else:
+            self.figures[name] = min(old, value) if worst == "min" else max(old, value)
+
+    def status(self) -> str:
+        if self.failed:
+            return "FAIL"
+        if self.passed:
+            return "pass"
+        return "skip"
+
+
+class Report:
+    """Collects rows while the session runs."""
+
+    def __init__(self) -> None:
+        self.rows: dict[tuple[str, str, str], Row] = {}
+
+    def row(self, contract: str, backend: str, config: str) -> Row:
+        key = (contract, backend, config)
+        if key not in self.rows:
+            self.rows[key] = Row(contract, backend, config)
+        return self.rows[key]
+
+    def outcome(self, row: Row, outcome: str, *, reason: str | None = None, nodeid: str = ""):
+        row.cases += 1
+        if outcome == "passed":
+            row.passed += 1
+        elif outcome == "failed":
+            row.failed += 1
+            row.failures.append(nodeid)
+        else:
+            row.skipped += 1
+            if reason and reason not in row.skip_reasons:
+                row.skip_reasons.append(reason)
+
+    def sorted_rows(self) -> list[Row]:
+        return sorted(self.rows.values(), key=lambda r: (r.contract, r.backend, r.config))
+
+    def totals(self) -> dict:
+        rows = self.rows.values()
+        return {
+            "rows": len(self.rows),
+            "cases": sum(r.cases for r in rows),
+            "passed": sum(r.passed for r in rows),
+            "failed": sum(r.failed for r in rows),
+            "skipped": sum(r.skipped for r in rows),
+            "flips": sum(r.flips for r in rows),
+        }
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def _fmt_figures(figures: dict) -> str:
+    return ", ".join(f"{k}={v:.4g}" for k, v in sorted(figures.items())) or "-"
+
+
+COLUMNS = ("contract", "backend", "config", "status", "cases", "pass", "fail", "skip",
+           "bitwise", "worst ULP", "worst bound ratio", "flips", "figures")
+
+
+def _cells(row: Row) -> tuple[str, ...]:
+    return (
+        row.contract, row.backend, row.config, row.status(), str(row.cases),
+        str(row.passed), str(row.failed), str(row.skipped), str(row.bitwise),
+        "-" if row.worst_ulp is None else str(row.worst_ulp),
+        _fmt_ratio(row.worst_ratio), f"{row.flips}/{row.decisions}" if row.decisions else "-",
+        _fmt_figures(row.figures),
+    )
+
+
+def format_table(rows: Iterable[Row]) -> str:
+    """A fixed-width text table of the rows (the terminal summary)."""
+    body = [COLUMNS] + [_cells(r) for r in rows]
+    widths = [max(len(line[i]) for line in body) for i in range(len(COLUMNS))]
+    lines = []
+    for n, line in enumerate(body):
+        lines.append("  ".join(cell.ljust(w) for cell, w in zip(line, widths)).rstrip())
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def format_markdown(rows: Iterable[Row]) -> str:
+    """The same table in Markdown (``verify-report.md``)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in rows:
+        lines.append("| " + " | ".join(_cells(row)) + " |")
+    return "\n".join(lines)
+
+
+def write_report(report: Report, directory: Path, environment: dict) -> tuple[Path, Path]:
+    """Write ``verify-report.json`` (machine-readable, every row with its skip reasons and
+    failing node ids) and ``verify-report.md`` into ``directory``."""
+    rows = report.sorted_rows()
+    payload = {
+        "environment": environment,
+        "totals": report.totals(),
+        "rows": [dataclasses.asdict(r) | {"status": r.status()} for r in rows],
+    }
+    json_path = directory / "verify-report.json"
+    md_path = directory / "verify-report.md"
+    json_path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    md_path.write_text(
+        "# Verification report\n\n"
+        + "\n".join(f"* {k}: {v}" for k, v in environment.items())
+        + "\n\n" + format_markdown(rows) + "\n"
+    )
+    return json_path, md_path

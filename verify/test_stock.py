@@ -1,0 +1,87 @@
+"""Contracts of the stock order (S0): its dense GEMMs within the derived accumulation bound,
+and the whole layer as the stock PyTorch ops compute it.
+
+Every GEMM of the layer has BF16 operands and FP32 accumulation; its result is compared
+with the float64 product (``verify.bounds.reference_matmul``) within
+``gamma_K(2^-24) * |A| |B|^T`` plus the final rounding (``matmul_*_out_bound``). The
+observed worst ratio |diff| / bound is reported per row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fast import stock
+from verify import bounds, cases
+
+GEMM_BOUND = "gamma_K(2^-24)|A||B|^T + final half-ULP"
+TOKENS = ("token", "column")
+
+
+def _model(config_name: str, backend):
+    if config_name == "kimi_k3" and backend.device == "cpu":
+        pytest.skip("the real dimensions (15 GB of MXFP4 experts) run on a GPU only")
+    return cases.config(config_name), cases.weights(config_name, backend.device)
+
+
+CONFIG_NAMES = pytest.mark.parametrize("config_name", ["small", "kimi_k3"])
+
+
+@pytest.mark.backends("stock")
+@CONFIG_NAMES
+@pytest.mark.parametrize("tokens", cases.ALL_BATCHES)
+def test_front_gemm(backend, config_name, tokens, seed, contract):
+    """front = x @ [shared gate_up ; latent down]^T, BF16 out (one packed weight)."""
+    cfg, w = _model(config_name, backend)
+    x = cases.hidden_rows(cfg, tokens, seed, backend.device)
+    out = stock.mm_bf16(x, w.front)
+    contract.bounded(out, bounds.reference_matmul(x, w.front),
+                     bounds.matmul_bf16_out_bound(x, w.front),
+                     what="front GEMM", bound_name=GEMM_BOUND, index_names=TOKENS)
+
+
+@pytest.mark.backends("stock")
+@CONFIG_NAMES
+@pytest.mark.parametrize("tokens", cases.ALL_BATCHES)
+def test_router_gemm(backend, config_name, tokens, seed, contract):
+    """logits = x @ gate^T, FP32 out."""
+    cfg, w = _model(config_name, backend)
+    x = cases.hidden_rows(cfg, tokens, seed, backend.device)
+    out = stock.mm_fp32_out(x, w.gate)
+    contract.bounded(out, bounds.reference_matmul(x, w.gate),
+                     bounds.matmul_fp32_out_bound(x, w.gate),
+                     what="router logits", bound_name=GEMM_BOUND, index_names=TOKENS)
+
+
+@pytest.mark.backends("stock")
+@CONFIG_NAMES
+@pytest.mark.parametrize("tokens", cases.ALL_BATCHES)
+def test_shared_down_gemm(backend, config_name, tokens, seed, contract):
+    """shared = situ(front[:, :2S]) @ shared_down^T, BF16 out (input: random BF16 rows of
+    the activation's range)."""
+    cfg, w = _model(config_name, backend)
+    g = torch.Generator().manual_seed(seed)
+    act = (torch.randn(tokens, cfg.shared_intermediate, generator=g) * 0.5)
+    act = act.to(torch.bfloat16).to(backend.device)
+    out = stock.mm_bf16(act, w.shared_down)
+    contract.bounded(out, bounds.reference_matmul(act, w.shared_down),
+                     bounds.matmul_bf16_out_bound(act, w.shared_down),
+                     what="shared down GEMM", bound_name=GEMM_BOUND, index_names=TOKENS)
+
+
+@pytest.mark.backends("stock")
+@CONFIG_NAMES
+@pytest.mark.parametrize("tokens", cases.ALL_BATCHES)
+def test_up_addmm(backend, config_name, tokens, seed, contract):
+    """out = shared + normed @ up^T with one rounding (addmm, beta = 1)."""
+    cfg, w = _model(config_name, backend)
+    g = torch.Generator().manual_seed(seed)
+    normed = torch.randn(tokens, cfg.latent, generator=g).to(torch.bfloat16)
+    shared = torch.randn(tokens, cfg.hidden, generator=g).to(torch.bfloat16)
+    normed, shared = normed.to(backend.device), shared.to(backend.device)
+    out = stock.addmm_bf16(shared, normed, w.up)
+    exact = bounds.reference_matmul(normed, w.up) + shared.double()
+    contract.bounded(out, exact, bounds.matmul_bf16_out_bound(normed, w.up, addend=shared),
+                     what="up addmm", bound_name=GEMM_BOUND + " (addend as a term)",
+                     index_names=TOKENS)
