@@ -4,7 +4,7 @@ order of their floating-point sums (DESIGN §4.2).
 No tolerance here is chosen by hand: every constant is a unit roundoff ``u = 2^-p`` of a
 format (``p`` = significand bits including the implicit one), combined with Higham's
 ``gamma_n = n u / (1 - n u)`` (N. J. Higham, *Accuracy and Stability of Numerical
-Algorithms*, 2nd ed., §3.1, Lemma 3.1 and eq. (3.5)), and the half-ULP of the final
+Algorithms*, 2nd ed., §3.1, Lemma 3.1), and the half-ULP of the final
 rounding with its subnormal spacing.
 
 Model (Higham §2.2): each FP32 operation returns ``fl(x op y) = (x op y)(1 + d)``,
