@@ -205,3 +205,20 @@ def test_mailbox_missing_rearm_is_a_protocol_error():
 def test_mailbox_rejects_shards_that_do_not_split():
     with pytest.raises(ValueError, match="must divide by 3 ranks"):
         run_virtual(3, lambda g: g.mailbox(ROWS, LATENT, EXPERTS))
+
+
+def test_torch_group_byte_codec_round_trips_every_dtype_at_odd_offsets():
+    # TorchGroup sends header + payload bytes; odd-sized payloads misalign later headers
+    gen = torch.Generator().manual_seed(5)
+    tensors = [
+        torch.arange(3, dtype=torch.uint8),
+        torch.randn(2, 3, generator=gen).bfloat16(),
+        torch.arange(7, dtype=torch.uint8).view(torch.float8_e4m3fn),
+        torch.tensor([-0.0, float("nan")], dtype=torch.float32),
+        torch.tensor([[1, -2]], dtype=torch.int32),
+        torch.empty(0, 4, dtype=torch.int64),
+    ]
+    back = comm._decode(comm._encode(tensors), torch.device("cpu"))
+    assert len(back) == len(tensors)
+    for i, (a, b) in enumerate(zip(back, tensors)):
+        assert_bitwise_equal(a, b, what=f"codec tensor {i}")

@@ -345,10 +345,10 @@ def _encode(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def _decode(raw: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
     raw = raw.cpu()
-    count = int(raw[:8].view(torch.int64).item())
+    count = int(raw[:8].clone().view(torch.int64).item())
     pos, out = 8, []
     for _ in range(count):
-        head = raw[pos : pos + 64].view(torch.int64).tolist()
+        head = raw[pos : pos + 64].clone().view(torch.int64).tolist()
         pos += 64
         dtype, ndim = _DTYPES[head[0]], head[1]
         shape = head[2 : 2 + ndim]
