@@ -55,12 +55,30 @@ def _check_operands(a: torch.Tensor, b: torch.Tensor, fn: str) -> None:
         raise ValueError(f"{fn}: a and b must be on one device, got {a.device} and {b.device}")
 
 
+def _tree_sum(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pairwise TwoSum reduction of float64 `p [..., K]` -> `(hi, lo)` with `hi = fl(hi + lo)`."""
+    lo = torch.zeros(p.shape[:-1], dtype=torch.float64, device=p.device)
+    while p.shape[-1] > 1:
+        if p.shape[-1] % 2:
+            p = torch.cat([p, torch.zeros_like(p[..., :1])], dim=-1)
+        s, e = two_sum(p[..., 0::2], p[..., 1::2])
+        lo = lo + torch.where(torch.isfinite(s), e, torch.zeros_like(e)).sum(-1)
+        p = s
+    hi = p[..., 0]
+    lo = torch.where(torch.isfinite(hi), lo, torch.zeros_like(lo))
+    hi, lo2 = two_sum(hi, lo)  # renormalize: hi = fl(hi + lo)
+    lo = torch.where(torch.isfinite(hi), lo2, torch.zeros_like(lo2))
+    return hi, lo
+
+
 def exact_sum_pair(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The sum over the last dim of float64 `p [..., K]` as a pair `hi + lo`.
 
-    Same pairwise TwoSum tree as `matmul` (exact up to the `K * 2^-106 * sum|p|` rounding
-    of the error sum). Round the pair once with `reference.fp.pair_to_float32` /
-    `pair_to_bfloat16`.
+    A pairwise TwoSum tree: each level adds neighbours in float64 and keeps each
+    addition's exact error; `hi + lo` is the exact sum up to the float64 rounding of the
+    error sum, at most about `K * 2^-106 * sum|p|` (used for RMSNorm's sum of squares,
+    where K*T terms are cheap). Round the pair once with
+    `reference.fp.pair_to_float32` / `pair_to_bfloat16`.
 
     Returns:
         `(hi, lo)`, float64 [...] each, `hi = fl(hi + lo)`.
@@ -120,7 +138,7 @@ def _check_out(out_dtype, fn: str) -> None:
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype) -> torch.Tensor:
-    """`a @ b.T` with exact products and sum, ONE rounding to `out_dtype`.
+    """`a @ b.T`: exact products, float64 accumulation, ONE rounding to `out_dtype`.
 
     Args:
         a: [M, K] bfloat16 or float32 (activations).
@@ -128,8 +146,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype) -> torch
         out_dtype: torch.float32 or torch.bfloat16.
 
     Returns:
-        [M, N] in `out_dtype`: RNE of the exact sum (see the module docstring for the
-        `K * 2^-106` caveat). Row m depends on row m of `a` only (batch invariant).
+        [M, N] in `out_dtype`: one RNE rounding of the float64 sum (see the module
+        docstring for its error). Row m depends on row m of `a` only (batch invariant).
     """
     _check_out(out_dtype, "matmul")
     _check_operands(a, b, "matmul")
@@ -172,8 +190,8 @@ def split_k_matmul(
 def addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """`c + a @ b.T` with one BF16 rounding (cuBLAS addmm, beta = 1, alpha = 1).
 
-    `c` is added exactly (as float64) to the exact product sum; the total is rounded once
-    to BF16 (round-to-odd at 53 and 24 bits, RNE to 8).
+    `c` is added exactly (a TwoSum pair) to the float64 product sum; the total is rounded
+    once to BF16 (round-to-odd at 53 and 24 bits, RNE to 8).
 
     Args:
         c: [M, N] bfloat16.

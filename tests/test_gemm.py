@@ -1,4 +1,9 @@
-"""reference.gemm against exact rational sums (fractions.Fraction), bitwise."""
+"""reference.gemm against exact rational sums (fractions.Fraction), bitwise.
+
+The model accumulates in float64 (error <= gamma_K(2^-53) * sum|a_k b_k|); on these
+operands (few significand bits, |exponent spread| <= 2*30) that error is far below half
+an FP32 ulp of the sums, so the rounded results equal the exactly rounded ones.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from reference.gemm import addmm, matmul, split_k_matmul
+from reference.fp import pair_to_float32
+from reference.gemm import addmm, exact_sum_pair, matmul, split_k_matmul
 from test_fp import BF16, FP32, round_fraction, seed_of
 
 
@@ -44,20 +50,24 @@ def test_matmul_is_the_rounded_exact_sum(request, dtype, out_dtype, spread):
     assert torch.equal(got.double(), want)
 
 
-def test_matmul_exact_where_float64_accumulation_rounds():
-    # 2^60 + 1 - 2^60 + 2^-30: a float64 running sum loses the 1 (and then 2^-30 alone
-    # survives); the exact sum 1 + 2^-30 rounds to 1.0 in FP32.
-    a = torch.tensor([[2.0**30, 1.0, -(2.0**30), 2.0**-15]], dtype=torch.float32)
-    b = torch.tensor([[2.0**30, 1.0, 2.0**30, 2.0**-15]], dtype=torch.float32)
-    naive = float(sum(x * y for x, y in zip(a[0].double().tolist(), b[0].double().tolist())))
-    assert naive != 1.0
-    assert matmul(a, b, out_dtype=torch.float32).item() == 1.0
+def test_exact_sum_pair_where_float64_rounds():
+    # 2^60 + 1 - 2^60 + 2^-30: a float64 running sum loses the 1; the pair keeps it.
+    p = torch.tensor([[2.0**60, 1.0, -(2.0**60), 2.0**-30]], dtype=torch.float64)
+    naive = 0.0
+    for v in p[0].tolist():
+        naive += v
+    assert naive == 2.0**-30
+    hi, lo = exact_sum_pair(p)
+    assert hi.item() + lo.item() == 1 + 2.0**-30 and pair_to_float32(hi, lo).item() == 1.0
 
 
 def test_matmul_is_row_independent(request):
-    a, b = operands(request, 9, 7, 96, torch.bfloat16)
+    a, b = operands(request, 19, 7, 96, torch.bfloat16)
     full = matmul(a, b, out_dtype=torch.bfloat16)
-    for m in range(9):
+    for m in range(19):
+        # alone, and inside a different batch at a different position
+        other = torch.cat([a[m:m + 1].flip(1), a[m:m + 1], a[:3]])
+        assert torch.equal(matmul(other, b, out_dtype=torch.bfloat16)[1], full[m])
         assert torch.equal(matmul(a[m:m + 1], b, out_dtype=torch.bfloat16), full[m:m + 1])
 
 
