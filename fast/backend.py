@@ -1,0 +1,191 @@
+"""Where the fast kernels are chosen, compiled and launched: the one place that knows the
+GPU architecture.
+
+* ``gpu_arch()`` -- the CuTe DSL target of the current CUDA device (``"sm_90a"``,
+  ``"sm_100a"``, ``"sm_103a"``, else ``"sm_XY"``), or None without a device.
+* ``available(kernel)`` / ``device_supported()`` -- ``(ok, reason)``; the reason is the
+  pytest skip reason ("no CUDA device", "CuTe DSL not importable: ...", "kernel targets
+  sm_90a/sm_100a/sm_103a, device is sm_80").
+* ``compile_for_target(kernel, arch, **params)`` -- compile a kernel with fake arguments
+  (no GPU needed): the CPU CI compiles every kernel for every target this way.
+* ``compiled(kernel, arch, **params)`` -- the cached executable for one shape bucket
+  (the widths are compile-time constants; the row count is a run-time ``Int32``).
+
+Kernels take raw device addresses (``cute.runtime.make_ptr``) plus sizes, so one compile
+serves every batch and a launch costs a few pointer wraps, not a DLPack conversion.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+__all__ = [
+    "TARGETS",
+    "KERNELS",
+    "gpu_arch",
+    "device_arch",
+    "cute_import_error",
+    "available",
+    "device_supported",
+    "compile_for_target",
+    "compiled",
+    "default_params",
+]
+
+TARGETS = ("sm_90a", "sm_100a", "sm_103a")
+
+# kernel name -> (module, default compile parameters: the real widths)
+KERNELS: dict[str, tuple[str, dict]] = {
+    "finalize": ("fast.finalize", {"width": 3584, "top_k": 16}),
+    "norm": ("fast.norm", {"width": 3584}),
+    "activation": ("fast.activation", {"n": 6144}),
+    "router": ("fast.router", {"experts": 896, "top_k": 16, "renormalize": True}),
+    "mx": ("fast.mx", {"k": 3584, "swizzled": False}),
+}
+
+_ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
+
+
+def gpu_arch(device=None) -> str | None:
+    """CuTe DSL target of ``device`` (default: the current CUDA device), None without one."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return _ARCHS.get((major, minor), f"sm_{major}{minor}")
+
+
+def device_arch(device) -> str:
+    arch = gpu_arch(device)
+    if arch not in TARGETS:
+        raise RuntimeError(f"fast kernels target {'/'.join(TARGETS)}, device is {arch}")
+    return arch
+
+
+@functools.cache
+def cute_import_error() -> str | None:
+    """None when the CuTe DSL imports, else the error text."""
+    try:
+        import cutlass  # noqa: F401
+        import cutlass.cute  # noqa: F401
+        from cutlass.cute.runtime import make_ptr  # noqa: F401
+    except Exception as error:  # reported as the skip reason, never swallowed silently
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def device_supported() -> tuple[bool, str]:
+    """(True, "") when this machine can run the fast kernels, else (False, why)."""
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    error = cute_import_error()
+    if error:
+        return False, f"CuTe DSL not importable: {error}"
+    arch = gpu_arch()
+    if arch not in TARGETS:
+        return False, f"kernel targets {'/'.join(TARGETS)}, device is {arch}"
+    return True, ""
+
+
+def available(kernel: str) -> tuple[bool, str]:
+    """(True, "") when ``kernel`` can run on this machine, else (False, the reason)."""
+    if kernel not in KERNELS:
+        raise KeyError(f"unknown kernel {kernel!r}; known: {sorted(KERNELS)}")
+    return device_supported()
+
+
+def default_params(kernel: str) -> dict:
+    return dict(KERNELS[kernel][1])
+
+
+def _module(kernel: str):
+    if kernel not in KERNELS:
+        raise KeyError(f"unknown kernel {kernel!r}; known: {sorted(KERNELS)}")
+    return importlib.import_module(KERNELS[kernel][0])
+
+
+# --- argument wrapping -----------------------------------------------------------------
+
+
+def _dtypes():
+    import cutlass
+
+    return {
+        "bf16": cutlass.BFloat16,
+        "f32": cutlass.Float32,
+        "i32": cutlass.Int32,
+        "u8": cutlass.Uint8,
+    }
+
+
+_ALIGN = {"bf16": 16, "f32": 16, "i32": 16, "u8": 16}
+
+
+def ptr(tensor: torch.Tensor | None, kind: str, align: int | None = None):
+    """A global-memory CuTe pointer to ``tensor`` (None: a null pointer, for compiling)."""
+    import cutlass
+    from cutlass.cute.runtime import make_ptr
+
+    address = 0 if tensor is None else tensor.data_ptr()
+    return make_ptr(
+        _dtypes()[kind], address, cutlass.AddressSpace.gmem, assumed_align=align or _ALIGN[kind]
+    )
+
+
+def int32(value: int):
+    import cutlass
+
+    return cutlass.Int32(int(value))
+
+
+def float32(value: float):
+    import cutlass
+
+    return cutlass.Float32(float(value))
+
+
+def stream(device=None):
+    import cuda.bindings.driver as cuda
+
+    return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
+
+
+def _fake_stream():
+    from cutlass.cute.runtime import make_fake_stream
+
+    return make_fake_stream()
+
+
+# --- compiling -------------------------------------------------------------------------
+
+
+def _compile(kernel: str, arch: str, params: tuple):
+    import cutlass.cute as cute
+
+    module = _module(kernel)
+    obj, args = module.compile_args(**dict(params))
+    return cute.compile(obj, *args, _fake_stream(), options=f"--gpu-arch {arch}")
+
+
+def compile_for_target(kernel: str, arch: str, **params):
+    """Compile ``kernel`` for ``arch`` (one of TARGETS) with fake arguments; no GPU needed.
+    ``params`` default to the real widths (``KERNELS``). Returns the compiled object."""
+    if arch not in TARGETS:
+        raise ValueError(f"arch must be one of {TARGETS}, got {arch!r}")
+    error = cute_import_error()
+    if error:
+        raise RuntimeError(f"CuTe DSL not importable: {error}")
+    merged = {**default_params(kernel), **params}
+    return _compile_cached(kernel, arch, tuple(sorted(merged.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_cached(kernel: str, arch: str, params: tuple):
+    return _compile(kernel, arch, params)
+
+
+def compiled(kernel: str, arch: str, **params):
+    """The cached executable of ``kernel`` for ``arch`` and one shape bucket (``params``)."""
+    return _compile_cached(kernel, arch, tuple(sorted(params.items())))
