@@ -13,6 +13,7 @@ uses the same cases and timer.
 """
 
 import statistics
+import time
 
 import pytest
 import torch
@@ -36,12 +37,17 @@ def flush_l2(device="cuda"):
 
 
 def gpu_time_us(fn, reps=30, warmup=3):
-    """Median microseconds of ``fn()`` by CUDA events, L2 flushed before each run."""
+    """Median microseconds of ``fn()`` by CUDA events, L2 flushed before each run.
+
+    A GPU-side spin (``torch.cuda._sleep``, ~0.5 ms) is queued after the flush and before
+    the start event, so the host finishes enqueueing ``fn`` (wrapper checks, pointer
+    wrapping, launch) before the start event fires: the figure is device time only."""
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(reps):
         flush_l2()
+        torch.cuda._sleep(1_000_000)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -49,6 +55,19 @@ def gpu_time_us(fn, reps=30, warmup=3):
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
+
+
+def host_us(fn, reps=200):
+    """Host microseconds per call of ``fn`` (wrapper + launch), the device kept busy."""
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / reps * 1e6
 
 
 def copy_bandwidth_gbs(nbytes=2 << 30):

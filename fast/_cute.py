@@ -226,8 +226,9 @@ def tanh_rn(y):
         a     = |y|
         small : z = mul(y, y); q = -5.70498872745e-3; q = add(mul(q, z), c) for the
                 Cephes tanhf coefficients c; t = add(mul(mul(q, z), y), y)
-        large : e = exp_rn(add(a, a)); t = copysign(sub(1, div(2, add(e, 1))), y)
-        tanh  = small if a < 0.625 else large      (both evaluated, then selected)
+        large : e = exp_rn(add(a, a)); t = sub(1, div(2, add(e, 1)))
+        tanh  = copysign(small if a < 0.625 else large, y)   (both evaluated, selected;
+                the copysign makes tanh(-0) = -0 and changes nothing else)
     """
     y = Float32(y)
     a = _ptx1("abs.f32 {$w0}, {$r0};", y)
@@ -238,13 +239,13 @@ def tanh_rn(y):
     small = fadd(fmul(fmul(q, z), y), y)
     e = exp_rn(fadd(a, a))
     big = fsub(Float32(1.0), fdiv(Float32(2.0), fadd(e, Float32(1.0))))
-    big = _ptx1("copysign.f32 {$w0}, {$r0}, {$r1};", y, big)
-    return cute.arch.inline_ptx(
+    t = cute.arch.inline_ptx(
         "{ .reg .pred p; setp.lt.f32 p, {$r0}, 0f3F200000; "
         "selp.f32 {$w0}, {$r1}, {$r2}, p; }",
         write_only_types=[Float32],
         read_only_args=[a, small, big],
     )
+    return _ptx1("copysign.f32 {$w0}, {$r0}, {$r1};", y, t)
 
 
 def sigmoid_rn(x):

@@ -88,8 +88,8 @@ def tanh_rn(y: torch.Tensor) -> torch.Tensor:
         q = q * z + _f32(c)
     small = (q * z) * y + y
     e = exp_rn(a + a)
-    big = torch.copysign(_f32(1.0) - _f32(2.0) / (e + _f32(1.0)), y)
-    return torch.where(a < _f32(TANH_SMALL), small, big)
+    big = _f32(1.0) - _f32(2.0) / (e + _f32(1.0))
+    return torch.copysign(torch.where(a < _f32(TANH_SMALL), small, big), y)
 
 
 def sigmoid_rn(x: torch.Tensor) -> torch.Tensor:

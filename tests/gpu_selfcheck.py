@@ -123,15 +123,17 @@ def main():
             print(f"{k:12} {t:5d} {str(m):>20}  {hist}  {note}")
     copy = bs.copy_bandwidth_gbs()
     print(f"\ndevice-to-device copy: {copy:.0f} GB/s (read + write)")
-    print(f"{'kernel':12} {'T':>5} {'bytes':>10} {'fast us':>8} {'GB/s':>7} {'%copy':>6} {'torch us':>9} {'speedup':>7}")
+    print(f"{'kernel':12} {'T':>5} {'bytes':>10} {'fast us':>8} {'GB/s':>7} {'%copy':>6} {'torch us':>9} {'speedup':>7} {'host us':>8}")
     for k in kernels:
         for t in map(int, args.time_batches.split(",")):
             _, fast_fn, torch_fn, nbytes = bs.make_case(k, t)
             fu, tu = bs.gpu_time_us(fast_fn), bs.gpu_time_us(torch_fn)
+            hu = bs.host_us(fast_fn) if t == 1 else float("nan")
             gbs = nbytes / (fu * 1e-6) / 1e9
             results["timings"].append({"kernel": k, "batch": t, "bytes": nbytes, "fast_us": fu,
-                                       "torch_us": tu, "fast_gbs": gbs, "copy_gbs": copy})
-            print(f"{k:12} {t:5d} {nbytes:10d} {fu:8.2f} {gbs:7.0f} {100 * gbs / copy:5.1f}% {tu:9.2f} {tu / fu:7.2f}")
+                                       "torch_us": tu, "fast_gbs": gbs, "copy_gbs": copy,
+                                       "host_us": hu})
+            print(f"{k:12} {t:5d} {nbytes:10d} {fu:8.2f} {gbs:7.0f} {100 * gbs / copy:5.1f}% {tu:9.2f} {tu / fu:7.2f} {hu:8.1f}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_selfcheck.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
