@@ -1,0 +1,94 @@
+"""The router: FP32 logits and the sigmoid top-k with a selection-only bias.
+
+Stages and rounding points:
+
+1. `router_logits`: `x @ gate.T` with FP32 output (`reference.gemm.matmul`: exact sum,
+   one RNE rounding to FP32).
+2. `route`:
+   * `s = torch.sigmoid(logits)` in FP32 (torch's FP32 sigmoid: one evaluation, not
+     guaranteed correctly rounded; the same function on a device gives the same bits);
+   * `biased = s + bias` in FP32 (one RNE add) — used for the selection only;
+   * ids: the `top_k` largest `biased` values in descending order; equal values are
+     ordered by the LOWER expert id first (a stable descending sort over ids 0..E-1,
+     so the order is fully determined);
+   * weights `w = s[ids]` (unbiased); if `renormalize`: `total = w[0] + w[1] + ...`
+     summed in FP32 left to right (k = 0, 1, ..., one RNE per add), `w = w / total`
+     (one RNE division per weight); then `w = w * scale` (one RNE multiply by the FP32
+     value of `scale`; exact for scale 1.0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from reference.gemm import matmul
+
+__all__ = ["router_logits", "route"]
+
+
+def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """Router logits `x @ gate.T`, FP32 out.
+
+    Args:
+        x: [T, H] bfloat16 hidden rows.
+        gate: [E, H] bfloat16 router weight.
+
+    Returns:
+        [T, E] float32: the exact dot products rounded once (RNE) to FP32.
+    """
+    for name, t, dims in (("x", x, "[T, H]"), ("gate", gate, "[E, H]")):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.bfloat16:
+            raise ValueError(f"router_logits: {name} must be a bfloat16 {dims} tensor, got "
+                             f"{getattr(t, 'dtype', type(t))} {tuple(getattr(t, 'shape', ()))}")
+    return matmul(x, gate, out_dtype=torch.float32)
+
+
+def route(
+    logits: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    top_k: int = 16,
+    renormalize: bool = True,
+    scale: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sigmoid top-k routing (one group), as the module docstring states op by op.
+
+    Args:
+        logits: [T, E] float32, finite.
+        bias: [E] float32 `e_score_correction_bias` (changes the selection, not weights).
+        top_k: experts per token, 1 <= top_k <= E.
+        renormalize: divide the selected weights by their FP32 sum (k order from 0).
+        scale: `routed_scaling_factor`, applied last as an FP32 multiply.
+
+    Returns:
+        `(weights, ids)`: float32 [T, top_k] and int32 [T, top_k]; ids in descending
+        biased score, ties to the lower expert id.
+    """
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2 or logits.dtype != torch.float32:
+        raise ValueError(f"route: logits must be a float32 [T, E] tensor, got "
+                         f"{getattr(logits, 'dtype', type(logits))} {tuple(getattr(logits, 'shape', ()))}")
+    e = logits.shape[1]
+    if (not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32
+            or tuple(bias.shape) != (e,)):
+        raise ValueError(f"route: bias must be a float32 [{e}] tensor, got "
+                         f"{getattr(bias, 'dtype', type(bias))} {tuple(getattr(bias, 'shape', ()))}")
+    if bias.device != logits.device:
+        raise ValueError(f"route: bias is on {bias.device}, logits on {logits.device}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
+        raise ValueError(f"route: top_k must be an int in [1, E={e}], got {top_k!r}")
+    if not torch.isfinite(logits).all():
+        raise ValueError("route: logits must be finite (NaN/inf would make the selection undefined)")
+    if not torch.isfinite(bias).all():
+        raise ValueError("route: bias must be finite")
+    s = torch.sigmoid(logits)
+    biased = s + bias
+    order = torch.sort(biased, dim=-1, descending=True, stable=True).indices
+    ids = order[:, :top_k]
+    w = torch.gather(s, 1, ids)
+    if renormalize:
+        total = w[:, 0].clone()
+        for k in range(1, top_k):
+            total = total + w[:, k]
+        w = w / total[:, None]
+    w = w * torch.tensor(scale, dtype=torch.float32, device=w.device)
+    return w, ids.to(torch.int32)
