@@ -13,7 +13,7 @@ Formats (OCP Microscaling Formats (MX) v1.0):
 A block is 32 consecutive elements along the last dimension. Quantizing a block is
 
 1. ``amax = max |x_i|`` over the block (exact in any input dtype);
-2. a scale exponent ``e`` from ``amax`` by a [`ScaleRule`][reference.mx.ScaleRule], stored
+2. a scale exponent ``e`` from ``amax`` by a ``ScaleRule``, stored
    as the E8M0 code ``e + 127``;
 3. each element ``v_i = x_i * 2^-e`` in FP32 (exact: a power-of-two scaling; see below),
    clamped to ``±max_elem``, then rounded to the element format with round-to-nearest-even
@@ -35,7 +35,7 @@ have a defined result, see each codec).
 The module assumes PyTorch's default floating-point environment (no flush-to-zero,
 ``torch.set_flush_denormal(False)``); every power of two is built from its bits, so only
 the RCEIL quotient and the FP32 subnormal scaling described in
-[`quantize_mxfp8`][reference.mx.quantize_mxfp8] touch subnormal arithmetic.
+``quantize_mxfp8`` touch subnormal arithmetic.
 """
 
 from __future__ import annotations
@@ -184,7 +184,7 @@ def _round_magnitude(a: torch.Tensor, fmt: _Format) -> tuple[torch.Tensor, torch
 
 
 def _magnitude_code(n: torch.Tensor, binade: torch.Tensor, fmt: _Format) -> torch.Tensor:
-    """int32 magnitude code ``n + ((e - emin) << mbits)`` from [`_round_magnitude`]'s output."""
+    """int32 magnitude code ``n + ((e - emin) << mbits)`` from ``_round_magnitude``'s output."""
     mbits, emin = fmt.mbits, fmt.emin
     return ((binade >> 23) - (emin + 127)).bitwise_left_shift_(mbits).add_(n.to(torch.int32))
 
@@ -388,7 +388,7 @@ def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
 
 
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of [`pack_e2m1`][reference.mx.pack_e2m1].
+    """Inverse of ``pack_e2m1``.
 
     Args:
         packed: uint8 ``[..., K // 2]``.
@@ -445,31 +445,36 @@ def _quantize_blocks(x: torch.Tensor, fmt: _Format, rule: ScaleRule):
     return elem.to(torch.uint8).reshape(*lead, k), codes.to(torch.uint8)
 
 
-def quantize_mxfp8(x: torch.Tensor, *, scale_rule: ScaleRule = ScaleRule.RCEIL):
+def quantize_mxfp8(
+    x: torch.Tensor, *, scale_rule: ScaleRule = ScaleRule.RCEIL
+) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 quantize along the last dimension: E4M3 elements, one E8M0 scale per 32.
 
     Steps per block of 32 (all in FP32 after an exact upcast of ``x``):
 
     1. ``amax = max_i |x_i|``;
     2. scale code ``c`` from ``amax`` by ``scale_rule`` (see
-       [`ScaleRule`][reference.mx.ScaleRule]; RCEIL: ``c = 127 + ceil(log2(fp32(amax/448)))``);
+       ``ScaleRule``; RCEIL: ``c = 127 + ceil(log2(fp32(amax/448)))``);
     3. ``v_i = x_i * 2^(127-c)`` (RCEIL, code 0: ``x_i * 1``). The multiplier is a power
        of two, so the product is exact unless it lands among FP32 subnormals
        (``|v_i| < 2^-126``); there FP32 rounds it, harmlessly: any such value becomes ±0 in
        E4M3 either way (half the smallest E4M3 subnormal is ``2^-10``);
     4. ``v_i`` clamped to ±448, then E4M3 round-to-nearest-even
-       ([`float32_to_e4m3`][reference.mx.float32_to_e4m3]).
+       (``float32_to_e4m3``).
 
     An all-zero block gets scale code 0 and zero elements (``-0.0`` keeps code ``0x80``).
-    Under RCEIL this is bit-identical to FlashInfer's ``mxfp8_quantize`` (SM100) and to
-    torchao ``to_mx(..., ScaleCalculationMode.RCEIL)`` for BF16 inputs; for FP32 inputs
-    torchao's eager fallback ``ceil(torch.log2(amax / 448))`` can round ``log2`` of a
-    quotient just above ``2^k`` down to ``k`` (e.g. ``amax = 448 * 2^8 * (1 + 2^-23)``),
-    one scale code below this exact rule.
+    Under RCEIL this follows the recipe of FlashInfer's ``mxfp8_quantize`` (SM100 kernels;
+    the IEEE quotient ``amax / 448.0f``, ``__nv_cvt_float_to_e8m0(.., cudaRoundPosInf)``)
+    and is bit-identical to torchao ``to_mx(..., ScaleCalculationMode.RCEIL)`` on BF16
+    inputs (``tests/test_mx_quantize.py``). For FP32 inputs torchao's eager fallback
+    ``ceil(torch.log2(amax / 448))`` can round ``log2`` of a quotient a few ulps above
+    ``2^k`` (``|k| >= 4``) down to exactly ``k`` (e.g. ``amax = 448 * 2^8 * (1 + 2^-23)``),
+    one scale code below this exact rule; BF16 quotients are powers of two or at least
+    1/224 relative away from one, so they never meet it.
 
     Args:
         x: bfloat16, float16 or float32 ``[..., K]``, K a multiple of 32, all finite.
-        scale_rule: [`ScaleRule`][reference.mx.ScaleRule], default RCEIL.
+        scale_rule: ``ScaleRule``, default RCEIL.
 
     Returns:
         ``(codes, scales)``: ``torch.float8_e4m3fn`` ``[..., K]`` and uint8 E8M0
@@ -485,7 +490,7 @@ def quantize_mxfp8(x: torch.Tensor, *, scale_rule: ScaleRule = ScaleRule.RCEIL):
 
 
 def dequantize_mxfp8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Inverse of [`quantize_mxfp8`][reference.mx.quantize_mxfp8]: ``element * 2^(c-127)``.
+    """Inverse of ``quantize_mxfp8``: ``element * 2^(c-127)``.
 
     The FP32 product is exact (an E4M3 value is ``n * 2^-9`` with ``n < 2^9``, and every
     ``n * 2^(c-136)`` with ``c >= 0`` is an FP32 multiple of ``2^-149``) unless it overflows
@@ -504,27 +509,28 @@ def dequantize_mxfp8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return _apply_scales(values, scales)
 
 
-def quantize_mxfp4(x: torch.Tensor, *, scale_rule: ScaleRule = ScaleRule.RCEIL):
+def quantize_mxfp4(
+    x: torch.Tensor, *, scale_rule: ScaleRule = ScaleRule.RCEIL
+) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP4 quantize along the last dimension: E2M1 elements, one E8M0 scale per 32.
 
-    The same steps as [`quantize_mxfp8`][reference.mx.quantize_mxfp8] with element max 6
+    The same steps as ``quantize_mxfp8`` with element max 6
     (RCEIL: ``c = 127 + ceil(log2(fp32(amax / 6)))``; FLOOR: ``emax_elem = 2``) and E2M1
-    round-to-nearest-even ([`float32_to_e2m1`][reference.mx.float32_to_e2m1]), then packed
-    two per byte ([`pack_e2m1`][reference.mx.pack_e2m1]: element ``2i`` in the low nibble).
-    Under RCEIL, an ``amax/6`` quotient is exact or at least ``2^-23`` relative away from a
-    power of two for BF16 inputs, so torchao's eager ``log2`` agrees; FP32 inputs can
-    differ as for MXFP8.
+    round-to-nearest-even (``float32_to_e2m1``), then packed
+    two per byte (``pack_e2m1``: element ``2i`` in the low nibble).
+    Under RCEIL a BF16 ``amax / 6`` is a power of two or at least 1/192 relative away from
+    one, so torchao's eager ``log2`` agrees; FP32 inputs can differ as for MXFP8.
 
     Args:
         x: bfloat16, float16 or float32 ``[..., K]``, K a multiple of 32, all finite.
-        scale_rule: [`ScaleRule`][reference.mx.ScaleRule], default RCEIL.
+        scale_rule: ``ScaleRule``, default RCEIL.
 
     Returns:
         ``(packed, scales)``: uint8 ``[..., K // 2]`` and uint8 E8M0 ``[..., K // 32]``
         (linear layout).
 
     Raises:
-        ValueError: as [`quantize_mxfp8`][reference.mx.quantize_mxfp8].
+        ValueError: as ``quantize_mxfp8``.
     """
     _check_quantize_input(x, "x")
     codes, scales = _quantize_blocks(x, _E2M1, scale_rule)
@@ -532,7 +538,7 @@ def quantize_mxfp4(x: torch.Tensor, *, scale_rule: ScaleRule = ScaleRule.RCEIL):
 
 
 def dequantize_mxfp4(packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Inverse of [`quantize_mxfp4`][reference.mx.quantize_mxfp4]: ``element * 2^(c-127)``.
+    """Inverse of ``quantize_mxfp4``: ``element * 2^(c-127)``.
 
     Exact in FP32 (an E2M1 value is ``n * 2^-1`` with ``n <= 12``) unless it overflows.
 
@@ -608,7 +614,7 @@ def swizzle_scales_128x4(scales: torch.Tensor) -> torch.Tensor:
     matrix is cut into 128x4 tiles stored row-major over tiles (512 bytes each), and
     inside a tile scale ``[32 g + i, j]`` (``i < 32``, ``g < 4``, ``j < 4``) sits at
     ``i * 16 + g * 4 + j`` -- a ``[32][4][4]`` array. See
-    [`scale_offset_128x4`][reference.mx.scale_offset_128x4] for the full offset.
+    ``scale_offset_128x4`` for the full offset.
 
     Args:
         scales: uint8 ``[M, K // 32]``.
@@ -629,7 +635,7 @@ def swizzle_scales_128x4(scales: torch.Tensor) -> torch.Tensor:
 
 
 def unswizzle_scales_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of [`swizzle_scales_128x4`][reference.mx.swizzle_scales_128x4].
+    """Inverse of ``swizzle_scales_128x4``.
 
     Args:
         swizzled: uint8 with ``ceil(rows/128)*128 * ceil(cols/4)*4`` elements (any shape;

@@ -221,8 +221,9 @@ def test_bitwise_equal_to_torchao_on_bf16(rule, elem, gen):
 @pytest.mark.parametrize("rule", [RCEIL, FLOOR])
 def test_scales_equal_torchao_for_every_bf16_amax(rule, elem):
     # Exhaustive over the scale rule: every positive finite BF16 value is a block's amax.
-    # For BF16, amax / 448 (= amax / 7 * 2^-6) and amax / 6 are exact or at least 2^-10
-    # relative away from a power of two, so torchao's eager ceil(log2(.)) cannot misround.
+    # For BF16 (8 significant bits), amax / 448 = (amax / 7) * 2^-6 and amax / 6 are a power
+    # of two or at least 1/224 relative away from one (the closest: 225 / 224), so torchao's
+    # eager ceil(log2(.)) cannot misround.
     amax = torch.arange(1, 0x7F80, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     x = torch.zeros(amax.numel(), 32, dtype=torch.bfloat16)
     x[:, 0] = amax
@@ -256,8 +257,8 @@ def test_known_difference_torchao_rceil_fp32_just_above_a_power_of_two():
     # FP32 amax = 448 * 2^8 * (1 + 2^-23): q = 2^8 * (1 + 2^-23) exactly. The exact ceil is
     # 2^9 (code 136). torchao's eager fallback takes ceil(torch.log2(q)); log2(q) =
     # 8 + 1.7e-7 rounds to 8.0 in FP32 (spacing 9.5e-7 there), so it picks 2^8 (code 135)
-    # and then saturates the element to 448. This happens whenever |log2 q| >= 4; BF16
-    # inputs cannot reach it (previous test).
+    # and then saturates the element to 448. It needs |log2 q| >= 4 (below that the FP32
+    # spacing of log2 q is fine enough); BF16 inputs cannot reach it (previous test).
     x = block(448.0 * 2.0**8 * (1 + 2.0**-23), 1.0)
     (codes, scales), (ao_codes, ao_scales) = _ours_and_torchao(x, torch.float8_e4m3fn, RCEIL)
     assert int(scales[0, 0]) == 136 and int(ao_scales[0, 0]) == 135
