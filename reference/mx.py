@@ -21,8 +21,8 @@ A block is 32 consecutive elements along the last dimension. Quantizing a block 
    conversions the stock kernels use.
 
 Dequantizing is ``element * 2^e`` in FP32; the product is exact (an element has at most 4
-significant bits) unless it overflows FP32, which only ``|x| >= 1.9375 * 2^127`` reaches
-(see ``docs/numerics.md``).
+significant bits) unless it overflows FP32, which only RCEIL blocks with
+``amax >= 1.9375 * 2^127`` reach (see ``docs/numerics.md``).
 
 Rounding points, all of them: the FP32 quotient ``amax / max_elem`` (RCEIL only; IEEE
 round-to-nearest with gradual underflow), the element RNE, and nothing else.
@@ -80,7 +80,6 @@ E8M0_BIAS = 127
 E8M0_NAN = 255
 
 
-
 class _Format(NamedTuple):
     """An element format: fraction bits, minimum normal exponent, largest magnitude,
     exponent of the largest binade, position of the sign bit in the code."""
@@ -118,7 +117,8 @@ class ScaleRule(enum.Enum):
             more than that rounding; the clamp absorbs it). Elements of a block with code 0
             (``0 < amax <= max_elem * 2^-127``) are multiplied by 1 instead of ``2^127``
             (TransformerEngine's ``exp2f_rcp`` convention, which torchao copies; FlashInfer's
-            kernels give the same zeros through an FTZ reciprocal), so such a block
+            kernels, built with flush-to-zero, treat the subnormal scale ``2^-127`` as 0 and
+            also write zeros -- read from their source, not run here), so such a block
             quantizes to signed zeros.
         FLOOR: OCP MX v1.0 §6.3. ``e = floor(log2(amax)) - emax_elem`` taken from the
             exponent bits of ``amax``, clamped to ``[-127, 127]``; an all-zero or FP32
@@ -282,7 +282,8 @@ def float32_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     """FP32 to E4M3: round to nearest even, saturating (``cvt.rn.satfinite.e4m3x2.f32``).
 
     Finite values beyond ±448 and ``±Inf`` become ±448 (satfinite; plain RNE would send
-    values from 464 up to NaN, which is what ``ml_dtypes`` does); NaN becomes the canonical
+    values above the 448/480 midpoint 464 to the NaN pattern, which is what ``ml_dtypes``
+    does); NaN becomes the canonical
     NaN ``0x7F``; ``-0.0`` and negative values that round to zero give ``0x80`` (the
     conversion keeps the sign of zero). Below ``2^-6`` the result is subnormal with
     spacing ``2^-9``.
@@ -295,7 +296,7 @@ def float32_to_e4m3(x: torch.Tensor) -> torch.Tensor:
     """
     _check_dtype(x, "x", (torch.float32,), "float32")
     x = x.contiguous()
-    codes = (_magnitude_code(*_round_magnitude(x.abs(), _E4M3), _E4M3) | _sign_bit(x, 7))
+    codes = _magnitude_code(*_round_magnitude(x.abs(), _E4M3), _E4M3) | _sign_bit(x, 7)
     codes = codes.to(torch.uint8)
     codes = torch.where(torch.isnan(x), torch.full_like(codes, 0x7F), codes)
     return codes.view(torch.float8_e4m3fn)

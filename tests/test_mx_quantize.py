@@ -175,6 +175,13 @@ def test_batched_shapes_and_fp16_match_the_2d_float32_result(gen):
         assert torch.equal(scales.reshape(6, 4), scales2)
 
 
+def test_non_contiguous_input_equals_contiguous(gen):
+    xt = torch.randn(64, 96, generator=gen).t()  # [96, 64], strides (1, 96)
+    for quant in (mx.quantize_mxfp8, mx.quantize_mxfp4):
+        (c1, s1), (c2, s2) = quant(xt), quant(xt.contiguous())
+        assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8)) and torch.equal(s1, s2)
+
+
 # ------------------------------------------------------------------ torchao cross-check
 
 
