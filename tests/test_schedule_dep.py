@@ -37,9 +37,11 @@ from verify.compare import ContractError, assert_bitwise_equal, assert_within_bo
 from verify.routing import biased_score_bound, compare_routing
 
 # K = 16 and the block of 32 as in the real layer; I = 512 so that I/16 is a whole block
-# (the wide layer's TP slices at 16 ranks); E = 32 experts: 2 per rank at 16 ranks.
+# (the wide layer's TP slices at 16 ranks); E = 32 experts: 2 per rank at 16 ranks; the
+# latent (64 = two MX blocks) and hidden widths small: the reference experts dequantize
+# every MXFP4 weight they touch on the CPU, which dominates the run time.
 CONFIG = LatentMoEConfig(
-    hidden=256, latent=128, experts=32, top_k=16, intermediate=512, shared_intermediate=256
+    hidden=256, latent=64, experts=32, top_k=16, intermediate=512, shared_intermediate=256
 )
 TOKENS = 6
 RANKS = [1, 2, 4, 8, 16]
