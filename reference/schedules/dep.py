@@ -121,7 +121,7 @@ def pair_rows(
     weights: LatentMoEWeights,
     config: LatentMoEConfig,
     *,
-    shard=None,
+    shard: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The expert row of each (latent row, expert) pair: what a grouped-GEMM engine
     computes for a list of pairs.
@@ -270,8 +270,10 @@ def dep_rank(
         x: BF16 [T, H], this rank's tokens.
         weights: the layer's weights (this rank reads only its own experts' w13/w2).
         config: defaults to ``weights.config``.
-        front_splits, router_splits: split-K tactics; ``None`` = the seed's
-            (:func:`dep_tactics`). Ignored (both 1) when ``T > front_max``.
+        front_splits: split-K tactic of the front and the shared down-projection;
+            ``None`` = the seed's (:func:`dep_tactics`). Ignored (1) when ``T > front_max``.
+        router_splits: split-K tactic of the FP32 router GEMM; ``None`` = the seed's.
+            Ignored (1) when ``T > front_max``.
 
     Returns:
         A :class:`DepTrace`; ``trace.out`` is BF16 [T, H], this rank's layer output.
