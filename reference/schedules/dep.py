@@ -30,8 +30,9 @@ Rounding points, in order (each is one call of a reference stage):
    16 experts in ``o``'s range: codes, scales, the full ``ids`` and ``weights`` rows.
    The owner's receive buffer has ``N * T`` rows (source-major, row ``s*T + t``); rows no
    token was sent to are poisoned (codes NaN 0x7F, scales 0xFF, ids -1, weights NaN).
-6. Owner experts: ``expert_rows_mxfp8`` for each received pair whose expert is local
-   (BF16 row per pair, FP32 accumulation inside); non-local pairs stay poisoned (NaN).
+6. Owner experts: ``expert_rows_mxfp8`` over the received rows that hold a local expert
+   (one BF16 row per pair, FP32 accumulation inside; a non-local slot is computed with
+   the row's first local expert and discarded); non-local pairs stay poisoned (NaN).
 7. Owner partial finalize (trtllm-gen's ``do_finalize`` over its receive rows): for each
    received token, ``acc = 0; acc = fma(w[j], row[j], acc)`` for the *local* ``j`` in
    increasing ``j`` (FP32), one BF16 rounding -> partial.
@@ -124,7 +125,7 @@ def pair_rows(
     shard: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The expert row of each (latent row, expert) pair: what a grouped-GEMM engine
-    computes for a list of pairs.
+    computes for a list of pairs (the wide layer's listed engine, one window at a time).
 
     Args:
         codes: float8_e4m3fn [P, L] and scales uint8 [P, L/32]: pair p's MXFP8 latent row.
@@ -354,9 +355,17 @@ def _routed(group: Group, tr: DepTrace, weights: LatentMoEWeights, c: LatentMoEC
     lo, hi = r * per, (r + 1) * per
     local = valid[:, None] & (bi >= lo) & (bi < hi)  # [N*T, k]
     rows = torch.full((rows_n, k, c.latent), float("nan"), dtype=torch.bfloat16, device=dev)
-    row_i, slot = local.nonzero(as_tuple=True)
-    if row_i.numel():
-        rows[row_i, slot] = pair_rows(tr.recv_codes[row_i], bs[row_i], bi[row_i, slot], weights, c)
+    busy = local.any(dim=1).nonzero().flatten()  # receive rows with a local slot
+    if busy.numel():
+        # the stage takes whole [rows, k] id rows: a non-local slot is given the row's
+        # first local expert (its output is discarded), so the owner only ever reads
+        # its own experts' weights; each (row, slot) output depends on that pair alone
+        ids_b, loc_b = bi[busy].to(torch.int64), local[busy]
+        first = ids_b.gather(1, loc_b.to(torch.int8).argmax(dim=1, keepdim=True))
+        ids_b = torch.where(loc_b, ids_b, first).to(torch.int32)
+        got = expert_rows_mxfp8(tr.recv_codes[busy], bs[busy], ids_b, weights, c)
+        got = got.view(busy.numel(), k, c.latent)
+        rows[busy] = torch.where(loc_b[:, :, None], got, rows[busy])
     tr.rows = rows
 
     partial = local_finalize(rows, bw, local)
