@@ -29,10 +29,10 @@ from reference.activation import situ_and_mul_fp32
 from reference.config import LatentMoEConfig
 from reference.finalize import finalize
 from reference.gemm import matmul
-from reference.mx import dequantize_mxfp4, dequantize_mxfp8, quantize_mxfp8
+from reference.mx import dequantize_mxfp8, quantize_mxfp8
 from reference.weights import LatentMoEWeights
 
-__all__ = ["expert_rows_mxfp8", "expert_rows", "routed_experts", "shard_rows"]
+__all__ = ["expert_rows_mxfp8", "expert_rows", "pair_rows_fp32", "routed_experts", "shard_rows"]
 
 
 def shard_rows(config: LatentMoEConfig, shard: tuple[int, int] | None) -> tuple[list[int], slice]:
@@ -116,20 +116,44 @@ def expert_rows_mxfp8(
     _check_ids(ids, t, config, codes.device)
     if experts.device != codes.device:
         raise ValueError(f"experts on {experts.device}, codes on {codes.device}")
-    w13_rows, w2_cols = shard_rows(config, shard)
-    w13_rows_t = torch.tensor(w13_rows, device=codes.device)
     k = config.top_k
     x = dequantize_mxfp8(codes, scales)  # [T, L] float32, exact
     flat = ids.reshape(-1).long()  # pair p = t*K + k
-    out = torch.zeros(t * k, l, dtype=torch.bfloat16, device=codes.device)
-    for e in torch.unique(flat).tolist():
-        pairs = torch.nonzero(flat == e).flatten()
-        xe = x[pairs // k]
-        w13 = dequantize_mxfp4(experts.w13[e, w13_rows_t], experts.w13_scales[e, w13_rows_t])
-        h = matmul(xe, w13, out_dtype=torch.float32)
+    return pair_rows_fp32(x[torch.arange(t * k, device=codes.device) // k], flat, experts,
+                          config, shard=shard)
+
+
+def pair_rows_fp32(
+    x: torch.Tensor,
+    expert_ids: torch.Tensor,
+    experts: LatentMoEWeights,
+    config: LatentMoEConfig,
+    *,
+    shard: tuple[int, int] | None = None,
+) -> torch.Tensor:
+    """The expert row of each (latent row, expert) pair — what a grouped-GEMM engine
+    computes for a list of pairs, one pair per row (steps 2-6 above).
+
+    Args:
+        x: [P, L] float32, the dequantized MXFP8 latent row of each pair (exact values).
+        expert_ids: [P] int, each pair's expert.
+        experts: the layer's weights; config: the layer config.
+        shard: None or `(rank, ranks)`: this rank's TP slice of every expert.
+
+    Returns:
+        [P, L] bfloat16. Row p depends on (x[p], expert_ids[p]) alone, so its bits are the
+        same inside any batch and any grouping of the pairs.
+    """
+    w13_rows, w2_cols = shard_rows(config, shard)
+    w13_rows_t = torch.tensor(w13_rows, device=x.device)
+    out = torch.zeros(x.shape[0], config.latent, dtype=torch.bfloat16, device=x.device)
+    for e in torch.unique(expert_ids).tolist():
+        pairs = torch.nonzero(expert_ids == e).flatten()
+        w13_full, w2_full = experts.expert_fp32(e)
+        h = matmul(x[pairs], w13_full[w13_rows_t], out_dtype=torch.float32)
         a = situ_and_mul_fp32(h, beta=config.situ_beta, linear_beta=config.situ_linear_beta)
         a = dequantize_mxfp8(*quantize_mxfp8(a))
-        w2 = dequantize_mxfp4(experts.w2[e], experts.w2_scales[e])[:, w2_cols].contiguous()
+        w2 = w2_full[:, w2_cols].contiguous()
         out[pairs] = matmul(a, w2, out_dtype=torch.float32).to(torch.bfloat16)
     return out
 

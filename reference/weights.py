@@ -40,7 +40,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass, fields
+from collections import OrderedDict
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -49,6 +50,8 @@ from reference.config import LatentMoEConfig
 __all__ = ["LatentMoEWeights", "CHECKPOINT_FILE", "CONFIG_FILE"]
 
 CHECKPOINT_FILE = "model.safetensors"
+#: Bytes of dequantized (float32) experts `LatentMoEWeights.expert_fp32` keeps.
+DEQUANTIZED_CACHE_BYTES = 1 << 30
 CONFIG_FILE = "config.json"
 
 _DENSE_NAMES = {
@@ -108,6 +111,8 @@ class LatentMoEWeights:
     w2: torch.Tensor
     w2_scales: torch.Tensor
     config: LatentMoEConfig
+    _dequantized: OrderedDict = field(default_factory=OrderedDict, init=False, repr=False,
+                                      compare=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.config, LatentMoEConfig):
@@ -143,8 +148,30 @@ class LatentMoEWeights:
 
     def to(self, device) -> "LatentMoEWeights":
         """A copy with every tensor on `device`."""
-        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name != "config"}
+        moved = {f.name: getattr(self, f.name).to(device) for f in fields(self)
+                 if f.init and f.name != "config"}
         return LatentMoEWeights(config=self.config, **moved)
+
+    def expert_fp32(self, expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert ``expert``'s dequantized MXFP4 weights ``(w13 [2I, L], w2 [L, I])``,
+        float32 (exact: every MXFP4 value is an FP32 number), cached.
+
+        The cache keeps the most recently used experts up to ``DEQUANTIZED_CACHE_BYTES``
+        (the weights are never modified in place; a new object starts a new cache)."""
+        hit = self._dequantized.get(expert)
+        if hit is not None:
+            self._dequantized.move_to_end(expert)
+            return hit
+        from reference.mx import dequantize_mxfp4
+
+        pair = (dequantize_mxfp4(self.w13[expert], self.w13_scales[expert]),
+                dequantize_mxfp4(self.w2[expert], self.w2_scales[expert]))
+        size = sum(t.numel() * 4 for t in pair)
+        if size <= DEQUANTIZED_CACHE_BYTES:
+            self._dequantized[expert] = pair
+            while len(self._dequantized) * size > DEQUANTIZED_CACHE_BYTES:
+                self._dequantized.popitem(last=False)
+        return pair
 
     @classmethod
     def random(cls, config: LatentMoEConfig, seed: int, device="cpu") -> "LatentMoEWeights":

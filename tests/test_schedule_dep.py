@@ -328,11 +328,11 @@ def _designed_run(monkeypatch, weights, ranks):
         ids = torch.tensor(DESIGN_IDS, dtype=torch.int32).expand(t, k).contiguous()
         return torch.ones(t, k, dtype=torch.float32), ids
 
-    def experts(codes, scales, ids, w, config, *, shard=None):  # row t*k + j = V[ids[t, j]]
-        return v[ids.long().reshape(-1)]
+    def experts(x, expert_ids, w, config, *, shard=None):  # pair row = V[its expert]
+        return v[expert_ids.long()]
 
     monkeypatch.setattr(dep, "route", routing)
-    monkeypatch.setattr(dep, "expert_rows_mxfp8", experts)
+    monkeypatch.setattr(dep, "pair_rows_fp32", experts)
     xs = make_inputs(CONFIG.hidden, "dep", ranks, 2, seed=9)
     traces = dep_layer_virtual(xs, weights)
     rows = v[torch.tensor(DESIGN_IDS)].repeat(2, 1)  # [T*k, L], pair order t*k + j

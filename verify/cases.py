@@ -45,3 +45,14 @@ def hidden_rows(cfg: LatentMoEConfig, tokens: int, seed: int, device: str = "cpu
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, cfg.hidden, generator=g) * scale
     return x.to(torch.bfloat16).to(device)
+
+
+def _tp16() -> LatentMoEConfig:
+    """``small`` with the routed intermediate widened to 512, so that 16 TP ranks keep a
+    whole MX block (32) of it each (the wide layer at 16 ranks)."""
+    import dataclasses
+
+    return dataclasses.replace(LatentMoEConfig.small(), intermediate=512)
+
+
+CONFIGS["tp16"] = _tp16

@@ -70,10 +70,10 @@ import torch
 
 from reference.activation import situ_and_mul
 from reference.config import LatentMoEConfig
-from reference.experts import expert_rows_mxfp8
+from reference.experts import pair_rows_fp32
 from reference.fp import fma_f32
 from reference.gemm import addmm, matmul, split_k_matmul
-from reference.mx import quantize_mxfp8
+from reference.mx import dequantize_mxfp8, quantize_mxfp8
 from reference.norm import rms_norm
 from reference.router import route
 from reference.schedules.comm import Group, run_virtual
@@ -133,18 +133,15 @@ def pair_rows(
         shard: None or ``(rank, ranks)`` (TP slice of the intermediate).
 
     Returns:
-        BF16 [P, L]: row p = :func:`reference.experts.expert_rows_mxfp8` of expert
-        ``experts[p]`` on latent row p. That stage takes ``top_k`` slots per row, so each
-        pair is given as a row whose every slot is its expert, and slot 0's output is
-        kept: every output row of the stage depends on its (row, expert) alone, so the
-        bits are those of the pair inside any batch.
+        BF16 [P, L]: row p = :func:`reference.experts.pair_rows_fp32` of expert
+        ``experts[p]`` on latent row p (the per-pair core of
+        :func:`reference.experts.expert_rows_mxfp8`): every row depends on its (row,
+        expert) alone, so the bits are those of the pair inside any batch.
     """
-    p = codes.shape[0]
-    if p == 0:
+    if codes.shape[0] == 0:
         return torch.empty(0, config.latent, dtype=torch.bfloat16, device=codes.device)
-    ids = experts.to(torch.int32).reshape(p, 1).expand(p, config.top_k).contiguous()
-    rows = expert_rows_mxfp8(codes, scales, ids, weights, config, shard=shard)
-    return rows[:: config.top_k]
+    return pair_rows_fp32(dequantize_mxfp8(codes, scales), experts.to(torch.int64), weights,
+                          config, shard=shard)
 
 
 def local_finalize(rows: torch.Tensor, weights: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
@@ -355,17 +352,11 @@ def _routed(group: Group, tr: DepTrace, weights: LatentMoEWeights, c: LatentMoEC
     lo, hi = r * per, (r + 1) * per
     local = valid[:, None] & (bi >= lo) & (bi < hi)  # [N*T, k]
     rows = torch.full((rows_n, k, c.latent), float("nan"), dtype=torch.bfloat16, device=dev)
-    busy = local.any(dim=1).nonzero().flatten()  # receive rows with a local slot
-    if busy.numel():
-        # the stage takes whole [rows, k] id rows: a non-local slot is given the row's
-        # first local expert (its output is discarded), so the owner only ever reads
-        # its own experts' weights; each (row, slot) output depends on that pair alone
-        ids_b, loc_b = bi[busy].to(torch.int64), local[busy]
-        first = ids_b.gather(1, loc_b.to(torch.int8).argmax(dim=1, keepdim=True))
-        ids_b = torch.where(loc_b, ids_b, first).to(torch.int32)
-        got = expert_rows_mxfp8(tr.recv_codes[busy], bs[busy], ids_b, weights, c)
-        got = got.view(busy.numel(), k, c.latent)
-        rows[busy] = torch.where(loc_b[:, :, None], got, rows[busy])
+    row_i, slot = local.nonzero(as_tuple=True)  # the owner's local (receive row, slot) pairs
+    if row_i.numel():
+        # only its own experts' weights are read; each pair's row depends on that pair alone
+        rows[row_i, slot] = pair_rows(tr.recv_codes[row_i], bs[row_i], bi[row_i, slot],
+                                      weights, c)
     tr.rows = rows
 
     partial = local_finalize(rows, bw, local)

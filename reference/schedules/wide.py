@@ -256,17 +256,21 @@ def wide_rank(
     codes, scales = quantize_mxfp8(latent)
     lists, counts = routing_lists(ids, c.experts, scratch.rows, claim_order)
 
-    # the listed engine: touched experts ascending, 8 pairs per window, TP slice of I
+    # the listed engine: touched experts ascending, 8 pairs per window, TP slice of I.
+    # The windows are formed from the lists; every windowed pair's row is then computed
+    # (one call over all windows: a pair's row depends on that pair alone, so grouping
+    # them changes no bit) and written to rows[pair]; a pair no window holds stays NaN.
     rows = torch.full((t * k, c.latent), float("nan"), dtype=torch.bfloat16)
     windows = []
     for e in counts.nonzero().flatten().tolist():
         pairs = lists[e, : counts[e]].to(torch.int64)
         for w0 in range(0, pairs.numel(), WIDE_WINDOW):
-            win = pairs[w0 : w0 + WIDE_WINDOW]
-            toks = win // k
-            eid = torch.full((win.numel(),), e, dtype=torch.int32)
-            rows[win] = pair_rows(codes[toks], scales[toks], eid, weights, c, shard=(r, n))
-            windows.append((e, win))
+            windows.append((e, pairs[w0 : w0 + WIDE_WINDOW]))
+    if windows:
+        windowed = torch.cat([win for _, win in windows])
+        eids = torch.cat([torch.full((win.numel(),), e, dtype=torch.int64) for e, win in windows])
+        toks = windowed // k
+        rows[windowed] = pair_rows(codes[toks], scales[toks], eids, weights, c, shard=(r, n))
     routed_partial = finalize(rows, topw)
 
     # shared expert partial (side stream): this rank's S/N slice

@@ -1,0 +1,153 @@
+"""Contracts of S2, the wide layer (seed 001), at every rank count, against S0.
+
+Per rank, each stage against the reference stage on that rank's own inputs:
+
+| stage | contract |
+|---|---|
+| logits, ids, weights | bitwise = S0 (each logit is its own dot product, FP32 out) |
+| latent (published) | bitwise = ``round_to_bfloat16(FP32 GEMM)``; within the BF16-out GEMM bound of exact |
+| plan (MXFP8) | bitwise = ``quantize_mxfp8(own latent)`` |
+| routing lists | every pair once, in its expert's list, counts = histogram, tails poisoned -1 |
+| windows | <= 8 pairs of one expert each, ``ceil(count/8)`` per expert, all pairs once |
+| expert rows | bitwise = ``expert_rows_mxfp8(..., shard=(r, N))`` |
+| Finalize | bitwise = ``finalize(own rows)`` |
+| latent all-reduce | bitwise = FP32 rank-order sum of the partials, one BF16 rounding; N > 1: within the derived bound of S0's routed latent |
+| shared partial | within the BF16-out GEMM bound of ``act_r @ down_r^T`` (exact) |
+| out | bitwise = FP32 rank-order sum of the hidden partials; within the derived bound of the exact layer tail |
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from reference.activation import situ_and_mul
+from reference.experts import expert_rows, expert_rows_mxfp8
+from reference.finalize import finalize
+from reference.fp import round_to_bfloat16
+from reference.gemm import addmm, matmul
+from reference.layer import stock_order_trace
+from reference.mx import quantize_mxfp8
+from reference.norm import rms_norm
+from reference.schedules.wide import WIDE_WINDOW, wide_layer_virtual
+from verify import bounds, cases, schedule_bounds
+
+ROWS = ("token", "column")
+GRID = [("small", n, t) for n in (1, 2, 4, 8) for t in cases.WIDE_BATCHES]
+GRID += [("tp16", 16, t) for t in (1, 65, 100)]
+
+
+def _ordered_sum(parts):
+    """The stock one-shot all-reduce, written independently: FP32, rank order, one BF16
+    rounding."""
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    return acc.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("config_name,ranks,tokens", GRID)
+def test_wide_stages(config_name, ranks, tokens, seed, contract):
+    cfg = cases.config(config_name)
+    w = cases.weights(config_name)
+    x = cases.hidden_rows(cfg, tokens, seed)
+    traces = wide_layer_virtual(x, w, ranks, cfg)
+    s0 = stock_order_trace(x, w, cfg)
+    k, n = cfg.top_k, ranks
+    s_n, h_n = cfg.shared_intermediate // n, cfg.hidden // n
+    published = round_to_bfloat16(matmul(x, w.latent_down, out_dtype=torch.float32))
+    for tr in traces:
+        r = tr.rank
+        contract.bitwise(tr.logits, s0.logits, what=f"rank {r} polled logits", index_names=ROWS)
+        contract.bitwise(tr.ids, s0.ids, what=f"rank {r} ids")
+        contract.bitwise(tr.weights, s0.weights, what=f"rank {r} weights")
+        contract.bitwise(tr.latent, published, what=f"rank {r} polled latent",
+                         index_names=ROWS)
+        contract.bounded(tr.latent, bounds.reference_matmul(x, w.latent_down),
+                         bounds.matmul_bf16_out_bound(x, w.latent_down),
+                         what=f"rank {r} latent vs exact",
+                         bound_name="gamma_K(2^-24)|x||W| + BF16 half-ULP", index_names=ROWS)
+        codes, scales = quantize_mxfp8(tr.latent)
+        contract.bitwise(tr.codes, codes, what=f"rank {r} plan codes", index_names=ROWS)
+        contract.bitwise(tr.scales, scales, what=f"rank {r} plan scales", index_names=ROWS)
+
+        # routing lists and the engine's unit windows
+        flat = tr.ids.reshape(-1).long()
+        counts = torch.bincount(flat, minlength=cfg.experts).to(torch.int32)
+        contract.bitwise(tr.counts, counts, what=f"rank {r} list counts")
+        filled = torch.arange(tr.lists.shape[1])[None, :] < tr.counts[:, None]
+        contract.bitwise(tr.lists[~filled], torch.full_like(tr.lists[~filled], -1),
+                         what=f"rank {r} list tails poisoned")
+        listed = tr.lists[filled].long()
+        owner = torch.arange(cfg.experts)[:, None].expand_as(tr.lists)[filled]
+        contract.bitwise(listed.sort().values, torch.arange(tokens * k),
+                         what=f"rank {r} every pair listed once")
+        contract.bitwise(flat[listed], owner, what=f"rank {r} pairs in their expert's list")
+        seen = torch.cat([win for _, win in tr.windows]).long()
+        contract.bitwise(seen.sort().values, torch.arange(tokens * k),
+                         what=f"rank {r} every pair in one window")
+        per_expert = torch.zeros(cfg.experts, dtype=torch.int32)
+        for e, win in tr.windows:
+            if not (1 <= win.numel() <= WIDE_WINDOW) or bool((flat[win.long()] != e).any()):
+                raise AssertionError(f"rank {r}: window of expert {e} holds {win.tolist()}")
+            per_expert[e] += 1
+        contract.bitwise(per_expert, (counts + WIDE_WINDOW - 1) // WIDE_WINDOW,
+                         what=f"rank {r} windows per expert = ceil(count / 8)")
+
+        rows = expert_rows_mxfp8(tr.codes, tr.scales, tr.ids, w, cfg, shard=(r, n))
+        contract.bitwise(tr.rows, rows, what=f"rank {r} expert rows (TP slice)",
+                         index_names=ROWS)
+        contract.bitwise(tr.routed_partial, finalize(tr.rows, tr.weights),
+                         what=f"rank {r} Finalize", index_names=ROWS)
+        contract.bitwise(tr.normed, rms_norm(tr.routed, w.latent_norm, cfg.rms_eps),
+                         what=f"rank {r} normed", index_names=ROWS)
+        # the hidden partial: the shared slice, then this rank's up columns added
+        cols = slice(r * h_n, (r + 1) * h_n)
+        expected = tr.shared.clone()
+        expected[:, cols] = addmm(tr.shared[:, cols].contiguous(), tr.normed, w.up[cols])
+        contract.bitwise(tr.hidden_partial, expected, what=f"rank {r} hidden partial",
+                         index_names=ROWS)
+        act_r = torch.cat([s0.shared_act[:, r * s_n:(r + 1) * s_n]])
+        down_r = w.shared_down[:, r * s_n:(r + 1) * s_n]
+        contract.bounded(tr.shared, bounds.reference_matmul(act_r, down_r),
+                         bounds.matmul_bf16_out_bound(act_r, down_r),
+                         what=f"rank {r} shared partial", index_names=ROWS,
+                         bound_name="gamma_{S/N}(2^-24)|act||W| + BF16 half-ULP")
+
+    routed = _ordered_sum([tr.routed_partial for tr in traces])
+    hidden = _ordered_sum([tr.hidden_partial for tr in traces])
+    for tr in traces:
+        contract.bitwise(tr.routed, routed, what=f"rank {tr.rank} latent all-reduce",
+                         index_names=ROWS)
+        contract.bitwise(tr.out, hidden, what=f"rank {tr.rank} hidden all-reduce",
+                         index_names=ROWS)
+
+    # against S0 on the same latent: the TP split of FC2 and the partial sums
+    own = traces[0]
+    full_rows = expert_rows(own.latent, own.ids, w, cfg)
+    s0_routed = finalize(full_rows, own.weights)
+    if n == 1:
+        contract.bitwise(own.routed, s0_routed, what="routed = S0 on own latent",
+                         index_names=ROWS)
+        return
+    wk = own.weights
+    full = full_rows.view(tokens, k, -1)
+    full_err = schedule_bounds.bf16_part_error(full, full.double().abs() * 2.0**-24)
+    s0_err = bounds.final_rounding_bound(
+        s0_routed.double(),
+        schedule_bounds.fma_chain_error(wk, full)
+        + (wk.double().abs().unsqueeze(-1) * full_err).sum(1), torch.bfloat16)
+    parts, errors = [], []
+    for tr in traces:
+        part_rows = tr.rows.view(tokens, k, -1)
+        row_err = schedule_bounds.bf16_part_error(part_rows, part_rows.double().abs() * 2.0**-24)
+        inner = schedule_bounds.fma_chain_error(wk, part_rows) \
+            + (wk.double().abs().unsqueeze(-1) * row_err).sum(1)
+        parts.append(tr.routed_partial)
+        errors.append(schedule_bounds.bf16_part_error(tr.routed_partial, inner))
+    errors[0] = errors[0] + s0_err
+    bound = schedule_bounds.ordered_sum_error(parts, errors, s0_routed.double()) + s0_err
+    contract.bounded(own.routed, s0_routed.double(), bound,
+                     what=f"routed latent of {n} TP ranks vs S0 on own latent",
+                     bound_name="BF16 FC2 partials + FMA chains + FP32 rank-order sum",
+                     index_names=ROWS)
