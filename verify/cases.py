@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -56,3 +57,35 @@ def _tp16() -> LatentMoEConfig:
 
 
 CONFIGS["tp16"] = _tp16
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseWeights:
+    """The dense (BF16) weights of a layer only: what the GEMM contracts read. At the real
+    dimensions this avoids generating 15 GB of MXFP4 experts to test four GEMMs."""
+
+    gate: torch.Tensor
+    front: torch.Tensor
+    shared_down: torch.Tensor
+    up: torch.Tensor
+
+
+@functools.cache
+def dense_weights(name: str, device: str = "cpu", seed: int = 2026) -> DenseWeights:
+    """The layer's dense weights: those of :func:`weights` for the small configs, else
+    N(0, 1/fan_in) BF16 matrices of the config's shapes (generated on ``device``)."""
+    if name != "kimi_k3":
+        w = weights(name, device, seed)
+        return DenseWeights(w.gate, w.front, w.shared_down, w.up)
+    cfg = config(name)
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(rows, cols):
+        return (torch.randn(rows, cols, generator=g, device=device) / cols**0.5).to(torch.bfloat16)
+
+    return DenseWeights(
+        gate=normal(cfg.experts, cfg.hidden) * 2,
+        front=normal(cfg.front_rows, cfg.hidden),
+        shared_down=normal(cfg.hidden, cfg.shared_intermediate),
+        up=normal(cfg.hidden, cfg.latent),
+    )
