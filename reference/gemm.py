@@ -101,7 +101,7 @@ def exact_dot_pair(
         a: [M, K] bfloat16/float32.
         b: [N, K] bfloat16/float32.
         c: optional [M, N] tensor (any float dtype exactly representable in float64) added
-           as one more exact term.
+            as one more exact term.
 
     Returns:
         `(hi, lo)`, float64 [M, N] each, `hi = fl(hi + lo)`.

@@ -239,7 +239,7 @@ def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         ``|key(a) - key(b)|``: 0 for equal values (``+0`` and ``-0`` are one point), 1 for
         adjacent representable values, and the count of steps otherwise; an infinity is one
         step past the largest finite value. Where exactly one of `a`, `b` is NaN the result
-        is [`ULP_NAN`][verify.compare.ULP_NAN] (int64 max); where both are NaN it is 0
+        is `ULP_NAN` (int64 max); where both are NaN it is 0
         (payloads are not compared here — use `assert_bitwise_equal` for that).
     """
     if a.dtype != b.dtype:
@@ -369,7 +369,7 @@ def assert_within_ulp(
 
     Raises:
         ContractError: shape/dtype mismatch, or elements farther than `max_ulp` (a NaN on
-            one side only counts as [`ULP_NAN`][verify.compare.ULP_NAN]).
+            one side only counts as `ULP_NAN`).
     """
     if max_ulp < 0:
         raise ValueError(f"max_ulp must be >= 0, got {max_ulp}")

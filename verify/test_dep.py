@@ -25,6 +25,7 @@ from reference import layer
 from reference.activation import situ_and_mul
 from reference.experts import expert_rows
 from reference.finalize import finalize
+from reference.fp import fma_f32
 from reference.gemm import addmm, matmul
 from reference.mx import quantize_mxfp8
 from reference.norm import rms_norm
@@ -130,7 +131,7 @@ def test_dep_stages(ranks, tokens, tactic, seed, contract):
         h = home.rank
         own_rows = expert_rows(home.latent, home.ids, w, cfg).view(tokens, cfg.top_k, -1)
         owner_of = home.ids.long() // per
-        parts, errors = [], []
+        parts, errors, presence = [], [], []
         for o, owner in enumerate(traces):
             at = h * tokens + torch.arange(tokens)
             local = owner_of == o
@@ -138,11 +139,30 @@ def test_dep_stages(ranks, tokens, tactic, seed, contract):
             contract.bitwise(got[local], own_rows[local],
                              what=f"expert rows of home {h} at owner {o}")
             present = local.any(1)
+            # the owner's partial: an FMA chain over its local slots in k order (written
+            # here independently of the schedule's code), one BF16 rounding
+            acc = torch.zeros(tokens, cfg.latent)
+            for j in range(cfg.top_k):
+                step = fma_f32(home.weights[:, j:j + 1].expand(tokens, cfg.latent),
+                               own_rows[:, j].float(), acc)
+                acc = torch.where(local[:, j:j + 1], step, acc)
+            contract.bitwise(owner.partials[at][present], acc.bfloat16()[present],
+                             what=f"partial finalize of home {h} at owner {o}")
             part = torch.where(present[:, None], owner.partials[at],
                                torch.zeros_like(owner.partials[at]))
+            presence.append(present)
             inner = schedule_bounds.fma_chain_error(home.weights * local, own_rows)
             parts.append(part)
             errors.append(schedule_bounds.bf16_part_error(part, inner))
+        # the combine: FP32 sum of the present partials in owner order, one BF16 rounding
+        acc = torch.zeros(tokens, cfg.latent)
+        started = torch.zeros(tokens, 1, dtype=torch.bool)
+        for part, present in zip(parts, presence):
+            acc = torch.where(present[:, None], torch.where(started, acc + part.float(),
+                                                            part.float()), acc)
+            started = started | present[:, None]
+        contract.bitwise(home.combined, acc.bfloat16(), what=f"rank {h} combine order",
+                         index_names=ROWS)
         if ranks == 1:
             contract.bitwise(home.combined, finalize(own_rows.flatten(0, 1), home.weights),
                              what=f"rank {h} combine = finalize", index_names=ROWS)
@@ -167,3 +187,21 @@ def test_dep_single_rank_is_stock(tokens, seed, contract):
     contract.bitwise(traces[0].ids, s0.ids, what="ids")
     contract.bitwise(traces[0].combined, s0.routed, what="routed latent", index_names=ROWS)
     contract.bitwise(traces[0].out, s0.out, what="layer output", index_names=ROWS)
+
+
+@pytest.mark.parametrize("ranks", (2, 3, 4))
+def test_combine_order_designed(ranks, contract):
+    """The combine adds the owners' partials in owner order. On random rows the FP32 sum
+    of a few BF16 partials is usually exact, so the order is invisible; here the partials
+    are designed (1 + 2^-7, then 2^30, -2^30, ...) so that any other order changes the
+    result: in order, 1 + 2^-7 is absorbed by 2^30 and the sum is 0."""
+    from reference.schedules.dep import ordered_combine
+
+    values = [1 + 2**-7, 2.0**30, -(2.0**30)] + [0.0] * (ranks - 3)
+    parts = [torch.full((2, 64), v).to(torch.bfloat16) for v in values[:ranks]]
+    present = [torch.ones(2, dtype=torch.bool) for _ in range(ranks)]
+    acc = parts[0].float()
+    for p in parts[1:]:
+        acc = acc + p.float()
+    contract.bitwise(ordered_combine(parts, present), acc.bfloat16(),
+                     what="combine of designed partials in owner order")

@@ -151,3 +151,40 @@ def test_wide_stages(config_name, ranks, tokens, seed, contract):
                      what=f"routed latent of {n} TP ranks vs S0 on own latent",
                      bound_name="BF16 FC2 partials + FMA chains + FP32 rank-order sum",
                      index_names=ROWS)
+
+
+@pytest.mark.parametrize("ranks", (2, 4))
+def test_mailbox_sentinel(ranks, seed, contract):
+    """The Lamport mailbox: a published -0 (BF16 latent word 0x8000, FP32 logit word
+    0x80000000) arrives as +0 — never as the empty marker — on every rank, and the slots
+    read are re-armed (empty) after the poll."""
+    from reference.schedules.comm import run_virtual
+
+    cfg = cases.config("small")
+    tokens, l_n, e_n = 3, cfg.latent // ranks, cfg.experts // ranks
+    g = torch.Generator().manual_seed(seed)
+
+    def shard(r):
+        lat = torch.randn(tokens, l_n, generator=g).bfloat16()
+        lat[:, r] = -0.0
+        logits = torch.randn(tokens, e_n, generator=g)
+        logits[:, 0] = -0.0
+        return lat, logits
+
+    shards = [shard(r) for r in range(ranks)]
+
+    def body(group):
+        box = group.mailbox(8, cfg.latent, cfg.experts)
+        box.publish(*shards[group.rank])
+        got = box.poll_logits(tokens, timeout=2.0), box.poll_latent(tokens, timeout=2.0)
+        return got, box.is_armed(slice(0, tokens))
+
+    results = run_virtual(ranks, body, timeout=10.0)
+    want_lat = torch.cat([lat for lat, _ in shards], 1)
+    want_log = torch.cat([log for _, log in shards], 1)
+    want_lat = torch.where(want_lat == 0, torch.zeros_like(want_lat), want_lat)  # -0 -> +0
+    want_log = torch.where(want_log == 0, torch.zeros_like(want_log), want_log)
+    for r, ((logits, latent), armed) in enumerate(results):
+        contract.bitwise(latent, want_lat, what=f"rank {r} latent through the mailbox")
+        contract.bitwise(logits, want_log, what=f"rank {r} logits through the mailbox")
+        assert armed, f"rank {r}: the slots it read were not re-armed"
