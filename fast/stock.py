@@ -10,9 +10,12 @@ non-fused multiply-adds) instead of comparing bits.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 __all__ = [
+    "fp32_reduction",
     "mm_fp32_out",
     "mm_bf16",
     "addmm_bf16",
@@ -21,6 +24,23 @@ __all__ = [
     "finalize",
     "rms_norm",
 ]
+
+
+@contextlib.contextmanager
+def fp32_reduction():
+    """cuBLAS with FP32 accumulation throughout: PyTorch lets cuBLAS reduce split-K
+    partials of BF16 GEMMs in reduced precision by default
+    (``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction``), which is not
+    the stock contract (FP32 accumulation, one rounding; DESIGN §2) and which
+    ``verify/test_stock.py`` catches on the H200 (the up addmm at batch 1). The flag is
+    restored on exit."""
+    flags = torch.backends.cuda.matmul
+    saved = flags.allow_bf16_reduced_precision_reduction
+    flags.allow_bf16_reduced_precision_reduction = False
+    try:
+        yield
+    finally:
+        flags.allow_bf16_reduced_precision_reduction = saved
 
 
 def _check_2d(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -39,7 +59,8 @@ def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     _check_2d("a", a, torch.bfloat16)
     _check_2d("b", b, torch.bfloat16)
     if a.is_cuda:
-        return torch.mm(a, b.t(), out_dtype=torch.float32)
+        with fp32_reduction():
+            return torch.mm(a, b.t(), out_dtype=torch.float32)
     return torch.mm(a.float(), b.float().t())
 
 
@@ -48,7 +69,8 @@ def mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     accumulation, one rounding to BF16 — which the contracts check, not assume)."""
     _check_2d("a", a, torch.bfloat16)
     _check_2d("b", b, torch.bfloat16)
-    return torch.mm(a, b.t())
+    with fp32_reduction():
+        return torch.mm(a, b.t())
 
 
 def addmm_bf16(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -57,7 +79,8 @@ def addmm_bf16(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tenso
     _check_2d("c", c, torch.bfloat16)
     _check_2d("a", a, torch.bfloat16)
     _check_2d("b", b, torch.bfloat16)
-    return torch.addmm(c, a, b.t())
+    with fp32_reduction():
+        return torch.addmm(c, a, b.t())
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int = 16,

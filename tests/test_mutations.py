@@ -118,7 +118,8 @@ def test_planted_bug_fails_verify(mutation, tmp_path):
     if mutation.needs_gpu and not torch.cuda.is_available():
         pytest.skip("this mutation is in GPU code; the contracts that catch it need a GPU")
     _apply(tmp_path, mutation)
-    env = dict(os.environ, PYTHONPATH=str(tmp_path), LATENTMOE_REPORT_DIR=str(tmp_path),
+    path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
+    env = dict(os.environ, PYTHONPATH=path, LATENTMOE_REPORT_DIR=str(tmp_path),
                PYTHONDONTWRITEBYTECODE="1")
     cmd = [sys.executable, "-m", "pytest", *mutation.contracts, "-x", "-q",
            "-p", "no:cacheprovider", "--rootdir", str(tmp_path)]

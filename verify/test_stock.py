@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from fast import stock
-from verify import bounds, cases
+from reference.gemm import addmm
+from verify import bounds, cases, compare
 
 GEMM_BOUND = "gamma_K(2^-24)|A||B|^T + final half-ULP"
 TOKENS = ("token", "column")
@@ -75,7 +76,15 @@ def test_shared_down_gemm(backend, config_name, tokens, seed, contract):
 @CONFIG_NAMES
 @pytest.mark.parametrize("tokens", cases.ALL_BATCHES)
 def test_up_addmm(backend, config_name, tokens, seed, contract):
-    """out = shared + normed @ up^T with one rounding (addmm, beta = 1)."""
+    """out = shared + normed @ up^T (``torch.addmm``, beta = 1).
+
+    DESIGN §1 models this as one rounding; on the H200, cuBLAS's BF16 ``addmm`` equals
+    ``bf16(bf16(normed @ up^T) + shared)`` bit for bit (measured: e.g. 2.1 M of 7.3 M
+    outputs differ from the one-rounding value at [1024, 7168]), i.e. the product is
+    rounded to BF16 before the add. The bound is therefore the two-rounding one: the
+    BF16-out GEMM bound of the product, carried through the final BF16 rounding of the
+    sum. The share of outputs that differ from the one-rounding reference
+    (``reference.gemm.addmm``) is reported as a figure."""
     cfg, w = _model(config_name, backend)
     g = torch.Generator().manual_seed(seed)
     normed = torch.randn(tokens, cfg.latent, generator=g).to(torch.bfloat16)
@@ -83,6 +92,12 @@ def test_up_addmm(backend, config_name, tokens, seed, contract):
     normed, shared = normed.to(backend.device), shared.to(backend.device)
     out = stock.addmm_bf16(shared, normed, w.up)
     exact = bounds.reference_matmul(normed, w.up) + shared.double()
-    contract.bounded(out, exact, bounds.matmul_bf16_out_bound(normed, w.up, addend=shared),
-                     what="up addmm", bound_name=GEMM_BOUND + " (addend as a term)",
+    product_bound = bounds.matmul_bf16_out_bound(normed, w.up)
+    bound = bounds.final_rounding_bound(exact, product_bound, torch.bfloat16)
+    contract.bounded(out, exact, bound, what="up addmm",
+                     bound_name=GEMM_BOUND + ", then the BF16 add (two roundings)",
                      index_names=TOKENS)
+    if config_name == "small":
+        one = addmm(shared.cpu(), normed.cpu(), w.up.cpu())
+        off = (compare.ulp_distance(out.cpu(), one) > 0).double().mean().item()
+        contract.figure("off_one_rounding_fraction", off, worst="max")
