@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from reference.router import select_top_k
+
 __all__ = [
     "EXP_LO",
     "EXP_HI",
@@ -130,17 +132,7 @@ def route(
     ties to the lower expert id; weights = s[ids], divided by their FP32 sum accumulated
     in k order from 0, then times ``scale`` (FP32)."""
     s, sel = router_scores(logits, bias)
-    t, e = sel.shape
-    # Stable descending sort = descending score, ties to the lower index.
-    order = torch.sort(sel, dim=1, descending=True, stable=True).indices[:, :top_k]
-    w = torch.gather(s, 1, order)
-    if renormalize:
-        total = w[:, 0].clone()
-        for k in range(1, top_k):
-            total = total + w[:, k]
-        w = w / total[:, None]
-    w = w * _f32(scale)
-    return w, order.to(torch.int32)
+    return select_top_k(s, sel, top_k=top_k, renormalize=renormalize, scale=scale)
 
 
 NORM_THREADS = 448  # threads per CTA of fast.norm at L = 3584 (L / 8)

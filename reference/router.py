@@ -23,7 +23,7 @@ import torch
 
 from reference.gemm import matmul
 
-__all__ = ["router_logits", "route"]
+__all__ = ["router_logits", "route", "select_top_k"]
 
 
 def router_logits(x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
@@ -81,10 +81,31 @@ def route(
     if not torch.isfinite(bias).all():
         raise ValueError("route: bias must be finite")
     s = torch.sigmoid(logits)
-    biased = s + bias
-    order = torch.sort(biased, dim=-1, descending=True, stable=True).indices
-    ids = order[:, :top_k]
-    w = torch.gather(s, 1, ids)
+    return select_top_k(s, s + bias, top_k=top_k, renormalize=renormalize, scale=scale)
+
+
+def select_top_k(
+    scores: torch.Tensor,
+    biased: torch.Tensor,
+    *,
+    top_k: int,
+    renormalize: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The selection and weighting steps of `route`, given the sigmoid scores.
+
+    Args:
+        scores: [T, E] float32 `s` (unbiased sigmoid of the logits, by whichever sigmoid
+            the caller's kernel uses).
+        biased: [T, E] float32 `s + bias` (selection key).
+
+    Returns:
+        `(weights float32 [T, top_k], ids int32 [T, top_k])`: ids by descending `biased`,
+        ties to the lower id (stable sort); weights `scores[ids]`, renormalized by their
+        FP32 sum in k order from 0, times `scale` (FP32).
+    """
+    ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]
+    w = torch.gather(scores, 1, ids)
     if renormalize:
         total = w[:, 0].clone()
         for k in range(1, top_k):

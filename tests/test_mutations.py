@@ -90,7 +90,7 @@ MUTATIONS = [
     ),
     Mutation(
         "router weights from the biased scores", "reference/router.py",
-        "w = torch.gather(s, 1, ids)", "w = torch.gather(biased, 1, ids)",
+        "w = torch.gather(scores, 1, ids)", "w = torch.gather(biased, 1, ids)",
         ("verify/test_router.py",),
     ),
     Mutation(

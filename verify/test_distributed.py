@@ -37,6 +37,7 @@ def group():
         dist.init_process_group(backend)
     yield TorchGroup()
     dist.barrier()
+    dist.destroy_process_group()
 
 
 def _compare(contract, real: dict, virtual: dict, what: str) -> None:
