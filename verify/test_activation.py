@@ -3,7 +3,8 @@ linear_beta*tanh(u/linear_beta)`` in FP32, one BF16 rounding.
 
 * ``fast``: bit-identical to ``reference.emulation.situ_and_mul`` (the kernel's exp/tanh
   built from correctly rounded FP32 operations);
-* every backend (``reference`` with PyTorch's library tanh/sigmoid, ``stock``, ``fast``):
+* every backend (``reference`` with PyTorch's library tanh/sigmoid on the CPU and, as
+  ``reference-cuda``, on CUDA tensors; ``stock``; ``fast``):
   within ``verify.tolerances.SITU_RELATIVE_ERROR`` of the exact float64 value plus the
   final BF16 rounding; the share of outputs whose bits differ from the reference is
   reported, never hidden.
@@ -43,7 +44,7 @@ def _run(backend, h, cfg):
     return situ_and_mul(h, **kwargs)
 
 
-@pytest.mark.backends("reference", "stock", "fast")
+@pytest.mark.backends("reference", "reference-cuda", "stock", "fast")
 @pytest.mark.parametrize("width", (512, 3072, 6144))
 @pytest.mark.parametrize("tokens", cases.ALL_BATCHES)
 def test_situ_and_mul(backend, width, tokens, seed, contract):

@@ -3,7 +3,8 @@
 * ``fast``: bit-identical to ``reference.emulation.rms_norm_tree`` (the kernel's own
   reduction tree and its correctly rounded sqrt and division); and within the derived
   bound of the exact FP64 RMSNorm, like any implementation;
-* ``stock`` (``torch.nn.functional.rms_norm`` in FP32) and ``reference``: within
+* ``stock`` (``torch.nn.functional.rms_norm`` in FP32) and ``reference`` (on the CPU, and
+  on CUDA tensors as ``reference-cuda``, whose library rsqrt differs): within
   ``verify.tolerances.rms_norm_relative_error`` of the exact value plus the final BF16
   rounding; the share of outputs that differ from the reference's bits is reported.
 """
@@ -38,7 +39,7 @@ def _run(backend, x, weight, eps):
     return rms_norm(x, weight, eps)
 
 
-@pytest.mark.backends("reference", "stock", "fast")
+@pytest.mark.backends("reference", "reference-cuda", "stock", "fast")
 @pytest.mark.parametrize("width", (512, 3584))
 @pytest.mark.parametrize("tokens", cases.ALL_BATCHES)
 def test_rms_norm(backend, width, tokens, seed, contract):

@@ -3,7 +3,8 @@
 * ``fast``: the CuTe DSL router equals ``reference.emulation.route`` (its own sigmoid, bit
   for bit) and routes like ``reference.router.route`` wherever the competing scores are
   farther apart than the sigmoid's error; flips inside it are counted.
-* ``stock``: ``torch.topk`` routing; ids accepted within the score bound, weights within
+* ``stock``: ``torch.topk`` routing, and ``reference-cuda`` (the reference router on CUDA
+  tensors, PyTorch's CUDA sigmoid): ids accepted within the score bound, weights within
   the derived weight bound on its own ids.
 """
 
@@ -80,14 +81,14 @@ def _check_against_reference(backend, cfg, logits, bias, contract):
                      index_names=IDS)
 
 
-@pytest.mark.backends("reference", "stock", "fast")
+@pytest.mark.backends("reference", "reference-cuda", "stock", "fast")
 @pytest.mark.parametrize("tokens", cases.ALL_BATCHES)
 def test_route(backend, tokens, seed, contract):
     cfg, _, logits, bias = _logits("small", tokens, seed, backend.device)
     _check_against_reference(backend, cfg, logits, bias, contract)
 
 
-@pytest.mark.backends("reference", "stock", "fast")
+@pytest.mark.backends("reference", "reference-cuda", "stock", "fast")
 @pytest.mark.parametrize("tokens", (1, 7, 64, 256))
 def test_route_ties(backend, tokens, seed, contract):
     cfg = cases.config("small")
