@@ -80,12 +80,11 @@ def test_ep_size_invariance(tokens, seed, contract):
     x = cases.hidden_rows(cfg, tokens, seed)
     one = dep_layer_virtual([x], w, cfg, front_splits=1, router_splits=1)[0]
     for n in (2, 4, 8, 16):
-        tr = dep_layer_virtual([x] * n, w, cfg, front_splits=1, router_splits=1)[n - 1]
+        traces = dep_layer_virtual([x] * n, w, cfg, front_splits=1, router_splits=1)
+        tr = traces[n - 1]
         contract.bitwise(tr.ids, one.ids, what=f"ids at EP{n}")
         contract.bitwise(tr.codes, one.codes, what=f"MXFP8 latent at EP{n}", index_names=ROWS)
-        per = cfg.experts // n
-        owner_of = tr.ids.long() // per
-        traces = dep_layer_virtual([x] * n, w, cfg, front_splits=1, router_splits=1)
+        owner_of = tr.ids.long() // (cfg.experts // n)
         rows_one = one.rows[:tokens]  # [T, k, L] at the single owner
         for o in range(n):
             local = owner_of == o

@@ -107,7 +107,7 @@ def test_wide_stages(config_name, ranks, tokens, seed, contract):
         expected[:, cols] = addmm(tr.shared[:, cols].contiguous(), tr.normed, w.up[cols])
         contract.bitwise(tr.hidden_partial, expected, what=f"rank {r} hidden partial",
                          index_names=ROWS)
-        act_r = torch.cat([s0.shared_act[:, r * s_n:(r + 1) * s_n]])
+        act_r = s0.shared_act[:, r * s_n:(r + 1) * s_n]
         down_r = w.shared_down[:, r * s_n:(r + 1) * s_n]
         contract.bounded(tr.shared, bounds.reference_matmul(act_r, down_r),
                          bounds.matmul_bf16_out_bound(act_r, down_r),
