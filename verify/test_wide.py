@@ -176,10 +176,10 @@ def test_mailbox_sentinel(ranks, seed, contract):
     def body(group):
         box = group.mailbox(8, cfg.latent, cfg.experts)
         box.publish(*shards[group.rank])
-        got = box.poll_logits(tokens, timeout=2.0), box.poll_latent(tokens, timeout=2.0)
+        got = box.poll_logits(tokens, timeout=10.0), box.poll_latent(tokens, timeout=10.0)
         return got, box.is_armed(slice(0, tokens))
 
-    results = run_virtual(ranks, body, timeout=10.0)
+    results = run_virtual(ranks, body, timeout=30.0)
     want_lat = torch.cat([lat for lat, _ in shards], 1)
     want_log = torch.cat([log for _, log in shards], 1)
     want_lat = torch.where(want_lat == 0, torch.zeros_like(want_lat), want_lat)  # -0 -> +0
