@@ -119,8 +119,8 @@ def expert_rows_mxfp8(
     k = config.top_k
     x = dequantize_mxfp8(codes, scales)  # [T, L] float32, exact
     flat = ids.reshape(-1).long()  # pair p = t*K + k
-    return pair_rows_fp32(x[torch.arange(t * k, device=codes.device) // k], flat, experts,
-                          config, shard=shard)
+    token_of_pair = torch.arange(t * k, device=codes.device) // k
+    return pair_rows_fp32(x, flat, experts, config, rows=token_of_pair, shard=shard)
 
 
 def pair_rows_fp32(
@@ -129,14 +129,17 @@ def pair_rows_fp32(
     experts: LatentMoEWeights,
     config: LatentMoEConfig,
     *,
+    rows: torch.Tensor | None = None,
     shard: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """The expert row of each (latent row, expert) pair — what a grouped-GEMM engine
     computes for a list of pairs, one pair per row (steps 2-6 above).
 
     Args:
-        x: [P, L] float32, the dequantized MXFP8 latent row of each pair (exact values).
+        x: [R, L] float32, dequantized MXFP8 latent rows (exact values).
         expert_ids: [P] int, each pair's expert.
+        rows: optional [P] int, each pair's row of `x` (default: pair p reads row p, R = P),
+            so a token's latent row is never copied once per slot.
         experts: the layer's weights; config: the layer config.
         shard: None or `(rank, ranks)`: this rank's TP slice of every expert.
 
@@ -146,11 +149,13 @@ def pair_rows_fp32(
     """
     w13_rows, w2_cols = shard_rows(config, shard)
     w13_rows_t = torch.tensor(w13_rows, device=x.device)
-    out = torch.zeros(x.shape[0], config.latent, dtype=torch.bfloat16, device=x.device)
+    out = torch.zeros(expert_ids.shape[0], config.latent, dtype=torch.bfloat16,
+                      device=x.device)
     for e in torch.unique(expert_ids).tolist():
         pairs = torch.nonzero(expert_ids == e).flatten()
         w13_full, w2_full = experts.expert_fp32(e)
-        h = matmul(x[pairs], w13_full[w13_rows_t], out_dtype=torch.float32)
+        xe = x[pairs] if rows is None else x[rows[pairs]]
+        h = matmul(xe, w13_full[w13_rows_t], out_dtype=torch.float32)
         a = situ_and_mul_fp32(h, beta=config.situ_beta, linear_beta=config.situ_linear_beta)
         a = dequantize_mxfp8(*quantize_mxfp8(a))
         w2 = w2_full[:, w2_cols].contiguous()
