@@ -30,6 +30,15 @@ def _model(config_name: str, backend):
 CONFIG_NAMES = pytest.mark.parametrize("config_name", ["small", "kimi_k3"])
 
 
+def _check_gemm(contract, out, a, b, *, what):
+    """``out`` (BF16 or FP32 ``a @ b^T``) within the FP32-accumulation bound of the
+    float64 product, plus the output rounding for a BF16 result."""
+    make = bounds.matmul_bf16_out_bound if out.dtype == torch.bfloat16 else \
+        bounds.matmul_fp32_out_bound
+    contract.bounded(out, bounds.reference_matmul(a, b), make(a, b), what=what,
+                     bound_name=GEMM_BOUND, index_names=TOKENS)
+
+
 @pytest.mark.backends("stock")
 @CONFIG_NAMES
 @pytest.mark.parametrize("tokens", cases.ALL_BATCHES)
@@ -37,10 +46,7 @@ def test_front_gemm(backend, config_name, tokens, seed, contract):
     """front = x @ [shared gate_up ; latent down]^T, BF16 out (one packed weight)."""
     cfg, w = _model(config_name, backend)
     x = cases.hidden_rows(cfg, tokens, seed, backend.device)
-    out = stock.mm_bf16(x, w.front)
-    contract.bounded(out, bounds.reference_matmul(x, w.front),
-                     bounds.matmul_bf16_out_bound(x, w.front),
-                     what="front GEMM", bound_name=GEMM_BOUND, index_names=TOKENS)
+    _check_gemm(contract, stock.mm_bf16(x, w.front), x, w.front, what="front GEMM")
 
 
 @pytest.mark.backends("stock")
@@ -50,10 +56,7 @@ def test_router_gemm(backend, config_name, tokens, seed, contract):
     """logits = x @ gate^T, FP32 out."""
     cfg, w = _model(config_name, backend)
     x = cases.hidden_rows(cfg, tokens, seed, backend.device)
-    out = stock.mm_fp32_out(x, w.gate)
-    contract.bounded(out, bounds.reference_matmul(x, w.gate),
-                     bounds.matmul_fp32_out_bound(x, w.gate),
-                     what="router logits", bound_name=GEMM_BOUND, index_names=TOKENS)
+    _check_gemm(contract, stock.mm_fp32_out(x, w.gate), x, w.gate, what="router logits")
 
 
 @pytest.mark.backends("stock")
@@ -66,10 +69,7 @@ def test_shared_down_gemm(backend, config_name, tokens, seed, contract):
     g = torch.Generator().manual_seed(seed)
     act = (torch.randn(tokens, cfg.shared_intermediate, generator=g) * 0.5)
     act = act.to(torch.bfloat16).to(backend.device)
-    out = stock.mm_bf16(act, w.shared_down)
-    contract.bounded(out, bounds.reference_matmul(act, w.shared_down),
-                     bounds.matmul_bf16_out_bound(act, w.shared_down),
-                     what="shared down GEMM", bound_name=GEMM_BOUND, index_names=TOKENS)
+    _check_gemm(contract, stock.mm_bf16(act, w.shared_down), act, w.shared_down, what="shared down GEMM")
 
 
 @pytest.mark.backends("stock")
