@@ -1,23 +1,24 @@
 """GPU timings of the memory-bound fast kernels beside the PyTorch op they replace, at the
 real widths (latent 3584, 896 experts, top-16, shared intermediate 6144).
 
-Each case reports the median kernel time from CUDA events with L2 flushed before every
-run (a 256 MiB write queued ahead of the start event, which also hides the host launch
-cost), GB/s from counted bytes (every input read once, every output written once), and
-the measured device-to-device copy bandwidth as the ceiling.
+Each case's pytest-benchmark statistics are the kernel's device time in seconds, one
+round per L2-flushed launch (``benchmarks.gpu_timing``). ``extra_info`` holds the counted
+bytes (every input read once, every output written once), GB/s and the fraction of the
+device-to-device copy bandwidth measured in the same session, and the PyTorch op's median
+device time under ``peers["torch"]``, timed the same way.
 
-    PYTHONPATH=. python3 -m pytest benchmarks/ --benchmark-json=benchmarks/results/h200.json
+    make bench                                # set up, run, save, compare (benchmarks/README.md)
+    python -m pytest benchmarks/bench_stages.py --benchmark-json=out.json   # the cases alone
 
-On a machine without a GPU every case is skipped with the reason. ``tests/gpu_selfcheck.py``
-uses the same cases and timer.
+On a machine without a GPU every case is skipped with the reason.
+``tests/gpu_selfcheck.py`` uses the same cases (``make_case``) and timer.
 """
-
-import statistics
-import time
 
 import pytest
 import torch
 
+from benchmarks import gpu_timing
+from benchmarks.gpu_timing import copy_bandwidth_gbs, host_us  # noqa: F401  (gpu_selfcheck)
 from fast import backend
 
 LATENT, EXPERTS, TOP_K, SHARED_I = 3584, 896, 16, 6144
@@ -25,57 +26,16 @@ BETA, LINEAR_BETA, EPS = 4.0, 25.0, 1e-5
 BATCHES = (1, 2, 3, 7, 16, 64, 65, 100, 256, 1024)
 BENCH_BATCHES = (1, 16, 64, 256, 1024)
 KERNELS = ("mx", "mx_swizzled", "router", "finalize", "activation", "norm")
-
-_FLUSH = {}
-
-
-def flush_l2(device="cuda"):
-    buf = _FLUSH.get(device)
-    if buf is None:
-        buf = _FLUSH[device] = torch.empty(256 << 20, dtype=torch.uint8, device=device)
-    buf.fill_(1)
+#: kernel -> (stage page it belongs to, variant)
+STAGE_OF = {"mx": ("mx", None), "mx_swizzled": ("mx", "swizzled"), "router": ("router", None),
+            "finalize": ("finalize", None), "activation": ("activation", None),
+            "norm": ("norm", None)}
 
 
 def gpu_time_us(fn, reps=30, warmup=3):
-    """Median microseconds of ``fn()`` by CUDA events, L2 flushed before each run.
-
-    A GPU-side spin (``torch.cuda._sleep``, ~0.5 ms) is queued after the flush and before
-    the start event, so the host finishes enqueueing ``fn`` (wrapper checks, pointer
-    wrapping, launch) before the start event fires: the figure is device time only."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        flush_l2()
-        torch.cuda._sleep(1_000_000)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
-
-
-def host_us(fn, reps=200):
-    """Host microseconds per call of ``fn`` (wrapper + launch), the device kept busy."""
-    fn()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(50_000_000)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return (t1 - t0) / reps * 1e6
-
-
-def copy_bandwidth_gbs(nbytes=2 << 30):
-    """Device-to-device copy bandwidth (bytes read + bytes written) in GB/s."""
-    a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    us = gpu_time_us(lambda: b.copy_(a), reps=10)
-    return 2 * nbytes / (us * 1e-6) / 1e9
+    """Median device microseconds of ``fn()``, L2 flushed before each run
+    (``gpu_timing.median_device_us``; kept under this name for ``tests/gpu_selfcheck.py``)."""
+    return gpu_timing.median_device_us(fn, reps=reps, warmup=warmup)
 
 
 def make_case(kernel, t, seed=0, device="cuda"):
@@ -145,9 +105,6 @@ def _torch_situ(h):
     return (BETA * torch.tanh(g / BETA) * torch.sigmoid(g) * (LINEAR_BETA * torch.tanh(u / LINEAR_BETA))).bfloat16()
 
 
-_KERNEL_OF = {"mx_swizzled": "mx"}
-
-
 def _skip_reason():
     ok, why = backend.device_supported()
     return None if ok else why
@@ -161,25 +118,18 @@ def copy_gbs():
     return copy_bandwidth_gbs()
 
 
-@pytest.mark.benchmark_gpu
-@pytest.mark.gpu
+@gpu_timing.device_timed
 @pytest.mark.parametrize("t", BENCH_BATCHES)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_stage(benchmark, kernel, t, copy_gbs):
+    """The fast kernel's device time (statistics) and the PyTorch op's (``peers``)."""
     why = _skip_reason()
     if why:
         pytest.skip(why)
     _, fast_fn, torch_fn, nbytes = make_case(kernel, t)
-    fast_us = gpu_time_us(fast_fn)
     torch_us = gpu_time_us(torch_fn)
-    benchmark.extra_info.update(
-        kernel=kernel, batch=t, bytes=nbytes, fast_us=fast_us, torch_us=torch_us,
-        fast_gbs=nbytes / (fast_us * 1e-6) / 1e9, torch_gbs=nbytes / (torch_us * 1e-6) / 1e9,
-        copy_gbs=copy_gbs, speedup=torch_us / fast_us, device=torch.cuda.get_device_name(),
-    )
-
-    def once():
-        fast_fn()
-        torch.cuda.synchronize()
-
-    benchmark.pedantic(once, rounds=20, warmup_rounds=2)
+    fast_us = gpu_timing.measure(benchmark, fast_fn)
+    stage, variant = STAGE_OF[kernel]
+    benchmark.extra_info.update(gpu_timing.bandwidth_info(
+        stage=stage, variant=variant, batch=t, nbytes=nbytes, device_us=fast_us,
+        copy_gbs=copy_gbs, peers={"torch": torch_us}))

@@ -1,9 +1,53 @@
-"""Collect ``bench_*.py`` here (pytest's default pattern only takes ``test_*.py``)."""
+"""pytest plumbing of the benchmarks (the conventions are in ``benchmarks/README.md``).
+
+* ``bench_*.py`` files are collected (pytest's default pattern only takes ``test_*.py``;
+  a file named on the command line pytest collects itself).
+* A case marked ``benchmark_gpu`` must be timed by ``gpu_timing.device_clock`` (decorate it
+  with ``gpu_timing.device_timed``): collection fails otherwise, so no GPU case can put
+  host wall time into the statistics.
+* Each saved result records the machine it ran on (``machine_info["machine"]``: the
+  directory of ``benchmarks/results/`` it belongs to; for a GPU run also the device,
+  torch, CUDA and CuTe DSL versions) and the commit it measured (``BENCH_COMMIT`` /
+  ``BENCH_DIRTY`` set by ``python -m benchmarks.run``, which names the file after them).
+"""
+
+from __future__ import annotations
+
+import os
 
 import pytest
 
+from benchmarks import gpu_timing, history
+
 
 def pytest_collect_file(file_path, parent):
+    if parent.session.isinitpath(file_path):
+        return None  # named on the command line: pytest collects it itself
     if file_path.suffix == ".py" and file_path.name.startswith("bench_"):
         return pytest.Module.from_parent(parent, path=file_path)
     return None
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("benchmark_gpu") is None:
+            continue
+        marker = item.get_closest_marker("benchmark")
+        if marker is None or marker.kwargs.get("timer") is not gpu_timing.device_clock:
+            raise pytest.UsageError(
+                f"{item.nodeid}: a benchmark_gpu case must be timed by the device clock "
+                "(decorate it with benchmarks.gpu_timing.device_timed and time it with "
+                "gpu_timing.measure)")
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    machine_info["machine"] = os.environ.get("BENCH_MACHINE", "unnamed (not run by benchmarks.run)")
+    machine_info.update(history.software_info())
+
+
+def pytest_benchmark_update_commit_info(config, commit_info):
+    commit = os.environ.get("BENCH_COMMIT")
+    if commit:
+        commit_info["id"] = commit
+        commit_info["dirty"] = os.environ.get("BENCH_DIRTY") == "1"
+        commit_info.pop("error", None)

@@ -1,0 +1,152 @@
+"""The benchmark history check: its rules on made-up runs, then the committed history of
+every machine (``benchmarks.history`` states the rules)."""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta, timezone
+
+import pytest
+
+from benchmarks import gpu_timing, history
+
+T0 = datetime(2026, 11, 30, 12, 0, 0, tzinfo=timezone.utc)
+CASE_A = "benchmarks/bench_x.py::test_x[a]"
+CASE_B = "benchmarks/bench_x.py::test_x[b]"
+
+
+def write_run(directory, minutes, commit, seconds_by_case, *, machine=None, dirty=False):
+    """A run file of pytest-benchmark's shape whose every statistic of a case is the
+    given seconds; returns its path."""
+    directory.mkdir(parents=True, exist_ok=True)
+    saved = T0 + timedelta(minutes=minutes)
+    benches = [{"fullname": case, "name": case.split("::")[1], "params": {}, "extra_info": {},
+                "stats": {"min": s, "max": s, "mean": s, "median": s, "stddev": 0.0,
+                          "rounds": 1}}
+               for case, s in seconds_by_case.items()]
+    data = {"machine_info": {"machine": machine or directory.name},
+            "commit_info": {"id": commit, "dirty": dirty}, "benchmarks": benches,
+            "datetime": saved.isoformat(), "version": "5.2.3"}
+    path = directory / history.run_file_name(saved, commit, dirty)
+    path.write_text(json.dumps(data))
+    return path
+
+
+@pytest.fixture
+def machine(tmp_path):
+    """A machine with two runs of unchanged code (its noise: 10% on case a, 4% on b) and
+    its noise.json."""
+    d = tmp_path / "gpu-x"
+    write_run(d, 0, "a" * 40, {CASE_A: 1.00e-5, CASE_B: 2.00e-5})
+    write_run(d, 1, "a" * 40, {CASE_A: 1.10e-5, CASE_B: 2.08e-5})
+    history.write_noise(d, history.measure_noise(history.load_history(d), "median"))
+    return d
+
+
+def test_run_file_name_round_trip(tmp_path):
+    path = write_run(tmp_path / "m", 5, "0123456789abcdef", {CASE_A: 1e-3}, dirty=True)
+    assert path.name == "20261130T120500Z_0123456789ab-dirty.json"
+    run = history.load_run(path)
+    assert (run.saved, run.commit, run.dirty, run.tag) == (
+        T0 + timedelta(minutes=5), "0123456789ab", True, None)
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda p: p.rename(p.with_name("latest.json")), "not a run file name"),
+    (lambda p: p.write_text("{"), "does not parse"),
+    (lambda p: p.write_text(json.dumps({"benchmarks": []})), "missing 'machine_info'"),
+    (lambda p: _edit(p, lambda d: d["benchmarks"][0]["stats"].pop("median")), "stats['median']"),
+    (lambda p: _edit(p, lambda d: d["commit_info"].update(id="ffff")), "the name says commit"),
+    (lambda p: _edit(p, lambda d: d["machine_info"].update(machine="h100")), "the directory is"),
+])
+def test_a_damaged_run_file_fails_the_check(machine, damage, message):
+    damage(sorted(machine.glob("2026*.json"))[-1])
+    with pytest.raises(history.HistoryError, match=message.replace("[", r"\[")):
+        history.check_machine(machine)
+
+
+def _edit(path, change):
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def test_noise_threshold_is_the_widest_spread_rounded_up(machine):
+    noise = history.load_noise(machine)
+    assert noise.spreads == pytest.approx({CASE_A: 10.0, CASE_B: 4.0})
+    assert noise.threshold_percent == 10 and noise.widest[0] == CASE_A
+
+
+def test_a_threshold_its_runs_do_not_give_fails_the_check(machine):
+    _edit(machine / "noise.json", lambda d: d.update(threshold_percent=50))
+    with pytest.raises(history.HistoryError, match="its runs give 10"):
+        history.check_machine(machine)
+
+
+def test_a_slowdown_beyond_the_threshold_fails_and_one_within_passes(machine):
+    write_run(machine, 2, "b" * 40, {CASE_A: 1.209e-5, CASE_B: 2.29e-5})  # +9.9%, +10.1%
+    check = history.check_machine(machine)
+    assert [c.case for c in check.slower] == [CASE_B] and not check.ok
+    assert "SLOWER" in check.report() and "+10.1%" in check.report()
+
+
+def test_an_accepted_slowdown_passes_with_its_reason_and_a_stale_entry_fails(machine):
+    newest = write_run(machine, 2, "b" * 40, {CASE_A: 2e-5, CASE_B: 2e-5})
+    entries = [{"run": newest.name, "cases": "*test_x[[]a]", "reason": "a does more work"}]
+    (machine / "accepted.json").write_text(json.dumps({"accepted": entries}))
+    check = history.check_machine(machine)
+    assert check.ok and [c.case for c, _ in check.accepted] == [CASE_A]
+    entries.append({"run": "20200101T000000Z_abcdefa.json", "cases": "*", "reason": "gone"})
+    (machine / "accepted.json").write_text(json.dumps({"accepted": entries}))
+    assert not history.check_machine(machine).ok
+
+
+def test_a_case_missing_from_the_newest_run_compares_its_own_last_two(machine):
+    write_run(machine, 2, "b" * 40, {CASE_A: 1.0e-5})
+    changes = {c.case: c for c in history.check_machine(machine).changes}
+    assert changes[CASE_B].newest.commit == "a" * 12 and changes[CASE_A].newest.commit == "b" * 12
+
+
+class _FakeEvent:
+    """A CUDA event on a made-up device clock (seconds advance by the enqueued work)."""
+
+    device_seconds = 0.0
+
+    def __init__(self, enable_timing):
+        self.at = None
+
+    def record(self):
+        self.at = _FakeEvent.device_seconds
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1e3  # milliseconds, as torch.cuda.Event
+
+
+def test_device_clock_differences_are_the_device_time_between_its_events(monkeypatch):
+    monkeypatch.setattr(gpu_timing.torch.cuda, "Event", _FakeEvent)
+    clock = gpu_timing.DeviceClock()
+    start = clock()
+    _FakeEvent.device_seconds += 3e-6  # the kernel
+    end = clock()
+    assert end - start == pytest.approx(3e-6)
+    start = clock()  # a second round starts a new pair
+    _FakeEvent.device_seconds += 5e-6
+    assert clock() - start == pytest.approx(5e-6)
+
+
+@pytest.mark.parametrize("machine_dir", history.machine_dirs(), ids=lambda d: d.name)
+def test_committed_history(machine_dir):
+    """Every committed run parses, the noise threshold is what its runs give, and no
+    case's newest result is slower than the one before beyond it without a reason."""
+    check = history.check_machine(machine_dir)
+    print(check.report())
+    assert check.ok, check.report()
+
+
+def test_the_gpu_history_is_committed():
+    """The parametrized check above needs machines to check (an empty parameter set
+    would only skip)."""
+    assert "h200" in [d.name for d in history.machine_dirs()]
