@@ -36,6 +36,31 @@ pytestmark = [pytest.mark.benchmark_cpu,
               pytest.mark.benchmark(timer=time.process_time, min_rounds=5, max_time=0.5)]
 
 
+#: glibc's ``M_MMAP_THRESHOLD`` and the largest value ``mallopt`` takes for it (64-bit),
+#: and ``M_TRIM_THRESHOLD`` (fixing the first would leave the heap trimmed at 128 KiB).
+M_MMAP_THRESHOLD, MMAP_THRESHOLD = -3, 32 << 20
+M_TRIM_THRESHOLD, TRIM_THRESHOLD = -1, 1 << 30
+
+
+@pytest.fixture(autouse=True, scope="module")
+def fixed_mmap_threshold():
+    """Fix glibc's mmap threshold at 32 MiB for the timings. Left dynamic, it moves with
+    the sizes the process has freed, so a temporary of 0.1-32 MiB comes from a fresh,
+    page-faulting mmap or from the reused heap depending on the cases run before: mx at
+    T=64 took 5.0, 5.5 and 1.5 ms in three otherwise identical runs. Larger buffers (the
+    float64 weight copies of the GEMMs) stay mmapped, as in any user's process."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError as error:
+        pytest.skip(f"not glibc ({error}): the CPU timings are only defined with it")
+    for option, value in ((M_MMAP_THRESHOLD, MMAP_THRESHOLD), (M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+        if libc.mallopt(option, value) != 1:
+            pytest.fail(f"mallopt({option}, {value}) was refused")
+    yield
+
+
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
     """Time on one CPU thread. With torch's default (one thread per core) every parallel
