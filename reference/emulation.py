@@ -32,6 +32,7 @@ __all__ = [
     "tanh_rn",
     "sigmoid_rn",
     "situ_and_mul",
+    "situ_and_mul_fp32",
     "router_scores",
     "route",
     "rms_norm_tree",
@@ -99,19 +100,29 @@ def sigmoid_rn(x: torch.Tensor) -> torch.Tensor:
     return _f32(1.0) / (_f32(1.0) + exp_rn(-x))
 
 
-def situ_and_mul(h: torch.Tensor, *, beta: float, linear_beta: float) -> torch.Tensor:
-    """``fast.activation.situ_and_mul`` bit-exactly: h BF16 [T, 2N] (gate | up) ->
-    BF16 [T, N] = bf16_rne(((beta * tanh(g / beta)) * sigmoid(g)) *
-    (linear_beta * tanh(u / linear_beta))), each operation one FP32 rounding."""
-    if h.dtype != torch.bfloat16 or h.dim() != 2 or h.shape[1] % 2:
-        raise ValueError(f"situ_and_mul: h must be BF16 [T, 2N], got {h.dtype} {tuple(h.shape)}")
+def situ_and_mul_fp32(h: torch.Tensor, *, beta: float, linear_beta: float) -> torch.Tensor:
+    """The kernels' SiTU-and-mul in FP32, unrounded (``fast.experts``' FC1 epilogue feeds
+    it to the MXFP8 re-quantization): h BF16 or FP32 [T, 2N] (gate | up) -> FP32 [T, N] =
+    ((beta * tanh_rn(g / beta)) * sigmoid_rn(g)) * (linear_beta * tanh_rn(u / linear_beta)),
+    each operation one FP32 rounding, on the CPU."""
+    if h.dtype not in (torch.bfloat16, torch.float32) or h.dim() != 2 or h.shape[1] % 2:
+        raise ValueError(f"situ_and_mul_fp32: h must be BF16/FP32 [T, 2N], got {h.dtype} "
+                         f"{tuple(h.shape)}")
     n = h.shape[1] // 2
     g = h[:, :n].float().cpu()
     u = h[:, n:].float().cpu()
     b, lb = _f32(beta), _f32(linear_beta)
     left = (b * tanh_rn(g / b)) * sigmoid_rn(g)
     right = lb * tanh_rn(u / lb)
-    return (left * right).to(torch.bfloat16)
+    return left * right
+
+
+def situ_and_mul(h: torch.Tensor, *, beta: float, linear_beta: float) -> torch.Tensor:
+    """``fast.activation.situ_and_mul`` bit-exactly: h BF16 [T, 2N] (gate | up) ->
+    BF16 [T, N]: ``situ_and_mul_fp32`` rounded once to BF16 (RNE)."""
+    if h.dtype != torch.bfloat16 or h.dim() != 2 or h.shape[1] % 2:
+        raise ValueError(f"situ_and_mul: h must be BF16 [T, 2N], got {h.dtype} {tuple(h.shape)}")
+    return situ_and_mul_fp32(h, beta=beta, linear_beta=linear_beta).to(torch.bfloat16)
 
 
 def router_scores(logits: torch.Tensor, bias: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

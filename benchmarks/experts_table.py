@@ -1,0 +1,253 @@
+"""The experts engine against its peers at the real dimensions, in one run (GPU node).
+
+    PYTHONPATH=.gpu/peers:. python3 -m benchmarks.experts_table --out results.json
+
+Cases (Kimi-K3 latent MoE, L = 3584, I = 3072, E = 896, top-16):
+
+* DEP16 rank: experts [0, 56) of a rank over ``16 T`` received rows, T = 1..64 tokens per
+  rank, uniform routing and a skewed one (Zipf-like popularity, exponent 1.0);
+* TP8 rank: all 896 experts, the intermediate slice [0, 384), 65..1024 rows.
+
+Contestants, each captured in a CUDA graph and timed by CUDA events around one replay,
+L2 flushed (a 256 MiB write) before every replay, median of ``--reps``:
+
+* ``engine``: ``fast.experts.ExpertsEngine`` (routing lists, plan, FC1, FC2);
+* ``triton_kernels``: OpenAI's ``matmul_ogs`` MXFP4 MoE (``benchmarks/peers/triton_moe``), at
+  ``num_warps`` 4 and 8 (the best is reported);
+* ``grouped_mm``: ``torch._grouped_mm`` on BF16-resident weights (rows sorted by expert);
+* the byte limit: touched experts x bytes per expert, at the read bandwidth measured in
+  the same run (a streaming read of 4 GiB with the engine's load instruction).
+
+Each figure is also stated as a fraction of the byte limit. The JSON holds every sample.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+L, I, E, K = 3584, 3072, 896, 16
+FLUSH_BYTES = 256 << 20
+
+
+def _flush(buf):
+    buf.fill_(1)
+
+
+def device_time_us(fn, *, reps: int, flush) -> list[float]:
+    """Per-replay device times (us) of ``fn`` (captured once in a CUDA graph), L2 flushed
+    before each replay."""
+    fn()  # warm-up (compiles, allocates)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        flush()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return times
+
+
+def read_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 20) -> float:
+    """Streaming read bandwidth (GB/s): ``benchmarks.readbw`` reads ``nbytes`` with the
+    engine's 16-byte non-allocating loads; median of ``reps``."""
+    from benchmarks import readbw
+
+    buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    out = torch.zeros(4096, dtype=torch.int32, device="cuda")
+    times = device_time_us(lambda: readbw.read(buf, out), reps=reps, flush=lambda: None)
+    return nbytes / (statistics.median(times) * 1e-6) / 1e9
+
+
+def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 20) -> float:
+    """Device-to-device copy bandwidth counting bytes read plus written (GB/s)."""
+    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    times = device_time_us(lambda: b.copy_(a), reps=reps, flush=lambda: None)
+    return nbytes / (statistics.median(times) * 1e-6) / 1e9
+
+
+def random_weights(device="cuda", seed=7):
+    """Uniformly random MXFP4 codes with scale codes 118..124 at the real dimensions."""
+    sys.path.insert(0, ".")
+    from verify.test_experts import code_weights
+
+    return code_weights("kimi_k3", device, seed)
+
+
+def routing(rows: int, seed: int, skew: float) -> torch.Tensor:
+    from reference.config import LatentMoEConfig
+    from verify.test_experts import routing as route
+
+    return route(LatentMoEConfig.kimi_k3(), rows, seed, skew=skew)
+
+
+class GroupedMM:
+    """``torch._grouped_mm`` experts over BF16-resident weights: rows sorted by expert,
+    FC1, SiTU (PyTorch ops), FC2, rows scattered back (the PyTorch path a user has)."""
+
+    def __init__(self, w13_bf16, w2_bf16, first: int, count: int):
+        self.w13 = w13_bf16.transpose(1, 2)  # [E_loc, L, 2I] (column-major views)
+        self.w2 = w2_bf16.transpose(1, 2)  # [E_loc, I, L]
+        self.first, self.count = first, count
+
+    def __call__(self, x, ids, weights=None):
+        flat = ids.reshape(-1).long() - self.first
+        local = (flat >= 0) & (flat < self.count)
+        key = torch.where(local, flat, torch.full_like(flat, self.count))
+        order = torch.argsort(key, stable=True)
+        counts = torch.zeros(self.count + 1, dtype=torch.int64, device=x.device)
+        counts = counts.scatter_add_(0, key, torch.ones_like(key))[: self.count]  # no host sync
+        offs = torch.cumsum(counts, 0).to(torch.int32)
+        rows = x[torch.div(order, K, rounding_mode="floor")]
+        h = torch._grouped_mm(rows, self.w13, offs=offs)
+        inter = h.shape[1] // 2
+        g, u = h[:, :inter].float(), h[:, inter:].float()
+        a = (4.0 * torch.tanh(g / 4.0) * torch.sigmoid(g) * (25.0 * torch.tanh(u / 25.0))).bfloat16()
+        y = torch._grouped_mm(a, self.w2, offs=offs)
+        out = torch.empty(ids.numel(), x.shape[1], dtype=torch.bfloat16, device=x.device)
+        out[order] = y
+        return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="experts_table.json")
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--dep-tokens", default="1,2,4,8,16,32,64")
+    ap.add_argument("--wide-rows", default="65,128,256,512,1024")
+    ap.add_argument("--skews", default="0,1.0")
+    ap.add_argument("--peers", default="triton,grouped_mm")
+    ap.add_argument("--windows", default="auto")
+    args = ap.parse_args(argv)
+
+    from fast.experts import ExpertsEngine, prepare_experts
+    from reference.mx import quantize_mxfp8
+
+    torch.manual_seed(0)
+    flush_buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    flush = lambda: _flush(flush_buf)  # noqa: E731
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "python": platform.python_version(), "cases": []}
+    t0 = time.time()
+    result["read_gbs"] = read_bandwidth_gbs()
+    result["copy_gbs"] = copy_bandwidth_gbs()
+    print(f"read {result['read_gbs']:.0f} GB/s, copy {result['copy_gbs']:.0f} GB/s", flush=True)
+    w = random_weights()
+    peers = [p for p in args.peers.split(",") if p]
+    triton = None
+    if "triton" in peers:
+        try:
+            from benchmarks.peers import triton_moe
+
+            ok, why = triton_moe.available()
+            triton = triton_moe if ok else None
+            if not ok:
+                print("triton_kernels unavailable:", why)
+            else:  # the weight conversion is right before anything is timed
+                for nw in (4, 8):
+                    print(f"triton check_fc1 num_warps={nw}:", triton_moe.check_fc1(num_warps=nw)["ok"], flush=True)
+        except Exception as error:  # reported in the table, not hidden
+            print("triton_kernels import failed:", repr(error))
+            result["triton_error"] = repr(error)
+
+    def run_mode(mode, first, count, shard, sizes, skews):
+        prepared = prepare_experts(w, "cuda", experts=(first, count), shard=shard)
+        per_expert = prepared.expert_bytes()
+        max_rows = max(sizes) * (16 if mode == "dep16" else 1)
+        engine = ExpertsEngine(prepared, max_rows=max_rows)
+        inter = I // shard[1]
+        lo = shard[0] * inter
+        sl = slice(first, first + count)
+        peers_built = {}
+        if triton is not None:
+            w13 = torch.cat([w.w13[sl, lo:lo + inter], w.w13[sl, I + lo:I + lo + inter]], 1)
+            s13 = torch.cat([w.w13_scales[sl, lo:lo + inter], w.w13_scales[sl, I + lo:I + lo + inter]], 1)
+            w2 = w.w2[sl, :, lo // 2:(lo + inter) // 2].contiguous()
+            s2 = w.w2_scales[sl, :, lo // 32:(lo + inter) // 32].contiguous()
+            for nw in (4, 8):
+                try:
+                    peers_built[f"triton_w{nw}"] = triton.TritonMoE(
+                        w13.contiguous(), s13.contiguous(), w2, s2, first=0, count=count,
+                        n_experts_total=E, num_warps=nw, device="cuda")
+                except Exception as error:
+                    print(f"triton num_warps={nw} build failed: {error!r}", flush=True)
+        if "grouped_mm" in peers:
+            from reference.mx import dequantize_mxfp4
+
+            w13b = torch.stack([torch.cat([
+                dequantize_mxfp4(w.w13[e, lo:lo + inter], w.w13_scales[e, lo:lo + inter]),
+                dequantize_mxfp4(w.w13[e, I + lo:I + lo + inter], w.w13_scales[e, I + lo:I + lo + inter]),
+            ]).bfloat16() for e in range(first, first + count)])
+            w2b = torch.stack([dequantize_mxfp4(w.w2[e, :, lo // 2:(lo + inter) // 2],
+                                                w.w2_scales[e, :, lo // 32:(lo + inter) // 32]).bfloat16()
+                               for e in range(first, first + count)])
+            peers_built["grouped_mm"] = GroupedMM(w13b, w2b, first, count)
+        for skew in skews:
+            for size in sizes:
+                rows = size * 16 if mode == "dep16" else size
+                ids = routing(rows, 1000 + rows, skew).cuda()
+                x = (torch.randn(rows, L, device="cuda") * 2).bfloat16()
+                rw = torch.rand(rows, K, device="cuda") + 0.01
+                rw = rw / rw.sum(1, keepdim=True)
+                codes, scales = quantize_mxfp8(x)
+                flat = ids.reshape(-1).long()
+                local = flat[(flat >= first) & (flat < first + count)]
+                touched = int(torch.unique(local).numel())
+                nbytes = touched * per_expert
+                limit_us = nbytes / (result["read_gbs"] * 1e9) * 1e6
+                case = {"mode": mode, "size": size, "rows": rows, "skew": skew,
+                        "pairs": int(local.numel()), "touched": touched, "bytes": nbytes,
+                        "limit_us": limit_us, "times": {}}
+                out = torch.empty(rows * K, L, dtype=torch.bfloat16, device="cuda")
+                win = None if args.windows == "auto" else int(args.windows)
+                engine(codes, scales, ids, out=out, windows=win)  # validate once
+                case["times"]["engine"] = device_time_us(
+                    lambda: engine(codes, scales, ids, out=out, windows=win, validate=False),
+                    reps=args.reps, flush=flush)
+                for name, peer in peers_built.items():
+                    try:
+                        case["times"][name] = device_time_us(lambda: peer(x, ids, rw), reps=args.reps, flush=flush)
+                    except Exception as error:
+                        case.setdefault("errors", {})[name] = repr(error)
+                        print(f"{name} failed at {mode} {size}: {error!r}", flush=True)
+                med = {k: statistics.median(v) for k, v in case["times"].items()}
+                case["median_us"] = med
+                line = f"{mode:5s} size {size:5d} skew {skew:3.1f} touched {touched:4d} limit {limit_us:7.1f}us"
+                for k, v in med.items():
+                    line += f" | {k} {v:7.1f}us ({limit_us / v:4.2f})"
+                print(line, flush=True)
+                result["cases"].append(case)
+        del engine, prepared, peers_built
+        torch.cuda.empty_cache()
+
+    skews = [float(s) for s in args.skews.split(",")]
+    if args.dep_tokens:
+        run_mode("dep16", 0, 56, (0, 1), [int(v) for v in args.dep_tokens.split(",")], skews)
+    if args.wide_rows:
+        run_mode("tp8", 0, 896, (0, 8), [int(v) for v in args.wide_rows.split(",")], [0.0])
+    result["wall_s"] = time.time() - t0
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

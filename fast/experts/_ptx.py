@@ -1,0 +1,183 @@
+"""The PTX instructions the experts engine issues, one helper each (CuTe DSL inline PTX).
+
+Addresses are plain integers: ``Int64`` generic/global addresses, ``Int32`` shared-window
+addresses (``Pointer.toint()`` of a shared-memory pointer), so the kernels do their own
+index arithmetic and every access is exactly the instruction named here.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+__all__ = [
+    "ldg_stream_v4", "ldg_u32", "ldg_u16", "ldg_u8", "ldg_i32", "ldg_v2",
+    "stg_u16", "stg_u8", "stg_f32", "stg_i32", "stg_v4",
+    "cp_async_16", "lds_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
+    "mma_bf16", "rotr", "prmt", "mul_bf16x2", "atomic_add", "atomic_max", "shfl_xor", "shfl_up",
+    "e4m3x2_to_f32", "f32x2_to_e4m3x2", "f32_to_bf16_bits",
+]
+
+
+def _asm(code, outs, ins):
+    return cute.arch.inline_ptx(code, write_only_types=outs, read_only_args=ins)
+
+
+# --- global memory ------------------------------------------------------------------
+
+
+def ldg_stream_v4(address):
+    """Four words from a 16-byte aligned global address, streamed: read once, not kept
+    in L1 (``ld.global.nc.L1::no_allocate.v4.u32``)."""
+    return _asm("ld.global.nc.L1::no_allocate.v4.u32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+                [Uint32] * 4, [Int64(address)])
+
+
+def ldg_v2(address):
+    """Two words from an 8-byte aligned global address (``ld.global.nc.v2.u32``)."""
+    return _asm("ld.global.nc.v2.u32 { {$w0}, {$w1} }, [{$r0}];", [Uint32] * 2, [Int64(address)])
+
+
+def ldg_u32(address):
+    return _asm("ld.global.nc.u32 {$w0}, [{$r0}];", [Uint32], [Int64(address)])
+
+
+def ldg_u16(address):
+    """A zero-extended 16-bit global load (``ld.global.nc.u16``)."""
+    return _asm("{ .reg .b16 t; ld.global.nc.u16 t, [{$r0}]; cvt.u32.u16 {$w0}, t; }",
+                [Uint32], [Int64(address)])
+
+
+def ldg_u8(address):
+    return _asm("{ .reg .b16 t; ld.global.nc.u8 t, [{$r0}]; cvt.u32.u16 {$w0}, t; }",
+                [Uint32], [Int64(address)])
+
+
+def ldg_i32(address):
+    """A coherent 32-bit global load (``ld.global.s32``: data another kernel or CTA wrote)."""
+    return _asm("ld.global.s32 {$w0}, [{$r0}];", [Int32], [Int64(address)])
+
+
+def stg_u16(address, value):
+    _asm("{ .reg .b16 t; cvt.u16.u32 t, {$r1}; st.global.u16 [{$r0}], t; }", [],
+         [Int64(address), Uint32(value)])
+
+
+def stg_u8(address, value):
+    _asm("{ .reg .b16 t; cvt.u16.u32 t, {$r1}; st.global.u8 [{$r0}], t; }", [],
+         [Int64(address), Uint32(value)])
+
+
+def stg_f32(address, value):
+    _asm("st.global.f32 [{$r0}], {$r1};", [], [Int64(address), Float32(value)])
+
+
+def stg_i32(address, value):
+    _asm("st.global.s32 [{$r0}], {$r1};", [], [Int64(address), Int32(value)])
+
+
+def stg_v4(address, words):
+    _asm("st.global.v4.u32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };", [],
+         [Int64(address)] + [Uint32(w) for w in words])
+
+
+def atomic_add(address, value):
+    """``atom.global.add.s32``: the old value."""
+    return _asm("atom.global.add.s32 {$w0}, [{$r0}], {$r1};", [Int32], [Int64(address), Int32(value)])
+
+
+def atomic_max(address, value):
+    _asm("{ .reg .s32 t; atom.global.max.s32 t, [{$r0}], {$r1}; }", [], [Int64(address), Int32(value)])
+
+
+# --- shared memory ------------------------------------------------------------------
+
+
+def cp_async_16(smem_address, global_address, valid):
+    """Copy 16 bytes global -> shared, bypassing L1 (``cp.async.cg``); ``valid`` false
+    fills the 16 bytes with zeros and reads nothing."""
+    size = cutlass.select_(valid, Int32(16), Int32(0))
+    _asm("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};", [],
+         [Int32(smem_address), Int64(global_address), Int32(size)])
+
+
+def lds_v4(smem_address):
+    return _asm("ld.shared.v4.u32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];", [Uint32] * 4,
+                [Int32(smem_address)])
+
+
+def sts_f32(smem_address, value):
+    _asm("st.shared.f32 [{$r0}], {$r1};", [], [Int32(smem_address), Float32(value)])
+
+
+def lds_f32(smem_address):
+    return _asm("ld.shared.f32 {$w0}, [{$r0}];", [Float32], [Int32(smem_address)])
+
+
+def sts_i32(smem_address, value):
+    _asm("st.shared.s32 [{$r0}], {$r1};", [], [Int32(smem_address), Int32(value)])
+
+
+def lds_i32(smem_address):
+    return _asm("ld.shared.s32 {$w0}, [{$r0}];", [Int32], [Int32(smem_address)])
+
+
+# --- arithmetic ---------------------------------------------------------------------
+
+
+def mma_bf16(a, b, c):
+    """``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``: a 4 words, b 2 words, c 4
+    FP32 accumulators; returns the 4 new accumulators."""
+    return _asm(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{ {$w0}, {$w1}, {$w2}, {$w3} }, { {$r0}, {$r1}, {$r2}, {$r3} }, "
+        "{ {$r4}, {$r5} }, { {$r6}, {$r7}, {$r8}, {$r9} };",
+        [Float32] * 4, [Uint32(x) for x in a] + [Uint32(x) for x in b] + [Float32(x) for x in c])
+
+
+def rotr(word, n: int):
+    """Rotate right by the constant ``n`` (``shf.r.wrap.b32``)."""
+    return _asm(f"shf.r.wrap.b32 {{$w0}}, {{$r0}}, {{$r0}}, {n};", [Uint32], [Uint32(word)])
+
+
+def prmt(a, b, selector: int):
+    """``prmt.b32``: byte permute of {b, a} by the constant selector."""
+    return _asm(f"prmt.b32 {{$w0}}, {{$r0}}, {{$r1}}, {selector:#x};", [Uint32],
+                [Uint32(a), Uint32(b)])
+
+
+def mul_bf16x2(a, b):
+    """Two BF16 products, each rounded to nearest even (``mul.rn.bf16x2``)."""
+    return _asm("mul.rn.bf16x2 {$w0}, {$r0}, {$r1};", [Uint32], [Uint32(a), Uint32(b)])
+
+
+def shfl_xor(value, mask: int):
+    """The value of lane ``lane ^ mask`` (``shfl.sync.bfly.b32``, full warp)."""
+    return _asm(f"shfl.sync.bfly.b32 {{$w0}}, {{$r0}}, {mask}, 31, -1;", [Uint32], [Uint32(value)])
+
+
+def e4m3x2_to_f32(word16):
+    """The two E4M3 codes in the low 16 bits of ``word16`` as FP32 (exact, via f16)."""
+    return _asm(
+        "{ .reg .b16 lo, hi, x; .reg .b32 h2; cvt.u16.u32 x, {$r0}; "
+        "cvt.rn.f16x2.e4m3x2 h2, x; mov.b32 {lo, hi}, h2; "
+        "cvt.f32.f16 {$w0}, lo; cvt.f32.f16 {$w1}, hi; }",
+        [Float32, Float32], [Uint32(word16)])
+
+
+def f32x2_to_e4m3x2(lo, hi):
+    """Two FP32 values to E4M3 codes (RNE, saturating to ±448), ``lo`` in bits 0-7."""
+    return _asm("{ .reg .b16 t; cvt.rn.satfinite.e4m3x2.f32 t, {$r1}, {$r0}; cvt.u32.u16 {$w0}, t; }",
+                [Uint32], [Float32(lo), Float32(hi)])
+
+
+def f32_to_bf16_bits(value):
+    """BF16 bits (RNE; overflow to inf) of an FP32 value, in the low 16 bits."""
+    return _asm("{ .reg .b16 t; cvt.rn.bf16.f32 t, {$r0}; cvt.u32.u16 {$w0}, t; }",
+                [Uint32], [Float32(value)])
+
+
+def shfl_up(value, delta: int):
+    """The value of lane ``lane - delta`` (own value for lanes below ``delta``)."""
+    return _asm(f"shfl.sync.up.b32 {{$w0}}, {{$r0}}, {delta}, 0, -1;", [Uint32], [Uint32(value)])

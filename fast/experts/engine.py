@@ -1,0 +1,258 @@
+"""Host side of the experts engine: buffers allocated once, kernels compiled once per
+geometry and window count, four launches per call, errors raised before or right after
+the launches (never a silent wrong row)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from fast import backend
+from fast.experts.layout import PreparedExperts
+
+__all__ = ["ExpertsEngine", "Capture", "EngineError", "choose_windows"]
+
+_TOP_K = 16
+
+
+class EngineError(ValueError):
+    """A bad routing entry found by the engine's routing-lists kernel."""
+
+
+@dataclasses.dataclass
+class Capture:
+    """The engine's intermediates of one call, per pair ``p = row * top_k + k`` (rows of
+    pairs this rank did not compute are NaN / 0xFF):
+
+    * ``fc1``: FP32 ``[R*K, 2 I_s]`` FC1 outputs (gate columns, then up columns);
+    * ``codes``: uint8 ``[R*K, I_s]`` E4M3 codes of the re-quantized SiTU output;
+    * ``scales``: uint8 ``[R*K, I_s/32]`` their E8M0 scales.
+    """
+
+    fc1: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+
+def choose_windows(rows: int, top_k: int, experts: int) -> int:
+    """Windows of 8 tokens per work item: enough for the average expert's tokens
+    (``rows * top_k / experts`` under uniform routing) in one pass over its weights, at
+    most 4 (registers)."""
+    tokens = rows * top_k / experts
+    return 1 if tokens <= 8 else 2 if tokens <= 16 else 4
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(kind: str, arch: str, params: tuple):
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+
+    from fast.experts import kernels
+
+    kw = dict(params)
+    if kind == "lists":
+        obj = kernels.RoutingListsKernel(**kw)
+        args = [Int64(0)] * 6 + [Int32(1), Int32(1)]
+    elif kind == "plan":
+        obj = kernels.PlanKernel(**kw)
+        args = [Int64(0)]
+    else:
+        obj = kernels.ExpertsGemmKernel(**kw)
+        args = [Int64(0)] * 9 + [Int32(1), Int32(1)]
+    return cute.compile(obj, *args, backend._fake_stream(), options=f"--gpu-arch {arch}")
+
+
+def compile_all(prepared_geometry, config, *, windows: int, arch: str, capture: bool = False,
+                strict: bool = False):
+    """Compile the four kernels of one geometry for ``arch`` (no GPU needed)."""
+    return [_compiled(kind, arch, params) for kind, params in
+            _kernel_params(prepared_geometry, config, windows, capture, strict).items()]
+
+
+def _kernel_params(g, config, windows: int, capture: bool, strict: bool) -> dict:
+    common = dict(inter=g.inter, latent=g.latent, count=g.count, windows=windows,
+                  top_k=config.top_k, capture=capture)
+    return {
+        "lists": tuple(sorted(dict(latent=g.latent, top_k=config.top_k, experts=config.experts,
+                                   first=g.first, count=g.count, strict=strict).items())),
+        "plan": tuple(sorted(dict(count=g.count, windows=windows).items())),
+        "fc1": tuple(sorted(dict(common, fc1=True, rows=2 * g.inter, k=g.latent,
+                                 beta=float(config.situ_beta),
+                                 linear_beta=float(config.situ_linear_beta)).items())),
+        "fc2": tuple(sorted(dict(common, fc1=False, rows=g.latent, k=g.inter,
+                                 capture=False).items())),
+    }
+
+
+class ExpertsEngine:
+    """The routed experts of one rank (``fast.experts``), reusable across calls.
+
+    Args:
+        prepared: ``prepare_experts(...)`` on a CUDA device (DEP owner: the local experts;
+            wide: every expert's TP slice).
+        max_rows: the most rows (received rows / tokens) one call may have; buffers are
+            sized for it once.
+        strict: a pair whose expert is not local is an error (DEP owners whose dispatch
+            should only send local pairs); default: skipped.
+    """
+
+    def __init__(self, prepared: PreparedExperts, *, max_rows: int, strict: bool = False):
+        if not isinstance(prepared, PreparedExperts):
+            raise TypeError(f"ExpertsEngine: prepared must be PreparedExperts, got {type(prepared).__name__}")
+        if not prepared.device.type == "cuda":
+            raise ValueError(f"ExpertsEngine: prepared experts must be on a CUDA device, got {prepared.device}")
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"ExpertsEngine: max_rows must be a positive int, got {max_rows!r}")
+        ok, why = backend.device_supported()
+        if not ok:
+            raise RuntimeError(f"ExpertsEngine: the fast kernels cannot run here: {why}")
+        from fast.experts.kernels import Workspace
+
+        self.prepared, self.max_rows, self.strict = prepared, max_rows, strict
+        self.config, self.geometry = prepared.config, prepared.geometry
+        self.device = prepared.device
+        self.arch = backend.device_arch(self.device)
+        g, dev = self.geometry, self.device
+        self.layout = Workspace(g.count)
+        self.work = torch.zeros(self.layout.words, dtype=torch.int32, device=dev)
+        self.lists = torch.empty(g.count, max_rows, dtype=torch.int32, device=dev)
+        self.plan = torch.empty(max_rows, g.latent, dtype=torch.bfloat16, device=dev)
+        self.hidden = torch.empty(max_rows * _TOP_K, g.inter, dtype=torch.bfloat16, device=dev)
+        self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self._null = torch.zeros(16, dtype=torch.uint8, device=dev)
+
+    # -- checks -----------------------------------------------------------------------
+
+    def _check(self, codes, scales, ids, out):
+        g, c, dev = self.geometry, self.config, self.device
+        for name, t in (("codes", codes), ("scales", scales), ("ids", ids)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"ExpertsEngine: {name} must be a torch.Tensor")
+            if t.device != dev:
+                raise ValueError(f"ExpertsEngine: {name} is on {t.device}, the experts on {dev}")
+            if not t.is_contiguous():
+                raise ValueError(f"ExpertsEngine: {name} must be contiguous")
+        if codes.dtype != torch.float8_e4m3fn or codes.dim() != 2 or codes.shape[1] != g.latent:
+            raise ValueError(f"ExpertsEngine: codes must be float8_e4m3fn [R, L={g.latent}], got "
+                             f"{codes.dtype} {tuple(codes.shape)}")
+        rows = codes.shape[0]
+        if rows > self.max_rows:
+            raise ValueError(f"ExpertsEngine: {rows} rows > max_rows={self.max_rows} the engine "
+                             "was built for")
+        if scales.dtype != torch.uint8 or tuple(scales.shape) != (rows, g.latent // 32):
+            raise ValueError(f"ExpertsEngine: scales must be uint8 [R, L/32] = [{rows}, "
+                             f"{g.latent // 32}], got {scales.dtype} {tuple(scales.shape)}")
+        if ids.dtype != torch.int32 or tuple(ids.shape) != (rows, c.top_k):
+            raise ValueError(f"ExpertsEngine: ids must be int32 [R, top_k] = [{rows}, {c.top_k}], "
+                             f"got {ids.dtype} {tuple(ids.shape)}")
+        if codes.data_ptr() % 16:
+            raise ValueError("ExpertsEngine: codes must be 16-byte aligned")
+        if out is not None:
+            if (not isinstance(out, torch.Tensor) or out.dtype != torch.bfloat16
+                    or tuple(out.shape) != (rows * c.top_k, g.latent) or not out.is_contiguous()
+                    or out.device != dev):
+                raise ValueError(f"ExpertsEngine: out must be contiguous bfloat16 [R*K, L] = "
+                                 f"[{rows * c.top_k}, {g.latent}] on {dev}")
+        return rows
+
+    # -- the call ---------------------------------------------------------------------
+
+    def __call__(self, codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, *,
+                 out: torch.Tensor | None = None, windows: int | None = None,
+                 validate: bool = True, capture: bool = False):
+        """Every local pair's expert row.
+
+        Args:
+            codes: float8_e4m3fn ``[R, L]`` MXFP8 latent rows (received rows in DEP, the
+                plan rows in wide); scales: uint8 ``[R, L/32]`` their E8M0 scales.
+            ids: int32 ``[R, top_k]`` global expert ids of each row's pairs.
+            out: optional BF16 ``[R*K, L]`` output (rows of pairs that are not local are
+                left untouched); default a new NaN-filled tensor.
+            windows: windows of 8 tokens per work item (default ``choose_windows``).
+            validate: read the kernels' error word after the call (one synchronization)
+                and raise ``EngineError`` for an id outside ``[0, E)``, a routing list over
+                its capacity, or (strict) a non-local expert. Pass False inside CUDA-graph
+                capture and call ``check()`` later.
+            capture: also return the intermediates (``Capture``; for verification).
+
+        Returns:
+            ``out``, or ``(out, Capture)`` with ``capture``.
+        """
+        rows = self._check(codes, scales, ids, out)
+        c, g = self.config, self.geometry
+        if out is None:
+            out = torch.full((rows * c.top_k, g.latent), float("nan"), dtype=torch.bfloat16,
+                             device=self.device)
+        if rows == 0:
+            return (out, self._capture_buffers(0)) if capture else out
+        windows = windows or choose_windows(rows, c.top_k, c.experts)
+        if windows not in (1, 2, 4):
+            raise ValueError(f"ExpertsEngine: windows must be 1, 2 or 4, got {windows}")
+        params = _kernel_params(g, c, windows, capture, self.strict)
+        fn = {kind: _compiled(kind, self.arch, p) for kind, p in params.items()}
+        cap = self._capture_buffers(rows) if capture else None
+        i64, i32 = _i64, _i32
+        stream = backend.stream(self.device)
+        work = i64(self.work)
+        fn["lists"](i64(ids), i64(codes), i64(scales), i64(self.plan), i64(self.lists), work,
+                    i32(rows), i32(self.max_rows), stream)
+        fn["plan"](work, stream)
+        grid = i32(self.grid(windows))
+        null = i64(self._null)
+        p = self.prepared
+        fn["fc1"](i64(p.w13), i64(p.s13), i64(self.plan), i64(self.lists), work, i64(self.hidden),
+                  *(i64(t) for t in ((cap.fc1, cap.codes, cap.scales) if cap else (self._null,) * 3)),
+                  i32(self.max_rows), grid, stream)
+        fn["fc2"](i64(p.w2), i64(p.s2), i64(self.hidden), i64(self.lists), work, i64(out),
+                  null, null, null, i32(self.max_rows), grid, stream)
+        if validate:
+            self.check()
+        return (out, cap) if capture else out
+
+    def grid(self, windows: int) -> int:
+        """Persistent CTAs of the FC kernels: 4 per multiprocessor (128 threads, at most
+        128 registers each)."""
+        return 4 * self.sms
+
+    def check(self) -> None:
+        """Raise ``EngineError`` if a call since the last check met a bad routing entry
+        (synchronizes the device), and clear the error."""
+        from fast.experts.kernels import ERROR_ID_RANGE, ERROR_LIST_OVERFLOW
+
+        at = self.layout.error
+        code, pair, value = (int(v) for v in self.work[at:at + 3].tolist())
+        if code == 0:
+            return
+        self.work[at:at + 3] = 0
+        k = self.config.top_k
+        where = f"ids[{pair // k}, {pair % k}] = {value}"
+        if code == ERROR_ID_RANGE:
+            raise EngineError(f"ExpertsEngine: {where} is outside [0, experts={self.config.experts})")
+        if code == ERROR_LIST_OVERFLOW:
+            raise EngineError(f"ExpertsEngine: {where}: expert {value}'s routing list is over its "
+                              f"capacity {self.max_rows} (a row names the same expert twice?)")
+        g = self.geometry
+        raise EngineError(f"ExpertsEngine: {where} is not a local expert [{g.first}, "
+                          f"{g.first + g.count}) and the engine is strict")
+
+    def _capture_buffers(self, rows: int) -> Capture:
+        g, k, dev = self.geometry, self.config.top_k, self.device
+        return Capture(
+            fc1=torch.full((rows * k, 2 * g.inter), float("nan"), dtype=torch.float32, device=dev),
+            codes=torch.full((rows * k, g.inter), 0xFF, dtype=torch.uint8, device=dev),
+            scales=torch.full((rows * k, g.inter // 32), 0xFF, dtype=torch.uint8, device=dev),
+        )
+
+
+def _i64(t: torch.Tensor):
+    from cutlass import Int64
+
+    return Int64(t.data_ptr())
+
+
+def _i32(v: int):
+    from cutlass import Int32
+
+    return Int32(int(v))

@@ -1,0 +1,598 @@
+"""CuTe DSL kernels of the experts engine (the pipeline is described in ``fast.experts``).
+
+Every kernel takes raw device addresses (``Int64``) and run-time sizes (``Int32``); the
+widths, the tile shape and the window count are compile-time constants of the kernel
+object, so one compile serves every batch of one geometry.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from fast import _cute as h
+from fast.experts import _ptx as p
+from fast.experts.layout import CHUNK, DECODE_MASK, PAIR3_GATHER, PAIR3_MULTIPLIER, chunks_per_stage
+
+__all__ = ["WINDOW", "Workspace", "RoutingListsKernel", "PlanKernel", "ExpertsGemmKernel"]
+
+#: Tokens per window: the N of ``mma.m16n8k16``.
+WINDOW = 8
+#: Error codes the routing-lists kernel records (``Workspace.error``).
+ERROR_ID_RANGE, ERROR_LIST_OVERFLOW, ERROR_NOT_LOCAL = 1, 2, 3
+
+
+class Workspace:
+    """Offsets (int32 words) of the engine's per-rank work table for ``experts`` local
+    experts:
+
+    * ``wgp``: ``experts + 1`` prefix sums of each expert's window groups (items per tile);
+    * ``offs``: ``experts + 1`` prefix sums of each expert's pair count (its first row in
+      the FC1 -> FC2 hidden buffer);
+    * ``count``: ``experts`` pair counts of this call;
+    * ``claim``: the FC1 and FC2 work counters;
+    * ``error``: code, pair index, value of a bad routing entry (0: none);
+    * ``live``: ``experts`` counters the routing-lists kernel increments; the plan kernel
+      copies them into ``count`` and re-arms them to 0 for the next call.
+    """
+
+    def __init__(self, experts: int):
+        self.experts = experts
+        self.wgp = 0
+        self.offs = experts + 1
+        self.count = 2 * experts + 2
+        self.claim = 3 * experts + 2
+        self.error = 3 * experts + 4
+        self.live = 3 * experts + 8
+        self.words = 4 * experts + 8
+
+
+def _pow2_bits(code):
+    """FP32 bits of 2^(code - 127) for an E8M0 code 0..254 (code 0: the subnormal 2^-127)."""
+    return cutlass.select_(code == Uint32(0), Uint32(0x00400000), Uint32(code) << Uint32(23))
+
+
+class RoutingListsKernel:
+    """Routing lists and plan rows of one call, one CTA of 128 threads per received row.
+
+    Algorithm (CTA ``r``):
+
+    1. threads ``k < top_k``: ``e = ids[r, k]``; out of ``[0, experts)`` -> error 1; a local
+       expert (``first <= e < first + count``) claims ``slot = atomicAdd(live[e - first])``
+       and writes the pair ``r * top_k + k`` to ``lists[e - first, slot]`` (``slot >=
+       capacity`` -> error 2); a non-local expert in strict mode -> error 3. The order of a
+       list is the order of the claims; no output bit depends on it (each pair's row is
+       computed alone).
+    2. all threads: the row's MXFP8 latent (E4M3 codes ``[L]``, E8M0 scales ``[L/32]``)
+       dequantized to BF16 plan row ``r`` (the B operand FC1 gathers): each value
+       ``e4m3 * 2^(s - 127)`` computed exactly in FP32 and rounded to BF16, which is exact
+       for scale codes 3..246 (module ``fast.experts``: exactness range).
+
+    Constraints: ``L % 256 == 0``; ids int32 ``[R, top_k]``; codes ``[R, L]``; scales
+    ``[R, L/32]``; plan BF16 ``[R, L]``; lists int32 ``[count, capacity]``.
+    """
+
+    def __init__(self, latent: int, top_k: int, experts: int, first: int, count: int,
+                 strict: bool):
+        self.latent, self.top_k, self.experts = latent, top_k, experts
+        self.first, self.count, self.strict = first, count, strict
+        self.ws = Workspace(count)
+
+    @cute.jit
+    def __call__(self, ids: Int64, codes: Int64, scales: Int64, plan: Int64, lists: Int64,
+                 work: Int64, rows: Int32, capacity: Int32, stream):
+        self.kernel(ids, codes, scales, plan, lists, work, capacity).launch(
+            grid=(rows, 1, 1), block=(128, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, ids: Int64, codes: Int64, scales: Int64, plan: Int64, lists: Int64,
+               work: Int64, capacity: Int32):
+        tid = cute.arch.thread_idx()[0]
+        row = cute.arch.block_idx()[0]
+        top_k: cutlass.Constexpr = self.top_k
+        latent: cutlass.Constexpr = self.latent
+        ws = self.ws
+        if tid < top_k:
+            pair = row * top_k + tid
+            expert = p.ldg_i32(ids + Int64(pair) * 4)
+            outside = (expert < 0) | (expert >= self.experts)
+            if outside:
+                self._error(work, ERROR_ID_RANGE, pair, expert)
+            else:
+                local = expert - self.first
+                mine = (local >= 0) & (local < self.count)
+                if mine:
+                    slot = p.atomic_add(work + Int64(ws.live + local) * 4, 1)
+                    if slot < capacity:
+                        p.stg_i32(lists + (Int64(local) * Int64(capacity) + Int64(slot)) * 4, pair)
+                    else:
+                        self._error(work, ERROR_LIST_OVERFLOW, pair, expert)
+                elif cutlass.const_expr(self.strict):
+                    self._error(work, ERROR_NOT_LOCAL, pair, expert)
+        granules: cutlass.Constexpr = latent // 8
+        for i in cutlass.range_constexpr((granules + 127) // 128):
+            g = tid + 128 * i
+            if g < granules:
+                base = Int64(row) * latent + g * 8
+                got = p.ldg_v2(codes + base)
+                scale = p.ldg_u8(scales + Int64(row) * (latent // 32) + g // 4)
+                factor = h.from_bits(_pow2_bits(scale))
+                out = []
+                for w in got:
+                    for half in cutlass.range_constexpr(2):
+                        lo, hi = p.e4m3x2_to_f32(w >> Uint32(16 * half))
+                        out.append(h.pack_bf16x2(h.fmul(lo, factor), h.fmul(hi, factor)))
+                p.stg_v4(plan + base * 2, out)
+
+    @cute.jit
+    def _error(self, work: Int64, code: int, pair, value):
+        ws = self.ws
+        p.atomic_max(work + ws.error * 4, code)
+        p.stg_i32(work + (ws.error + 1) * 4, pair)
+        p.stg_i32(work + (ws.error + 2) * 4, value)
+
+
+class PlanKernel:
+    """Windows and work items of one call: one CTA, one thread per local expert.
+
+    Thread ``e``: ``c = live[e]``, ``live[e] = 0`` (re-armed for the next call), window
+    groups ``wg = ceil(c / (8 W))``; block-wide inclusive scans (warp shuffles, then the
+    warp totals in order) give ``wgp`` and ``offs``; thread 0 zeroes both work counters.
+    The FC kernels' items are ``(expert, tile, window group)`` in that order: item ``i``
+    belongs to the expert with ``tiles * wgp[e] <= i < tiles * wgp[e + 1]``.
+
+    Constraint: at most 1024 local experts.
+    """
+
+    def __init__(self, count: int, windows: int):
+        self.count, self.windows = count, windows
+        self.threads = max(32, (count + 31) // 32 * 32)
+        self.ws = Workspace(count)
+
+    @cute.jit
+    def __call__(self, work: Int64, stream):
+        self.kernel(work).launch(grid=(1, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, work: Int64):
+        tid = cute.arch.thread_idx()[0]
+        lane = tid % 32
+        warp = tid // 32
+        ws = self.ws
+        per_group: cutlass.Constexpr = WINDOW * self.windows
+        nwarps: cutlass.Constexpr = self.threads // 32
+        smem = cute.arch.alloc_smem(Int32, 2 * 32, alignment=16).toint()
+        c = Int32(0)
+        if tid < self.count:
+            c = p.ldg_i32(work + Int64(ws.live + tid) * 4)
+            p.stg_i32(work + Int64(ws.live + tid) * 4, 0)
+        wg = (c + per_group - 1) // per_group
+        sc, sw = c, wg
+        for o in cutlass.range_constexpr(5):
+            d = 1 << o
+            uc = Int32(p.shfl_up(Uint32(sc), d))
+            uw = Int32(p.shfl_up(Uint32(sw), d))
+            if lane >= d:
+                sc = sc + uc
+                sw = sw + uw
+        if lane == 31:
+            p.sts_i32(smem + warp * 8, sc)
+            p.sts_i32(smem + warp * 8 + 4, sw)
+        cute.arch.sync_threads()
+        if tid == 0:
+            run_c, run_w = Int32(0), Int32(0)
+            for i in cutlass.range_constexpr(nwarps):
+                tc = p.lds_i32(smem + i * 8)
+                tw = p.lds_i32(smem + i * 8 + 4)
+                p.sts_i32(smem + i * 8, run_c)
+                p.sts_i32(smem + i * 8 + 4, run_w)
+                run_c = run_c + tc
+                run_w = run_w + tw
+            p.stg_i32(work + ws.wgp * 4, 0)
+            p.stg_i32(work + ws.offs * 4, 0)
+            p.stg_i32(work + ws.claim * 4, 0)
+            p.stg_i32(work + (ws.claim + 1) * 4, 0)
+        cute.arch.sync_threads()
+        if tid < self.count:
+            sc = sc + p.lds_i32(smem + warp * 8)
+            sw = sw + p.lds_i32(smem + warp * 8 + 4)
+            p.stg_i32(work + Int64(ws.wgp + 1 + tid) * 4, sw)
+            p.stg_i32(work + Int64(ws.offs + 1 + tid) * 4, sc)
+            p.stg_i32(work + Int64(ws.count + tid) * 4, c)
+
+
+class ExpertsGemmKernel:
+    """One GEMM of the engine over all work items of a call: FC1 (``fc1=True``: SiTU, MXFP8
+    re-quantization, BF16 hidden rows) or FC2 (BF16 expert rows).
+
+    Work item ``(expert e, tile, window group)``: ``warps * mtiles * 16`` weight rows of
+    expert e (a tile) times up to ``8 * windows`` of its tokens (a window group); CTAs
+    claim items in order from a counter (persistent grid), so the window groups of one
+    tile run side by side and read its weights from L2 after the first.
+
+    Algorithm of a CTA for one item:
+
+    1. thread 0 claims the item, finds its expert by binary search in ``wgp``; threads
+       ``t < 8 W`` read token t's pair from the routing list and the row of its B operand
+       (FC1: the plan row of the pair's received row; FC2: the hidden row
+       ``offs[e] + slot``);
+    2. main loop over ``stages`` of ``64 * chunks_per_stage`` k: the B operand of the
+       window group is copied to shared memory by ``cp.async`` into a ring of ``RING``
+       stages (zero-filled past the group's tokens), in the lanes' fragment order; each
+       warp streams its m-tiles' prepared weights one stage ahead into registers
+       (``ld.global.nc.L1::no_allocate.v4``, 16 bytes per lane per chunk), decodes them
+       (``fast.experts.layout``: three bit operations and a multiply per word, one
+       ``mul.rn.bf16x2`` by the scale factor per BF16 pair) and issues 4 ``mma.m16n8k16``
+       per chunk, m-tile and window into FP32 accumulators (exact products, FP32 sums);
+    3. epilogue FC1: per (intermediate column, token) ``a = SiTU(gate, up)`` in FP32 with
+       the project's exp/tanh/sigmoid (``fast._cute``; bit-identical to
+       ``reference.emulation``), block maxima over 32 columns (warp shuffles, then shared
+       memory across the 4 m-tiles of a block), the RCEIL E8M0 code, E4M3 codes
+       (``cvt.rn.satfinite``), and the BF16 value ``e4m3 * 2^(code - 127)`` (exact for codes
+       3..246) written to the hidden row; with ``capture`` also the FP32 FC1 outputs, the
+       codes and the scales of each pair. Epilogue FC2: each accumulator rounded to BF16
+       (``cvt.rn.bf16.f32``) into its pair's output row.
+
+    Summation order (what the bound covers): per output, the 4 MMA steps of each chunk in
+    order, chunks in order from k = 0, each MMA adding 16 exact products to the FP32
+    accumulator; independent of the other tokens (a pair's row does not depend on its
+    window or batch).
+
+    Constraints: rows % (16 * warps * mtiles) == 0; K % 64 == 0; for FC1, the CTA's
+    ``8 * warps * mtiles / 2`` intermediate columns are whole MXFP8 blocks.
+    """
+
+    RING = 4
+
+    def __init__(self, *, fc1: bool, rows: int, k: int, inter: int, latent: int, count: int,
+                 windows: int, top_k: int = 16, warps: int = 4, mtiles: int = 2,
+                 capture: bool = False, beta: float = 4.0, linear_beta: float = 25.0):
+        self.fc1, self.rows, self.k, self.inter, self.latent = fc1, rows, k, inter, latent
+        self.count, self.windows, self.top_k = count, windows, top_k
+        self.warps, self.mtiles, self.capture = warps, mtiles, capture
+        self.beta, self.linear_beta = beta, linear_beta
+        self.threads = 32 * warps
+        self.tile_rows = 16 * warps * mtiles
+        if rows % self.tile_rows:
+            raise ValueError(f"rows={rows} is not a multiple of the tile {self.tile_rows}")
+        if fc1 and (warps * mtiles) % 4:
+            raise ValueError("FC1 tiles must hold whole MXFP8 blocks (warps * mtiles % 4 == 0)")
+        self.tiles = rows // self.tile_rows
+        self.m_tiles = rows // 16
+        self.chunks = k // CHUNK
+        self.stage_chunks = chunks_per_stage(k)
+        self.stages = self.chunks // self.stage_chunks
+        self.slot_bytes = windows * self.stage_chunks * 1024
+        self.granules = WINDOW * windows * 8 * self.stage_chunks  # 16-byte B copies per stage
+        self.ws = Workspace(count)
+        self.search_steps = max(1, math.ceil(math.log2(count + 1)))
+
+    @cute.jit
+    def __call__(self, weights: Int64, scales: Int64, act: Int64, lists: Int64, work: Int64,
+                 out: Int64, cap_fc1: Int64, cap_codes: Int64, cap_scales: Int64,
+                 capacity: Int32, grid: Int32, stream):
+        self.kernel(weights, scales, act, lists, work, out, cap_fc1, cap_codes, cap_scales,
+                    capacity).launch(grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    # -- pieces -----------------------------------------------------------------------
+
+    @cute.jit
+    def _factor(self, x, byte: int):
+        """BF16x2 2^(code - 1) in both halves from byte ``byte`` of ``x`` (codes + 126)."""
+        selector = byte | (4 << 4) | (byte << 8) | (4 << 12)
+        return p.prmt(x, Uint32(0), selector) << Uint32(7)
+
+    @cute.jit
+    def _decode(self, word):
+        """The four BF16x2 pairs of a prepared word (value * 2^-126; layout docstring)."""
+        m = Uint32(DECODE_MASK)
+        pair3 = ((word & Uint32(PAIR3_GATHER)) * Uint32(PAIR3_MULTIPLIER)) & m
+        return [word & m, p.rotr(word, 3) & m, p.rotr(word, 6) & m, pair3]
+
+    @cute.jit
+    def _situ(self, g, u):
+        a = h.fmul(Float32(self.beta), h.tanh_rn(h.fdiv(g, Float32(self.beta))))
+        a = h.fmul(a, h.sigmoid_rn(g))
+        b = h.fmul(Float32(self.linear_beta), h.tanh_rn(h.fdiv(u, Float32(self.linear_beta))))
+        return h.fmul(a, b)
+
+    @cute.jit
+    def _rceil(self, amax):
+        """(E8M0 code, FP32 multiplier 2^(127 - code)) of a block maximum: the rule of
+        ``fast.mx`` (RCEIL on the IEEE quotient amax / 448)."""
+        q = h.fdiv(amax, Float32(448.0))
+        qb = h.bits(q)
+        e = qb >> Uint32(23)
+        normal = e + cutlass.select_((qb & Uint32(0x7FFFFF)) != Uint32(0), Uint32(1), Uint32(0))
+        sub = cutlass.select_(qb > Uint32(0x00400000), Uint32(1), Uint32(0))
+        code = cutlass.select_(e == Uint32(0), sub, normal)
+        code = cutlass.min(code, Uint32(254))
+        code = cutlass.select_(qb > Uint32(0x7F800000), Uint32(255), code)
+        mult = cutlass.select_(code == Uint32(254), Uint32(0x00400000), (Uint32(254) - code) << Uint32(23))
+        mult = cutlass.select_(code == Uint32(0), Uint32(0x3F800000), mult)
+        return code, h.from_bits(mult)
+
+    # -- the kernel -------------------------------------------------------------------
+
+    @cute.kernel
+    def kernel(self, weights: Int64, scales: Int64, act: Int64, lists: Int64, work: Int64,
+               out: Int64, cap_fc1: Int64, cap_codes: Int64, cap_scales: Int64, capacity: Int32):
+        tid = cute.arch.thread_idx()[0]
+        lane = tid % 32
+        warp = tid // 32
+        ws = self.ws
+        W: cutlass.Constexpr = self.windows
+        MT: cutlass.Constexpr = self.mtiles
+        SC: cutlass.Constexpr = self.stage_chunks
+        NS: cutlass.Constexpr = self.stages
+        RING: cutlass.Constexpr = self.RING
+        K: cutlass.Constexpr = self.k
+        TOK: cutlass.Constexpr = WINDOW * W
+        threads: cutlass.Constexpr = self.threads
+
+        ring = cute.arch.alloc_smem(cutlass.Uint8, RING * self.slot_bytes, alignment=128).toint()
+        info = cute.arch.alloc_smem(Int32, 8, alignment=16).toint()
+        table = cute.arch.alloc_smem(Int32, 3 * TOK, alignment=16).toint()
+        red = cute.arch.alloc_smem(Float32, self.warps * MT * TOK, alignment=16).toint()
+
+        acc = cute.make_rmem_tensor((MT * W * 4,), Float32)
+        wcur = cute.make_rmem_tensor((SC * MT * 4,), Uint32)
+        wnxt = cute.make_rmem_tensor((SC * MT * 4,), Uint32)
+        scur = cute.make_rmem_tensor((MT,), Uint32)
+        snxt = cute.make_rmem_tensor((MT,), Uint32)
+        copies: cutlass.Constexpr = (self.granules + threads - 1) // threads
+        src = cute.make_rmem_tensor((copies,), Int64)
+        dst = cute.make_rmem_tensor((copies,), Int32)
+        ok = cute.make_rmem_tensor((copies,), Int32)
+
+        tiles = Int32(self.tiles)
+        item = self._claim(work, info, tid, tiles)
+        while item >= 0:
+            expert = p.lds_i32(info + 4)
+            tile = p.lds_i32(info + 8)
+            group = p.lds_i32(info + 12)
+            ntok = p.lds_i32(info + 16)
+            # 1. token table: pair, B row, hidden row
+            if tid < TOK:
+                slot = group * TOK + tid
+                pair = Int32(-1)
+                brow = Int32(0)
+                hrow = Int32(0)
+                if tid < ntok:
+                    pair = p.ldg_i32(lists + (Int64(expert) * Int64(capacity) + Int64(slot)) * 4)
+                    hrow = p.ldg_i32(work + Int64(ws.offs + expert) * 4) + slot
+                    if cutlass.const_expr(self.fc1):
+                        brow = pair // self.top_k
+                    else:
+                        brow = hrow
+                p.sts_i32(table + tid * 4, pair)
+                p.sts_i32(table + (TOK + tid) * 4, brow)
+                p.sts_i32(table + (2 * TOK + tid) * 4, hrow)
+            cute.arch.sync_threads()
+            # this thread's B copies of every stage: source row address, shared offset
+            for i in cutlass.range_constexpr(copies):
+                g = tid + threads * i
+                token = g // (8 * SC)
+                gi = g % (8 * SC)
+                window = token // WINDOW
+                n = token % WINDOW
+                cc = gi // 8
+                kk = gi % 8
+                dst[i] = (((window * SC + cc) * 2 + kk % 2) * 32 + 4 * n + kk // 2) * 16
+                row = Int32(0)
+                state = Int32(-1)  # -1: no copy (past the stage's granules), 0: zero-fill
+                if g < self.granules:
+                    state = Int32(0)
+                    if token < ntok:
+                        row = p.lds_i32(table + (TOK + token) * 4)
+                        state = Int32(1)
+                ok[i] = state
+                src[i] = act + (Int64(row) * K + gi * 8) * 2
+            # weights of this warp's m-tiles
+            mbase = tile * (self.warps * MT) + warp * MT
+            wbase = weights + (Int64(expert) * self.m_tiles + mbase) * (self.chunks * 512) + lane * 16
+            sbase = scales + (Int64(expert) * self.m_tiles + mbase) * (NS * 32 * SC) + lane * SC
+            for i in cutlass.range_constexpr(MT * W * 4):
+                acc[i] = Float32(0.0)
+            nwin = (ntok + WINDOW - 1) // WINDOW
+            # 2. main loop
+            for st in cutlass.range_constexpr(RING - 1):
+                if cutlass.const_expr(st < NS):
+                    self._issue(src, dst, ok, ring + st * self.slot_bytes, st)
+                cute.arch.cp_async_commit_group()
+            self._load_stage(wcur, scur, wbase, sbase, 0)
+            for s in cutlass.range(NS, unroll=1):
+                self._load_stage(wnxt, snxt, wbase, sbase, cutlass.min(s + 1, NS - 1))
+                cute.arch.cp_async_wait_group(RING - 2)
+                cute.arch.sync_threads()
+                ahead = s + RING - 1
+                if ahead < NS:
+                    self._issue(src, dst, ok, ring + (ahead % RING) * self.slot_bytes, ahead)
+                cute.arch.cp_async_commit_group()
+                self._compute(acc, wcur, scur, ring + (s % RING) * self.slot_bytes, lane, nwin)
+                for i in cutlass.range_constexpr(SC * MT * 4):
+                    wcur[i] = wnxt[i]
+                for i in cutlass.range_constexpr(MT):
+                    scur[i] = snxt[i]
+            cute.arch.cp_async_wait_group(0)
+            # 3. epilogue
+            if cutlass.const_expr(self.fc1):
+                self._epilogue_fc1(acc, table, red, out, cap_fc1, cap_codes, cap_scales,
+                                   tid, lane, warp, tile, ntok)
+            else:
+                self._epilogue_fc2(acc, table, out, lane, warp, tile, ntok)
+            item = self._claim(work, info, tid, tiles)
+
+    @cute.jit
+    def _claim(self, work: Int64, info, tid, tiles):
+        """Thread 0 takes the next item and locates it; every thread returns the item
+        (-1: none left) after a barrier."""
+        ws = self.ws
+        cute.arch.sync_threads()
+        if tid == 0:
+            groups = p.ldg_i32(work + Int64(ws.wgp + self.count) * 4)
+            total = groups * tiles
+            counter = ws.claim if cutlass.const_expr(self.fc1) else ws.claim + 1
+            item = p.atomic_add(work + Int64(counter) * 4, 1)
+            if item < total:
+                lo = Int32(0)
+                hi = Int32(self.count)
+                for _ in cutlass.range_constexpr(self.search_steps):
+                    if hi - lo > 1:
+                        mid = (lo + hi) // 2
+                        if p.ldg_i32(work + Int64(ws.wgp + mid) * 4) * tiles <= item:
+                            lo = mid
+                        else:
+                            hi = mid
+                start = p.ldg_i32(work + Int64(ws.wgp + lo) * 4)
+                groups_e = p.ldg_i32(work + Int64(ws.wgp + lo + 1) * 4) - start
+                local = item - start * tiles
+                tile = local // groups_e
+                group = local - tile * groups_e
+                count = p.ldg_i32(work + Int64(ws.count + lo) * 4)
+                ntok = cutlass.min(count - group * (WINDOW * self.windows), WINDOW * self.windows)
+                p.sts_i32(info, item)
+                p.sts_i32(info + 4, lo)
+                p.sts_i32(info + 8, tile)
+                p.sts_i32(info + 12, group)
+                p.sts_i32(info + 16, ntok)
+            else:
+                p.sts_i32(info, -1)
+        cute.arch.sync_threads()
+        return p.lds_i32(info)
+
+    @cute.jit
+    def _issue(self, src, dst, ok, slot, stage):
+        """cp.async this thread's B copies of ``stage`` into ``slot``."""
+        copies: cutlass.Constexpr = (self.granules + self.threads - 1) // self.threads
+        offset = Int64(stage) * (64 * self.stage_chunks * 2)
+        for i in cutlass.range_constexpr(copies):
+            if ok[i] >= 0:
+                p.cp_async_16(slot + dst[i], src[i] + offset, ok[i] != 0)
+
+    @cute.jit
+    def _load_stage(self, wbuf, sbuf, wbase, sbase, stage):
+        """This lane's prepared weights (16 bytes per chunk and m-tile) and scale bytes of
+        ``stage``."""
+        SC: cutlass.Constexpr = self.stage_chunks
+        for mt in cutlass.range_constexpr(self.mtiles):
+            for cc in cutlass.range_constexpr(SC):
+                chunk = Int64(stage) * SC + cc
+                got = p.ldg_stream_v4(wbase + (Int64(mt) * self.chunks + chunk) * 512)
+                for i in cutlass.range_constexpr(4):
+                    wbuf[(cc * self.mtiles + mt) * 4 + i] = got[i]
+            address = sbase + (Int64(mt) * self.stages + stage) * (32 * SC)
+            if cutlass.const_expr(SC == 2):
+                sbuf[mt] = p.ldg_u16(address)
+            else:
+                sbuf[mt] = p.ldg_u8(address)
+
+    @cute.jit
+    def _compute(self, acc, wbuf, sbuf, slot, lane, nwin):
+        """One stage: decode this lane's A fragments, 4 MMAs per chunk, m-tile, window."""
+        SC: cutlass.Constexpr = self.stage_chunks
+        MT: cutlass.Constexpr = self.mtiles
+        W: cutlass.Constexpr = self.windows
+        bits: cutlass.Constexpr = 8 * SC
+        bias = Uint32(0x7E7E7E7E) if SC == 2 else Uint32(0x7E7E)
+        xs = []
+        for mt in cutlass.range_constexpr(MT):
+            own = sbuf[mt]
+            other = p.shfl_xor(own, 1)
+            odd = (lane & 1) != 0
+            x = cutlass.select_(odd, other | (own << Uint32(bits)), own | (other << Uint32(bits)))
+            xs.append(x + bias)
+        for cc in cutlass.range_constexpr(SC):
+            frags = []
+            for mt in cutlass.range_constexpr(MT):
+                f0 = self._factor(xs[mt], 2 * cc)
+                f1 = self._factor(xs[mt], 2 * cc + 1)
+                base = (cc * MT + mt) * 4
+                r0 = self._decode(wbuf[base]) + self._decode(wbuf[base + 1])
+                r1 = self._decode(wbuf[base + 2]) + self._decode(wbuf[base + 3])
+                frags.append(([p.mul_bf16x2(v, f0) for v in r0], [p.mul_bf16x2(v, f1) for v in r1]))
+            for w in cutlass.range_constexpr(W):
+                if w < nwin:
+                    address = slot + (((w * SC + cc) * 2) * 32 + lane) * 16
+                    b = list(p.lds_v4(address)) + list(p.lds_v4(address + 512))
+                    for mt in cutlass.range_constexpr(MT):
+                        r0, r1 = frags[mt]
+                        at = (mt * W + w) * 4
+                        for j in cutlass.range_constexpr(4):
+                            c = [acc[at + i] for i in range(4)]
+                            d = p.mma_bf16((r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1]),
+                                           (b[2 * j], b[2 * j + 1]), c)
+                            for i in cutlass.range_constexpr(4):
+                                acc[at + i] = d[i]
+
+    @cute.jit
+    def _epilogue_fc1(self, acc, table, red, hidden: Int64, cap_fc1: Int64, cap_codes: Int64,
+                      cap_scales: Int64, tid, lane, warp, tile, ntok):
+        MT: cutlass.Constexpr = self.mtiles
+        W: cutlass.Constexpr = self.windows
+        TOK: cutlass.Constexpr = WINDOW * W
+        inter: cutlass.Constexpr = self.inter
+        g = lane // 4
+        q = lane % 4
+        act = cute.make_rmem_tensor((MT * W * 2,), Float32)
+        for mt in cutlass.range_constexpr(MT):
+            for w in cutlass.range_constexpr(W):
+                at = (mt * W + w) * 4
+                for t in cutlass.range_constexpr(2):
+                    a = self._situ(acc[at + t], acc[at + 2 + t])
+                    act[(mt * W + w) * 2 + t] = a
+                    m = h.bits(a) & Uint32(0x7FFFFFFF)
+                    for o in (4, 8, 16):
+                        m = cutlass.max(m, p.shfl_xor(m, o))
+                    if g == 0:
+                        token = w * WINDOW + 2 * q + t
+                        p.sts_f32(red + ((warp * MT + mt) * TOK + token) * 4, h.from_bits(m))
+        cute.arch.sync_threads()
+        for mt in cutlass.range_constexpr(MT):
+            local = warp * MT + mt
+            block = local // 4
+            column = (tile * (self.warps * MT) + local) * 8 + g
+            for w in cutlass.range_constexpr(W):
+                for t in cutlass.range_constexpr(2):
+                    token = w * WINDOW + 2 * q + t
+                    amax = p.lds_f32(red + ((block * 4) * TOK + token) * 4)
+                    for i in cutlass.range_constexpr(1, 4):
+                        amax = h.fmax_nan(amax, p.lds_f32(red + ((block * 4 + i) * TOK + token) * 4))
+                    code, mult = self._rceil(amax)
+                    a = act[(mt * W + w) * 2 + t]
+                    e4m3 = p.f32x2_to_e4m3x2(h.fmul(a, mult), Float32(0.0)) & Uint32(0xFF)
+                    value, _ = p.e4m3x2_to_f32(e4m3)
+                    value = h.fmul(value, h.from_bits(_pow2_bits(code)))
+                    if token < ntok:
+                        hrow = p.lds_i32(table + (2 * TOK + token) * 4)
+                        p.stg_u16(hidden + (Int64(hrow) * inter + column) * 2, p.f32_to_bf16_bits(value))
+                        if cutlass.const_expr(self.capture):
+                            pair = p.lds_i32(table + token * 4)
+                            at = (mt * W + w) * 4
+                            p.stg_f32(cap_fc1 + (Int64(pair) * (2 * inter) + column) * 4, acc[at + t])
+                            p.stg_f32(cap_fc1 + (Int64(pair) * (2 * inter) + inter + column) * 4,
+                                      acc[at + 2 + t])
+                            p.stg_u8(cap_codes + Int64(pair) * inter + column, e4m3)
+                            if g == 0 and local % 4 == 0:
+                                p.stg_u8(cap_scales + Int64(pair) * (inter // 32) + column // 32, code)
+
+    @cute.jit
+    def _epilogue_fc2(self, acc, table, out: Int64, lane, warp, tile, ntok):
+        MT: cutlass.Constexpr = self.mtiles
+        W: cutlass.Constexpr = self.windows
+        g = lane // 4
+        q = lane % 4
+        for mt in cutlass.range_constexpr(MT):
+            row0 = (tile * (self.warps * MT) + warp * MT + mt) * 16 + g
+            for w in cutlass.range_constexpr(W):
+                at = (mt * W + w) * 4
+                for t in cutlass.range_constexpr(2):
+                    token = w * WINDOW + 2 * q + t
+                    if token < ntok:
+                        pair = p.lds_i32(table + token * 4)
+                        base = out + (Int64(pair) * self.latent + row0) * 2
+                        p.stg_u16(base, p.f32_to_bf16_bits(acc[at + t]))
+                        p.stg_u16(base + 16, p.f32_to_bf16_bits(acc[at + 2 + t]))

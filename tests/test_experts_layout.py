@@ -1,0 +1,101 @@
+"""CPU checks of the experts engine's prepared layout (``fast.experts.layout``): the
+kernels' decode, replayed with integer tensor ops, returns every checkpoint weight
+exactly, for every E2M1 code and every supported scale code, every shard and expert range;
+prepare rejects what the decode cannot keep exact; every engine kernel compiles for every
+target."""
+
+import pytest
+import torch
+
+from fast import backend
+from fast.experts.layout import (
+    MAX_SCALE_CODE, WORD_BITS, decode_tiles, pack_tiles, prepare_experts)
+from reference.config import LatentMoEConfig
+from reference.mx import dequantize_mxfp4, e2m1_to_float32
+from reference.weights import LatentMoEWeights
+
+_cute_error = backend.cute_import_error()
+
+
+@pytest.fixture(scope="module")
+def small_weights():
+    return LatentMoEWeights.random(LatentMoEConfig.small(), 11)
+
+
+def test_word_bits_cover_each_bit_once():
+    positions = [b for pair in WORD_BITS for half in pair for b in half]
+    assert sorted(positions) == list(range(32))
+
+
+@pytest.mark.parametrize("shard", [(0, 1), (1, 2), (3, 4)])
+def test_decode_returns_every_weight(small_weights, shard):
+    w, c = small_weights, small_weights.config
+    first, count = 5, 3
+    p = prepare_experts(w, experts=(first, count), shard=shard)
+    inter = c.intermediate // shard[1]
+    lo = shard[0] * inter
+    fc1, fc2 = decode_tiles(p.w13, p.s13), decode_tiles(p.w2, p.s2)
+    for j in range(count):
+        w13 = dequantize_mxfp4(w.w13[first + j], w.w13_scales[first + j])
+        gate, up = w13[lo:lo + inter], w13[c.intermediate + lo:c.intermediate + lo + inter]
+        # m-tile m: gate rows 8m..8m+7 then up rows 8m..8m+7
+        want = torch.stack((gate.view(-1, 8, c.latent), up.view(-1, 8, c.latent)), 1)
+        assert torch.equal(fc1[j].view(torch.int32), want.reshape(2 * inter, -1).view(torch.int32))
+        w2 = dequantize_mxfp4(w.w2[first + j], w.w2_scales[first + j])[:, lo:lo + inter]
+        assert torch.equal(fc2[j].view(torch.int32), w2.contiguous().view(torch.int32))
+    assert p.nbytes == count * (2 * inter * c.latent // 2 + 2 * inter * c.latent // 32
+                                + c.latent * inter // 2 + c.latent * inter // 32)
+
+
+@pytest.mark.parametrize("stage_chunks", [1, 2])
+def test_every_code_under_every_scale(stage_chunks):
+    """All 16 codes at every position class, under all scale codes 0..128."""
+    g = torch.Generator().manual_seed(0)
+    codes = torch.arange(16, dtype=torch.uint8).repeat(16 * 128 // 16).view(1, 16, 128)
+    codes = codes[:, :, torch.randperm(128, generator=g)]
+    for start in range(0, MAX_SCALE_CODE + 1, 64):
+        scales = (torch.arange(64, dtype=torch.int64) + start).clamp(max=MAX_SCALE_CODE)
+        scales = scales.to(torch.uint8).view(1, 16, 4)
+        tiles, tile_scales = pack_tiles(codes, scales, stage_chunks)
+        want = e2m1_to_float32(codes).double() * torch.pow(
+            2.0, scales.double() - 127).repeat_interleave(32, -1)
+        got = decode_tiles(tiles, tile_scales)
+        assert torch.equal(got.view(torch.int32), want.float().view(torch.int32))
+
+
+def test_prepare_rejects_what_it_cannot_decode(small_weights):
+    w = small_weights
+    fields = {f: getattr(w, f) for f in ("gate", "bias", "front", "shared_down", "latent_norm",
+                                         "up", "w13", "w13_scales", "w2")}
+    s = w.w2_scales.clone()
+    s[2, 9, 3] = MAX_SCALE_CODE + 1
+    bad = LatentMoEWeights(**fields, w2_scales=s, config=w.config)
+    with pytest.raises(ValueError, match=r"w2_scales\[2, 9, 3\] = 129"):
+        prepare_experts(bad)
+    prepare_experts(bad, experts=(3, 2))  # expert 2 is not prepared: fine
+    with pytest.raises(ValueError, match="experts must be"):
+        prepare_experts(w, experts=(60, 8))
+    with pytest.raises(ValueError, match="shard must be"):
+        prepare_experts(w, shard=(2, 2))
+    with pytest.raises(ValueError, match="I/ranks % 64"):
+        prepare_experts(w, shard=(0, 8))  # I_s = 32
+    with pytest.raises(TypeError, match="LatentMoEWeights"):
+        prepare_experts(object())
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+@pytest.mark.parametrize("arch", backend.TARGETS)
+@pytest.mark.parametrize("geometry,windows,capture", [
+    ("dep16", 1, True), ("dep16", 2, False), ("dep16", 4, False), ("tp8", 1, False),
+    ("tp16", 1, False)])
+def test_engine_kernels_compile(arch, geometry, windows, capture):
+    """The four kernels of each real geometry (DEP16 owner, TP8 and TP16 slices; TP16
+    has one chunk per stage), every window count, for every target (no GPU needed)."""
+    from fast.experts.engine import compile_all
+    from fast.experts.layout import Geometry
+
+    c = LatentMoEConfig.kimi_k3()
+    g = {"dep16": Geometry(c.latent, c.intermediate, 56, 56, (0, 1)),
+         "tp8": Geometry(c.latent, c.intermediate // 8, 0, c.experts, (0, 8)),
+         "tp16": Geometry(c.latent, c.intermediate // 16, 0, c.experts, (0, 16))}[geometry]
+    assert all(compile_all(g, c, windows=windows, arch=arch, capture=capture, strict=capture))

@@ -1,0 +1,322 @@
+"""Contracts of the routed-experts engine (``fast.experts``) on the GPU.
+
+The engine's only freedom is the order of FC1's and FC2's FP32 sums (tensor-core MMA), so
+it is checked stage by stage on its own intermediates (``capture=True``):
+
+1. FC1 (FP32) against the float64 product of the exactly dequantized operands, within
+   ``gamma_n(2^-23) * sum|x w|`` with ``n = K + K/16`` (``mma_fc1_bound``);
+2. SiTU + MXFP8 re-quantization **bitwise**: ``reference.mx.quantize_mxfp8`` of
+   ``reference.emulation.situ_and_mul_fp32`` of the engine's own FC1 output (the kernel
+   uses the same IEEE operation sequence and the RCEIL rule of ``fast.mx``);
+3. FC2 (BF16 rows) against the float64 product of the engine's own MXFP8 hidden and the
+   dequantized ``w2``, within the same accumulation bound plus the final BF16 rounding.
+
+So an FC1 difference of one ULP that moves an MXFP8 code is accounted for (step 2 uses the
+engine's FC1), and a wrong code, a swapped gate/up, a dropped token or a wrong expert is a
+failure, never absorbed by a tolerance. Beyond the stages: pair rows are batch invariant
+(alone, in a window, in a large batch), deterministic, independent of the routing-list
+order (rows permuted), DEP owner rows of non-local pairs stay untouched, and bad input
+raises before (or, for ids, right after) the launch.
+
+The tensor-core model: ``mma.sync`` adds the 16 exact products of a step and the FP32
+accumulator with aligned, truncating adders (Fasi, Higham, Mikaitis, Pranesh, *Numerical
+behavior of NVIDIA tensor cores*, PeerJ CS 2021): each of the ``16 + 1`` terms of a step
+loses less than one ULP (``2^-23`` relative) of the largest, so with ``K/16`` steps every
+product passes through at most ``K + K/16`` such losses: ``gamma_{K + K/16}(2^-23)``
+(Higham §3.1) on ``sum |x_i w_i|``, plus the subnormal term of ``verify.bounds``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from reference import emulation
+from reference.config import LatentMoEConfig
+from reference.mx import dequantize_mxfp4, dequantize_mxfp8, quantize_mxfp8
+from reference.weights import LatentMoEWeights
+from verify import bounds, cases
+
+pytestmark = [pytest.mark.gpu, pytest.mark.backends("fast")]
+
+U_TRUNC = 2.0**-23  # one ULP of FP32 relative: a truncating adder's loss
+
+
+def mma_terms(k: int) -> int:
+    """Roundings each product may pass through in a K-long ``mma.m16n8k16`` chain."""
+    return k + k // 16
+
+
+def mma_fc_bound(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float64 ``x @ w^T``, bound of an FP32 MMA chain's distance to it). x [P, K], w [N, K]
+    FP32 with exactly representable entries (dequantized MX values)."""
+    k = x.shape[-1]
+    ref = bounds.reference_matmul(x, w)
+    s = bounds._abs_products(x, w)
+    acc = bounds._dot_bound_from(s, k, mma_terms(k), torch.float32, "toward_zero")
+    ref_err = bounds._inflate(s * bounds.gamma(k, 2.0**-53), k + 3)
+    return ref, bounds._inflate(acc + ref_err, 1)
+
+
+# --- weights and inputs -----------------------------------------------------------------
+
+
+@functools.cache
+def code_weights(name: str, device: str, seed: int = 7) -> LatentMoEWeights:
+    """A layer whose experts are uniformly random MXFP4 codes with scale codes 118..124
+    (the magnitudes of a trained layer's experts), generated directly on ``device`` (the
+    real layer's 15 GB of experts in well under a second; the dense weights are the
+    reference's small random ones where the config allows, else zeros: they are not read)."""
+    cfg = cases.config(name)
+    g = torch.Generator(device=device).manual_seed(seed)
+    e, i, l = cfg.experts, cfg.intermediate, cfg.latent
+
+    def codes(*shape):
+        return torch.randint(0, 256, shape, generator=g, device=device, dtype=torch.uint8)
+
+    def scales(*shape):
+        return torch.randint(118, 125, shape, generator=g, device=device, dtype=torch.uint8)
+
+    def dense(*shape, dtype=torch.bfloat16):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    return LatentMoEWeights(
+        gate=dense(e, cfg.hidden), bias=dense(e, dtype=torch.float32),
+        front=dense(cfg.front_rows, cfg.hidden), shared_down=dense(cfg.hidden, cfg.shared_intermediate),
+        latent_norm=dense(l), up=dense(cfg.hidden, l),
+        w13=codes(e, 2 * i, l // 2), w13_scales=scales(e, 2 * i, l // 32),
+        w2=codes(e, l, i // 2), w2_scales=scales(e, l, i // 32), config=cfg)
+
+
+def routing(cfg: LatentMoEConfig, rows: int, seed: int, *, skew: float = 0.0) -> torch.Tensor:
+    """int32 [rows, top_k] distinct expert ids per row: uniform, or Zipf-like popularity
+    ``p(e) ~ 1 / (rank(e) + 1)^skew`` over a seeded permutation of the experts."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.ones(cfg.experts)
+    if skew:
+        weights = (torch.arange(cfg.experts, dtype=torch.float64) + 1.0) ** -skew
+        weights = weights[torch.randperm(cfg.experts, generator=g)].float()
+    ids = torch.multinomial(weights.expand(rows, -1), cfg.top_k, replacement=False, generator=g)
+    return ids.to(torch.int32)
+
+
+def latent_rows(cfg: LatentMoEConfig, rows: int, seed: int):
+    """MXFP8 (codes, scales) of random BF16 latent rows (the reference quantizer)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, cfg.latent, generator=g) * 2.0).to(torch.bfloat16)
+    return quantize_mxfp8(x)
+
+
+@functools.cache
+def engine_for(name: str, first: int, count: int, shard: tuple[int, int], max_rows: int,
+               strict: bool = False):
+    from fast.experts import ExpertsEngine, prepare_experts
+
+    w = code_weights(name, "cuda")
+    prepared = prepare_experts(w, "cuda", experts=(first, count), shard=shard)
+    return ExpertsEngine(prepared, max_rows=max_rows, strict=strict)
+
+
+def _dequantized_expert(w: LatentMoEWeights, e: int, shard: tuple[int, int]):
+    """(w13 slice FP32 [2 I_s, L] as [gate; up], w2 slice FP32 [L, I_s]) of expert e."""
+    i = w.config.intermediate
+    rank, ranks = shard
+    inter = i // ranks
+    lo = rank * inter
+    w13 = dequantize_mxfp4(w.w13[e], w.w13_scales[e])
+    w13 = torch.cat([w13[lo:lo + inter], w13[i + lo:i + lo + inter]])
+    w2 = dequantize_mxfp4(w.w2[e], w.w2_scales[e])[:, lo:lo + inter].contiguous()
+    return w13, w2
+
+
+# --- stage-by-stage ---------------------------------------------------------------------
+
+
+def check_stages(contract, engine, w: LatentMoEWeights, codes, scales, ids, out, cap, *,
+                 what: str):
+    """The three stage contracts over every local pair, expert by expert (``w``: the
+    weights the engine was prepared from); non-local rows untouched (NaN)."""
+    g, cfg = engine.geometry, engine.config
+    dev = out.device
+    flat = ids.reshape(-1).long().to(dev)
+    local = (flat >= g.first) & (flat < g.first + g.count)
+    x = dequantize_mxfp8(codes.to(dev), scales.to(dev))  # [R, L] FP32, exact
+    k = cfg.top_k
+    for e in torch.unique(flat[local]).tolist():
+        pairs = torch.nonzero(flat == e).flatten()
+        w13, w2 = _dequantized_expert(w, e, g.shard)
+        ref1, bound1 = mma_fc_bound(x[pairs // k], w13)
+        contract.bounded(cap.fc1[pairs], ref1, bound1, what=f"{what}: FC1 of expert {e}",
+                         bound_name="gamma_{K+K/16}(2^-23) sum|x w| (tensor-core MMA)",
+                         index_names=("pair", "column"))
+        act = emulation.situ_and_mul_fp32(cap.fc1[pairs].cpu(), beta=cfg.situ_beta,
+                                          linear_beta=cfg.situ_linear_beta)
+        want_codes, want_scales = quantize_mxfp8(act)
+        contract.bitwise(cap.codes[pairs].cpu(), want_codes.view(torch.uint8),
+                         what=f"{what}: SiTU + MXFP8 codes of expert {e}", index_names=("pair", "column"))
+        contract.bitwise(cap.scales[pairs].cpu(), want_scales,
+                         what=f"{what}: MXFP8 scales of expert {e}", index_names=("pair", "block"))
+        hidden = dequantize_mxfp8(cap.codes[pairs].view(torch.float8_e4m3fn), cap.scales[pairs])
+        ref2, beta2 = mma_fc_bound(hidden, w2)
+        bound2 = bounds.final_rounding_bound(ref2, beta2, torch.bfloat16)
+        contract.bounded(out[pairs], ref2, bound2, what=f"{what}: FC2 rows of expert {e}",
+                         bound_name="gamma_{K+K/16}(2^-23) sum|h w| + BF16 half-ULP",
+                         index_names=("pair", "column"))
+    untouched = out[~local]
+    assert bool(torch.isnan(untouched.float()).all()), f"{what}: a non-local pair's row was written"
+
+
+# --- cases ------------------------------------------------------------------------------
+
+# (config, first, count, shard, rows, skew): DEP owners (a slice of the experts, all of
+# the intermediate) and wide TP slices (every expert, a slice of the intermediate).
+STAGE_CASES = [
+    ("small", 16, 16, (0, 1), 1, 0.0),
+    ("small", 16, 16, (0, 1), 7, 0.0),
+    ("small", 0, 64, (0, 1), 64, 0.0),
+    ("small", 0, 64, (0, 1), 200, 1.2),  # skewed: many window groups per expert
+    ("small", 0, 64, (1, 2), 65, 0.0),
+    ("small", 0, 64, (3, 4), 100, 0.0),
+]
+REAL_CASES = [
+    ("kimi_k3", 3 * 56, 56, (0, 1), 16 * 4, 0.0),  # DEP16 rank 3, T = 4 tokens per rank
+    ("kimi_k3", 0, 896, (5, 8), 65, 0.0),  # TP8 rank 5, 65 rows
+]
+
+
+def _run_stages(contract, name, first, count, shard, rows, skew, seed, windows=None):
+    engine = engine_for(name, first, count, shard, max(rows, 256))
+    cfg = engine.config
+    codes, scales = latent_rows(cfg, rows, seed)
+    ids = routing(cfg, rows, seed, skew=skew)
+    out, cap = engine(codes.cuda(), scales.cuda(), ids.cuda(), capture=True, windows=windows)
+    check_stages(contract, engine, code_weights(name, "cuda"), codes, scales, ids, out, cap,
+                 what=f"{name} experts [{first}, {first + count}) shard {shard} rows {rows}")
+
+
+@pytest.mark.parametrize("name,first,count,shard,rows,skew", STAGE_CASES)
+def test_experts_stages(backend, name, first, count, shard, rows, skew, seed, contract):
+    _run_stages(contract, name, first, count, shard, rows, skew, seed)
+
+
+@pytest.mark.parametrize("windows", (1, 2, 4))
+def test_experts_stages_every_window_count(backend, windows, seed, contract):
+    """Every compiled window count, on skewed routing (experts with several groups)."""
+    _run_stages(contract, "small", 0, 64, (0, 1), 160, 1.0, seed, windows=windows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,first,count,shard,rows,skew", REAL_CASES)
+def test_experts_stages_real(backend, name, first, count, shard, rows, skew, seed, contract):
+    _run_stages(contract, name, first, count, shard, rows, skew, seed)
+
+
+# --- invariances ------------------------------------------------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def test_experts_batch_invariant_and_order_free(backend, seed, contract):
+    """A pair's row has the same bits alone, in a window of 8 rows, in a batch of 256, and
+    with the batch's rows permuted (other routing-list claim orders)."""
+    engine = engine_for("small", 0, 64, (0, 1), 256)
+    cfg = engine.config
+    codes, scales = latent_rows(cfg, 256, seed)
+    ids = routing(cfg, 256, seed, skew=0.8)
+    full = engine(codes.cuda(), scales.cuda(), ids.cuda())
+    k = cfg.top_k
+    for rows in (slice(0, 1), slice(0, 8), slice(100, 101)):
+        part = engine(codes[rows].cuda(), scales[rows].cuda(), ids[rows].cuda())
+        contract.bitwise(_bits(part), _bits(full[rows.start * k:rows.stop * k]),
+                         what=f"rows {rows.start}:{rows.stop} alone vs in a batch of 256",
+                         index_names=("pair", "column"))
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(seed))
+    shuffled = engine(codes[perm].cuda(), scales[perm].cuda(), ids[perm].cuda())
+    back = shuffled.view(256, k, -1)[torch.argsort(perm).cuda()].reshape(256 * k, -1)
+    contract.bitwise(_bits(back), _bits(full), what="rows permuted (list order)",
+                     index_names=("pair", "column"))
+
+
+def test_experts_deterministic(backend, seed, contract):
+    """20 reruns of one call give the same bits."""
+    engine = engine_for("small", 0, 64, (0, 1), 256)
+    codes, scales = latent_rows(engine.config, 128, seed)
+    ids = routing(engine.config, 128, seed, skew=1.0)
+    args = (codes.cuda(), scales.cuda(), ids.cuda())
+    first = engine(*args)
+    for _ in range(20):
+        contract.bitwise(_bits(engine(*args)), _bits(first), what="rerun", index_names=("pair", "column"))
+
+
+def test_experts_decode_range(backend, contract):
+    """Every E2M1 code under every supported scale code (0..128) decodes exactly: FC1 of
+    one-hot latent rows returns each weight itself (one exact product plus zeros)."""
+    from fast.experts import ExpertsEngine, prepare_experts
+
+    cfg = LatentMoEConfig.small()
+    w = code_weights("small", "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    w13_scales = torch.randint(0, 129, w.w13_scales.shape, generator=gen, device="cuda",
+                               dtype=torch.uint8)
+    w13_scales[0, :4] = torch.arange(4, device="cuda", dtype=torch.uint8)[:, None]  # 0..3 seen
+    weights = LatentMoEWeights(**{**{f: getattr(w, f) for f in (
+        "gate", "bias", "front", "shared_down", "latent_norm", "up", "w13", "w2", "w2_scales")},
+        "w13_scales": w13_scales}, config=cfg)
+    engine = ExpertsEngine(prepare_experts(weights, "cuda", experts=(0, 16)), max_rows=cfg.latent)
+    x = torch.eye(cfg.latent, dtype=torch.bfloat16)  # row k: the unit vector e_k
+    codes, scales = quantize_mxfp8(x)
+    ids = torch.arange(16, dtype=torch.int32).expand(cfg.latent, 16).contiguous()
+    _, cap = engine(codes.cuda(), scales.cuda(), ids.cuda(), capture=True)
+    fc1 = cap.fc1.view(cfg.latent, 16, -1)  # [k, expert, 2I]
+    for e in range(16):
+        w13 = dequantize_mxfp4(weights.w13[e], weights.w13_scales[e])  # [2I, L]
+        got = fc1[:, e].T.contiguous()
+        same = (got == w13)  # value equality: a -0 weight gives +0 after adding zeros
+        assert bool(same.all()), (f"expert {e}: decoded weight differs at (row, k) "
+                                  f"{tuple(torch.nonzero(~same)[0].tolist())}")
+    contract.figure("decoded_scale_codes", 129.0, worst="min")
+
+
+# --- bad input --------------------------------------------------------------------------
+
+
+def test_experts_bad_input(backend):
+    from fast.experts import EngineError, ExpertsEngine, prepare_experts
+
+    engine = engine_for("small", 16, 16, (0, 1), 8)
+    strict = ExpertsEngine(engine.prepared, max_rows=8, strict=True)
+    cfg = engine.config
+    codes, scales = latent_rows(cfg, 4, 1)
+    codes, scales = codes.cuda(), scales.cuda()
+    ids = routing(cfg, 4, 1).cuda()
+    with pytest.raises(ValueError, match="ids must be int32"):
+        engine(codes, scales, ids.long())
+    with pytest.raises(ValueError, match="codes must be float8_e4m3fn"):
+        engine(codes.view(torch.uint8), scales, ids)
+    with pytest.raises(ValueError, match="scales must be uint8"):
+        engine(codes, scales[:, :-1].contiguous(), ids)
+    with pytest.raises(ValueError, match="on cpu"):
+        engine(codes.cpu(), scales, ids)
+    with pytest.raises(ValueError, match="max_rows=8"):
+        big, big_s = latent_rows(cfg, 9, 2)
+        engine(big.cuda(), big_s.cuda(), routing(cfg, 9, 2).cuda())
+    bad = ids.clone()
+    bad[2, 5] = cfg.experts
+    with pytest.raises(EngineError, match=r"ids\[2, 5\] = 64 is outside"):
+        engine(codes, scales, bad)
+    engine(codes, scales, ids)  # the error was cleared
+    nonlocal_ids = torch.zeros_like(ids)
+    nonlocal_ids[:] = torch.arange(16, dtype=torch.int32, device="cuda") + 32  # experts 32..47
+    with pytest.raises(EngineError, match="not a local expert"):
+        strict(codes, scales, nonlocal_ids)
+    with pytest.raises(ValueError, match="scale codes 0..128"):
+        w = code_weights("small", "cuda")
+        s = w.w13_scales.clone()
+        s[3, 7, 1] = 129
+        prepare_experts(LatentMoEWeights(**{**{f: getattr(w, f) for f in (
+            "gate", "bias", "front", "shared_down", "latent_norm", "up", "w13", "w2", "w2_scales")},
+            "w13_scales": s}, config=w.config), "cuda")
