@@ -128,8 +128,29 @@ class GroupedMM:
         return out
 
 
+def render(result: dict) -> str:
+    """A markdown table of a result: per case the median time of each contestant (us) and
+    its fraction of the byte limit; the best triton_kernels configuration; the speed-up of
+    the engine over it."""
+    lines = [f"Device {result['device']}, torch {result['torch']}; read bandwidth "
+             f"{result['read_gbs']:.0f} GB/s (this run); fraction = byte limit / time.", "",
+             "| mode | size | skew | touched | limit us | engine us (frac) | triton best us (frac) "
+             "| grouped_mm us (frac) | engine / triton |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for c in result["cases"]:
+        med, lim = c["median_us"], c["limit_us"]
+        tri = min((v for k, v in med.items() if k.startswith("triton")), default=None)
+        cell = lambda v: f"{v:.1f} ({lim / v:.2f})" if v else "-"  # noqa: E731
+        gm = med.get("grouped_mm")
+        ratio = f"{tri / med['engine']:.2f}x" if tri else "-"
+        lines.append(f"| {c['mode']} | {c['size']} | {c['skew']:.1f} | {c['touched']} | {lim:.1f} | "
+                     f"{cell(med['engine'])} | {cell(tri)} | {cell(gm)} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
+    ap.add_argument("--render", help="print the markdown table of a result JSON and exit")
     ap.add_argument("--out", default="experts_table.json")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--dep-tokens", default="1,2,4,8,16,32,64")
@@ -137,7 +158,13 @@ def main(argv=None):
     ap.add_argument("--skews", default="0,1.0")
     ap.add_argument("--peers", default="triton,grouped_mm")
     ap.add_argument("--windows", default="auto")
+    ap.add_argument("--tactics", default="",
+                    help="extra engine tactics, e.g. 'ring=6;warps=8,mtiles=1;chains=4'")
     args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            print(render(json.load(f)), end="")
+        return
 
     from fast.experts import ExpertsEngine, prepare_experts
     from reference.mx import quantize_mxfp8
@@ -223,6 +250,11 @@ def main(argv=None):
                 case["times"]["engine"] = device_time_us(
                     lambda: engine(codes, scales, ids, out=out, windows=win, validate=False),
                     reps=args.reps, flush=flush)
+                for spec in [t for t in args.tactics.split(";") if t]:
+                    tac = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in spec.split(",")}
+                    case["times"]["engine_" + spec.replace("=", "").replace(",", "_")] = device_time_us(
+                        lambda: engine(codes, scales, ids, out=out, windows=win, validate=False,
+                                       tactic=tac), reps=args.reps, flush=flush)
                 for name, peer in peers_built.items():
                     try:
                         case["times"][name] = device_time_us(lambda: peer(x, ids, rw), reps=args.reps, flush=flush)

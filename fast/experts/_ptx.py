@@ -14,7 +14,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 __all__ = [
     "ldg_stream_v4", "ldg_u32", "ldg_u16", "ldg_u8", "ldg_i32", "ldg_v2",
     "stg_u16", "stg_u8", "stg_f32", "stg_i32", "stg_v4",
-    "cp_async_16", "lds_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
+    "cp_async_16", "cp_async_4", "lds_u16", "lds_u8", "lds_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
     "mma_bf16", "rotr", "prmt", "mul_bf16x2", "atomic_add", "atomic_max", "shfl_xor", "shfl_up",
     "e4m3x2_to_f32", "f32x2_to_e4m3x2", "f32_to_bf16_bits",
 ]
@@ -97,9 +97,30 @@ def atomic_max(address, value):
 def cp_async_16(smem_address, global_address, valid):
     """Copy 16 bytes global -> shared, bypassing L1 (``cp.async.cg``); ``valid`` false
     fills the 16 bytes with zeros and reads nothing."""
+    if isinstance(valid, bool):  # known at trace time: the plain 16-byte copy
+        if valid:
+            _asm("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", [],
+                 [Int32(smem_address), Int64(global_address)])
+        return
     size = cutlass.select_(valid, Int32(16), Int32(0))
     _asm("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};", [],
          [Int32(smem_address), Int64(global_address), Int32(size)])
+
+
+def cp_async_4(smem_address, global_address):
+    """Copy 4 bytes global -> shared (``cp.async.ca``, 4-byte aligned)."""
+    _asm("cp.async.ca.shared.global [{$r0}], [{$r1}], 4;", [],
+         [Int32(smem_address), Int64(global_address)])
+
+
+def lds_u16(smem_address):
+    return _asm("{ .reg .b16 t; ld.shared.u16 t, [{$r0}]; cvt.u32.u16 {$w0}, t; }", [Uint32],
+                [Int32(smem_address)])
+
+
+def lds_u8(smem_address):
+    return _asm("{ .reg .b16 t; ld.shared.u8 t, [{$r0}]; cvt.u32.u16 {$w0}, t; }", [Uint32],
+                [Int32(smem_address)])
 
 
 def lds_v4(smem_address):

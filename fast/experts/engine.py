@@ -64,6 +64,14 @@ def _compiled(kind: str, arch: str, params: tuple):
     return cute.compile(obj, *args, backend._fake_stream(), options=f"--gpu-arch {arch}")
 
 
+@functools.lru_cache(maxsize=None)
+def _occupancy(params: tuple) -> int:
+    """CTAs per multiprocessor an FC kernel is built for (the persistent grid's factor)."""
+    from fast.experts import kernels
+
+    return kernels.ExpertsGemmKernel(**dict(params)).occupancy
+
+
 def compile_all(prepared_geometry, config, *, windows: int, arch: str, capture: bool = False,
                 strict: bool = False):
     """Compile the four kernels of one geometry for ``arch`` (no GPU needed)."""
@@ -71,9 +79,10 @@ def compile_all(prepared_geometry, config, *, windows: int, arch: str, capture: 
             _kernel_params(prepared_geometry, config, windows, capture, strict).items()]
 
 
-def _kernel_params(g, config, windows: int, capture: bool, strict: bool) -> dict:
+def _kernel_params(g, config, windows: int, capture: bool, strict: bool,
+                   tactic: dict | None = None) -> dict:
     common = dict(inter=g.inter, latent=g.latent, count=g.count, windows=windows,
-                  top_k=config.top_k, capture=capture)
+                  top_k=config.top_k, capture=capture, **(tactic or {}))
     return {
         "lists": tuple(sorted(dict(latent=g.latent, top_k=config.top_k, experts=config.experts,
                                    first=g.first, count=g.count, strict=strict).items())),
@@ -161,7 +170,7 @@ class ExpertsEngine:
 
     def __call__(self, codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, *,
                  out: torch.Tensor | None = None, windows: int | None = None,
-                 validate: bool = True, capture: bool = False):
+                 validate: bool = True, capture: bool = False, tactic: dict | None = None):
         """Every local pair's expert row.
 
         Args:
@@ -176,6 +185,13 @@ class ExpertsEngine:
                 its capacity, or (strict) a non-local expert. Pass False inside CUDA-graph
                 capture and call ``check()`` later.
             capture: also return the intermediates (``Capture``; for verification).
+            tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
+                "occupancy"}`` (defaults: 4 warps of 2 m-tiles, a ring of 4 stages for one
+                window and 3 for more, one accumulator chain, CTAs per multiprocessor
+                from the shared memory). Warps, m-tiles, ring and occupancy never change a
+                bit; ``chains`` changes the summation order (within the same bound), so a
+                call with a non-default ``chains`` is not batch invariant with the default.
+                Every tactic is covered by ``verify/test_experts.py``.
 
         Returns:
             ``out``, or ``(out, Capture)`` with ``capture``.
@@ -190,7 +206,7 @@ class ExpertsEngine:
         windows = windows or choose_windows(rows, c.top_k, c.experts)
         if windows not in (1, 2, 4):
             raise ValueError(f"ExpertsEngine: windows must be 1, 2 or 4, got {windows}")
-        params = _kernel_params(g, c, windows, capture, self.strict)
+        params = _kernel_params(g, c, windows, capture, self.strict, tactic)
         fn = {kind: _compiled(kind, self.arch, p) for kind, p in params.items()}
         cap = self._capture_buffers(rows) if capture else None
         i64, i32 = _i64, _i32
@@ -199,22 +215,18 @@ class ExpertsEngine:
         fn["lists"](i64(ids), i64(codes), i64(scales), i64(self.plan), i64(self.lists), work,
                     i32(rows), i32(self.max_rows), stream)
         fn["plan"](work, stream)
-        grid = i32(self.grid(windows))
+        grid = i32(self.sms * _occupancy(params["fc1"]))
         null = i64(self._null)
         p = self.prepared
         fn["fc1"](i64(p.w13), i64(p.s13), i64(self.plan), i64(self.lists), work, i64(self.hidden),
                   *(i64(t) for t in ((cap.fc1, cap.codes, cap.scales) if cap else (self._null,) * 3)),
                   i32(self.max_rows), grid, stream)
+        grid2 = i32(self.sms * _occupancy(params["fc2"]))
         fn["fc2"](i64(p.w2), i64(p.s2), i64(self.hidden), i64(self.lists), work, i64(out),
-                  null, null, null, i32(self.max_rows), grid, stream)
+                  null, null, null, i32(self.max_rows), grid2, stream)
         if validate:
             self.check()
         return (out, cap) if capture else out
-
-    def grid(self, windows: int) -> int:
-        """Persistent CTAs of the FC kernels: 4 per multiprocessor (128 threads, at most
-        128 registers each)."""
-        return 4 * self.sms
 
     def check(self) -> None:
         """Raise ``EngineError`` if a call since the last check met a bad routing entry

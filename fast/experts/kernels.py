@@ -245,11 +245,16 @@ class ExpertsGemmKernel:
     ``8 * warps * mtiles / 2`` intermediate columns are whole MXFP8 blocks.
     """
 
-    RING = 4
-
     def __init__(self, *, fc1: bool, rows: int, k: int, inter: int, latent: int, count: int,
                  windows: int, top_k: int = 16, warps: int = 4, mtiles: int = 2,
+                 ring: int | None = None, chains: int = 1, occupancy: int | None = None,
                  capture: bool = False, beta: float = 4.0, linear_beta: float = 25.0):
+        # measured on the H200: a 4-stage ring for one window, 3 stages (one more CTA per
+        # multiprocessor) for more; the ring depth never changes a bit
+        ring = ring or (4 if windows == 1 else 3)
+        if chains not in (1, 2, 4) or ring < 2:
+            raise ValueError(f"chains must be 1, 2 or 4 and ring >= 2, got {chains}, {ring}")
+        self.RING, self.chains = ring, chains
         self.fc1, self.rows, self.k, self.inter, self.latent = fc1, rows, k, inter, latent
         self.count, self.windows, self.top_k = count, windows, top_k
         self.warps, self.mtiles, self.capture = warps, mtiles, capture
@@ -265,8 +270,17 @@ class ExpertsGemmKernel:
         self.chunks = k // CHUNK
         self.stage_chunks = chunks_per_stage(k)
         self.stages = self.chunks // self.stage_chunks
-        self.slot_bytes = windows * self.stage_chunks * 1024
+        # one ring slot (a stage): the window group's B operand, then this CTA's weights
+        # (each lane's 16 bytes per m-tile and chunk: private to the lane), then its scales
+        self.b_bytes = windows * self.stage_chunks * 1024
+        self.w_bytes = warps * mtiles * self.stage_chunks * 512
+        self.s_bytes = warps * mtiles * 32 * self.stage_chunks
+        self.slot_bytes = self.b_bytes + self.w_bytes + self.s_bytes
         self.granules = WINDOW * windows * 8 * self.stage_chunks  # 16-byte B copies per stage
+        self.smem_bytes = ring * self.slot_bytes  # dynamic: the ring
+        static = 4 * (8 + 3 * WINDOW * windows + warps * mtiles * WINDOW * windows) + 1024
+        #: CTAs per multiprocessor the kernel is built for (launch bounds; the grid size)
+        self.occupancy = occupancy or max(1, min(8, (227 << 10) // (self.smem_bytes + static)))
         self.ws = Workspace(count)
         self.search_steps = max(1, math.ceil(math.log2(count + 1)))
 
@@ -275,7 +289,9 @@ class ExpertsGemmKernel:
                  out: Int64, cap_fc1: Int64, cap_codes: Int64, cap_scales: Int64,
                  capacity: Int32, grid: Int32, stream):
         self.kernel(weights, scales, act, lists, work, out, cap_fc1, cap_codes, cap_scales,
-                    capacity).launch(grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream)
+                    capacity).launch(grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream,
+                                     smem=self.smem_bytes, min_blocks_per_mp=self.occupancy,
+                                     preferred_smem_carveout=100)
 
     # -- pieces -----------------------------------------------------------------------
 
@@ -333,16 +349,12 @@ class ExpertsGemmKernel:
         TOK: cutlass.Constexpr = WINDOW * W
         threads: cutlass.Constexpr = self.threads
 
-        ring = cute.arch.alloc_smem(cutlass.Uint8, RING * self.slot_bytes, alignment=128).toint()
+        ring = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=128).toint()
         info = cute.arch.alloc_smem(Int32, 8, alignment=16).toint()
         table = cute.arch.alloc_smem(Int32, 3 * TOK, alignment=16).toint()
         red = cute.arch.alloc_smem(Float32, self.warps * MT * TOK, alignment=16).toint()
 
-        acc = cute.make_rmem_tensor((MT * W * 4,), Float32)
-        wcur = cute.make_rmem_tensor((SC * MT * 4,), Uint32)
-        wnxt = cute.make_rmem_tensor((SC * MT * 4,), Uint32)
-        scur = cute.make_rmem_tensor((MT,), Uint32)
-        snxt = cute.make_rmem_tensor((MT,), Uint32)
+        acc = cute.make_rmem_tensor((MT * W * 4 * self.chains,), Float32)
         copies: cutlass.Constexpr = (self.granules + threads - 1) // threads
         src = cute.make_rmem_tensor((copies,), Int64)
         dst = cute.make_rmem_tensor((copies,), Int32)
@@ -394,30 +406,27 @@ class ExpertsGemmKernel:
             # weights of this warp's m-tiles
             mbase = tile * (self.warps * MT) + warp * MT
             wbase = weights + (Int64(expert) * self.m_tiles + mbase) * (self.chunks * 512) + lane * 16
-            sbase = scales + (Int64(expert) * self.m_tiles + mbase) * (NS * 32 * SC) + lane * SC
-            for i in cutlass.range_constexpr(MT * W * 4):
+            sbase = scales + (Int64(expert) * self.m_tiles + mbase) * (NS * 32 * SC) + lane * 4
+            for i in cutlass.range_constexpr(MT * W * 4 * self.chains):
                 acc[i] = Float32(0.0)
             nwin = (ntok + WINDOW - 1) // WINDOW
             # 2. main loop
             for st in cutlass.range_constexpr(RING - 1):
                 if cutlass.const_expr(st < NS):
-                    self._issue(src, dst, ok, ring + st * self.slot_bytes, st)
+                    self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
+                                warp, lane)
                 cute.arch.cp_async_commit_group()
-            self._load_stage(wcur, scur, wbase, sbase, 0)
             for s in cutlass.range(NS, unroll=1):
-                self._load_stage(wnxt, snxt, wbase, sbase, cutlass.min(s + 1, NS - 1))
                 cute.arch.cp_async_wait_group(RING - 2)
                 cute.arch.sync_threads()
                 ahead = s + RING - 1
                 if ahead < NS:
-                    self._issue(src, dst, ok, ring + (ahead % RING) * self.slot_bytes, ahead)
+                    self._issue(src, dst, ok, wbase, sbase, ring + (ahead % RING) * self.slot_bytes,
+                                ahead, warp, lane)
                 cute.arch.cp_async_commit_group()
-                self._compute(acc, wcur, scur, ring + (s % RING) * self.slot_bytes, lane, nwin)
-                for i in cutlass.range_constexpr(SC * MT * 4):
-                    wcur[i] = wnxt[i]
-                for i in cutlass.range_constexpr(MT):
-                    scur[i] = snxt[i]
+                self._compute(acc, ring + (s % RING) * self.slot_bytes, warp, lane, nwin)
             cute.arch.cp_async_wait_group(0)
+            self._join_chains(acc)
             # 3. epilogue
             if cutlass.const_expr(self.fc1):
                 self._epilogue_fc1(acc, table, red, out, cap_fc1, cap_codes, cap_scales,
@@ -465,42 +474,56 @@ class ExpertsGemmKernel:
         return p.lds_i32(info)
 
     @cute.jit
-    def _issue(self, src, dst, ok, slot, stage):
-        """cp.async this thread's B copies of ``stage`` into ``slot``."""
+    def _issue(self, src, dst, ok, wbase, sbase, slot, stage, warp, lane):
+        """cp.async everything ``stage`` reads into ``slot``: this thread's B copies, its
+        lane's 16-byte weight pieces (one per m-tile and chunk), and, lanes
+        ``< 8 * stage_chunks``, 4 bytes of each of its warp's m-tile scale blocks."""
+        SC: cutlass.Constexpr = self.stage_chunks
+        MT: cutlass.Constexpr = self.mtiles
         copies: cutlass.Constexpr = (self.granules + self.threads - 1) // self.threads
-        offset = Int64(stage) * (64 * self.stage_chunks * 2)
+        offset = Int64(stage) * (64 * SC * 2)
         for i in cutlass.range_constexpr(copies):
             if ok[i] >= 0:
                 p.cp_async_16(slot + dst[i], src[i] + offset, ok[i] != 0)
-
-    @cute.jit
-    def _load_stage(self, wbuf, sbuf, wbase, sbase, stage):
-        """This lane's prepared weights (16 bytes per chunk and m-tile) and scale bytes of
-        ``stage``."""
-        SC: cutlass.Constexpr = self.stage_chunks
-        for mt in cutlass.range_constexpr(self.mtiles):
+        wslot = slot + self.b_bytes + warp * (MT * SC * 512) + lane * 16
+        for mt in cutlass.range_constexpr(MT):
             for cc in cutlass.range_constexpr(SC):
                 chunk = Int64(stage) * SC + cc
-                got = p.ldg_stream_v4(wbase + (Int64(mt) * self.chunks + chunk) * 512)
-                for i in cutlass.range_constexpr(4):
-                    wbuf[(cc * self.mtiles + mt) * 4 + i] = got[i]
-            address = sbase + (Int64(mt) * self.stages + stage) * (32 * SC)
-            if cutlass.const_expr(SC == 2):
-                sbuf[mt] = p.ldg_u16(address)
-            else:
-                sbuf[mt] = p.ldg_u8(address)
+                p.cp_async_16(wslot + (mt * SC + cc) * 512,
+                              wbase + (Int64(mt) * self.chunks + chunk) * 512, True)
+        if lane < 8 * SC:
+            sslot = slot + self.b_bytes + self.w_bytes + warp * (MT * 32 * SC) + lane * 4
+            for mt in cutlass.range_constexpr(MT):
+                p.cp_async_4(sslot + mt * 32 * SC,
+                             sbase + (Int64(mt) * self.stages + stage) * (32 * SC))
 
     @cute.jit
-    def _compute(self, acc, wbuf, sbuf, slot, lane, nwin):
-        """One stage: decode this lane's A fragments, 4 MMAs per chunk, m-tile, window."""
+    def _join_chains(self, acc):
+        """Fold the accumulator chains into chain 0, in chain order (FP32 adds)."""
+        MT: cutlass.Constexpr = self.mtiles
+        W: cutlass.Constexpr = self.windows
+        for i in cutlass.range_constexpr(MT * W * 4):
+            for c in cutlass.range_constexpr(1, self.chains):
+                acc[i] = h.fadd(acc[i], acc[c * MT * W * 4 + i])
+
+    @cute.jit
+    def _compute(self, acc, slot, warp, lane, nwin):
+        """One stage from ``slot``: decode this lane's A fragments, 4 MMAs per chunk,
+        m-tile and window; MMA step j of a chunk accumulates into chain ``j % chains``."""
         SC: cutlass.Constexpr = self.stage_chunks
         MT: cutlass.Constexpr = self.mtiles
         W: cutlass.Constexpr = self.windows
+        CH: cutlass.Constexpr = self.chains
         bits: cutlass.Constexpr = 8 * SC
         bias = Uint32(0x7E7E7E7E) if SC == 2 else Uint32(0x7E7E)
+        wslot = slot + self.b_bytes + warp * (MT * SC * 512) + lane * 16
+        sslot = slot + self.b_bytes + self.w_bytes + warp * (MT * 32 * SC) + lane * SC
         xs = []
         for mt in cutlass.range_constexpr(MT):
-            own = sbuf[mt]
+            if cutlass.const_expr(SC == 2):
+                own = p.lds_u16(sslot + mt * 64)
+            else:
+                own = p.lds_u8(sslot + mt * 32)
             other = p.shfl_xor(own, 1)
             odd = (lane & 1) != 0
             x = cutlass.select_(odd, other | (own << Uint32(bits)), own | (other << Uint32(bits)))
@@ -510,9 +533,9 @@ class ExpertsGemmKernel:
             for mt in cutlass.range_constexpr(MT):
                 f0 = self._factor(xs[mt], 2 * cc)
                 f1 = self._factor(xs[mt], 2 * cc + 1)
-                base = (cc * MT + mt) * 4
-                r0 = self._decode(wbuf[base]) + self._decode(wbuf[base + 1])
-                r1 = self._decode(wbuf[base + 2]) + self._decode(wbuf[base + 3])
+                words = p.lds_v4(wslot + (mt * SC + cc) * 512)
+                r0 = self._decode(words[0]) + self._decode(words[1])
+                r1 = self._decode(words[2]) + self._decode(words[3])
                 frags.append(([p.mul_bf16x2(v, f0) for v in r0], [p.mul_bf16x2(v, f1) for v in r1]))
             for w in cutlass.range_constexpr(W):
                 if w < nwin:
@@ -520,8 +543,8 @@ class ExpertsGemmKernel:
                     b = list(p.lds_v4(address)) + list(p.lds_v4(address + 512))
                     for mt in cutlass.range_constexpr(MT):
                         r0, r1 = frags[mt]
-                        at = (mt * W + w) * 4
                         for j in cutlass.range_constexpr(4):
+                            at = ((j % CH) * MT * W + mt * W + w) * 4
                             c = [acc[at + i] for i in range(4)]
                             d = p.mma_bf16((r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1]),
                                            (b[2 * j], b[2 * j + 1]), c)
