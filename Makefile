@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.latentmoe-installed
 
-.PHONY: setup verify test docs clean
+.PHONY: setup verify test docs clean bench bench-noise
 
 setup: $(STAMP)
 
@@ -22,10 +22,32 @@ verify: $(STAMP)
 	$(PY) -m pytest verify/ -q
 
 # The tests: unit tests, the verification suite (which includes the CPU compile of every
-# fast kernel for sm_90a, sm_100a and sm_103a), and the documentation site built strictly.
+# fast kernel for sm_90a, sm_100a and sm_103a), the committed benchmark history checked,
+# the reference's CPU benchmarks compared with this machine's committed baseline, and the
+# documentation site built strictly.
 test: $(STAMP)
 	$(PY) -m pytest tests/ verify/ -q
+	$(PY) -m pytest benchmarks/test_history.py -q
+	$(PY) -m benchmarks.run cpu check
 	$(VENV)/bin/mkdocs build --strict -q
+
+# GPU benchmarks on a GPU node (docs/gpu-node.md): `make bench` runs them, saves the run
+# under benchmarks/results/<machine>/ and fails on a slowdown beyond that machine's
+# measured noise; `make bench-noise` measures the noise from RUNS more runs. PY=python3 uses
+# a ready interpreter as it is (a node without a package index); COMMIT=<sha>[-dirty]
+# names the measured commit where the tree has no git.
+RUNS ?= 3
+BENCH_ARGS ?=
+BENCH_SETUP = $(if $(filter $(VENV)/bin/python,$(PY)),$(MAKE) --no-print-directory setup,@true)
+BENCH_COMMIT = $(if $(COMMIT),--commit $(COMMIT))
+
+bench:
+	$(BENCH_SETUP)
+	$(PY) -m benchmarks.run gpu record $(BENCH_COMMIT) $(BENCH_ARGS)
+
+bench-noise:
+	$(BENCH_SETUP)
+	$(PY) -m benchmarks.run gpu noise --runs $(RUNS) $(BENCH_COMMIT) $(BENCH_ARGS)
 
 docs: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict

@@ -224,7 +224,7 @@ def _cpu_machine(machine_dir, images) -> list[str]:
         elif "stage" in info:
             per_stage[info["stage"]].append((int(info["batch"]), seconds))
     fig, (ax,) = _figure(width=7.5, height=3.6, panels=1)
-    for stage, points in sorted(per_stage.items()):
+    for stage, points in per_stage.items():  # in the run's order (bench_reference.STAGES)
         points.sort()
         ax.plot([b for b, _ in points], [s * 1e3 for _, s in points], "o-", label=stage)
     ax.set(xscale="log", yscale="log", xlabel="batch (tokens)", ylabel=f"CPU time, {statistic} (ms)")
@@ -235,15 +235,16 @@ def _cpu_machine(machine_dir, images) -> list[str]:
     images[image] = _svg(fig)
     batches = sorted({b for points in per_stage.values() for b, _ in points})
     lines = [f"## {machine}: the reference on the CPU", "",
-             f"Newest run: `{newest.name}` (torch {newest.data['machine_info'].get('torch')}, "
-             f"{newest.data['machine_info'].get('torch_threads')} thread; CPU time of the process "
-             f"per call, the {statistic} of the rounds). CI compares every run with it: threshold "
+             f"Newest run: `{newest.name}` (torch {newest.data['machine_info'].get('torch')}; "
+             f"CPU time of the process per call on one thread, the {statistic} of the rounds). "
+             f"CI compares every run with it: threshold "
              f"{noise.threshold_percent}%, the widest spread of one case over {len(noise.runs)} "
-             f"runs ({noise.widest[1]:.1f}% in `{noise.widest[0].split('::')[-1]}`).", "",
+             f"runs ({noise.widest[1]:.1f}% in `{noise.widest[0].split('::')[-1]}`). "
+             f"{noise.note}", "",
              f"![{machine} reference]({image})", "",
              "| stage | " + " | ".join(f"T={b} (ms)" for b in batches) + " |",
              "|---|" + "---|" * len(batches)]
-    for stage in sorted(per_stage, key=lambda s: (s not in STAGE_ORDER, s)):
+    for stage in per_stage:
         seconds = dict(per_stage[stage])
         lines.append(f"| {stage} | " + " | ".join(
             f"{seconds[b] * 1e3:.2f}" if b in seconds else "-" for b in batches) + " |")

@@ -30,6 +30,17 @@ from benchmarks import history
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKERS = {"gpu": "benchmark_gpu", "cpu": "benchmark_cpu"}
+#: Suites whose saved runs keep only the statistics, as ``--benchmark-save`` writes them:
+#: a CPU case has hundreds of rounds (200 KB of timings per run), its figure is the min.
+STATS_ONLY = {"cpu"}
+
+
+def drop_round_data(path: Path) -> None:
+    """Remove each case's per-round ``stats["data"]`` from a saved run."""
+    data = json.loads(path.read_text())
+    for bench in data["benchmarks"]:
+        bench["stats"].pop("data", None)
+    path.write_text(json.dumps(data, indent=4) + "\n")
 
 
 def resolve_commit(given: str | None) -> tuple[str, bool]:
@@ -130,6 +141,8 @@ def _main(argv: list[str] | None) -> int:
                                 extra=args.pytest_args)
             if status:
                 return status
+            if args.suite in STATS_ONLY:
+                drop_round_data(out)
             new.append(history.load_run(out))
             print(f"benchmarks.run: run {i + 1}/{args.runs} saved as {out.relative_to(ROOT)}")
         note = args.note or (f"{args.runs} runs of {commit[:12]}{'-dirty' if dirty else ''} "
@@ -168,6 +181,8 @@ def _main(argv: list[str] | None) -> int:
     status = run_pytest(args.suite, out, machine=machine, commit=commit, dirty=dirty,
                         baseline=baseline, noise=noise, extra=args.pytest_args)
     if out.exists():
+        if args.suite in STATS_ONLY:
+            drop_round_data(out)
         print(f"benchmarks.run: saved {out.relative_to(ROOT)}")
     if baseline is not None and status != 5:
         _compare_note(baseline, noise, status, out if out.exists() else None)
