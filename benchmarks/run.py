@@ -121,8 +121,11 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--note", default="", help="noise: how the runs were made")
     parser.add_argument("--machine", help="history directory (default: from the hardware)")
     parser.add_argument("--commit", help="<sha>[-dirty] measured (default: git)")
-    parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
-    args = parser.parse_args(argv)
+    parser.epilog = "Arguments after -- go to pytest (e.g. -- -k finalize)."
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    args = parser.parse_args(argv[:cut])
+    args.pytest_args = argv[cut + 1:]
 
     machine = args.machine or history.machine_name(gpu=args.suite == "gpu")
     machine_dir = history.RESULTS / machine
