@@ -498,6 +498,33 @@ class ExpertsGemmKernel:
                              sbase + (Int64(mt) * self.stages + stage) * (32 * SC))
 
     @cute.jit
+    def _mma_step(self, acc, frags, b, j: int, w: int):
+        """MMA step ``j`` of window ``w`` for every m-tile of this warp."""
+        MT: cutlass.Constexpr = self.mtiles
+        W: cutlass.Constexpr = self.windows
+        for mt in cutlass.range_constexpr(MT):
+            r0, r1 = frags[mt]
+            at = ((j % self.chains) * MT * W + mt * W + w) * 4
+            c = [acc[at + i] for i in range(4)]
+            d = p.mma_bf16((r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1]),
+                           (b[2 * j], b[2 * j + 1]), c)
+            for i in cutlass.range_constexpr(4):
+                acc[at + i] = d[i]
+
+    @cute.jit
+    def _lds_b_if(self, address, live):
+        """A window's 8 B-fragment words (two 16-byte shared loads), or zeros when the
+        window holds no token of the item (its MMAs are then skipped)."""
+        words = cute.make_rmem_tensor((8,), Uint32)
+        for i in cutlass.range_constexpr(8):
+            words[i] = Uint32(0)
+        if live:
+            got = list(p.lds_v4(address)) + list(p.lds_v4(address + 512))
+            for i in cutlass.range_constexpr(8):
+                words[i] = got[i]
+        return [words[i] for i in range(8)]
+
+    @cute.jit
     def _join_chains(self, acc):
         """Fold the accumulator chains into chain 0, in chain order (FP32 adds)."""
         MT: cutlass.Constexpr = self.mtiles
@@ -537,19 +564,20 @@ class ExpertsGemmKernel:
                 r0 = self._decode(words[0]) + self._decode(words[1])
                 r1 = self._decode(words[2]) + self._decode(words[3])
                 frags.append(([p.mul_bf16x2(v, f0) for v in r0], [p.mul_bf16x2(v, f1) for v in r1]))
+            # B fragments of every live window, then the MMAs step-major so that the
+            # (m-tile, window) accumulator chains interleave (a chain's consecutive MMAs
+            # are not back to back); each chain still adds its steps in order 0..3.
+            bs = []
             for w in cutlass.range_constexpr(W):
-                if w < nwin:
-                    address = slot + (((w * SC + cc) * 2) * 32 + lane) * 16
-                    b = list(p.lds_v4(address)) + list(p.lds_v4(address + 512))
-                    for mt in cutlass.range_constexpr(MT):
-                        r0, r1 = frags[mt]
-                        for j in cutlass.range_constexpr(4):
-                            at = ((j % CH) * MT * W + mt * W + w) * 4
-                            c = [acc[at + i] for i in range(4)]
-                            d = p.mma_bf16((r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1]),
-                                           (b[2 * j], b[2 * j + 1]), c)
-                            for i in cutlass.range_constexpr(4):
-                                acc[at + i] = d[i]
+                address = slot + (((w * SC + cc) * 2) * 32 + lane) * 16
+                bs.append(self._lds_b_if(address, w < nwin))
+            for j in cutlass.range_constexpr(4):
+                for w in cutlass.range_constexpr(W):
+                    if cutlass.const_expr(w == 0):  # every item has a token in window 0
+                        self._mma_step(acc, frags, bs[w], j, w)
+                    else:
+                        if w < nwin:
+                            self._mma_step(acc, frags, bs[w], j, w)
 
     @cute.jit
     def _epilogue_fc1(self, acc, table, red, hidden: Int64, cap_fc1: Int64, cap_codes: Int64,
