@@ -19,9 +19,11 @@ those runs; the threshold is the largest spread of any case, rounded up to a who
 (pytest-benchmark's ``--benchmark-compare-fail`` takes whole percents). The check
 recomputes it from the listed runs, so the figure cannot drift from its measurement.
 
-**Regression.** For each case, its newest result and the one before it (in the runs that
-hold the case) are compared on the statistic; a slowdown beyond the threshold fails unless
-``accepted.json`` has an entry for that run and case with a reason.
+**Regression.** For each case, its newest result is compared on the statistic with the
+newest result of an earlier commit (runs of one commit, ``-dirty`` counting as another,
+are repeated measurements and are not compared with each other, so committing several
+runs of a slower commit cannot hide its slowdown); a slowdown beyond the threshold fails
+unless ``accepted.json`` has an entry for that run and case with a reason.
 """
 
 from __future__ import annotations
@@ -384,13 +386,19 @@ class Change:
 
 
 def newest_changes(runs: list[Run], statistic: str) -> list[Change]:
-    """For every case held by two runs or more: its newest result against the previous."""
+    """For every case: its newest result against the newest result of an earlier commit
+    (``runs`` oldest first; a case measured at one commit only has no change)."""
     holders: dict[str, list[Run]] = {}
     for run in runs:
         for case in run.cases:
             holders.setdefault(case, []).append(run)
-    return [Change(case, held[-2], held[-1], statistic)
-            for case, held in sorted(holders.items()) if len(held) >= 2]
+    changes = []
+    for case, held in sorted(holders.items()):
+        newest = held[-1]
+        earlier = [r for r in held if (r.commit, r.dirty) != (newest.commit, newest.dirty)]
+        if earlier:
+            changes.append(Change(case, earlier[-1], newest, statistic))
+    return changes
 
 
 @dataclasses.dataclass(frozen=True)

@@ -85,7 +85,7 @@ def run_pytest(suite: str, out: Path, *, machine: str, commit: str | None, dirty
     return status
 
 
-def _compare_note(baseline, noise, status, saved: Path | None) -> None:
+def _compare_note(suite, baseline, noise, status, saved: Path | None) -> None:
     where = f"benchmarks/results/{baseline.path.parent.name}"
     if status == 0:
         print(f"benchmarks.run: no case slower than {baseline.name} by more than "
@@ -97,6 +97,10 @@ def _compare_note(baseline, noise, status, saved: Path | None) -> None:
     if saved is not None:
         print(f"The run is saved as {saved.relative_to(ROOT)}. An intended slowdown is "
               f"committed with an entry in {where}/accepted.json saying why.", file=sys.stderr)
+    else:
+        print(f"An intended slowdown: record new runs on this machine (`python -m "
+              f"benchmarks.run {suite} noise --runs 5 --fresh`) and commit them with an "
+              f"entry in {where}/accepted.json saying why.", file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,7 +177,7 @@ def _main(argv: list[str] | None) -> int:
                                 commit=None, dirty=False, baseline=baseline, noise=noise,
                                 extra=args.pytest_args)
         if status != 5:
-            _compare_note(baseline, noise, status, None)
+            _compare_note(args.suite, baseline, noise, status, None)
         return status
 
     commit, dirty = resolve_commit(args.commit)
@@ -188,7 +192,7 @@ def _main(argv: list[str] | None) -> int:
             drop_round_data(out)
         print(f"benchmarks.run: saved {out.relative_to(ROOT)}")
     if baseline is not None and status != 5:
-        _compare_note(baseline, noise, status, out if out.exists() else None)
+        _compare_note(args.suite, baseline, noise, status, out if out.exists() else None)
     return status
 
 

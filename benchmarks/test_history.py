@@ -101,10 +101,30 @@ def test_an_accepted_slowdown_passes_with_its_reason_and_a_stale_entry_fails(mac
     assert not history.check_machine(machine).ok
 
 
-def test_a_case_missing_from_the_newest_run_compares_its_own_last_two(machine):
+def test_a_case_missing_from_the_newest_run_compares_its_own_newest(machine):
     write_run(machine, 2, "b" * 40, {CASE_A: 1.0e-5})
+    write_run(machine, 3, "c" * 40, {CASE_B: 2.0e-5})
     changes = {c.case: c for c in history.check_machine(machine).changes}
-    assert changes[CASE_B].newest.commit == "a" * 12 and changes[CASE_A].newest.commit == "b" * 12
+    assert (changes[CASE_A].previous.commit, changes[CASE_A].newest.commit) == ("a" * 12, "b" * 12)
+    assert (changes[CASE_B].previous.commit, changes[CASE_B].newest.commit) == ("a" * 12, "c" * 12)
+
+
+def test_several_runs_of_a_slower_commit_are_compared_with_the_commit_before(machine):
+    """Repeated runs of one commit are noise samples, not each other's baseline: a slower
+    commit saved three times still meets the previous commit's result."""
+    for minute in (2, 3, 4):
+        write_run(machine, minute, "b" * 40, {CASE_A: 2.0e-5, CASE_B: 2.0e-5})
+    check = history.check_machine(machine)
+    assert [(c.case, c.previous.commit) for c in check.slower] == [(CASE_A, "a" * 12)]
+
+
+def test_runs_of_one_commit_only_have_nothing_to_compare(tmp_path):
+    d = tmp_path / "cpu-x"
+    write_run(d, 0, "a" * 40, {CASE_A: 1.0e-5})
+    write_run(d, 1, "a" * 40, {CASE_A: 1.5e-5})
+    history.write_noise(d, history.measure_noise(history.load_history(d), "min"))
+    check = history.check_machine(d)
+    assert check.ok and check.changes == []
 
 
 class _FakeEvent:
@@ -140,7 +160,7 @@ def test_device_clock_differences_are_the_device_time_between_its_events(monkeyp
 @pytest.mark.parametrize("machine_dir", history.machine_dirs(), ids=lambda d: d.name)
 def test_committed_history(machine_dir):
     """Every committed run parses, the noise threshold is what its runs give, and no
-    case's newest result is slower than the one before beyond it without a reason."""
+    case's newest result is slower than the commit before's beyond it without a reason."""
     check = history.check_machine(machine_dir)
     print(check.report())
     if not check.ok:
