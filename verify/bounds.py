@@ -1,5 +1,5 @@
 """Derived forward-error bounds for stages that differ from the reference only in the
-order of their floating-point sums (DESIGN §4.2).
+order of their floating-point sums (the bounded contracts of ``docs/design.md``).
 
 No tolerance here is chosen by hand: every constant is a unit roundoff ``u = 2^-p`` of a
 format (``p`` = significand bits including the implicit one), combined with Higham's

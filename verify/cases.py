@@ -1,11 +1,13 @@
 """The case grid of the contracts: batches, rank counts, configs, and cached inputs.
 
-* Batches (DESIGN §3): S1 (DEP) serves 1..``front_max`` (64) tokens per rank with its
-  split-K front and the stock order above; S2 (wide) serves 65..``wide_rows`` (1024).
+* Batches: S1 (DEP) serves 1..``front_max`` (64) tokens per rank with its split-K front
+  and the stock order above; S2 (wide) serves 65..``wide_rows`` (1024) (``docs/design.md``).
 * Rank counts: every divisor of the experts and the latent width up to 16.
 * Configs: ``small`` everywhere (keeps top-16 and the 32-element blocks, so every real code
-  path runs); ``kimi_k3`` (the real dimensions) only on a GPU, where its 15 GB of MXFP4
-  experts fit.
+  path runs); ``kimi_k3`` (the real dimensions) for the stage contracts, whose widths come
+  from the config (:data:`STAGE_CONFIGS`), and for the GEMMs on a GPU; its 15 GB of MXFP4
+  experts only where a GPU holds them. Every report row is labelled with the config its
+  case really ran (the ``config_name`` parameter).
 """
 
 from __future__ import annotations
@@ -22,6 +24,16 @@ ALL_BATCHES = (1, 2, 3, 7, 16, 64, 65, 100, 256, 1024)
 DEP_BATCHES = tuple(b for b in ALL_BATCHES if b <= 64)
 WIDE_BATCHES = (1, 3, 65, 100, 256)  # the emulation serves any batch; 65.. is production
 RANKS = (1, 2, 4, 8, 16)
+
+#: The configs whose widths the per-stage contracts take (``LatentMoEConfig`` fields, never
+#: re-typed numbers).
+STAGE_CONFIGS = ("small", "kimi_k3")
+
+#: (config, batch) cases of a stage contract on the ``reference`` backend, which runs on
+#: this machine's CPU: every batch at ``small``, and the real widths at three batches (one
+#: token, a few, past the S1 bucket): a CPU reference stage is one vectorized code path
+#: whatever its width, and the oracles it is compared with are CPU code too.
+REFERENCE_GRID = [("small", t) for t in ALL_BATCHES] + [("kimi_k3", t) for t in (1, 7, 65)]
 
 CONFIGS = {
     "small": LatentMoEConfig.small,
@@ -51,8 +63,6 @@ def hidden_rows(cfg: LatentMoEConfig, tokens: int, seed: int, device: str = "cpu
 def _tp16() -> LatentMoEConfig:
     """``small`` with the routed intermediate widened to 512, so that 16 TP ranks keep a
     whole MX block (32) of it each (the wide layer at 16 ranks)."""
-    import dataclasses
-
     return dataclasses.replace(LatentMoEConfig.small(), intermediate=512)
 
 
@@ -89,3 +99,17 @@ def dense_weights(name: str, device: str = "cpu", seed: int = 2026) -> DenseWeig
         shared_down=normal(cfg.hidden, cfg.shared_intermediate),
         up=normal(cfg.hidden, cfg.latent),
     )
+
+
+@functools.cache
+def other_weights(name: str, device: str = "cpu") -> LatentMoEWeights:
+    """A second layer of the same config, for the contracts that run two layers through
+    one set of buffers: :func:`weights` with every expert moved to the next index, the
+    router gate negated, the bias and the dense matrices' rows reversed (a different layer,
+    built without generating and quantizing a second set of experts)."""
+    w = weights(name, device)
+    return dataclasses.replace(
+        w, gate=-w.gate, bias=w.bias.flip(0), front=w.front.flip(0),
+        shared_down=w.shared_down.flip(0), latent_norm=w.latent_norm.flip(0), up=w.up.flip(0),
+        w13=w.w13.roll(1, 0), w13_scales=w.w13_scales.roll(1, 0), w2=w.w2.roll(1, 0),
+        w2_scales=w.w2_scales.roll(1, 0))

@@ -3,12 +3,12 @@
 Every contract in `verify/` ends in one of three calls:
 
 * [`assert_bitwise_equal`][verify.compare.assert_bitwise_equal] — the fast op and the
-  reference that emulates its order must produce the same bytes (DESIGN §4.1);
+  reference that emulates its order must produce the same bytes;
 * [`assert_within_ulp`][verify.compare.assert_within_ulp] — a distance counted in
   representable values of the output format;
 * [`assert_within_bound`][verify.compare.assert_within_bound] — `|actual - exact| <= bound`
   elementwise against a high-precision truth, with `bound` derived by
-  [`verify.bounds`][verify.bounds] from the operands (DESIGN §4.2).
+  [`verify.bounds`][verify.bounds] from the operands.
 
 Each returns a [`CompareResult`][verify.compare.CompareResult] on success (so the JSON
 report records the worst figures) and raises [`ContractError`][verify.compare.ContractError]
@@ -208,6 +208,37 @@ def _histogram(d: torch.Tensor) -> dict[int, int]:
     return {int(v): int(c) for v, c in zip(vals.cpu().tolist(), counts.cpu().tolist())}
 
 
+def _raise_mismatches(result: CompareResult, actual: torch.Tensor, expected: torch.Tensor,
+                      first: torch.Tensor, reason: str, details) -> None:
+    """Raise the `ContractError` of a failed comparison, the one report of all three
+    comparators: for each flat index in `first` (the first failures, row-major), the
+    coordinate with the caller's index names, both bit patterns in hex, both values, then
+    the comparator's own figures ``details(i) -> (fields, text)`` for the i-th of them
+    (the ULP distance, or the difference, the bound and the ratio)."""
+    coords = _flat_coords(first, actual.shape)
+    sel_a = actual.reshape(-1)[first].cpu()
+    sel_e = expected.to(actual.device).reshape(-1)[first].cpu()
+    bits_a, bits_e = _raw_bits(sel_a).tolist(), _raw_bits(sel_e).tolist()
+    rows, lines = [], []
+    for i, coord in enumerate(coords):
+        va, ve = _value(sel_a[i]), _value(sel_e[i])
+        ha, he = _hex(bits_a[i], actual.element_size()), _hex(bits_e[i], expected.element_size())
+        at = _format_coord(coord, result.index_names)
+        fields, text = details(i)
+        rows.append({"at": at, "index": list(coord), "actual_hex": ha, "expected_hex": he,
+                     "actual": repr(va), "expected": repr(ve), **fields})
+        lines.append(f"  {at}: actual {ha} ({va!r}) expected {he} ({ve!r})"
+                     + (f", {text}" if text else ""))
+    msg = reason + f"; first {len(lines)}:\n" + "\n".join(lines)
+    raise ContractError(msg, {**result.as_dict(), "reason": reason, "first_mismatches": rows})
+
+
+def _ulp_text(u: int | None) -> str:
+    if u is None:
+        return ""
+    return "NaN vs number" if u == ULP_NAN else f"{u} ulp"
+
+
 # --------------------------------------------------------------------------- ULP
 
 
@@ -309,26 +340,7 @@ def assert_bitwise_equal(
         worst_ulp = int(d.max().item())
         worst_flat = where[int(torch.argmax(d).item())]
     first = where[:max_report]
-    coords = _flat_coords(first, actual.shape)
-    sel_a, sel_e = flat_a[first].cpu(), flat_e[first].cpu()
-    bits_a, bits_e = _raw_bits(sel_a).tolist(), _raw_bits(sel_e).tolist()
-    ulps = ulp_distance(sel_a, sel_e).tolist() if has_ulp else [None] * len(coords)
-    size = actual.element_size()
-
-    rows, lines = [], []
-    for i, coord in enumerate(coords):
-        va, ve = _value(sel_a[i]), _value(sel_e[i])
-        ha, he = _hex(bits_a[i], size), _hex(bits_e[i], size)
-        row = {"at": _format_coord(coord, index_names), "index": list(coord),
-               "actual_hex": ha, "expected_hex": he, "actual": repr(va), "expected": repr(ve)}
-        line = f"  {row['at']}: actual {ha} ({va!r}) expected {he} ({ve!r})"
-        if has_ulp:
-            u = ulps[i]
-            row["ulp"] = u
-            line += ", " + ("NaN vs number" if u == ULP_NAN else f"{u} ulp")
-        rows.append(row)
-        lines.append(line)
-
+    ulps = ulp_distance(flat_a[first], flat_e[first]).cpu().tolist() if has_ulp else None
     result = CompareResult(
         what, "bitwise", n, count, worst_ulp=worst_ulp,
         worst_index=_flat_coords(worst_flat.reshape(1), actual.shape)[0],
@@ -338,8 +350,13 @@ def assert_bitwise_equal(
         f"{what}: {count} of {n} elements differ bitwise "
         f"({actual.dtype}, shape {tuple(actual.shape)})"
     )
-    msg = reason + f"; first {len(lines)}:\n" + "\n".join(lines)
-    raise ContractError(msg, {**result.as_dict(), "reason": reason, "first_mismatches": rows})
+
+    def details(i):
+        if ulps is None:
+            return {}, ""
+        return {"ulp": ulps[i]}, _ulp_text(ulps[i])
+
+    _raise_mismatches(result, actual, expected, first, reason, details)
 
 
 # --------------------------------------------------------------------------- ULP
@@ -393,28 +410,14 @@ def assert_within_ulp(
         return result
 
     first = torch.nonzero(bad).reshape(-1)[:max_report]
-    coords = _flat_coords(first, actual.shape)
-    sel_a, sel_e = actual.reshape(-1)[first].cpu(), expected.reshape(-1)[first].cpu()
-    bits_a, bits_e = _raw_bits(sel_a).tolist(), _raw_bits(sel_e).tolist()
     dist = d[first].cpu().tolist()
-    size = actual.element_size()
-    rows, lines = [], []
-    for i, coord in enumerate(coords):
-        va, ve = _value(sel_a[i]), _value(sel_e[i])
-        ha, he = _hex(bits_a[i], size), _hex(bits_e[i], size)
-        at = _format_coord(coord, index_names)
-        u = dist[i]
-        rows.append({"at": at, "index": list(coord), "actual_hex": ha, "expected_hex": he,
-                     "actual": repr(va), "expected": repr(ve), "ulp": u})
-        ustr = "NaN vs number" if u == ULP_NAN else f"{u} ulp"
-        lines.append(f"  {at}: actual {ha} ({va!r}) expected {he} ({ve!r}), {ustr}")
     reason = (
         f"{what}: {count} of {n} elements are more than {max_ulp} ulp apart "
         f"(worst {'NaN vs number' if worst == ULP_NAN else worst}; "
         f"{actual.dtype}, shape {tuple(actual.shape)})"
     )
-    msg = reason + f"; first {len(lines)}:\n" + "\n".join(lines)
-    raise ContractError(msg, {**result.as_dict(), "reason": reason, "first_mismatches": rows})
+    _raise_mismatches(result, actual, expected, first, reason,
+                      lambda i: ({"ulp": dist[i]}, _ulp_text(dist[i])))
 
 
 # --------------------------------------------------------------------------- bound
@@ -496,29 +499,17 @@ def assert_within_bound(
         return result
 
     first = torch.nonzero(bad).reshape(-1)[:max_report]
-    coords = _flat_coords(first, actual.shape)
-    sel_a = actual.reshape(-1)[first].cpu()
-    sel_e = expected.to(dev).reshape(-1)[first].cpu()
-    bits_a, bits_e = _raw_bits(sel_a).tolist(), _raw_bits(sel_e).tolist()
     sel_d = diff.reshape(-1)[first].cpu().tolist()
     sel_b = b64.reshape(-1)[first].cpu().tolist()
     sel_r = ratio[first].cpu().tolist()
-    rows, lines = [], []
-    for i, coord in enumerate(coords):
-        va, ve = _value(sel_a[i]), _value(sel_e[i])
-        ha, he = _hex(bits_a[i], actual.element_size()), _hex(bits_e[i], expected.element_size())
-        at = _format_coord(coord, index_names)
-        rows.append({"at": at, "index": list(coord), "actual_hex": ha, "expected_hex": he,
-                     "actual": repr(va), "expected": repr(ve), "diff": repr(sel_d[i]),
-                     "bound": repr(sel_b[i]), "ratio": repr(sel_r[i])})
-        lines.append(
-            f"  {at}: actual {ha} ({va!r}) expected {he} ({ve!r}), "
-            f"|diff| {sel_d[i]!r} > bound {sel_b[i]!r} (ratio {sel_r[i]!r})"
-        )
     reason = (
         f"{what}: {count} of {n} elements exceed the bound; worst |diff|/bound = "
         f"{result.worst_ratio!r} at {_format_coord(result.worst_index, index_names)} "
         f"({actual.dtype} vs {expected.dtype}, shape {tuple(actual.shape)})"
     )
-    msg = reason + f"; first {len(lines)}:\n" + "\n".join(lines)
-    raise ContractError(msg, {**result.as_dict(), "reason": reason, "first_mismatches": rows})
+
+    def details(i):
+        return ({"diff": repr(sel_d[i]), "bound": repr(sel_b[i]), "ratio": repr(sel_r[i])},
+                f"|diff| {sel_d[i]!r} > bound {sel_b[i]!r} (ratio {sel_r[i]!r})")
+
+    _raise_mismatches(result, actual, expected, first, reason, details)

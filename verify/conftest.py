@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from verify import backends as backend_registry
 from verify.recorder import Recorder
 from verify.report import Report, format_table, write_report
+from verify.seeds import seed_of
 
 REPORT_KEY = pytest.StashKey[Report]()
 ROW_KEY = pytest.StashKey[tuple]()
@@ -34,6 +34,14 @@ def pytest_configure(config):
     config.stash[REPORT_KEY] = Report()
     config.addinivalue_line(
         "markers", "backends(*names): the backends this contract runs against"
+    )
+    config.addinivalue_line(
+        "markers", "contract(name): the report row's contract name (default: the test's "
+        "name without test_)"
+    )
+    config.addinivalue_line(
+        "markers", "config(name): the layer config a contract without a config_name "
+        "parameter runs (its report rows are labelled with it)"
     )
 
 
@@ -46,10 +54,14 @@ def _param(item, name, default):
 
 def row_key(item) -> tuple[str, str, str]:
     """(contract, backend, config) of a test item: the contract is the test function's
-    name without ``test_`` (or the ``contract`` marker's first argument)."""
+    name without ``test_`` (or the ``contract`` marker's first argument); the config is the
+    ``config_name`` parameter, else the ``config`` marker's argument, else ``-`` (a contract
+    of no layer config, e.g. the codecs)."""
     marker = item.get_closest_marker("contract")
     name = marker.args[0] if marker else item.originalname.removeprefix("test_")
-    return name, _param(item, "backend", "reference"), _param(item, "config_name", "small")
+    config_marker = item.get_closest_marker("config")
+    config = config_marker.args[0] if config_marker else "-"
+    return name, _param(item, "backend", "reference"), _param(item, "config_name", config)
 
 
 def pytest_generate_tests(metafunc):
@@ -87,9 +99,8 @@ def pytest_runtest_setup(item):
 
 @pytest.fixture
 def seed(request) -> int:
-    """A 31-bit seed from the md5 of the test's node id."""
-    digest = hashlib.md5(request.node.nodeid.encode()).hexdigest()
-    return int(digest[:8], 16) & 0x7FFFFFFF
+    """A 31-bit seed from the md5 of the test's node id (``verify.seeds.seed_of``)."""
+    return seed_of(request.node.nodeid)
 
 
 @pytest.fixture

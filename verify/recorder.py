@@ -19,7 +19,7 @@ class Recorder:
 
     def bitwise(self, actual: torch.Tensor, expected: torch.Tensor, *, what: str,
                 index_names: tuple[str, ...] | None = None) -> compare.CompareResult:
-        """Equal bytes (DESIGN §4.1)."""
+        """Equal bytes: the bitwise contract (``verify.compare.assert_bitwise_equal``)."""
         result = compare.assert_bitwise_equal(actual, expected, what=what,
                                               index_names=index_names)
         self.row.add_comparison("bitwise", worst_ulp=result.worst_ulp)
@@ -59,3 +59,9 @@ class Recorder:
     def figure(self, name: str, value: float, *, worst: str = "min") -> None:
         """A tracked figure (e.g. SQNR in dB); the row keeps the worst over its cases."""
         self.row.add_figure(name, float(value), worst=worst)
+
+    def not_applicable(self, name: str) -> None:
+        """Mark a figure that is 0 by construction for this row (e.g. the reference's share
+        of bits off the reference): the report shows ``n/a``, not a figure that cannot
+        move."""
+        self.row.add_figure(name, None, worst="max")

@@ -15,7 +15,10 @@ A row's columns:
 * ``worst_ratio`` — the largest ``|actual - exact| / bound`` seen by a bounded comparison
   (a pass needs every ratio <= 1), with ``bound`` naming the bound that was used;
 * ``flips`` — routing decisions that differ from the reference and were accepted because
-  the competing scores lie within the logits' error bound (DESIGN §4.4).
+  the competing scores lie within the logits' error bound (``verify.routing``);
+* ``figures`` — tracked figures (SQNR, shares of outputs off the reference's bits), the
+  worst over the row's cases; ``n/a`` where a figure is 0 by construction (the reference
+  compared with itself).
 """
 
 from __future__ import annotations
@@ -58,8 +61,12 @@ class Row:
         if bound is not None:
             self.bound = bound
 
-    def add_figure(self, name: str, value: float, *, worst: str):
-        """Keep the worst value of a tracked figure (``worst`` is "min" or "max")."""
+    def add_figure(self, name: str, value: float | None, *, worst: str):
+        """Keep the worst value of a tracked figure (``worst`` is "min" or "max"); ``None``
+        marks a figure that does not apply to this row (0 by construction), shown "n/a"."""
+        if value is None:
+            self.figures.setdefault(name, None)
+            return
         old = self.figures.get(name)
         if old is None:
             self.figures[name] = value
@@ -118,7 +125,8 @@ def _fmt_ratio(value: float | None) -> str:
 
 
 def _fmt_figures(figures: dict) -> str:
-    return ", ".join(f"{k}={v:.4g}" for k, v in sorted(figures.items())) or "-"
+    return ", ".join(f"{k}={'n/a' if v is None else format(v, '.4g')}"
+                     for k, v in sorted(figures.items())) or "-"
 
 
 COLUMNS = ("contract", "backend", "config", "status", "cases", "pass", "fail", "skip",

@@ -1,4 +1,4 @@
-"""Discrete decisions (DESIGN §4.4): a top-k routing that differs from the reference is
+"""Discrete decisions: a top-k routing that differs from the reference is
 accepted only where the competing scores lie within their error bounds.
 
 The scores are the biased selection scores ``s_e = sigmoid(logit_e) + bias_e``. Given the
