@@ -13,8 +13,9 @@ on the CPU).
 The exponential ``exp_rn`` is the project's own (not ``ex2.approx`` and not libdevice's
 ``expf``): Cody-Waite reduction with Cephes' split of ln 2, a degree-7 Taylor polynomial
 in Horner form, and an exact power-of-two scale, all in the instructions above. It is
-therefore bit-reproducible on the CPU (``reference.emulation.exp_rn``); its accuracy is
-measured exhaustively in ``tests/test_fast_compile.py`` against float64.
+therefore bit-reproducible on the CPU (``reference.emulation.exp_rn``); its constants are
+``reference.exp_tanh``'s (the one place both read them) and its accuracy over FP32
+arguments is measured against float64 in ``tests/test_emulation.py``.
 
 Nothing here launches anything; the kernels pass device addresses as CuTe pointers
 (``cute.runtime.make_ptr``) and sizes as ``Int32`` so that one compiled function serves
@@ -23,11 +24,24 @@ every batch (only the widths are compile-time constants).
 
 from __future__ import annotations
 
+import struct
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 from cutlass._mlir import ir
 from cutlass._mlir.dialects import vector
+
+from reference.exp_tanh import (
+    EXP_COEFFS,
+    EXP_HI,
+    EXP_LO,
+    LN2_HI,
+    LN2_LO,
+    LOG2E,
+    TANH_COEFFS,
+    TANH_SMALL,
+)
 
 __all__ = [
     "Float32",
@@ -52,15 +66,12 @@ __all__ = [
     "exp_rn",
     "tanh_rn",
     "sigmoid_rn",
-    "EXP_LO",
-    "EXP_HI",
-    "EXP_COEFFS",
-    "LN2_HI",
-    "LN2_LO",
-    "LOG2E",
-    "TANH_SMALL",
-    "TANH_COEFFS",
 ]
+
+
+def _ptx_f32(value: float) -> str:
+    """A PTX FP32 immediate (``0fXXXXXXXX``, the IEEE bits) of a Python float."""
+    return "0f%08X" % struct.unpack(">I", struct.pack(">f", value))[0]
 
 
 def _ptx1(code, *args, out=Float32):
@@ -164,37 +175,6 @@ def store_v4(ptr, words):
 
 # --- exp, tanh, sigmoid from IEEE operations (bit-reproducible on the CPU) -----------
 
-# exp(x) for x clamped to [EXP_LO, EXP_HI]: exp(-104) < 2^-150 rounds the scaled
-# result to 0, exp(89) > FLT_MAX overflows it to +inf, so the clamp changes nothing
-# but keeps the exponent arithmetic in range. NaN propagates (max.NaN / min.NaN).
-EXP_LO = -104.0
-EXP_HI = 89.0
-LOG2E = 1.44269502162933349609375  # FP32(log2 e) = 0x3FB8AA3B
-LN2_HI = 0.693359375  # Cephes C1 = 355/512 (9 significant bits: n * LN2_HI is exact)
-LN2_LO = -2.12194440e-4  # Cephes C2 (ln 2 = LN2_HI + LN2_LO to ~1e-11)
-# 1/k! for k = 7 .. 1, then 1 (Horner from the highest degree).
-EXP_COEFFS = (
-    1.0 / 5040.0,
-    1.0 / 720.0,
-    1.0 / 120.0,
-    1.0 / 24.0,
-    1.0 / 6.0,
-    0.5,
-    1.0,
-    1.0,
-)
-# tanh: |y| < TANH_SMALL uses Cephes' tanhf polynomial y + y^3 * P(y^2); otherwise
-# sign(y) * (1 - 2 / (exp(2|y|) + 1)).
-TANH_SMALL = 0.625
-TANH_COEFFS = (
-    -5.70498872745e-3,
-    2.06390887954e-2,
-    -5.37397155531e-2,
-    1.33314422036e-1,
-    -3.33332819422e-1,
-)
-
-
 def exp_rn(x):
     """e^x from IEEE FP32 operations (the exact sequence; ``reference.emulation.exp_rn``
     repeats it):
@@ -224,10 +204,10 @@ def tanh_rn(y):
     """tanh(y) from IEEE FP32 operations (``reference.emulation.tanh_rn`` repeats it):
 
         a     = |y|
-        small : z = mul(y, y); q = -5.70498872745e-3; q = add(mul(q, z), c) for the
-                Cephes tanhf coefficients c; t = add(mul(mul(q, z), y), y)
+        small : z = mul(y, y); q = TANH_COEFFS[0]; q = add(mul(q, z), c) for the
+                other coefficients c; t = add(mul(mul(q, z), y), y)
         large : e = exp_rn(add(a, a)); t = sub(1, div(2, add(e, 1)))
-        tanh  = copysign(small if a < 0.625 else large, y)   (both evaluated, selected;
+        tanh  = copysign(small if a < TANH_SMALL else large, y)   (both evaluated, selected;
                 the copysign makes tanh(-0) = -0 and changes nothing else)
     """
     y = Float32(y)
@@ -240,7 +220,7 @@ def tanh_rn(y):
     e = exp_rn(fadd(a, a))
     big = fsub(Float32(1.0), fdiv(Float32(2.0), fadd(e, Float32(1.0))))
     t = cute.arch.inline_ptx(
-        "{ .reg .pred p; setp.lt.f32 p, {$r0}, 0f3F200000; "
+        "{ .reg .pred p; setp.lt.f32 p, {$r0}, " + _ptx_f32(TANH_SMALL) + "; "
         "selp.f32 {$w0}, {$r1}, {$r2}, p; }",
         write_only_types=[Float32],
         read_only_args=[a, small, big],

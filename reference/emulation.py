@@ -9,25 +9,27 @@ kernels' explicit ``mul.rn`` / ``add.rn`` / ``div.rn`` / ``sqrt.rn`` PTX instruc
 the fast kernels must equal these functions **bitwise** (``verify/`` checks it). Run them
 on the CPU (a GPU's torch kernels may contract or use other libm code).
 
-This module never imports ``fast``: the constants are repeated here and
-``tests/test_fast_compile.py`` checks that both copies agree.
+This module never imports ``fast``; the constants of exp and tanh are
+``reference.exp_tanh``'s, which the kernels read too.
 """
 
 from __future__ import annotations
 
 import torch
 
+from reference.exp_tanh import (
+    EXP_COEFFS,
+    EXP_HI,
+    EXP_LO,
+    LN2_HI,
+    LN2_LO,
+    LOG2E,
+    TANH_COEFFS,
+    TANH_SMALL,
+)
 from reference.router import select_top_k
 
 __all__ = [
-    "EXP_LO",
-    "EXP_HI",
-    "LOG2E",
-    "LN2_HI",
-    "LN2_LO",
-    "EXP_COEFFS",
-    "TANH_SMALL",
-    "TANH_COEFFS",
     "exp_rn",
     "tanh_rn",
     "sigmoid_rn",
@@ -39,20 +41,6 @@ __all__ = [
     "NORM_THREADS",
 ]
 
-EXP_LO = -104.0
-EXP_HI = 89.0
-LOG2E = 1.44269502162933349609375
-LN2_HI = 0.693359375
-LN2_LO = -2.12194440e-4
-EXP_COEFFS = (1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0)
-TANH_SMALL = 0.625
-TANH_COEFFS = (
-    -5.70498872745e-3,
-    2.06390887954e-2,
-    -5.37397155531e-2,
-    1.33314422036e-1,
-    -3.33332819422e-1,
-)
 
 
 def _f32(v: float) -> torch.Tensor:
