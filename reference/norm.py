@@ -13,8 +13,9 @@ Rounding points, per row of `x [T, L]`:
 4. `y = (float(x) * r) * float(w)` in FP32 (two RNE multiplies, in this order).
 5. one RNE rounding of `y` to BF16.
 
-(vLLM's CUDA `rms_norm` instead rounds `x * r` to BF16 before multiplying by `w`; the
-project follows DESIGN §2: one BF16 rounding.)
+(vLLM's CUDA `rms_norm` instead rounds `x * r` to BF16 before multiplying by `w`; this
+project's layer rounds once, at the end: `docs/design.md`.) `rms_norm_fp32` returns the
+value of step 4, before that rounding.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch
 from reference.fp import pair_to_float32
 from reference.gemm import exact_sum_pair
 
-__all__ = ["rms_norm", "sum_of_squares"]
+__all__ = ["rms_norm", "rms_norm_fp32", "sum_of_squares"]
 
 
 def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
@@ -41,8 +42,8 @@ def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
     return pair_to_float32(hi, lo)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """`x * rsqrt(mean(x^2) + eps) * weight`, FP32 math, one BF16 rounding.
+def rms_norm_fp32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x * rsqrt(mean(x^2) + eps) * weight` in FP32, steps 1-4 (before the BF16 rounding).
 
     Args:
         x: [T, L] bfloat16.
@@ -50,7 +51,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         eps: positive float (config.rms_eps), used as its FP32 value.
 
     Returns:
-        [T, L] bfloat16 (rounding points in the module docstring).
+        [T, L] float32.
     """
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype != torch.bfloat16:
         raise ValueError(f"rms_norm: x must be a bfloat16 [T, L] tensor, got "
@@ -67,5 +68,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     ss = sum_of_squares(x)
     mean = ss / torch.tensor(float(n), dtype=torch.float32, device=x.device)
     r = torch.rsqrt(mean + torch.tensor(eps, dtype=torch.float32, device=x.device))
-    y = (x.float() * r[:, None]) * weight.float()
-    return y.to(torch.bfloat16)
+    return (x.float() * r[:, None]) * weight.float()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`x * rsqrt(mean(x^2) + eps) * weight`, FP32 math, one BF16 rounding.
+
+    Args:
+        x: [T, L] bfloat16.
+        weight: [L] bfloat16.
+        eps: positive float (config.rms_eps), used as its FP32 value.
+
+    Returns:
+        [T, L] bfloat16: `rms_norm_fp32` rounded once (RNE); rounding points in the module
+        docstring.
+    """
+    return rms_norm_fp32(x, weight, eps).to(torch.bfloat16)

@@ -4,7 +4,6 @@ ulp_distance agrees with an independent ranking of the representable values (ml_
 
 from __future__ import annotations
 
-import hashlib
 import json
 
 import ml_dtypes
@@ -21,13 +20,6 @@ from verify.compare import (
     assert_within_ulp,
     ulp_distance,
 )
-
-
-@pytest.fixture
-def gen(request) -> torch.Generator:
-    """A generator seeded from the test id, so a failing case reproduces alone."""
-    seed = int(hashlib.md5(request.node.nodeid.encode()).hexdigest()[:8], 16)
-    return torch.Generator().manual_seed(seed)
 
 
 def _bits(t: torch.Tensor, int_dtype: torch.dtype) -> torch.Tensor:

@@ -1,13 +1,11 @@
 """reference.fp against exact rational arithmetic (fractions.Fraction).
 
-`round_fraction` below is the independent oracle: RNE of an exact rational to a binary
-format with `p` significand bits, gradual underflow and overflow to inf. Other test files
-import it (`from test_fp import round_fraction`).
+The independent oracle is ``verify.oracles.exact.round_fraction``: RNE of an exact rational
+to a binary format with ``p`` significand bits, gradual underflow and overflow to inf.
 """
 
 from __future__ import annotations
 
-import hashlib
 import math
 import struct
 from fractions import Fraction
@@ -17,38 +15,15 @@ import pytest
 import torch
 
 from reference.fp import fma_f32, pair_to_float32, round_to_bfloat16, round_to_float32, two_sum
-
-FP32 = (24, -126, 127)  # significand bits, min normal exponent, max exponent
-BF16 = (8, -126, 127)
-
-
-def seed_of(name: str) -> int:
-    return int(hashlib.md5(name.encode()).hexdigest()[:8], 16)
-
+from verify.oracles.exact import BF16, FP32
+from verify.oracles.exact import round_fraction as exact_round_fraction
 
 def round_fraction(q: Fraction, fmt=FP32, negative_zero: bool = False) -> float:
-    """RNE of the exact rational `q` to the format `fmt` (returned as a Python float)."""
-    p, emin, emax = fmt
+    """RNE of the exact rational ``q`` to ``fmt`` (``verify.oracles.exact``), with the sign
+    of an exact zero chosen by the caller (IEEE: -0 only when every term was -0)."""
     if q == 0:
         return -0.0 if negative_zero else 0.0
-    sign = -1.0 if q < 0 else 1.0
-    a = abs(q)
-    e = a.numerator.bit_length() - a.denominator.bit_length()
-    if Fraction(2) ** e > a:
-        e -= 1
-    while Fraction(2) ** (e + 1) <= a:
-        e += 1
-    e = max(e, emin)
-    quantum = Fraction(2) ** (e - p + 1)
-    n = a / quantum
-    whole = n.numerator // n.denominator
-    rem = n - whole
-    if rem > Fraction(1, 2) or (rem == Fraction(1, 2) and whole % 2 == 1):
-        whole += 1
-    value = whole * quantum
-    if value >= Fraction(2) ** (emax + 1):
-        return sign * math.inf
-    return sign * float(value)  # exact: value has <= 24 bits
+    return exact_round_fraction(q, fmt)
 
 
 def f32(x: float) -> float:
@@ -125,8 +100,8 @@ def test_fma_special_values_and_signed_zeros():
 
 
 @pytest.mark.parametrize("kind", ["normal", "near_cancel", "random_bits"])
-def test_fma_random_matches_fraction(kind, request):
-    rng = np.random.default_rng(seed_of(request.node.nodeid))
+def test_fma_random_matches_fraction(kind, seed):
+    rng = np.random.default_rng(seed)
     n = 3000
     if kind == "normal":
         a, b, c = (rng.standard_normal(n).astype(np.float32) for _ in range(3))
@@ -176,8 +151,8 @@ def test_round_to_bfloat16_single_rounding():
         assert naive != want, (x, naive, want)
 
 
-def test_round_to_bfloat16_random_and_specials(request):
-    rng = np.random.default_rng(seed_of(request.node.nodeid))
+def test_round_to_bfloat16_random_and_specials(seed):
+    rng = np.random.default_rng(seed)
     x = rng.standard_normal(4000) * np.exp2(rng.integers(-140, 130, 4000))
     x = np.concatenate([x, [0.0, -0.0, np.inf, -np.inf, 3.4e38, -3.39e38, 1e39, 1e-50, -1e-50]])
     got = round_to_bfloat16(torch.from_numpy(x)).float().numpy()
@@ -194,8 +169,8 @@ def test_round_to_bfloat16_random_and_specials(request):
         round_to_bfloat16(torch.ones(2, dtype=torch.float16))
 
 
-def test_round_to_float32_is_rne(request):
-    rng = np.random.default_rng(seed_of(request.node.nodeid))
+def test_round_to_float32_is_rne(seed):
+    rng = np.random.default_rng(seed)
     x = rng.standard_normal(2000) * np.exp2(rng.integers(-160, 128, 2000))
     got = round_to_float32(torch.from_numpy(x)).numpy()
     for xi, gi in zip(x, got):

@@ -15,7 +15,7 @@ import torch
 
 from reference.fp import pair_to_float32
 from reference.gemm import addmm, exact_sum_pair, matmul, split_k_matmul
-from test_fp import BF16, FP32, round_fraction, seed_of
+from verify.oracles.exact import BF16, FP32, round_fraction
 
 
 def exact_dot(a: torch.Tensor, b: torch.Tensor) -> list[list[Fraction]]:
@@ -29,8 +29,8 @@ def rounded(q: list[list[Fraction]], fmt) -> torch.Tensor:
     return torch.tensor([[round_fraction(v, fmt) for v in row] for row in q], dtype=torch.float64)
 
 
-def operands(request, m, n, k, dtype, spread=0):
-    g = torch.Generator().manual_seed(seed_of(request.node.nodeid))
+def operands(seed, m, n, k, dtype, spread=0):
+    g = torch.Generator().manual_seed(seed)
     a = torch.randn(m, k, generator=g)
     b = torch.randn(n, k, generator=g)
     if spread:  # magnitudes over 2^-spread .. 2^spread: float64 accumulation alone would round
@@ -42,8 +42,8 @@ def operands(request, m, n, k, dtype, spread=0):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("spread", [0, 30])
-def test_matmul_is_the_rounded_exact_sum(request, dtype, out_dtype, spread):
-    a, b = operands(request, 3, 5, 67, dtype, spread)
+def test_matmul_is_the_rounded_exact_sum(seed, dtype, out_dtype, spread):
+    a, b = operands(seed, 3, 5, 67, dtype, spread)
     got = matmul(a, b, out_dtype=out_dtype)
     assert got.dtype == out_dtype and got.shape == (3, 5)
     want = rounded(exact_dot(a, b), FP32 if out_dtype == torch.float32 else BF16)
@@ -61,8 +61,8 @@ def test_exact_sum_pair_where_float64_rounds():
     assert hi.item() + lo.item() == 1 + 2.0**-30 and pair_to_float32(hi, lo).item() == 1.0
 
 
-def test_matmul_is_row_independent(request):
-    a, b = operands(request, 19, 7, 96, torch.bfloat16)
+def test_matmul_is_row_independent(seed):
+    a, b = operands(seed, 19, 7, 96, torch.bfloat16)
     full = matmul(a, b, out_dtype=torch.bfloat16)
     for m in range(19):
         # alone, and inside a different batch at a different position
@@ -73,8 +73,8 @@ def test_matmul_is_row_independent(request):
 
 @pytest.mark.parametrize("splits", [1, 2, 4])
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
-def test_split_k_order(request, splits, out_dtype):
-    a, b = operands(request, 2, 4, 64, torch.bfloat16, spread=8)
+def test_split_k_order(seed, splits, out_dtype):
+    a, b = operands(seed, 2, 4, 64, torch.bfloat16, spread=8)
     got = split_k_matmul(a, b, splits=splits, out_dtype=out_dtype)
     w = 64 // splits
     # independent: each split's exact sum rounded to FP32, then sequential FP32 adds
@@ -87,16 +87,16 @@ def test_split_k_order(request, splits, out_dtype):
     assert torch.equal(got, want)
 
 
-def test_split_k_differs_from_one_rounding_somewhere(request):
+def test_split_k_differs_from_one_rounding_somewhere(seed):
     # the tactic's extra FP32 roundings are real: on enough data some outputs change
-    a, b = operands(request, 16, 64, 256, torch.bfloat16, spread=6)
+    a, b = operands(seed, 16, 64, 256, torch.bfloat16, spread=6)
     one = matmul(a, b, out_dtype=torch.float32)
     four = split_k_matmul(a, b, splits=4, out_dtype=torch.float32)
     assert not torch.equal(one, four)
 
 
-def test_addmm_one_rounding(request):
-    a, b = operands(request, 3, 4, 40, torch.bfloat16)
+def test_addmm_one_rounding(seed):
+    a, b = operands(seed, 3, 4, 40, torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     c = torch.randn(3, 4, generator=g).bfloat16()
     got = addmm(c, a, b)

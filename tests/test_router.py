@@ -1,51 +1,16 @@
-"""reference.router against a plain-Python routing written here."""
+"""reference.router, the pieces: the tie rule, the bias's role, the FP32 logits, bad input.
+
+The contract (ids and weights bit for bit against the oracle, ``verify.oracles.stages.route``,
+and the flips and weight bounds of every backend) is ``verify/test_router.py``."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from reference.gemm import matmul
 from reference.router import route, router_logits
-from test_fp import seed_of
-
-
-def route_python(logits: torch.Tensor, bias: torch.Tensor, top_k: int, renormalize: bool,
-                 scale: float):
-    """Independent: numpy FP32 ops, selection by sorting (-score, id) keys."""
-    s = torch.sigmoid(logits).numpy()  # the same FP32 sigmoid function (see route's docs)
-    b = bias.numpy()
-    weights, ids = [], []
-    for row in s:
-        biased = (row + b).astype(np.float32)
-        order = sorted(range(len(row)), key=lambda e: (-float(biased[e]), e))[:top_k]
-        w = np.array([row[e] for e in order], dtype=np.float32)
-        if renormalize:
-            total = np.float32(0)
-            for v in w:
-                total = np.float32(total + v)
-            w = (w / total).astype(np.float32)
-        w = (w * np.float32(scale)).astype(np.float32)
-        weights.append(w)
-        ids.append(order)
-    return torch.from_numpy(np.stack(weights)), torch.tensor(ids, dtype=torch.int32)
-
-
-@pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("scale", [1.0, 2.5])
-def test_route_matches_python(request, renormalize, scale):
-    g = torch.Generator().manual_seed(seed_of(request.node.nodeid))
-    logits = torch.randn(12, 64, generator=g) * 2
-    bias = torch.randn(64, generator=g) * 0.05
-    w, ids = route(logits, bias, top_k=16, renormalize=renormalize, scale=scale)
-    ww, wi = route_python(logits, bias, 16, renormalize, scale)
-    assert ids.dtype == torch.int32 and w.dtype == torch.float32
-    assert torch.equal(ids, wi) and torch.equal(w, ww)
-    if renormalize:
-        # sums to scale within the FP32 rounding of 16 divisions and a 15-add sum:
-        # |sum - scale| <= (16 + 15) * 2^-24 * scale (first order).
-        assert torch.all((w.double().sum(-1) - scale).abs() <= 31 * 2.0**-24 * scale)
+from verify import bounds
 
 
 def test_ties_go_to_the_lower_id():
@@ -79,17 +44,17 @@ def test_bias_changes_the_selection_not_the_weights():
     assert torch.equal(w[0, 1:], torch.sigmoid(logits[0, :15]))
 
 
-def test_router_logits_is_the_fp32_gemm(request):
-    g = torch.Generator().manual_seed(seed_of(request.node.nodeid))
+def test_router_logits_is_the_fp32_gemm(seed):
+    g = torch.Generator().manual_seed(seed)
     x = torch.randn(3, 64, generator=g).bfloat16()
     gate = torch.randn(32, 64, generator=g).bfloat16()
     got = router_logits(x, gate)
     assert got.dtype == torch.float32
     assert torch.equal(got, matmul(x, gate, out_dtype=torch.float32))
-    # and close to the FP64 value: one FP32 rounding plus the float64 accumulation
-    ref = x.double() @ gate.double().T
-    bound = 2.0**-24 * ref.abs() + 64 * 2.0**-53 * (x.double().abs() @ gate.double().abs().T)
-    assert torch.all((got.double() - ref).abs() <= bound)
+    # and within one FP32 rounding plus the float64 accumulation of the exact value
+    # (verify.bounds: the FP32-out bound of any accumulation order covers it)
+    ref = bounds.reference_matmul(x, gate)
+    assert torch.all((got.double() - ref).abs() <= bounds.matmul_fp32_out_bound(x, gate))
 
 
 def test_errors():

@@ -1,12 +1,17 @@
-"""Contracts of the latent RMSNorm (DESIGN §2).
+"""Contracts of the latent RMSNorm: ``x * rsqrt(mean(x^2) + eps) * w``, one BF16 rounding.
 
+* ``reference``: bit-identical to the oracle :func:`verify.oracles.stages.rms_norm_fp32`
+  before the rounding (every FP32 step in its order: exact sum of squares rounded once,
+  ``/ L``, ``+ eps``, torch's FP32 ``rsqrt`` of the same argument, ``(x * r) * w``) and to
+  :func:`verify.oracles.stages.rms_norm` after it;
 * ``fast``: bit-identical to ``reference.emulation.rms_norm_tree`` (the kernel's own
-  reduction tree and its correctly rounded sqrt and division); and within the derived
-  bound of the exact FP64 RMSNorm, like any implementation;
-* ``stock`` (``torch.nn.functional.rms_norm`` in FP32) and ``reference`` (on the CPU, and
-  on CUDA tensors as ``reference-cuda``, whose library rsqrt differs): within
-  ``verify.tolerances.rms_norm_relative_error`` of the exact value plus the final BF16
-  rounding; the share of outputs that differ from the reference's bits is reported.
+  reduction tree, correctly rounded sqrt and division);
+* every backend (``stock`` = ``torch.nn.functional.rms_norm`` in FP32, ``reference-cuda``
+  with CUDA's rsqrt): within ``verify.tolerances.rms_norm_relative_error`` of the exact
+  value plus the final BF16 rounding; the share of outputs whose bits differ from the
+  reference's is reported (``n/a`` for the reference itself).
+
+Widths and ``eps`` are the config's (``latent``, ``rms_eps``).
 """
 
 from __future__ import annotations
@@ -15,8 +20,9 @@ import pytest
 import torch
 
 from reference import emulation
-from reference.norm import rms_norm
+from reference.norm import rms_norm, rms_norm_fp32
 from verify import bounds, cases, compare, tolerances
+from verify.oracles import stages as oracle
 
 
 def _inputs(tokens: int, width: int, seed: int, device: str):
@@ -39,24 +45,45 @@ def _run(backend, x, weight, eps):
     return rms_norm(x, weight, eps)
 
 
-@pytest.mark.backends("reference", "reference-cuda", "stock", "fast")
-@pytest.mark.parametrize("width", (512, 3584))
-@pytest.mark.parametrize("tokens", cases.ALL_BATCHES)
-def test_rms_norm(backend, width, tokens, seed, contract):
-    eps = cases.config("small").rms_eps
-    x, weight = _inputs(tokens, width, seed, backend.device)
+def _check(backend, config_name, tokens, seed, contract):
+    cfg = cases.config(config_name)
+    eps = cfg.rms_eps
+    x, weight = _inputs(tokens, cfg.latent, seed, backend.device)
     out = _run(backend, x, weight, eps).cpu()
     x, weight = x.cpu(), weight.cpu()
     names = ("token", "column")
+    if backend.name == "reference":
+        contract.bitwise(rms_norm_fp32(x, weight, eps), oracle.rms_norm_fp32(x, weight, eps),
+                         what="reference RMSNorm (FP32, before rounding) vs oracle",
+                         index_names=names)
+        contract.bitwise(out, oracle.rms_norm(x, weight, eps),
+                         what="reference RMSNorm vs oracle", index_names=names)
     if backend.name == "fast":
         contract.bitwise(out, emulation.rms_norm_tree(x, weight, eps),
                          what="fast RMSNorm vs its tree emulation", index_names=names)
     x64 = x.double()
     exact = x64 * torch.rsqrt((x64 * x64).mean(1, keepdim=True) + eps) * weight.double()
-    relative = tolerances.rms_norm_relative_error(width)
+    relative = tolerances.rms_norm_relative_error(cfg.latent)
     bound = bounds.final_rounding_bound(exact, exact.abs() * relative, torch.bfloat16)
     contract.bounded(out, exact, bound, what=f"{backend.name} RMSNorm vs exact",
                      bound_name="FP32 sum/rsqrt/multiply error + BF16 half-ULP",
                      index_names=names)
-    off = compare.ulp_distance(out, rms_norm(x, weight, eps)) > 0
-    contract.figure("bf16_ulp_off_vs_reference", off.double().mean().item(), worst="max")
+    if backend.name == "reference":
+        contract.not_applicable("bf16_ulp_off_vs_reference")
+    else:
+        off = compare.ulp_distance(out, rms_norm(x, weight, eps)) > 0
+        contract.figure("bf16_ulp_off_vs_reference", off.double().mean().item(), worst="max")
+
+
+@pytest.mark.backends("reference-cuda", "stock", "fast")
+@pytest.mark.parametrize("config_name", cases.STAGE_CONFIGS)
+@pytest.mark.parametrize("tokens", cases.ALL_BATCHES)
+def test_rms_norm(backend, config_name, tokens, seed, contract):
+    _check(backend, config_name, tokens, seed, contract)
+
+
+@pytest.mark.contract("rms_norm")
+@pytest.mark.backends("reference")
+@pytest.mark.parametrize("config_name,tokens", cases.REFERENCE_GRID)
+def test_rms_norm_reference(backend, config_name, tokens, seed, contract):
+    _check(backend, config_name, tokens, seed, contract)
