@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from reference.schedules import comm
+from reference.schedules import codec, comm, mailbox
 from reference.schedules.comm import (
     MailboxProtocolError,
     MailboxTimeout,
@@ -159,7 +159,7 @@ def test_mailbox_sanitizes_negative_zero_and_keeps_fp32_words_whole():
 
 def test_mailbox_without_sanitize_times_out_naming_the_word(monkeypatch):
     # planted bug: the writer stores a real -0 as is -> the reader sees "empty" forever
-    monkeypatch.setattr(comm, "sanitize_negative_zero", lambda words: words)
+    monkeypatch.setattr(mailbox, "sanitize_negative_zero", lambda words: words)
 
     def fn(g):
         box = g.mailbox(ROWS, LATENT, EXPERTS)
@@ -218,7 +218,7 @@ def test_torch_group_byte_codec_round_trips_every_dtype_at_odd_offsets():
         torch.tensor([[1, -2]], dtype=torch.int32),
         torch.empty(0, 4, dtype=torch.int64),
     ]
-    back = comm._decode(comm._encode(tensors), torch.device("cpu"))
+    back = codec.decode(codec.encode(tensors), torch.device("cpu"))
     assert len(back) == len(tensors)
     for i, (a, b) in enumerate(zip(back, tensors)):
         assert_bitwise_equal(a, b, what=f"codec tensor {i}")

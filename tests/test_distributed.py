@@ -16,10 +16,15 @@ import torch
 from reference.schedules.dep import dep_layer_virtual
 from reference.schedules.launch import make_inputs, trace_tensors
 from reference.schedules.wide import wide_layer_virtual
+from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
-from test_schedule_dep import CONFIG  # the schedules' test config
 from verify.compare import assert_bitwise_equal
 
+# K = 16 and the block of 32 as in the real layer; I = 512 keeps whole MX blocks in every
+# TP slice up to 16 ranks; narrow latent and hidden widths keep the CPU experts cheap.
+CONFIG = LatentMoEConfig(
+    hidden=256, latent=64, experts=32, top_k=16, intermediate=512, shared_intermediate=256
+)
 TOKENS, SEED = 6, 3
 
 

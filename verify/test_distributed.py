@@ -1,4 +1,4 @@
-"""The schedules on real processes (DESIGN §3): under ``torchrun`` every rank runs the same
+"""The schedules on real processes: under ``torchrun`` every rank runs the same
 per-rank code as the virtual world on a ``TorchGroup`` (NCCL on GPUs, gloo on CPUs) and its
 trace must equal the virtual run's bit for bit.
 
@@ -17,13 +17,13 @@ import os
 import pytest
 import torch
 
-from reference.schedules.comm import TorchGroup
+from reference.schedules.groups import TorchGroup
 from reference.schedules.dep import dep_layer_virtual, dep_rank
 from reference.schedules.launch import make_inputs, trace_tensors
 from reference.schedules.wide import wide_layer_virtual, wide_rank
 from verify import cases
 
-pytestmark = pytest.mark.multi_gpu(2)
+pytestmark = [pytest.mark.multi_gpu(2), pytest.mark.config("small")]
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""Invariances (DESIGN §4.3): a token's output bits do not depend on its batch-mates or its
+"""Invariances: a token's output bits do not depend on its batch-mates or its
 row position; runs are deterministic; the EP size changes only what its order changes;
 the wide engine's list order (the GPU's relaxed slot claims) changes no bit.
 
@@ -18,6 +18,7 @@ from reference.schedules.dep import dep_layer_virtual
 from reference.schedules.wide import wide_layer_virtual
 from verify import cases
 
+pytestmark = pytest.mark.config("small")
 ROWS = ("token", "column")
 
 

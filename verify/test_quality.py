@@ -1,4 +1,4 @@
-"""Quality (DESIGN §4.5): the quantized stock layer against the unquantized FP64 layer, as
+"""Quality: the quantized stock layer against the unquantized FP64 layer, as
 a tracked figure with a floor.
 
 Both use one routing (the quantized path's ids), so the figure measures quantization noise,
@@ -20,6 +20,7 @@ import pytest
 from reference.layer import ideal_layer, sqnr_db, stock_order_trace
 from verify import cases
 
+pytestmark = pytest.mark.config("small")
 SQNR_FLOOR_DB = 20 * math.log10(2**4)
 
 

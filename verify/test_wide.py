@@ -1,4 +1,4 @@
-"""Contracts of S2, the wide layer (seed 001), at every rank count, against S0.
+"""Contracts of S2, the wide layer, at every rank count, against S0.
 
 Per rank, each stage against the reference stage on that rank's own inputs:
 
@@ -14,9 +14,19 @@ Per rank, each stage against the reference stage on that rank's own inputs:
 | latent all-reduce | bitwise = FP32 rank-order sum of the partials, one BF16 rounding; N > 1: within the derived bound of S0's routed latent |
 | shared partial | within the BF16-out GEMM bound of ``act_r @ down_r^T`` (exact) |
 | out | bitwise = FP32 rank-order sum of the hidden partials; within the derived bound of the exact layer tail |
+
+Bucket edges: the production range starts at 65 tokens and ends at ``wide_rows`` (the
+routing lists' capacity); at ``wide_rows`` with every token on one expert that expert's
+list is exactly full, and one token more is refused with an error naming the limit. State
+across calls: two consecutive layers (other inputs and weights) run through one rank's
+persistent mailbox (:class:`~reference.schedules.wide.WideScratch`), the second checked
+like the first, the rotating buffers alternating and re-armed.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import types
 
 import pytest
 import torch
@@ -26,10 +36,13 @@ from reference.experts import expert_rows, expert_rows_mxfp8
 from reference.finalize import finalize
 from reference.fp import round_to_bfloat16
 from reference.gemm import addmm, matmul
-from reference.layer import stock_order_trace
+from reference.router import route, router_logits
 from reference.mx import quantize_mxfp8
 from reference.norm import rms_norm
-from reference.schedules.wide import WIDE_WINDOW, wide_layer_virtual
+from reference.schedules import mailbox
+from reference.schedules.groups import run_virtual
+from reference.schedules.wide import (WIDE_WINDOW, WideScratch, routing_lists,
+                                      wide_layer_virtual, wide_rank)
 from verify import bounds, cases, schedule_bounds
 
 ROWS = ("token", "column")
@@ -46,13 +59,22 @@ def _ordered_sum(parts):
     return acc.to(torch.bfloat16)
 
 
-@pytest.mark.parametrize("config_name,ranks,tokens", GRID)
-def test_wide_stages(config_name, ranks, tokens, seed, contract):
-    cfg = cases.config(config_name)
-    w = cases.weights(config_name)
-    x = cases.hidden_rows(cfg, tokens, seed)
-    traces = wide_layer_virtual(x, w, ranks, cfg)
-    s0 = stock_order_trace(x, w, cfg)
+def _stock_front(x, w, cfg):
+    """S0's router and shared expert on ``x`` (``reference.layer.stock_order_trace``'s steps
+    1-4, without its routed experts, which the check needs on S2's own latent instead)."""
+    logits = router_logits(x, w.gate)
+    weights, ids = route(logits, w.bias, top_k=cfg.top_k, renormalize=cfg.renormalize,
+                         scale=cfg.routed_scaling_factor)
+    front = matmul(x, w.front, out_dtype=torch.bfloat16)
+    act = situ_and_mul(front[:, :2 * cfg.shared_intermediate], beta=cfg.situ_beta,
+                       linear_beta=cfg.situ_linear_beta)
+    return types.SimpleNamespace(logits=logits, weights=weights, ids=ids, shared_act=act)
+
+
+def check_wide_step(contract, traces, x, w, cfg) -> None:
+    """Every stage of one S2 step on every rank (the table of the module docstring)."""
+    tokens, ranks = x.shape[0], len(traces)
+    s0 = _stock_front(x, w, cfg)
     k, n = cfg.top_k, ranks
     s_n, h_n = cfg.shared_intermediate // n, cfg.hidden // n
     published = round_to_bfloat16(matmul(x, w.latent_down, out_dtype=torch.float32))
@@ -153,13 +175,110 @@ def test_wide_stages(config_name, ranks, tokens, seed, contract):
                      index_names=ROWS)
 
 
+@pytest.mark.parametrize("config_name,ranks,tokens", GRID)
+def test_wide_stages(config_name, ranks, tokens, seed, contract):
+    cfg = cases.config(config_name)
+    w = cases.weights(config_name)
+    x = cases.hidden_rows(cfg, tokens, seed)
+    check_wide_step(contract, wide_layer_virtual(x, w, ranks, cfg), x, w, cfg)
+
+
+def _edge_config():
+    """``small`` with ``wide_rows`` 72: the full layer at its capacity edge stays cheap on a
+    CPU (the rule is the same comparison at 1024; the lists at the real capacity are
+    checked in ``test_wide_lists_at_capacity``)."""
+    cfg = dataclasses.replace(cases.config("small"), wide_rows=72)
+    return cfg, dataclasses.replace(cases.weights("small"), config=cfg)
+
+
+@pytest.mark.config("small")
+@pytest.mark.parametrize("ranks", (1, 2))
+@pytest.mark.parametrize("edge", ("first", "last"))
+def test_wide_bucket_edges(edge, ranks, seed, contract):
+    """65 tokens (the first batch of the wide range) and ``wide_rows`` tokens with one
+    expert chosen by every token (its routing list exactly full): every stage checked; one
+    token more is refused before any expert runs, naming the limit."""
+    cfg, w = _edge_config()
+    tokens = 65 if edge == "first" else cfg.wide_rows
+    if edge == "last":  # expert 0 first for every token: its list holds all of them
+        bias = w.bias.clone()
+        bias[0] = 10.0
+        w = dataclasses.replace(w, bias=bias)
+    x = cases.hidden_rows(cfg, tokens, seed)
+    traces = wide_layer_virtual(x, w, ranks, cfg)
+    check_wide_step(contract, traces, x, w, cfg)
+    if edge == "last":
+        full = int(traces[0].counts[0])
+        if full != cfg.wide_rows:
+            raise AssertionError(f"expert 0's list holds {full} pairs, not {cfg.wide_rows}")
+        more = cases.hidden_rows(cfg, tokens + 1, seed)
+        with pytest.raises(ValueError, match=f"{tokens + 1} tokens > (mailbox rows|capacity) "
+                                             f"{cfg.wide_rows}"):
+            wide_layer_virtual(more, w, ranks, cfg)
+
+
+@pytest.mark.config("kimi_k3")
+def test_wide_lists_at_capacity(contract):
+    """The routing lists at the real capacity (``wide_rows`` of the real layer): with every
+    token on expert 0 its list holds all ``wide_rows`` pairs in token order and no -1; one
+    token more is refused."""
+    cfg = cases.config("kimi_k3")
+    t, k = cfg.wide_rows, cfg.top_k
+    g = torch.Generator().manual_seed(0)
+    others = torch.stack([torch.randperm(cfg.experts - 1, generator=g)[:k - 1] + 1
+                          for _ in range(t)])
+    ids = torch.cat([torch.zeros(t, 1, dtype=torch.int64), others], 1).to(torch.int32)
+    lists, counts = routing_lists(ids, cfg.experts, cfg.wide_rows)
+    contract.bitwise(counts, torch.bincount(ids.reshape(-1).long(), minlength=cfg.experts)
+                     .to(torch.int32), what="list counts")
+    contract.bitwise(lists[0], (torch.arange(t) * k).to(torch.int32),
+                     what="expert 0's list: every token's slot 0, in token order")
+    with pytest.raises(ValueError, match=f"{t + 1} tokens > capacity {t}"):
+        routing_lists(torch.cat([ids, ids[:1]]), cfg.experts, cfg.wide_rows)
+
+
+@pytest.mark.config("small")
+@pytest.mark.parametrize("ranks", (1, 4))
+def test_wide_two_layers_one_scratch(ranks, seed, contract):
+    """State across calls: two consecutive layers (other inputs, other weights, another
+    batch size), then the first again, through one persistent mailbox per rank; every call
+    checked stage by stage, the rotating buffers alternating and re-armed after each call."""
+    cfg = cases.config("small")
+    layers = [(cases.weights("small"), cases.hidden_rows(cfg, 65, seed)),
+              (cases.other_weights("small"), cases.hidden_rows(cfg, 7, seed + 1)),
+              (cases.weights("small"), cases.hidden_rows(cfg, 3, seed + 2))]
+
+    def body(group):
+        scratch = WideScratch(group, cfg, rows=80)
+        steps = []
+        for w, x in layers:
+            trace = wide_rank(group, x, w, cfg, scratch=scratch)
+            armed = scratch.mailbox.buffers[trace.mailbox_index].clone()
+            steps.append((trace, armed))
+        return steps
+
+    per_rank = run_virtual(ranks, body)
+    for i, (w, x) in enumerate(layers):
+        check_wide_step(contract, [steps[i][0] for steps in per_rank], x, w, cfg)
+    for r, steps in enumerate(per_rank):
+        used = [trace.mailbox_index for trace, _ in steps]
+        if used != [0, 1, 0]:
+            raise AssertionError(f"rank {r}: the calls used mailbox buffers {used}, not 0, 1, 0")
+        for i, (_, buf) in enumerate(steps):
+            lat = buf[:, :cfg.latent]
+            log = buf[:, cfg.latent:].contiguous().view(torch.int32)
+            contract.bitwise(lat, torch.full_like(lat, mailbox.SENTINEL_BF16),
+                             what=f"rank {r} call {i}: latent words re-armed")
+            contract.bitwise(log, torch.full_like(log, mailbox.SENTINEL_F32),
+                             what=f"rank {r} call {i}: logit words re-armed")
+
+
+@pytest.mark.config("small")
 @pytest.mark.parametrize("ranks", (2, 4))
 def test_mailbox_sentinel(ranks, seed, contract):
     """The Lamport mailbox: a published -0 (BF16 latent word 0x8000, FP32 logit word
     0x80000000) arrives as +0 — never as the empty marker — on every rank, and the slots
     read are re-armed (empty) after the poll."""
-    from reference.schedules.comm import run_virtual
-
     cfg = cases.config("small")
     tokens, l_n, e_n = 3, cfg.latent // ranks, cfg.experts // ranks
     g = torch.Generator().manual_seed(seed)

@@ -3,7 +3,7 @@
 Every rank ``r`` of ``N`` holds its own batch ``x_r [T, H]`` BF16 (every rank runs the same
 ``T``: vLLM pads the DP ranks to one batch), every dense weight (replicated), and the
 routed experts ``[r*E/N, (r+1)*E/N)`` (the experts it *owns*). One call of
-:func:`dep_rank` on every rank of a :class:`~reference.schedules.comm.Group` is one MoE
+:func:`dep_rank` on every rank of a :class:`~reference.schedules.groups.Group` is one MoE
 layer step.
 
 Streams of one rank for ``T <= config.front_max`` (what runs beside what)::
@@ -24,7 +24,7 @@ Rounding points, in order (each is one call of a reference stage):
    FP32 partials summed in split order, :func:`reference.gemm.split_k_matmul`).
 2. ``logits = gemm(x, gate, splits=router_splits) -> FP32``; ``weights, ids = route(...)``.
 3. ``shared = gemm(situ_and_mul(front[:, :2S]), shared_down, splits=front_splits) -> BF16``
-   (the seed's shared down-projection uses the front's tactic).
+   (the shared down-projection uses the front's tactic).
 4. ``codes, scales = quantize_mxfp8(front[:, 2S:])`` on the home rank.
 5. Dispatch (data movement): for each owner ``o``, the tokens with at least one of their
    16 experts in ``o``'s range: codes, scales, the full ``ids`` and ``weights`` rows.
@@ -43,9 +43,9 @@ Rounding points, in order (each is one call of a reference stage):
    :func:`reference.norm.rms_norm`).
 10. ``out = addmm(shared, normed, up)`` (one BF16 rounding).
 
-``T > config.front_max`` runs the seed's ``stock_order``: the same sequence with unsplit
-GEMMs (``front_splits = router_splits = 1``) — the routed part still goes through the EP
-dispatch/experts/combine, as the seed's ``stock_order`` calls the same routed kernel.
+``T > config.front_max`` runs the stock path: the same sequence with unsplit GEMMs
+(``front_splits = router_splits = 1``) — the routed part still goes through the EP
+dispatch/experts/combine (the stock path calls the same routed kernels).
 
 Bitwise vs S0 (:func:`reference.layer.stock_order_trace`), for one rank's tokens:
 
@@ -76,7 +76,7 @@ from reference.gemm import addmm, matmul, split_k_matmul
 from reference.mx import dequantize_mxfp8, quantize_mxfp8
 from reference.norm import rms_norm
 from reference.router import route
-from reference.schedules.comm import Group, run_virtual
+from reference.schedules.groups import Group, run_virtual
 from reference.weights import LatentMoEWeights
 
 __all__ = [
@@ -99,9 +99,9 @@ POISON_SCALE = 0xFF
 
 
 def dep_tactics(tokens: int) -> dict[str, int]:
-    """The seed's split-K tactics at ``tokens`` rows: the front (and the shared
-    down-projection) with one K split; the FP32 router with 4 splits up to 32 tokens,
-    else 2."""
+    """The default split-K tactics at ``tokens`` rows (``tokens <= front_max``): the front
+    (and the shared down-projection) with one K split; the FP32 router with 4 splits up to
+    32 tokens, else 2."""
     return {"front_splits": 1, "router_splits": 4 if tokens <= 32 else 2}
 
 
@@ -269,8 +269,8 @@ def dep_rank(
         weights: the layer's weights (this rank reads only its own experts' w13/w2).
         config: defaults to ``weights.config``.
         front_splits: split-K tactic of the front and the shared down-projection;
-            ``None`` = the seed's (:func:`dep_tactics`). Ignored (1) when ``T > front_max``.
-        router_splits: split-K tactic of the FP32 router GEMM; ``None`` = the seed's.
+            ``None`` = the default (:func:`dep_tactics`). Ignored (1) when ``T > front_max``.
+        router_splits: split-K tactic of the FP32 router GEMM; ``None`` = the default.
             Ignored (1) when ``T > front_max``.
 
     Returns:

@@ -8,7 +8,7 @@ Launch with ``torchrun`` (gloo on CPU, NCCL when CUDA is present)::
 Every rank loads the checkpoint (``LatentMoEWeights.save`` format), builds its inputs with
 :func:`make_inputs` (deterministic, so the virtual run of a test rebuilds the same ones),
 runs :func:`reference.schedules.dep.dep_rank` and/or
-:func:`reference.schedules.wide.wide_rank` on a :class:`~reference.schedules.comm.TorchGroup`
+:func:`reference.schedules.wide.wide_rank` on a :class:`~reference.schedules.groups.TorchGroup`
 and writes ``{out}/{schedule}_rank{r}.pt``: the trace's tensors (CPU) by field name.
 
 The schedules run on the CPU even under NCCL here (the reference stages are CPU code); the
@@ -59,7 +59,7 @@ def trace_tensors(trace) -> dict:
 def main(argv=None) -> None:
     import torch.distributed as dist
 
-    from reference.schedules.comm import TorchGroup
+    from reference.schedules.groups import TorchGroup
     from reference.schedules.dep import dep_rank
     from reference.schedules.wide import wide_rank
     from reference.weights import LatentMoEWeights

@@ -7,7 +7,7 @@ intermediate, the slice ``[r*S/N, (r+1)*S/N)`` of the shared expert's intermedia
 the up-projection's output columns ``[r*H/N, (r+1)*H/N)``. (The emulation reads these
 slices out of one :class:`~reference.weights.LatentMoEWeights`.)
 
-Streams of one rank (the seed's ``WideMoE.run`` with ROUTING "sharded")::
+Streams of one rank (sharded routing: each rank polls every logit and routes itself)::
 
     side  : shared expert partial (gate_up slice, SiTU, down slice) ─────────────────┐
     front : FP32 GEMM [router rows; latent shard] ─ WidePublish ─ WideRouteSharded   │
@@ -32,7 +32,7 @@ Rounding points, in order:
    FP32 partial -> ``rows[t*k + j]`` (a BF16 *partial* row).
 6. Finalize: ``finalize(rows, weights)`` (FP32 FMA chain, k in order, one BF16 rounding):
    this rank's BF16 partial of the routed latent.
-7. Latent all-reduce: :meth:`~reference.schedules.comm.Group.all_reduce_bf16` (FP32, rank
+7. Latent all-reduce: :meth:`~reference.schedules.groups.Group.all_reduce_bf16` (FP32, rank
    order, one BF16 rounding), then ``rms_norm``.
 8. Shared partial: ``matmul(x, [gate_up slice], BF16)``, ``situ_and_mul``,
    ``matmul(act, shared_down[:, slice], BF16)`` -> BF16 [T, H].
@@ -73,7 +73,8 @@ from reference.gemm import addmm, matmul
 from reference.mx import quantize_mxfp8
 from reference.norm import rms_norm
 from reference.router import route
-from reference.schedules.comm import Group, Mailbox, run_virtual
+from reference.schedules.groups import Group, run_virtual
+from reference.schedules.mailbox import Mailbox
 from reference.schedules.dep import pair_rows
 from reference.weights import LatentMoEWeights
 
