@@ -1,14 +1,19 @@
-"""Optimized kernels (CuTe DSL on SM90 / SM100) and schedules.
-
-Stage modules (each imports the CuTe DSL only when a kernel is compiled or launched, so
-``import fast.backend`` works on any machine and reports why a kernel cannot run):
+"""Optimized kernels (CuTe DSL on SM90 / SM100) and the stock library ops they replace.
 
 * ``fast.mx.quantize_mxfp8`` -- MXFP8 (RCEIL) quantizer, linear or 128x4 swizzled scales;
 * ``fast.router.route`` -- exact top-16 sigmoid routing;
-* ``fast.finalize.finalize`` -- routing-weighted FP32 FMA sum of the top-k rows;
 * ``fast.activation.situ_and_mul`` -- SiTU-and-mul (bit-reproducible exp/tanh/sigmoid);
+* ``fast.finalize.finalize`` -- routing-weighted FP32 FMA sum of the top-k rows;
 * ``fast.norm.rms_norm`` -- RMSNorm with a stated reduction tree;
-* ``fast.backend`` -- architecture detection, availability reasons, compile cache.
+* ``fast.experts`` -- the routed experts' engine;
+* ``fast.stock`` -- the stock PyTorch / cuBLAS ops, the baseline the kernels are checked
+  and timed against;
+* ``fast.backend`` -- architecture detection, availability reasons, the compile cache.
+
+``fast.backend`` imports no kernel module until a kernel is compiled, so it works on any
+machine and reports why a kernel cannot run; a kernel module imports the CuTe DSL (the
+``nvidia-cutlass-dsl`` package; compiling needs no GPU). The schedules S1 and S2 are
+emulated in ``reference.schedules``; their fast versions are not built yet.
 
 See docs/fast.md.
 """

@@ -2,94 +2,86 @@
 sigmoid built from IEEE FP32 operations (``fast._cute``), so that
 ``reference.emulation.situ_and_mul`` reproduces it bit-exactly on the CPU."""
 
-import functools
-
+import cutlass
+import cutlass.cute as cute
 import torch
 
+from fast import _cute as h
 from fast import backend
 
-__all__ = ["situ_and_mul"]
+__all__ = ["situ_and_mul", "SituKernel"]
 
 _COLS = 8  # output columns per thread (one 16-byte load of gate, one of up)
 _THREADS = 128
 
 
-@functools.cache
-def _kernel_class():
-    import cutlass
-    import cutlass.cute as cute
+class SituKernel:
+    """out[t, j] = bf16(((beta * tanh(g / beta)) * sigmoid(g)) *
+    (linear_beta * tanh(u / linear_beta))), g = h[t, j], u = h[t, N + j].
 
-    from fast import _cute as h
+    Algorithm: CTA (c, t) covers columns [1024 c, 1024 c + 1024) of token t; each of
+    its 128 threads owns 8 consecutive columns: one 16-byte load of the gate, one of
+    the up half, 8 independent evaluations, one 16-byte store. No shared memory, no
+    reductions.
 
-    class SituKernel:
-        """out[t, j] = bf16(((beta * tanh(g / beta)) * sigmoid(g)) *
-        (linear_beta * tanh(u / linear_beta))), g = h[t, j], u = h[t, N + j].
+    Math (every step one FP32 IEEE operation, round to nearest even, no FTZ, no
+    contraction; ``fast._cute`` lists the exact instruction sequences):
 
-        Algorithm: CTA (c, t) covers columns [1024 c, 1024 c + 1024) of token t; each of
-        its 128 threads owns 8 consecutive columns: one 16-byte load of the gate, one of
-        the up half, 8 independent evaluations, one 16-byte store. No shared memory, no
-        reductions.
+    * ``tg = tanh_rn(div.rn(g, beta))``; ``a = mul(beta, tg)``;
+    * ``s = sigmoid_rn(g) = div.rn(1, add(1, exp_rn(-g)))``; ``a = mul(a, s)``;
+    * ``tu = tanh_rn(div.rn(u, linear_beta))``; ``b = mul(linear_beta, tu)``;
+    * ``out = bf16_rne(mul(a, b))``.
 
-        Math (every step one FP32 IEEE operation, round to nearest even, no FTZ, no
-        contraction; ``fast._cute`` lists the exact instruction sequences):
+    ``exp_rn``: Cody-Waite reduction (Cephes' ln 2 split), degree-7 Taylor in Horner
+    form, exact 2^n scale; ``tanh_rn``: Cephes' tanhf polynomial for |y| < 0.625,
+    else ``1 - 2 / (exp_rn(2|y|) + 1)`` with y's sign. Not ``ex2.approx`` / libdevice:
+    their bits cannot be reproduced on the CPU; these can, so the contract is bitwise
+    (``reference.emulation.situ_and_mul``); their accuracy against float64 over FP32
+    arguments is measured in ``tests/test_emulation.py``.
 
-        * ``tg = tanh_rn(div.rn(g, beta))``; ``a = mul(beta, tg)``;
-        * ``s = sigmoid_rn(g) = div.rn(1, add(1, exp_rn(-g)))``; ``a = mul(a, s)``;
-        * ``tu = tanh_rn(div.rn(u, linear_beta))``; ``b = mul(linear_beta, tu)``;
-        * ``out = bf16_rne(mul(a, b))``.
+    Constraints: ``N % 8 == 0``; h BF16 ``[T, 2N]`` with unit column stride and a row
+    stride (elements) that is a multiple of 8 (a column slice of a wider buffer
+    works); out BF16 ``[T, N]`` contiguous; 16-byte aligned base addresses.
 
-        ``exp_rn``: Cody-Waite reduction (Cephes' ln 2 split), degree-7 Taylor in Horner
-        form, exact 2^n scale; ``tanh_rn``: Cephes' tanhf polynomial for |y| < 0.625,
-        else ``1 - 2 / (exp_rn(2|y|) + 1)`` with y's sign. Not ``ex2.approx`` / libdevice:
-        their bits cannot be reproduced on the CPU; these can, so the contract is bitwise
-        (``reference.emulation.situ_and_mul``); their accuracy against float64 over every
-        BF16 input is measured in ``tests/test_fast_compile.py``.
+    Run: ``python -m pytest verify/test_activation.py -k fast`` (on an SM90/SM100 GPU).
+    """
 
-        Constraints: ``N % 8 == 0``; h BF16 ``[T, 2N]`` with unit column stride and a row
-        stride (elements) that is a multiple of 8 (a column slice of a wider buffer
-        works); out BF16 ``[T, N]`` contiguous; 16-byte aligned base addresses.
+    def __init__(self, n: int):
+        self.n = n
 
-        Run: ``PYTHONPATH=. python3 tests/gpu_selfcheck.py --kernels activation``.
-        """
+    @cute.jit
+    def __call__(self, hp, out, stride, beta, linear_beta, tokens, stream):
+        chunks = (self.n // _COLS + _THREADS - 1) // _THREADS
+        self.kernel(hp, out, stride, beta, linear_beta).launch(
+            grid=(chunks, tokens, 1), block=(_THREADS, 1, 1), stream=stream
+        )
 
-        def __init__(self, n: int):
-            self.n = n
-
-        @cute.jit
-        def __call__(self, hp, out, stride, beta, linear_beta, tokens, stream):
-            chunks = (self.n // _COLS + _THREADS - 1) // _THREADS
-            self.kernel(hp, out, stride, beta, linear_beta).launch(
-                grid=(chunks, tokens, 1), block=(_THREADS, 1, 1), stream=stream
-            )
-
-        @cute.kernel
-        def kernel(self, hp, out, stride, beta, linear_beta):
-            tid = cute.arch.thread_idx()[0]
-            chunk, token, _ = cute.arch.block_idx()
-            n: cutlass.Constexpr = self.n
-            col = (chunk * _THREADS + tid) * _COLS
-            if col < n:
-                row = hp + token * stride
-                gw = h.load_v4(row + col)
-                uw = h.load_v4(row + (n + col))
-                packed = []
-                for i in cutlass.range_constexpr(4):
-                    pair = []
-                    for g, u in ((h.bf16_lo(gw[i]), h.bf16_lo(uw[i])),
-                                 (h.bf16_hi(gw[i]), h.bf16_hi(uw[i]))):
-                        a = h.fmul(beta, h.tanh_rn(h.fdiv(g, beta)))
-                        a = h.fmul(a, h.sigmoid_rn(g))
-                        b = h.fmul(linear_beta, h.tanh_rn(h.fdiv(u, linear_beta)))
-                        pair.append(h.fmul(a, b))
-                    packed.append(h.pack_bf16x2(pair[0], pair[1]))
-                h.store_v4(out + (token * n + col), packed)
-
-    return SituKernel
+    @cute.kernel
+    def kernel(self, hp, out, stride, beta, linear_beta):
+        tid = cute.arch.thread_idx()[0]
+        chunk, token, _ = cute.arch.block_idx()
+        n: cutlass.Constexpr = self.n
+        col = (chunk * _THREADS + tid) * _COLS
+        if col < n:
+            row = hp + token * stride
+            gw = h.load_v4(row + col)
+            uw = h.load_v4(row + (n + col))
+            packed = []
+            for i in cutlass.range_constexpr(4):
+                pair = []
+                for g, u in ((h.bf16_lo(gw[i]), h.bf16_lo(uw[i])),
+                             (h.bf16_hi(gw[i]), h.bf16_hi(uw[i]))):
+                    a = h.fmul(beta, h.tanh_rn(h.fdiv(g, beta)))
+                    a = h.fmul(a, h.sigmoid_rn(g))
+                    b = h.fmul(linear_beta, h.tanh_rn(h.fdiv(u, linear_beta)))
+                    pair.append(h.fmul(a, b))
+                packed.append(h.pack_bf16x2(pair[0], pair[1]))
+            h.store_v4(out + (token * n + col), packed)
 
 
 def compile_args(*, n: int):
     """(kernel object, fake arguments but the stream) for ``backend.compile_for_target``."""
-    obj = _kernel_class()(n)
+    obj = SituKernel(n)
     return obj, (backend.ptr(None, "bf16"), backend.ptr(None, "bf16"), backend.int32(2 * n),
                  backend.float32(4.0), backend.float32(25.0), backend.int32(1))
 

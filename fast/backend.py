@@ -22,6 +22,8 @@ import importlib
 
 import torch
 
+from reference.config import LatentMoEConfig
+
 __all__ = [
     "TARGETS",
     "KERNELS",
@@ -37,13 +39,17 @@ __all__ = [
 
 TARGETS = ("sm_90a", "sm_100a", "sm_103a")
 
+#: The real layer, whose widths are every kernel's default compile parameters.
+REAL = LatentMoEConfig.kimi_k3()
+
 # kernel name -> (module, default compile parameters: the real widths)
 KERNELS: dict[str, tuple[str, dict]] = {
-    "finalize": ("fast.finalize", {"width": 3584, "top_k": 16}),
-    "norm": ("fast.norm", {"width": 3584}),
-    "activation": ("fast.activation", {"n": 6144}),
-    "router": ("fast.router", {"experts": 896, "top_k": 16, "renormalize": True}),
-    "mx": ("fast.mx", {"k": 3584, "swizzled": False}),
+    "finalize": ("fast.finalize", {"width": REAL.latent, "top_k": REAL.top_k}),
+    "norm": ("fast.norm", {"width": REAL.latent}),
+    "activation": ("fast.activation", {"n": REAL.shared_intermediate}),
+    "router": ("fast.router", {"experts": REAL.experts, "top_k": REAL.top_k,
+                               "renormalize": REAL.renormalize}),
+    "mx": ("fast.mx", {"k": REAL.latent, "swizzled": False}),
 }
 
 _ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}

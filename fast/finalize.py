@@ -4,11 +4,11 @@
 from 0, ``acc`` starting at +0.0 -- bitwise equal to ``reference.finalize``.
 """
 
-
-import functools
-
+import cutlass
+import cutlass.cute as cute
 import torch
 
+from fast import _cute as h
 from fast import backend
 
 __all__ = ["finalize", "FinalizeKernel"]
@@ -16,81 +16,66 @@ __all__ = ["finalize", "FinalizeKernel"]
 _COLS = 8  # columns per thread: one 16-byte load per expert row
 
 
-@functools.cache
-def _kernel_class():
-    import cutlass
-    import cutlass.cute as cute
+class FinalizeKernel:
+    """out[t] = sum_k w[t, k] * rows[K t + k] (FP32 FMA chain, k in order, one BF16
+    rounding): one CTA per token, ``L / 8`` threads of 8 columns.
 
-    from fast import _cute as h
+    Algorithm (thread i of CTA t owns columns [8i, 8i + 8)):
 
-    class FinalizeKernel:
-        """out[t] = sum_k w[t, k] * rows[K t + k] (FP32 FMA chain, k in order, one BF16
-        rounding): one CTA per token, ``L / 8`` threads of 8 columns.
+    1. issue all K 16-byte loads ``rows[K t + k, 8i : 8i + 8]`` (K = top-k, 16) before
+       the first use, so K loads per thread are in flight;
+    2. for k = 0 .. K-1 in order: ``w = weights[t, k]`` (FP32), and for each of the 8
+       columns ``acc = fma.rn.f32(w, row, acc)``; ``acc`` starts at +0.0, BF16 row
+       values are widened exactly (bits << 16);
+    3. round the 8 accumulators to BF16 (``cvt.rn.bf16x2.f32``: RNE, overflow to
+       inf) and store them with one 16-byte store.
 
-        Algorithm (thread i of CTA t owns columns [8i, 8i + 8)):
+    Math: per column a sequential FP32 fused multiply-add chain in k order (each
+    ``fma.rn.f32`` rounds once; no reduction tree), then one RNE rounding to BF16.
+    The first step is fma(w0, r0, +0.0) = round(w0 * r0) (+0.0 where the product is
+    -0.0). No fast-math, no FTZ.
 
-        1. issue all K 16-byte loads ``rows[K t + k, 8i : 8i + 8]`` (K = top-k, 16) before
-           the first use, so K loads per thread are in flight;
-        2. for k = 0 .. K-1 in order: ``w = weights[t, k]`` (FP32), and for each of the 8
-           columns ``acc = fma.rn.f32(w, row, acc)``; ``acc`` starts at +0.0, BF16 row
-           values are widened exactly (bits << 16);
-        3. round the 8 accumulators to BF16 (``cvt.rn.bf16x2.f32``: RNE, overflow to
-           inf) and store them with one 16-byte store.
+    Constraints: ``L % 256 == 0`` and ``L / 8 <= 1024`` (L = 3584: 448 threads, 14
+    warps); rows BF16 ``[T * K, L]`` and out BF16 ``[T, L]`` contiguous and 16-byte
+    aligned; weights FP32 ``[T, K]`` contiguous; ``T * K * L < 2^31``.
 
-        Math: per column a sequential FP32 fused multiply-add chain in k order (each
-        ``fma.rn.f32`` rounds once; no reduction tree), then one RNE rounding to BF16.
-        The first step is fma(w0, r0, +0.0) = round(w0 * r0) (+0.0 where the product is
-        -0.0). No fast-math, no FTZ.
+    Run: ``python -m pytest verify/test_finalize.py -k fast`` (on an SM90/SM100 GPU);
+    compile only: ``python -c "from fast import backend;
+    backend.compile_for_target('finalize', 'sm_90a')"``.
+    """
 
-        Constraints: ``L % 256 == 0`` and ``L / 8 <= 1024`` (L = 3584: 448 threads, 14
-        warps); rows BF16 ``[T * K, L]`` and out BF16 ``[T, L]`` contiguous and 16-byte
-        aligned; weights FP32 ``[T, K]`` contiguous; ``T * K * L < 2^31``.
+    def __init__(self, width: int, top_k: int):
+        self.width, self.top_k = width, top_k
+        self.threads = width // _COLS
 
-        Run: ``PYTHONPATH=. python3 tests/gpu_selfcheck.py --kernels finalize``
-        (on an SM90/SM100 GPU); compile only: ``python -c "from fast import backend;
-        backend.compile_for_target('finalize', 'sm_90a')"``.
-        """
+    @cute.jit
+    def __call__(self, rows, weights, out, tokens: cutlass.Int32, stream):
+        self.kernel(rows, weights, out).launch(
+            grid=(tokens, 1, 1), block=(self.threads, 1, 1), stream=stream
+        )
 
-        def __init__(self, width: int, top_k: int):
-            self.width, self.top_k = width, top_k
-            self.threads = width // _COLS
-
-        @cute.jit
-        def __call__(self, rows, weights, out, tokens: cutlass.Int32, stream):
-            self.kernel(rows, weights, out).launch(
-                grid=(tokens, 1, 1), block=(self.threads, 1, 1), stream=stream
-            )
-
-        @cute.kernel
-        def kernel(self, rows, weights, out):
-            tid = cute.arch.thread_idx()[0]
-            token = cute.arch.block_idx()[0]
-            width: cutlass.Constexpr = self.width
-            top_k: cutlass.Constexpr = self.top_k
-            words = []
-            for k in cutlass.range_constexpr(top_k):
-                words.append(h.load_v4(rows + ((token * top_k + k) * width + tid * _COLS)))
-            acc = [h.Float32(0.0)] * _COLS
-            for k in cutlass.range_constexpr(top_k):
-                w = cute.arch.load(weights + (token * top_k + k), h.Float32)
-                for i in cutlass.range_constexpr(4):
-                    acc[2 * i] = h.ffma(w, h.bf16_lo(words[k][i]), acc[2 * i])
-                    acc[2 * i + 1] = h.ffma(w, h.bf16_hi(words[k][i]), acc[2 * i + 1])
-            packed = [h.pack_bf16x2(acc[2 * i], acc[2 * i + 1]) for i in range(4)]
-            h.store_v4(out + (token * width + tid * _COLS), packed)
-
-    return FinalizeKernel
-
-
-def __getattr__(name):
-    if name == "FinalizeKernel":
-        return _kernel_class()
-    raise AttributeError(name)
+    @cute.kernel
+    def kernel(self, rows, weights, out):
+        tid = cute.arch.thread_idx()[0]
+        token = cute.arch.block_idx()[0]
+        width: cutlass.Constexpr = self.width
+        top_k: cutlass.Constexpr = self.top_k
+        words = []
+        for k in cutlass.range_constexpr(top_k):
+            words.append(h.load_v4(rows + ((token * top_k + k) * width + tid * _COLS)))
+        acc = [h.Float32(0.0)] * _COLS
+        for k in cutlass.range_constexpr(top_k):
+            w = cute.arch.load(weights + (token * top_k + k), h.Float32)
+            for i in cutlass.range_constexpr(4):
+                acc[2 * i] = h.ffma(w, h.bf16_lo(words[k][i]), acc[2 * i])
+                acc[2 * i + 1] = h.ffma(w, h.bf16_hi(words[k][i]), acc[2 * i + 1])
+        packed = [h.pack_bf16x2(acc[2 * i], acc[2 * i + 1]) for i in range(4)]
+        h.store_v4(out + (token * width + tid * _COLS), packed)
 
 
 def compile_args(*, width: int, top_k: int):
     """(kernel object, fake arguments but the stream) for ``backend.compile_for_target``."""
-    obj = _kernel_class()(width, top_k)
+    obj = FinalizeKernel(width, top_k)
     args = (backend.ptr(None, "bf16"), backend.ptr(None, "f32"), backend.ptr(None, "bf16"))
     return obj, args + (backend.int32(1),)
 

@@ -2,101 +2,93 @@
 columns, a stated FP32 reduction tree (``reference.emulation.rms_norm_tree`` repeats it
 bit-exactly)."""
 
-import functools
-
+import cutlass
+import cutlass.cute as cute
 import torch
 
+from fast import _cute as h
 from fast import backend
 
-__all__ = ["rms_norm"]
+__all__ = ["rms_norm", "NormKernel"]
 
 _COLS = 8
 
 
-@functools.cache
-def _kernel_class():
-    import cutlass
-    import cutlass.cute as cute
+class NormKernel:
+    """y = bf16(x * rsqrt(mean(x^2) + eps) * w): one CTA per token, ``L / 8`` threads.
 
-    from fast import _cute as h
+    Algorithm (thread i of CTA t owns columns [8i, 8i + 8); W = L / 256 warps):
 
-    class NormKernel:
-        """y = bf16(x * rsqrt(mean(x^2) + eps) * w): one CTA per token, ``L / 8`` threads.
+    1. one 16-byte load of ``x[t, 8i : 8i + 8]`` and one of ``w[8i : 8i + 8]``;
+    2. per thread, in column order: ``s = x0*x0``, then ``s = s + xj*xj`` for j = 1..7
+       (``mul.rn.f32`` / ``add.rn.f32``: BF16 squares are exact in FP32);
+    3. warp butterfly: ``s = s + shfl_xor(s, o)`` for o = 16, 8, 4, 2, 1 (``add.rn``;
+       both lanes of a pair add the same two numbers, so every lane ends equal);
+    4. lane 0 of warp j stores ``s`` in shared memory slot j; ``bar.sync``; every
+       thread adds the W warp sums left to right: ``tot = w_0 + w_1 + ... + w_{W-1}``;
+    5. ``mean = tot / L`` (``div.rn.f32``, true IEEE division), ``r = 1 / sqrt(mean +
+       eps)`` as ``div.rn.f32(1, sqrt.rn.f32(add.rn.f32(mean, eps)))`` -- two correctly
+       rounded operations, not ``rsqrt.approx`` (whose documented max relative error
+       is 2^-22.9 and is not reproducible on the CPU), so the kernel is bitwise
+       equal to ``reference.emulation.rms_norm_tree``;
+    6. ``y = (x * r) * w`` (two ``mul.rn.f32``), rounded once to BF16 (RNE), one
+       16-byte store.
 
-        Algorithm (thread i of CTA t owns columns [8i, 8i + 8); W = L / 256 warps):
+    Constraints: ``L % 256 == 0``, ``L <= 8192``; x, out BF16 ``[T, L]`` and w BF16
+    ``[L]`` contiguous, 16-byte aligned; eps is passed as FP32.
 
-        1. one 16-byte load of ``x[t, 8i : 8i + 8]`` and one of ``w[8i : 8i + 8]``;
-        2. per thread, in column order: ``s = x0*x0``, then ``s = s + xj*xj`` for j = 1..7
-           (``mul.rn.f32`` / ``add.rn.f32``: BF16 squares are exact in FP32);
-        3. warp butterfly: ``s = s + shfl_xor(s, o)`` for o = 16, 8, 4, 2, 1 (``add.rn``;
-           both lanes of a pair add the same two numbers, so every lane ends equal);
-        4. lane 0 of warp j stores ``s`` in shared memory slot j; ``bar.sync``; every
-           thread adds the W warp sums left to right: ``tot = w_0 + w_1 + ... + w_{W-1}``;
-        5. ``mean = tot / L`` (``div.rn.f32``, true IEEE division), ``r = 1 / sqrt(mean +
-           eps)`` as ``div.rn.f32(1, sqrt.rn.f32(add.rn.f32(mean, eps)))`` -- two correctly
-           rounded operations, not ``rsqrt.approx`` (whose documented max relative error
-           is 2^-22.9 and is not reproducible on the CPU), so the kernel is bitwise
-           equal to ``reference.emulation.rms_norm_tree``;
-        6. ``y = (x * r) * w`` (two ``mul.rn.f32``), rounded once to BF16 (RNE), one
-           16-byte store.
+    Run: ``python -m pytest verify/test_norm.py -k fast`` (on an SM90/SM100 GPU).
+    """
 
-        Constraints: ``L % 256 == 0``, ``L <= 8192``; x, out BF16 ``[T, L]`` and w BF16
-        ``[L]`` contiguous, 16-byte aligned; eps is passed as FP32.
+    def __init__(self, width: int):
+        self.width = width
+        self.threads = width // _COLS
 
-        Run: ``PYTHONPATH=. python3 tests/gpu_selfcheck.py --kernels norm``.
-        """
+    @cute.jit
+    def __call__(self, x, w, out, eps, tokens, stream):
+        self.kernel(x, w, out, eps).launch(
+            grid=(tokens, 1, 1), block=(self.threads, 1, 1), stream=stream
+        )
 
-        def __init__(self, width: int):
-            self.width = width
-            self.threads = width // _COLS
-
-        @cute.jit
-        def __call__(self, x, w, out, eps, tokens, stream):
-            self.kernel(x, w, out, eps).launch(
-                grid=(tokens, 1, 1), block=(self.threads, 1, 1), stream=stream
-            )
-
-        @cute.kernel
-        def kernel(self, x, w, out, eps):
-            tid = cute.arch.thread_idx()[0]
-            token = cute.arch.block_idx()[0]
-            width: cutlass.Constexpr = self.width
-            warps: cutlass.Constexpr = self.threads // 32
-            xw = h.load_v4(x + (token * width + tid * _COLS))
-            ww = h.load_v4(w + tid * _COLS)
-            xs = []
-            for i in cutlass.range_constexpr(4):
-                xs.append(h.bf16_lo(xw[i]))
-                xs.append(h.bf16_hi(xw[i]))
-            s = h.fmul(xs[0], xs[0])
-            for j in cutlass.range_constexpr(1, _COLS):
-                s = h.fadd(s, h.fmul(xs[j], xs[j]))
-            for o in (16, 8, 4, 2, 1):
-                s = h.fadd(s, cute.arch.shuffle_sync_bfly(s, offset=o))
-            smem = cute.make_tensor(cute.arch.alloc_smem(h.Float32, 32), cute.make_layout(32))
-            lane = cute.arch.lane_idx()
-            warp = cute.arch.warp_idx()
-            if lane == 0:
-                smem[warp] = s
-            cute.arch.sync_threads()
-            tot = smem[0]
-            for j in cutlass.range_constexpr(1, warps):
-                tot = h.fadd(tot, smem[j])
-            mean = h.fdiv(tot, h.Float32(float(width)))
-            r = h.fdiv(h.Float32(1.0), h.fsqrt(h.fadd(mean, eps)))
-            packed = []
-            for i in cutlass.range_constexpr(4):
-                lo = h.fmul(h.fmul(xs[2 * i], r), h.bf16_lo(ww[i]))
-                hi = h.fmul(h.fmul(xs[2 * i + 1], r), h.bf16_hi(ww[i]))
-                packed.append(h.pack_bf16x2(lo, hi))
-            h.store_v4(out + (token * width + tid * _COLS), packed)
-
-    return NormKernel
+    @cute.kernel
+    def kernel(self, x, w, out, eps):
+        tid = cute.arch.thread_idx()[0]
+        token = cute.arch.block_idx()[0]
+        width: cutlass.Constexpr = self.width
+        warps: cutlass.Constexpr = self.threads // 32
+        xw = h.load_v4(x + (token * width + tid * _COLS))
+        ww = h.load_v4(w + tid * _COLS)
+        xs = []
+        for i in cutlass.range_constexpr(4):
+            xs.append(h.bf16_lo(xw[i]))
+            xs.append(h.bf16_hi(xw[i]))
+        s = h.fmul(xs[0], xs[0])
+        for j in cutlass.range_constexpr(1, _COLS):
+            s = h.fadd(s, h.fmul(xs[j], xs[j]))
+        for o in (16, 8, 4, 2, 1):
+            s = h.fadd(s, cute.arch.shuffle_sync_bfly(s, offset=o))
+        smem = cute.make_tensor(cute.arch.alloc_smem(h.Float32, 32), cute.make_layout(32))
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        if lane == 0:
+            smem[warp] = s
+        cute.arch.sync_threads()
+        tot = smem[0]
+        for j in cutlass.range_constexpr(1, warps):
+            tot = h.fadd(tot, smem[j])
+        mean = h.fdiv(tot, h.Float32(float(width)))
+        r = h.fdiv(h.Float32(1.0), h.fsqrt(h.fadd(mean, eps)))
+        packed = []
+        for i in cutlass.range_constexpr(4):
+            lo = h.fmul(h.fmul(xs[2 * i], r), h.bf16_lo(ww[i]))
+            hi = h.fmul(h.fmul(xs[2 * i + 1], r), h.bf16_hi(ww[i]))
+            packed.append(h.pack_bf16x2(lo, hi))
+        h.store_v4(out + (token * width + tid * _COLS), packed)
 
 
 def compile_args(*, width: int):
     """(kernel object, fake arguments but the stream) for ``backend.compile_for_target``."""
-    obj = _kernel_class()(width)
+    obj = NormKernel(width)
     p = backend.ptr(None, "bf16")
     return obj, (p, backend.ptr(None, "bf16"), backend.ptr(None, "bf16"),
                  backend.float32(1e-5), backend.int32(1))

@@ -31,7 +31,7 @@ def fp32_reduction():
     """cuBLAS with FP32 accumulation throughout: PyTorch lets cuBLAS reduce split-K
     partials of BF16 GEMMs in reduced precision by default
     (``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction``), which is not
-    the stock contract (FP32 accumulation, one rounding; DESIGN §2) and which
+    the stock contract (FP32 accumulation, one rounding: ``docs/design.md``) and which
     ``verify/test_stock.py`` catches on the H200 (the up addmm at batch 1). The flag is
     restored on exit."""
     flags = torch.backends.cuda.matmul

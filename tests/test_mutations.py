@@ -1,12 +1,21 @@
-"""The power of the verification suite (DESIGN §4.6): planted bugs must make it fail.
+"""The power of the verification suite: planted bugs must make ``pytest verify/`` fail.
 
 Each mutation copies ``reference/``, ``fast/`` and ``verify/`` to a temporary directory,
-replaces one exact snippet (which must occur exactly once, so a mutation never silently
-stops applying when the code changes), and runs the named ``verify/`` contracts there
-with ``pytest -x``. The mutation is *caught* when pytest reports failed tests (exit code
-1); an import or collection error (exit code 2-4) or "no tests" (5) is not a catch. The
-contracts named are a subset of ``pytest verify/``, so a catch there is a catch of the
-whole suite.
+replaces exact snippets (each must occur exactly once, so a mutation never silently stops
+applying when the code changes), and runs the named ``verify/`` contracts there with
+``pytest -x``. The mutation is *caught* when pytest reports failed tests (exit code 1); an
+import or collection error (exit code 2-4) or "no tests" (5) is not a catch. The contracts
+named are a subset of ``pytest verify/``, so a catch there is a catch of the whole suite.
+
+The bugs are of the classes the suite exists for: a wrong rounding rule or rounding point,
+an operation order changed, a swapped operand, a selection off by one at a bucket edge, a
+layout permuted, state leaking from one call to the next. Those in the reference are caught
+on any machine (the reference is checked against the independent oracles of
+``verify/oracles``); those in a fast kernel need its GPU (``needs_gpu``) and run with
+
+    python -m pytest tests/test_mutations.py -k gpu
+
+on an SM90/SM100 node.
 """
 
 from __future__ import annotations
@@ -26,79 +35,155 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclasses.dataclass(frozen=True)
 class Mutation:
+    """A planted bug: ``edits`` (path, old snippet, new snippet) and the contracts that must
+    fail."""
+
     name: str
-    path: str
-    old: str
-    new: str
+    edits: tuple[tuple[str, str, str], ...]
     contracts: tuple[str, ...]
     needs_gpu: bool = False
 
 
+def _one(name, path, old, new, contracts, needs_gpu=False) -> Mutation:
+    return Mutation(name, ((path, old, new),), tuple(contracts), needs_gpu)
+
+
 MUTATIONS = [
+    # --- MX quantization (reference.mx)
+    _one("MXFP8 scale rule FLOOR instead of RCEIL", "reference/mx.py",
+         "def quantize_mxfp8(\n    x: torch.Tensor, *, scale_rule: ScaleRule = ScaleRule.RCEIL",
+         "def quantize_mxfp8(\n    x: torch.Tensor, *, scale_rule: ScaleRule = ScaleRule.FLOOR",
+         ["verify/test_mx.py::test_quantize_mxfp8_reference"]),
+    _one("element ties rounded away from even", "reference/mx.py",
+         "return torch.round(a.mul_(inv_quantum)), binade",
+         "return torch.floor(a.mul_(inv_quantum) + 0.5), binade",
+         ["verify/test_mx.py::test_quantize_mxfp8_reference"]),
+    _one("a code-0 block scaled by 2^127 instead of 1", "reference/mx.py",
+         "        mult = torch.where(codes == 0, torch.ones_like(mult), mult)\n",
+         "",
+         ["verify/test_mx.py::test_quantize_mxfp8_reference"]),
+    _one("MXFP4 nibbles packed high first", "reference/mx.py",
+         "return codes[..., 0::2] | (codes[..., 1::2] << 4)",
+         "return codes[..., 1::2] | (codes[..., 0::2] << 4)",
+         ["verify/test_mx.py::test_quantize_mxfp4"]),
+    _one("128x4 scale layout with the row groups transposed", "reference/mx.py",
+         "tiles = padded.view(prows // 128, 4, 32, pcols // 4, 4).permute(0, 3, 2, 1, 4)",
+         "tiles = padded.view(prows // 128, 4, 32, pcols // 4, 4).permute(0, 3, 1, 2, 4)",
+         ["verify/test_mx.py::test_quantize_mxfp8_swizzled"]),
+    # --- the stages
+    _one("SiTU gate and up swapped", "reference/activation.py",
+         "    g = gate.float()\n    u = up.float()",
+         "    g = up.float()\n    u = gate.float()",
+         ["verify/test_activation.py::test_situ_and_mul_reference"]),
+    _one("experts: the SiTU output not re-quantized to MXFP8", "reference/experts.py",
+         "        a = dequantize_mxfp8(*quantize_mxfp8(a))\n", "",
+         ["verify/test_experts_reference.py"]),
+    _one("RMSNorm multiplies (x * w) * r instead of (x * r) * w", "reference/norm.py",
+         "return (x.float() * r[:, None]) * weight.float()",
+         "return (x.float() * weight.float()) * r[:, None]",
+         ["verify/test_norm.py::test_rms_norm_reference"]),
+    _one("finalize k order reversed", "reference/finalize.py",
+         "    for j in range(k):\n        acc = fma_f32(",
+         "    for j in reversed(range(k)):\n        acc = fma_f32(",
+         ["verify/test_finalize.py::test_finalize_reference"]),
+    _one("finalize multiplies then adds (two roundings) instead of an FMA", "reference/finalize.py",
+         "acc = fma_f32(weights[:, j:j + 1], r[:, j], acc)",
+         "acc = weights[:, j:j + 1] * r[:, j] + acc",
+         ["verify/test_finalize.py::test_finalize_reference"]),
+    _one("router renormalization skipped", "reference/router.py",
+         "    if renormalize:\n", "    if False:\n",
+         ["verify/test_router.py::test_route"]),
+    _one("router weights from the biased scores", "reference/router.py",
+         "w = torch.gather(scores, 1, ids)", "w = torch.gather(biased, 1, ids)",
+         ["verify/test_router.py::test_route"]),
+    _one("router ties to the higher expert id", "reference/router.py",
+         "ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]",
+         "ids = torch.sort(biased.flip(-1), dim=-1, descending=True, stable=True)"
+         ".indices[:, :top_k]\n    ids = biased.shape[-1] - 1 - ids",
+         ["verify/test_router.py::test_route_ties"]),
+    _one("BF16-out GEMM rounded through FP32 (two roundings)", "reference/gemm.py",
+         "def _round_pair(hi: torch.Tensor, lo: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:\n"
+         "    if out_dtype == torch.float32:\n        return pair_to_float32(hi, lo)\n"
+         "    return pair_to_bfloat16(hi, lo)",
+         "def _round_pair(hi: torch.Tensor, lo: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:\n"
+         "    if out_dtype == torch.float32:\n        return pair_to_float32(hi, lo)\n"
+         "    return pair_to_float32(hi, lo).to(torch.bfloat16)",
+         ["verify/test_stock.py::test_gemm_rounding_designed"]),
+    _one("split-K partials added in reverse split order", "reference/gemm.py",
+         "    for s in range(splits):\n        cols = slice(s * width, (s + 1) * width)",
+         "    for s in reversed(range(splits)):\n        cols = slice(s * width, (s + 1) * width)",
+         ["verify/test_stock.py::test_split_k_gemm"]),
+    # --- S1, the DEP layer
+    _one("DEP owner partial finalize: two k swapped", "reference/schedules/dep.py",
+         "    for j in range(k):\n        w = weights[:, j : j + 1]",
+         "    for j in [0, 2, 1, *range(3, k)]:\n        w = weights[:, j : j + 1]",
+         ["verify/test_dep.py::test_dep_designed_orders"]),
+    _one("DEP combine in reversed owner order", "reference/schedules/dep.py",
+         "    for p, m in zip(parts, present):",
+         "    for p, m in zip(reversed(parts), reversed(present)):",
+         ["verify/test_dep.py::test_dep_designed_orders"]),
+    _one("DEP router split changes one token early (32 < 33)", "reference/schedules/dep.py",
+         '"router_splits": 4 if tokens <= 32 else 2', '"router_splits": 4 if tokens < 32 else 2',
+         ["verify/test_dep.py::test_dep_bucket_edges"]),
+    _one("DEP front bucket ends one token early", "reference/schedules/dep.py",
+         "    if t <= c.front_max:", "    if t < c.front_max:",
+         ["verify/test_dep.py::test_dep_stages[1-64-default]"]),
+    # --- S2, the wide layer
+    _one("mailbox writer skips the -0 sanitize", "reference/schedules/mailbox.py",
+         "lat = sanitize_negative_zero(latent_bf16.detach().cpu().contiguous().view(torch.int16))",
+         "lat = latent_bf16.detach().cpu().contiguous().view(torch.int16)",
+         ["verify/test_wide.py::test_mailbox_sentinel"]),
+    _one("mailbox reader does not re-arm what it read", "reference/schedules/mailbox.py",
+         "                    self.buffer[:tokens, cols] = _sentinel_words(region.shape, dtype)\n",
+         "",
+         ["verify/test_wide.py::test_wide_two_layers_one_scratch"]),
+    _one("mailbox buffers do not rotate between calls", "reference/schedules/mailbox.py",
+         "    def advance(self) -> None:\n        self.call += 1",
+         "    def advance(self) -> None:\n        pass",
+         ["verify/test_wide.py::test_wide_two_layers_one_scratch"]),
+    _one("wide routing list read one short", "reference/schedules/wide.py",
+         "pairs = lists[e, : counts[e]].to(torch.int64)",
+         "pairs = lists[e, : counts[e] - 1].to(torch.int64)",
+         ["verify/test_wide.py::test_wide_stages"]),
+    _one("wide routing lists refuse a full list (capacity off by one)",
+         "reference/schedules/wide.py",
+         "    if t > capacity:", "    if t >= capacity:",
+         ["verify/test_wide.py::test_wide_bucket_edges"]),
+    _one("wide engine windows of 16 pairs", "reference/schedules/wide.py",
+         "WIDE_WINDOW = 8\n", "WIDE_WINDOW = 16\n",
+         ["verify/test_wide.py::test_wide_stages"]),
     Mutation(
-        "MXFP8 scale rule FLOOR instead of RCEIL", "reference/mx.py",
-        "def quantize_mxfp8(\n    x: torch.Tensor, *, scale_rule: ScaleRule = ScaleRule.RCEIL",
-        "def quantize_mxfp8(\n    x: torch.Tensor, *, scale_rule: ScaleRule = ScaleRule.FLOOR",
-        ("verify/test_mx.py",),
+        "dequantized experts cached across layers (keyed by index only)",
+        (("reference/weights.py", "        hit = self._dequantized.get(expert)",
+          "        hit = _LAYER_CACHE.get(expert)"),
+         ("reference/weights.py", "            self._dequantized[expert] = pair",
+          "            self._dequantized[expert] = _LAYER_CACHE[expert] = pair"),
+         ("reference/weights.py", "@dataclass\nclass LatentMoEWeights:",
+          "_LAYER_CACHE = {}\n\n\n@dataclass\nclass LatentMoEWeights:")),
+        ("verify/test_experts_reference.py::test_expert_rows_two_layers",),
     ),
-    Mutation(
-        "element ties rounded away from even", "reference/mx.py",
-        "return torch.round(a.mul_(inv_quantum)), binade",
-        "return torch.floor(a.mul_(inv_quantum) + 0.5), binade",
-        ("verify/test_mx.py",),
-    ),
-    Mutation(
-        "SiTU gate and up swapped", "reference/activation.py",
-        "    g = gate.float()\n    u = up.float()",
-        "    g = up.float()\n    u = gate.float()",
-        ("verify/test_activation.py", "verify/test_quality.py"),
-    ),
-    Mutation(
-        "finalize k order reversed", "reference/finalize.py",
-        "    for j in range(k):\n        acc = fma_f32(",
-        "    for j in reversed(range(k)):\n        acc = fma_f32(",
-        ("verify/test_dep.py",),
-    ),
-    Mutation(
-        "DEP owner partial finalize: two k swapped", "reference/schedules/dep.py",
-        "    for j in range(k):\n        w = weights[:, j : j + 1]",
-        "    for j in [1, 0, *range(2, k)]:\n        w = weights[:, j : j + 1]",
-        ("verify/test_dep.py",),
-    ),
-    Mutation(
-        "DEP combine in reversed owner order", "reference/schedules/dep.py",
-        "    for p, m in zip(parts, present):",
-        "    for p, m in zip(reversed(parts), reversed(present)):",
-        ("verify/test_dep.py::test_combine_order_designed",),
-    ),
-    Mutation(
-        "mailbox writer skips the -0 sanitize", "reference/schedules/comm.py",
-        "lat = sanitize_negative_zero(latent_bf16.detach().cpu().contiguous().view(torch.int16))",
-        "lat = latent_bf16.detach().cpu().contiguous().view(torch.int16)",
-        ("verify/test_wide.py::test_mailbox_sentinel",),
-    ),
-    Mutation(
-        "wide routing list read one short", "reference/schedules/wide.py",
-        "pairs = lists[e, : counts[e]].to(torch.int64)",
-        "pairs = lists[e, : counts[e] - 1].to(torch.int64)",
-        ("verify/test_wide.py",),
-    ),
-    Mutation(
-        "router renormalization skipped", "reference/router.py",
-        "    if renormalize:\n", "    if False:\n",
-        ("verify/test_router.py",),
-    ),
-    Mutation(
-        "router weights from the biased scores", "reference/router.py",
-        "w = torch.gather(scores, 1, ids)", "w = torch.gather(biased, 1, ids)",
-        ("verify/test_router.py",),
-    ),
-    Mutation(
-        "fast finalize kernel: k order reversed", "fast/finalize.py",
-        "            for k in cutlass.range_constexpr(top_k):\n                w = cute.arch.load(",
-        "            for k in reversed(range(top_k)):\n                w = cute.arch.load(",
-        ("verify/test_finalize.py",), needs_gpu=True,
-    ),
+    # --- the fast kernels, on their GPU
+    _one("fast MXFP8 kernel: scale code rounded down (FLOOR of the quotient)", "fast/mx.py",
+         "normal = e + sel((qb & U(0x7FFFFF)) != U(0), 1, 0)", "normal = e",
+         ["verify/test_mx.py::test_quantize_mxfp8"], needs_gpu=True),
+    _one("fast router kernel: ties to the higher expert id", "fast/router.py",
+         "low = Uint64(h.Uint32(0xFFFFFFFF) - h.Uint32(lane + 32 * j))",
+         "low = Uint64(h.Uint32(lane + 32 * j))",
+         ["verify/test_router.py::test_route_ties"], needs_gpu=True),
+    _one("fast RMSNorm kernel: (x * w) * r", "fast/norm.py",
+         "lo = h.fmul(h.fmul(xs[2 * i], r), h.bf16_lo(ww[i]))",
+         "lo = h.fmul(h.fmul(xs[2 * i], h.bf16_lo(ww[i])), r)",
+         ["verify/test_norm.py::test_rms_norm"], needs_gpu=True),
+    _one("fast SiTU kernel: gate and up swapped", "fast/activation.py",
+         "for g, u in ((h.bf16_lo(gw[i]), h.bf16_lo(uw[i])),\n"
+         "                             (h.bf16_hi(gw[i]), h.bf16_hi(uw[i]))):",
+         "for u, g in ((h.bf16_lo(gw[i]), h.bf16_lo(uw[i])),\n"
+         "                             (h.bf16_hi(gw[i]), h.bf16_hi(uw[i]))):",
+         ["verify/test_activation.py::test_situ_and_mul"], needs_gpu=True),
+    _one("fast finalize kernel: k order reversed", "fast/finalize.py",
+         "        for k in cutlass.range_constexpr(top_k):\n            w = cute.arch.load(",
+         "        for k in reversed(range(top_k)):\n            w = cute.arch.load(",
+         ["verify/test_finalize.py::test_finalize"], needs_gpu=True),
 ]
 
 
@@ -106,22 +191,31 @@ def _apply(tree: Path, m: Mutation) -> None:
     for package in ("reference", "fast", "verify"):
         shutil.copytree(ROOT / package, tree / package,
                         ignore=shutil.ignore_patterns("__pycache__"))
-    target = tree / m.path
-    text = target.read_text()
-    count = text.count(m.old)
-    assert count == 1, f"{m.name}: the snippet occurs {count} times in {m.path}, not once"
-    target.write_text(text.replace(m.old, m.new))
+    for path, old, new in m.edits:
+        target = tree / path
+        text = target.read_text()
+        count = text.count(old)
+        assert count == 1, f"{m.name}: the snippet occurs {count} times in {path}, not once"
+        target.write_text(text.replace(old, new))
 
 
-@pytest.mark.parametrize("mutation", MUTATIONS, ids=lambda m: m.name)
+def _id(m: Mutation) -> str:
+    return ("gpu: " if m.needs_gpu else "") + m.name
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=_id)
 def test_planted_bug_fails_verify(mutation, tmp_path):
     if mutation.needs_gpu and not torch.cuda.is_available():
-        pytest.skip("this mutation is in GPU code; the contracts that catch it need a GPU")
+        pytest.skip("this bug is planted in a fast kernel: the contracts that catch it run "
+                    "the kernel, on an SM90/SM100 GPU")
     _apply(tmp_path, mutation)
     path = os.pathsep.join(p for p in (str(tmp_path), os.environ.get("PYTHONPATH")) if p)
     env = dict(os.environ, PYTHONPATH=path, LATENTMOE_REPORT_DIR=str(tmp_path),
                PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", *mutation.contracts, "-x", "-q",
+    args = list(mutation.contracts)
+    if mutation.needs_gpu:
+        args += ["-k", "fast"]
+    cmd = [sys.executable, "-m", "pytest", *args, "-x", "-q",
            "-p", "no:cacheprovider", "--rootdir", str(tmp_path)]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)
