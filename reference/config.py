@@ -1,6 +1,6 @@
 """The layer's dimensions and constants: one frozen object every stage reads.
 
-`LatentMoEConfig.kimi_k3()` is the real layer (DESIGN §1); `small()` and `tiny()` are the
+`LatentMoEConfig.kimi_k3()` is the real layer (`docs/design.md`); `small()` and `tiny()` are the
 scaled-down configs the tests use. Every scaled config keeps `top_k = 16` and the MX block
 of 32 so the same code paths run as at the real size.
 
@@ -112,7 +112,7 @@ class LatentMoEConfig:
 
     @classmethod
     def kimi_k3(cls) -> "LatentMoEConfig":
-        """The real layer (DESIGN §1)."""
+        """The real layer: H 7168, L 3584, E 896, K 16, I 3072, S 6144."""
         return cls()
 
     @classmethod

@@ -195,7 +195,8 @@ def routed_experts(
     experts: LatentMoEWeights,
     config: LatentMoEConfig,
 ) -> torch.Tensor:
-    """DESIGN §1's `experts(mxfp8(latent), w, ids)`: `finalize(expert_rows(...), weights)`.
+    """The layer's routed part, `experts(mxfp8(latent), w, ids)`: `finalize(expert_rows(...),
+    weights)`.
 
     Args:
         latent: [T, L] bfloat16.

@@ -1,7 +1,7 @@
 """The whole layer: the stock op order (schedule S0) and the unquantized FP64 layer.
 
-`stock_order_trace(x, weights, config)` runs DESIGN §1's op list on one stream, keeping
-every intermediate:
+`stock_order_trace(x, weights, config)` runs the layer's op list (`docs/design.md`) on one
+stream, keeping every intermediate:
 
 | step | value | op | rounding |
 |---|---|---|---|
