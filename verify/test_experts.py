@@ -202,11 +202,12 @@ def _run_stages(contract, name, first, count, shard, rows, skew, seed, windows=N
                  what=f"{name} experts [{first}, {first + count}) shard {shard} rows {rows}")
 
 
-@pytest.mark.parametrize("name,first,count,shard,rows,skew", STAGE_CASES)
-def test_experts_stages(backend, name, first, count, shard, rows, skew, seed, contract):
-    _run_stages(contract, name, first, count, shard, rows, skew, seed)
+@pytest.mark.parametrize("config_name,first,count,shard,rows,skew", STAGE_CASES)
+def test_experts_stages(backend, config_name, first, count, shard, rows, skew, seed, contract):
+    _run_stages(contract, config_name, first, count, shard, rows, skew, seed)
 
 
+@pytest.mark.config("small")
 @pytest.mark.parametrize("windows", (1, 2, 4))
 def test_experts_stages_every_window_count(backend, windows, seed, contract):
     """Every compiled window count, on skewed routing (experts with several groups)."""
@@ -217,12 +218,14 @@ TACTICS = [dict(warps=8, mtiles=1), dict(warps=2, mtiles=2), dict(ring=2), dict(
            dict(chains=2), dict(chains=4), dict(occupancy=1)]
 
 
+@pytest.mark.config("small")
 @pytest.mark.parametrize("tactic", TACTICS, ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
 def test_experts_stages_every_tactic(backend, tactic, seed, contract):
     """Every FC kernel shape the engine can be asked for, stage by stage."""
     _run_stages(contract, "small", 0, 64, (0, 1), 96, 1.0, seed, tactic=tactic)
 
 
+@pytest.mark.config("small")
 def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
     """Tile shape, ring depth and occupancy never change a bit (the sum order of each
     output is the chunk order); only the number of accumulator chains does."""
@@ -240,9 +243,9 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,first,count,shard,rows,skew", REAL_CASES)
-def test_experts_stages_real(backend, name, first, count, shard, rows, skew, seed, contract):
-    _run_stages(contract, name, first, count, shard, rows, skew, seed)
+@pytest.mark.parametrize("config_name,first,count,shard,rows,skew", REAL_CASES)
+def test_experts_stages_real(backend, config_name, first, count, shard, rows, skew, seed, contract):
+    _run_stages(contract, config_name, first, count, shard, rows, skew, seed)
 
 
 # --- invariances ------------------------------------------------------------------------
@@ -252,6 +255,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
+@pytest.mark.config("small")
 def test_experts_batch_invariant_and_order_free(backend, seed, contract):
     """A pair's row has the same bits alone, in a window of 8 rows, in a batch of 256, and
     with the batch's rows permuted (other routing-list claim orders)."""
@@ -273,6 +277,7 @@ def test_experts_batch_invariant_and_order_free(backend, seed, contract):
                      index_names=("pair", "column"))
 
 
+@pytest.mark.config("small")
 def test_experts_deterministic(backend, seed, contract):
     """20 reruns of one call give the same bits."""
     engine = engine_for("small", 0, 64, (0, 1), 256)
@@ -284,6 +289,7 @@ def test_experts_deterministic(backend, seed, contract):
         contract.bitwise(_bits(engine(*args)), _bits(first), what="rerun", index_names=("pair", "column"))
 
 
+@pytest.mark.config("small")
 def test_experts_decode_range(backend, contract):
     """Every E2M1 code under every supported scale code (0..128) decodes exactly: FC1 of
     one-hot latent rows returns each weight itself (one exact product plus zeros)."""
@@ -316,6 +322,7 @@ def test_experts_decode_range(backend, contract):
 # --- bad input --------------------------------------------------------------------------
 
 
+@pytest.mark.config("small")
 def test_experts_bad_input(backend):
     from fast.experts import EngineError, ExpertsEngine, prepare_experts
 
