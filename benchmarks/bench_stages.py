@@ -11,17 +11,17 @@ device time under ``peers["torch"]``, timed the same way.
     python -m pytest benchmarks/bench_stages.py --benchmark-json=out.json   # the cases alone
 
 On a machine without a GPU every case is skipped with the reason.
-``tests/gpu_selfcheck.py`` uses the same cases (``make_case``) and timer.
 """
 
 import pytest
 import torch
 
 from benchmarks import gpu_timing
-from benchmarks.gpu_timing import copy_bandwidth_gbs, host_us  # noqa: F401  (gpu_selfcheck)
+from reference.config import LatentMoEConfig
 from fast import backend
 
-LATENT, EXPERTS, TOP_K, SHARED_I = 3584, 896, 16, 6144
+_REAL = LatentMoEConfig.kimi_k3()
+LATENT, EXPERTS, TOP_K, SHARED_I = _REAL.latent, _REAL.experts, _REAL.top_k, _REAL.shared_intermediate
 BETA, LINEAR_BETA, EPS = 4.0, 25.0, 1e-5
 BATCHES = (1, 2, 3, 7, 16, 64, 65, 100, 256, 1024)
 BENCH_BATCHES = (1, 16, 64, 256, 1024)
@@ -30,12 +30,6 @@ KERNELS = ("mx", "mx_swizzled", "router", "finalize", "activation", "norm")
 STAGE_OF = {"mx": ("mx", None), "mx_swizzled": ("mx", "swizzled"), "router": ("router", None),
             "finalize": ("finalize", None), "activation": ("activation", None),
             "norm": ("norm", None)}
-
-
-def gpu_time_us(fn, reps=30, warmup=3):
-    """Median device microseconds of ``fn()``, L2 flushed before each run
-    (``gpu_timing.median_device_us``; kept under this name for ``tests/gpu_selfcheck.py``)."""
-    return gpu_timing.median_device_us(fn, reps=reps, warmup=warmup)
 
 
 def make_case(kernel, t, seed=0, device="cuda"):
@@ -115,7 +109,7 @@ def copy_gbs():
     why = _skip_reason()
     if why:
         pytest.skip(why)
-    return copy_bandwidth_gbs()
+    return gpu_timing.copy_bandwidth_gbs()
 
 
 @gpu_timing.device_timed
@@ -127,7 +121,7 @@ def test_stage(benchmark, kernel, t, copy_gbs):
     if why:
         pytest.skip(why)
     _, fast_fn, torch_fn, nbytes = make_case(kernel, t)
-    torch_us = gpu_time_us(torch_fn)
+    torch_us = gpu_timing.median_device_us(torch_fn, reps=30, warmup=3)
     fast_us = gpu_timing.measure(benchmark, fast_fn)
     stage, variant = STAGE_OF[kernel]
     benchmark.extra_info.update(gpu_timing.bandwidth_info(
