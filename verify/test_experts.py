@@ -214,8 +214,8 @@ def test_experts_stages_every_window_count(backend, windows, seed, contract):
     _run_stages(contract, "small", 0, 64, (0, 1), 160, 1.0, seed, windows=windows)
 
 
-TACTICS = [dict(warps=8, mtiles=1), dict(warps=2, mtiles=2), dict(ring=2), dict(ring=6),
-           dict(chains=2), dict(chains=4), dict(occupancy=1)]
+TACTICS = [dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
+           dict(ring=2), dict(ring=6), dict(chains=2), dict(chains=4), dict(occupancy=1)]
 
 
 @pytest.mark.config("small")
@@ -235,8 +235,8 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
     args = (codes.cuda(), scales.cuda(), ids.cuda())
     for windows in (1, 2):
         base = engine(*args, windows=windows)
-        for tactic in (dict(warps=8, mtiles=1), dict(warps=2, mtiles=2), dict(ring=2),
-                       dict(ring=6, occupancy=1)):
+        for tactic in (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
+                       dict(ring=2), dict(ring=6, occupancy=1)):
             contract.bitwise(_bits(engine(*args, windows=windows, tactic=tactic)), _bits(base),
                              what=f"tactic {tactic} vs the default shape, windows {windows}",
                              index_names=("pair", "column"))

@@ -309,10 +309,19 @@ class ExpertsGemmKernel:
         return [word & m, p.rotr(word, 3) & m, p.rotr(word, 6) & m, pair3]
 
     @cute.jit
+    def _scaled_down(self, x, beta: float):
+        """``x / beta`` correctly rounded: a multiply by ``1 / beta`` when ``beta`` is a power
+        of two (the exact quotient is the exact product, so both round alike, subnormals
+        included), else ``div.rn``."""
+        if cutlass.const_expr(math.frexp(beta)[0] == 0.5):
+            return h.fmul(x, Float32(1.0 / beta))
+        return h.fdiv(x, Float32(beta))
+
+    @cute.jit
     def _situ(self, g, u):
-        a = h.fmul(Float32(self.beta), h.tanh_rn(h.fdiv(g, Float32(self.beta))))
+        a = h.fmul(Float32(self.beta), h.tanh_rn(self._scaled_down(g, self.beta)))
         a = h.fmul(a, h.sigmoid_rn(g))
-        b = h.fmul(Float32(self.linear_beta), h.tanh_rn(h.fdiv(u, Float32(self.linear_beta))))
+        b = h.fmul(Float32(self.linear_beta), h.tanh_rn(self._scaled_down(u, self.linear_beta)))
         return h.fmul(a, b)
 
     @cute.jit
@@ -410,22 +419,11 @@ class ExpertsGemmKernel:
             for i in cutlass.range_constexpr(MT * W * 4 * self.chains):
                 acc[i] = Float32(0.0)
             nwin = (ntok + WINDOW - 1) // WINDOW
-            # 2. main loop
-            for st in cutlass.range_constexpr(RING - 1):
-                if cutlass.const_expr(st < NS):
-                    self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
-                                warp, lane)
-                cute.arch.cp_async_commit_group()
-            for s in cutlass.range(NS, unroll=1):
-                cute.arch.cp_async_wait_group(RING - 2)
-                cute.arch.sync_threads()
-                ahead = s + RING - 1
-                if ahead < NS:
-                    self._issue(src, dst, ok, wbase, sbase, ring + (ahead % RING) * self.slot_bytes,
-                                ahead, warp, lane)
-                cute.arch.cp_async_commit_group()
-                self._compute(acc, ring + (s % RING) * self.slot_bytes, warp, lane, nwin)
-            cute.arch.cp_async_wait_group(0)
+            # 2. main loop, one copy per count of live windows (chosen once per item, so
+            # no MMA or B load of the loop is predicated on its window)
+            for live in cutlass.range_constexpr(1, W + 1):
+                if nwin == live:
+                    self._main_loop(acc, src, dst, ok, wbase, sbase, ring, warp, lane, live)
             self._join_chains(acc)
             # 3. epilogue
             if cutlass.const_expr(self.fc1):
@@ -434,6 +432,28 @@ class ExpertsGemmKernel:
             else:
                 self._epilogue_fc2(acc, table, out, lane, warp, tile, ntok)
             item = self._claim(work, info, tid, tiles)
+
+    @cute.jit
+    def _main_loop(self, acc, src, dst, ok, wbase, sbase, ring, warp, lane, live: int):
+        """Every stage of one item through the ``RING``-slot ring: copies issued
+        ``RING - 1`` stages ahead, then the stage's MMAs for the first ``live`` windows."""
+        NS: cutlass.Constexpr = self.stages
+        RING: cutlass.Constexpr = self.RING
+        for st in cutlass.range_constexpr(RING - 1):
+            if cutlass.const_expr(st < NS):
+                self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
+                            warp, lane)
+            cute.arch.cp_async_commit_group()
+        for s in cutlass.range(NS, unroll=1):
+            cute.arch.cp_async_wait_group(RING - 2)
+            cute.arch.sync_threads()
+            ahead = s + RING - 1
+            if ahead < NS:
+                self._issue(src, dst, ok, wbase, sbase, ring + (ahead % RING) * self.slot_bytes,
+                            ahead, warp, lane)
+            cute.arch.cp_async_commit_group()
+            self._compute(acc, ring + (s % RING) * self.slot_bytes, warp, lane, live)
+        cute.arch.cp_async_wait_group(0)
 
     @cute.jit
     def _claim(self, work: Int64, info, tid, tiles):
@@ -512,19 +532,6 @@ class ExpertsGemmKernel:
                 acc[at + i] = d[i]
 
     @cute.jit
-    def _lds_b_if(self, address, live):
-        """A window's 8 B-fragment words (two 16-byte shared loads), or zeros when the
-        window holds no token of the item (its MMAs are then skipped)."""
-        words = cute.make_rmem_tensor((8,), Uint32)
-        for i in cutlass.range_constexpr(8):
-            words[i] = Uint32(0)
-        if live:
-            got = list(p.lds_v4(address)) + list(p.lds_v4(address + 512))
-            for i in cutlass.range_constexpr(8):
-                words[i] = got[i]
-        return [words[i] for i in range(8)]
-
-    @cute.jit
     def _join_chains(self, acc):
         """Fold the accumulator chains into chain 0, in chain order (FP32 adds)."""
         MT: cutlass.Constexpr = self.mtiles
@@ -534,9 +541,11 @@ class ExpertsGemmKernel:
                 acc[i] = h.fadd(acc[i], acc[c * MT * W * 4 + i])
 
     @cute.jit
-    def _compute(self, acc, slot, warp, lane, nwin):
+    def _compute(self, acc, slot, warp, lane, live: int):
         """One stage from ``slot``: decode this lane's A fragments, 4 MMAs per chunk,
-        m-tile and window; MMA step j of a chunk accumulates into chain ``j % chains``."""
+        m-tile and live window (the first ``live``: the others hold no token of the item
+        and their accumulators stay 0); MMA step j of a chunk accumulates into chain
+        ``j % chains``."""
         SC: cutlass.Constexpr = self.stage_chunks
         MT: cutlass.Constexpr = self.mtiles
         W: cutlass.Constexpr = self.windows
@@ -568,67 +577,87 @@ class ExpertsGemmKernel:
             # (m-tile, window) accumulator chains interleave (a chain's consecutive MMAs
             # are not back to back); each chain still adds its steps in order 0..3.
             bs = []
-            for w in cutlass.range_constexpr(W):
+            for w in cutlass.range_constexpr(live):
                 address = slot + (((w * SC + cc) * 2) * 32 + lane) * 16
-                bs.append(self._lds_b_if(address, w < nwin))
+                bs.append(list(p.lds_v4(address)) + list(p.lds_v4(address + 512)))
             for j in cutlass.range_constexpr(4):
-                for w in cutlass.range_constexpr(W):
-                    if cutlass.const_expr(w == 0):  # every item has a token in window 0
-                        self._mma_step(acc, frags, bs[w], j, w)
-                    else:
-                        if w < nwin:
-                            self._mma_step(acc, frags, bs[w], j, w)
+                for w in cutlass.range_constexpr(live):
+                    self._mma_step(acc, frags, bs[w], j, w)
 
     @cute.jit
     def _epilogue_fc1(self, acc, table, red, hidden: Int64, cap_fc1: Int64, cap_codes: Int64,
                       cap_scales: Int64, tid, lane, warp, tile, ntok):
         MT: cutlass.Constexpr = self.mtiles
         W: cutlass.Constexpr = self.windows
-        TOK: cutlass.Constexpr = WINDOW * W
-        inter: cutlass.Constexpr = self.inter
         g = lane // 4
         q = lane % 4
+        # windows past the item's tokens (no live token; the same for the whole CTA) are
+        # skipped: their SiTU would only feed rows that are never written
+        nwin = (ntok + WINDOW - 1) // WINDOW
         act = cute.make_rmem_tensor((MT * W * 2,), Float32)
         for mt in cutlass.range_constexpr(MT):
             for w in cutlass.range_constexpr(W):
-                at = (mt * W + w) * 4
-                for t in cutlass.range_constexpr(2):
-                    a = self._situ(acc[at + t], acc[at + 2 + t])
-                    act[(mt * W + w) * 2 + t] = a
-                    m = h.bits(a) & Uint32(0x7FFFFFFF)
-                    for o in (4, 8, 16):
-                        m = cutlass.max(m, p.shfl_xor(m, o))
-                    if g == 0:
-                        token = w * WINDOW + 2 * q + t
-                        p.sts_f32(red + ((warp * MT + mt) * TOK + token) * 4, h.from_bits(m))
+                if w < nwin:
+                    self._situ_window(acc, act, red, mt, w, warp, g, q)
         cute.arch.sync_threads()
         for mt in cutlass.range_constexpr(MT):
             local = warp * MT + mt
             block = local // 4
             column = (tile * (self.warps * MT) + local) * 8 + g
             for w in cutlass.range_constexpr(W):
-                for t in cutlass.range_constexpr(2):
-                    token = w * WINDOW + 2 * q + t
-                    amax = p.lds_f32(red + ((block * 4) * TOK + token) * 4)
-                    for i in cutlass.range_constexpr(1, 4):
-                        amax = h.fmax_nan(amax, p.lds_f32(red + ((block * 4 + i) * TOK + token) * 4))
-                    code, mult = self._rceil(amax)
-                    a = act[(mt * W + w) * 2 + t]
-                    e4m3 = p.f32x2_to_e4m3x2(h.fmul(a, mult), Float32(0.0)) & Uint32(0xFF)
-                    value, _ = p.e4m3x2_to_f32(e4m3)
-                    value = h.fmul(value, h.from_bits(_pow2_bits(code)))
-                    if token < ntok:
-                        hrow = p.lds_i32(table + (2 * TOK + token) * 4)
-                        p.stg_u16(hidden + (Int64(hrow) * inter + column) * 2, p.f32_to_bf16_bits(value))
-                        if cutlass.const_expr(self.capture):
-                            pair = p.lds_i32(table + token * 4)
-                            at = (mt * W + w) * 4
-                            p.stg_f32(cap_fc1 + (Int64(pair) * (2 * inter) + column) * 4, acc[at + t])
-                            p.stg_f32(cap_fc1 + (Int64(pair) * (2 * inter) + inter + column) * 4,
-                                      acc[at + 2 + t])
-                            p.stg_u8(cap_codes + Int64(pair) * inter + column, e4m3)
-                            if g == 0 and local % 4 == 0:
-                                p.stg_u8(cap_scales + Int64(pair) * (inter // 32) + column // 32, code)
+                if w < nwin:
+                    self._store_window(acc, act, table, red, hidden, cap_fc1, cap_codes,
+                                       cap_scales, mt, w, local, block, column, g, q, ntok)
+
+    @cute.jit
+    def _situ_window(self, acc, act, red, mt: int, w: int, warp, g, q):
+        """SiTU of this lane's two (gate, up) pairs of window ``w``, m-tile ``mt``, and the
+        window's per-token maxima of |SiTU| over the m-tile's 8 columns (to ``red``)."""
+        MT: cutlass.Constexpr = self.mtiles
+        W: cutlass.Constexpr = self.windows
+        TOK: cutlass.Constexpr = WINDOW * W
+        at = (mt * W + w) * 4
+        for t in cutlass.range_constexpr(2):
+            a = self._situ(acc[at + t], acc[at + 2 + t])
+            act[(mt * W + w) * 2 + t] = a
+            m = h.bits(a) & Uint32(0x7FFFFFFF)
+            for o in (4, 8, 16):
+                m = cutlass.max(m, p.shfl_xor(m, o))
+            if g == 0:
+                token = w * WINDOW + 2 * q + t
+                p.sts_f32(red + ((warp * MT + mt) * TOK + token) * 4, h.from_bits(m))
+
+    @cute.jit
+    def _store_window(self, acc, act, table, red, hidden: Int64, cap_fc1: Int64,
+                      cap_codes: Int64, cap_scales: Int64, mt: int, w: int, local, block,
+                      column, g, q, ntok):
+        """RCEIL scale of each token's 32-column block, E4M3 code and BF16 hidden value of
+        this lane's two activations of window ``w``, m-tile ``mt`` (and the capture)."""
+        W: cutlass.Constexpr = self.windows
+        TOK: cutlass.Constexpr = WINDOW * W
+        inter: cutlass.Constexpr = self.inter
+        for t in cutlass.range_constexpr(2):
+            token = w * WINDOW + 2 * q + t
+            amax = p.lds_f32(red + ((block * 4) * TOK + token) * 4)
+            for i in cutlass.range_constexpr(1, 4):
+                amax = h.fmax_nan(amax, p.lds_f32(red + ((block * 4 + i) * TOK + token) * 4))
+            code, mult = self._rceil(amax)
+            a = act[(mt * W + w) * 2 + t]
+            e4m3 = p.f32x2_to_e4m3x2(h.fmul(a, mult), Float32(0.0)) & Uint32(0xFF)
+            value, _ = p.e4m3x2_to_f32(e4m3)
+            value = h.fmul(value, h.from_bits(_pow2_bits(code)))
+            if token < ntok:
+                hrow = p.lds_i32(table + (2 * TOK + token) * 4)
+                p.stg_u16(hidden + (Int64(hrow) * inter + column) * 2, p.f32_to_bf16_bits(value))
+                if cutlass.const_expr(self.capture):
+                    pair = p.lds_i32(table + token * 4)
+                    at = (mt * W + w) * 4
+                    p.stg_f32(cap_fc1 + (Int64(pair) * (2 * inter) + column) * 4, acc[at + t])
+                    p.stg_f32(cap_fc1 + (Int64(pair) * (2 * inter) + inter + column) * 4,
+                              acc[at + 2 + t])
+                    p.stg_u8(cap_codes + Int64(pair) * inter + column, e4m3)
+                    if g == 0 and local % 4 == 0:
+                        p.stg_u8(cap_scales + Int64(pair) * (inter // 32) + column // 32, code)
 
     @cute.jit
     def _epilogue_fc2(self, acc, table, out: Int64, lane, warp, tile, ntok):
