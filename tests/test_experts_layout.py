@@ -98,4 +98,7 @@ def test_engine_kernels_compile(arch, geometry, windows, capture):
     g = {"dep16": Geometry(c.latent, c.intermediate, 56, 56, (0, 1)),
          "tp8": Geometry(c.latent, c.intermediate // 8, 0, c.experts, (0, 8)),
          "tp16": Geometry(c.latent, c.intermediate // 16, 0, c.experts, (0, 16))}[geometry]
-    assert all(compile_all(g, c, windows=windows, arch=arch, capture=capture, strict=capture))
+    # the DEP owner's engine (empty receive rows allowed) at two window counts
+    empty_rows = geometry == "dep16" and windows != 1
+    assert all(compile_all(g, c, windows=windows, arch=arch, capture=capture, strict=capture,
+                           empty_rows=empty_rows))

@@ -84,19 +84,21 @@ def _occupancy(params: tuple) -> int:
 
 
 def compile_all(prepared_geometry, config, *, windows: int, arch: str, capture: bool = False,
-                strict: bool = False):
+                strict: bool = False, empty_rows: bool = False):
     """Compile the four kernels of one geometry for ``arch`` (no GPU needed)."""
     return [_compiled(kind, arch, params) for kind, params in
-            _kernel_params(prepared_geometry, config, windows, capture, strict).items()]
+            _kernel_params(prepared_geometry, config, windows, capture, strict,
+                           empty_rows=empty_rows).items()]
 
 
 def _kernel_params(g, config, windows: int, capture: bool, strict: bool,
-                   tactic: dict | None = None) -> dict:
+                   tactic: dict | None = None, empty_rows: bool = False) -> dict:
     common = dict(inter=g.inter, latent=g.latent, count=g.count, windows=windows,
                   top_k=config.top_k, capture=capture, **(tactic or {}))
     return {
         "lists": tuple(sorted(dict(latent=g.latent, top_k=config.top_k, experts=config.experts,
-                                   first=g.first, count=g.count, strict=strict).items())),
+                                   first=g.first, count=g.count, strict=strict,
+                                   empty_rows=empty_rows).items())),
         "plan": tuple(sorted(dict(count=g.count, windows=windows).items())),
         "fc1": tuple(sorted(dict(common, fc1=True, rows=2 * g.inter, k=g.latent,
                                  beta=float(config.situ_beta),
@@ -116,9 +118,13 @@ class ExpertsEngine:
             sized for it once.
         strict: a pair whose expert is not local is an error (DEP owners whose dispatch
             should only send local pairs); default: skipped.
+        empty_rows: an id of -1 marks a slot of an empty row (a DEP owner's receive rows
+            no token was sent to): no pair, not an error; default: -1 is an error like
+            every id outside ``[0, E)``.
     """
 
-    def __init__(self, prepared: PreparedExperts, *, max_rows: int, strict: bool = False):
+    def __init__(self, prepared: PreparedExperts, *, max_rows: int, strict: bool = False,
+                 empty_rows: bool = False):
         if not isinstance(prepared, PreparedExperts):
             raise TypeError(f"ExpertsEngine: prepared must be PreparedExperts, got {type(prepared).__name__}")
         if not prepared.device.type == "cuda":
@@ -131,6 +137,7 @@ class ExpertsEngine:
         from fast.experts.kernels import Workspace
 
         self.prepared, self.max_rows, self.strict = prepared, max_rows, strict
+        self.empty_rows = bool(empty_rows)
         self.config, self.geometry = prepared.config, prepared.geometry
         self.device = prepared.device
         self.arch = backend.device_arch(self.device)
@@ -219,7 +226,7 @@ class ExpertsEngine:
             raise ValueError(f"ExpertsEngine: windows must be 1, 2 or 4, got {windows}")
         if tactic is None:
             tactic = choose_tactic(rows, c.top_k, c.experts, g.count)
-        params = _kernel_params(g, c, windows, capture, self.strict, tactic)
+        params = _kernel_params(g, c, windows, capture, self.strict, tactic, self.empty_rows)
         fn = {kind: _compiled(kind, self.arch, p) for kind, p in params.items()}
         cap = self._capture_buffers(rows) if capture else None
         i64, i32 = _i64, _i32

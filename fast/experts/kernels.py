@@ -17,10 +17,12 @@ from fast import _cute as h
 from fast.experts import _ptx as p
 from fast.experts.layout import CHUNK, DECODE_MASK, PAIR3_GATHER, PAIR3_MULTIPLIER, chunks_per_stage
 
-__all__ = ["WINDOW", "Workspace", "RoutingListsKernel", "PlanKernel", "ExpertsGemmKernel"]
+__all__ = ["WINDOW", "EMPTY_ID", "Workspace", "RoutingListsKernel", "PlanKernel", "ExpertsGemmKernel"]
 
 #: Tokens per window: the N of ``mma.m16n8k16``.
 WINDOW = 8
+#: The id of every slot of an empty receive row (engines built with ``empty_rows``).
+EMPTY_ID = -1
 #: Error codes the routing-lists kernel records (``Workspace.error``).
 ERROR_ID_RANGE, ERROR_LIST_OVERFLOW, ERROR_NOT_LOCAL = 1, 2, 3
 
@@ -65,7 +67,8 @@ class RoutingListsKernel:
        and writes the pair ``r * top_k + k`` to ``lists[e - first, slot]`` (``slot >=
        capacity`` -> error 2); a non-local expert in strict mode -> error 3. The order of a
        list is the order of the claims; no output bit depends on it (each pair's row is
-       computed alone).
+       computed alone). With ``empty_rows``, an id of ``EMPTY_ID`` (-1: a receive row no
+       token was sent to) is no pair and no error.
     2. all threads: the row's MXFP8 latent (E4M3 codes ``[L]``, E8M0 scales ``[L/32]``)
        dequantized to BF16 plan row ``r`` (the B operand FC1 gathers): each value
        ``e4m3 * 2^(s - 127)`` computed exactly in FP32 and rounded to BF16, which is exact
@@ -76,9 +79,10 @@ class RoutingListsKernel:
     """
 
     def __init__(self, latent: int, top_k: int, experts: int, first: int, count: int,
-                 strict: bool):
+                 strict: bool, empty_rows: bool = False):
         self.latent, self.top_k, self.experts = latent, top_k, experts
         self.first, self.count, self.strict = first, count, strict
+        self.empty_rows = empty_rows
         self.ws = Workspace(count)
 
     @cute.jit
@@ -98,20 +102,11 @@ class RoutingListsKernel:
         if tid < top_k:
             pair = row * top_k + tid
             expert = p.ldg_i32(ids + Int64(pair) * 4)
-            outside = (expert < 0) | (expert >= self.experts)
-            if outside:
-                self._error(work, ERROR_ID_RANGE, pair, expert)
+            if cutlass.const_expr(self.empty_rows):
+                if expert != EMPTY_ID:
+                    self._list_pair(work, lists, capacity, pair, expert)
             else:
-                local = expert - self.first
-                mine = (local >= 0) & (local < self.count)
-                if mine:
-                    slot = p.atomic_add(work + Int64(ws.live + local) * 4, 1)
-                    if slot < capacity:
-                        p.stg_i32(lists + (Int64(local) * Int64(capacity) + Int64(slot)) * 4, pair)
-                    else:
-                        self._error(work, ERROR_LIST_OVERFLOW, pair, expert)
-                elif cutlass.const_expr(self.strict):
-                    self._error(work, ERROR_NOT_LOCAL, pair, expert)
+                self._list_pair(work, lists, capacity, pair, expert)
         granules: cutlass.Constexpr = latent // 8
         for i in cutlass.range_constexpr((granules + 127) // 128):
             g = tid + 128 * i
@@ -126,6 +121,25 @@ class RoutingListsKernel:
                         lo, hi = p.e4m3x2_to_f32(w >> Uint32(16 * half))
                         out.append(h.pack_bf16x2(h.fmul(lo, factor), h.fmul(hi, factor)))
                 p.stg_v4(plan + base * 2, out)
+
+    @cute.jit
+    def _list_pair(self, work: Int64, lists: Int64, capacity, pair, expert):
+        """Step 1 for one pair: its list slot, or the error it records."""
+        ws = self.ws
+        outside = (expert < 0) | (expert >= self.experts)
+        if outside:
+            self._error(work, ERROR_ID_RANGE, pair, expert)
+        else:
+            local = expert - self.first
+            mine = (local >= 0) & (local < self.count)
+            if mine:
+                slot = p.atomic_add(work + Int64(ws.live + local) * 4, 1)
+                if slot < capacity:
+                    p.stg_i32(lists + (Int64(local) * Int64(capacity) + Int64(slot)) * 4, pair)
+                else:
+                    self._error(work, ERROR_LIST_OVERFLOW, pair, expert)
+            elif cutlass.const_expr(self.strict):
+                self._error(work, ERROR_NOT_LOCAL, pair, expert)
 
     @cute.jit
     def _error(self, work: Int64, code: int, pair, value):

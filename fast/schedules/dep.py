@@ -1,0 +1,275 @@
+"""S1, the DEP layer, on a GPU: every rank's stages with the fast kernels, over ``N``
+virtual ranks whose buffers all live on one device.
+
+What runs, per rank ``r`` of ``N`` (the order of ``reference.schedules.dep``)::
+
+    dense  : logits = x @ gate^T (cuBLAS, FP32 out) ; weights, ids = fast.router.route
+             front = x @ [shared gate_up | latent down]^T (cuBLAS, BF16)
+             act = fast.activation.situ_and_mul(front[:, :2S]) ; shared = act @ down^T (cuBLAS)
+             codes, scales = fast.mx.quantize_mxfp8(front[:, 2S:])
+    routed : DispatchKernel  -> every owner's receive rows ``r*T + t`` (data or poison)
+             owner o: fast.experts engine (DEP owner mode, empty rows allowed) over its
+             N*T receive rows, OwnerFinalizeKernel -> BF16 partial per receive row
+             home r : CombineKernel (owners in rank order, FP32) -> routed ;
+                      fast.norm.rms_norm -> normed ; out = shared + normed @ up^T (cuBLAS addmm)
+
+Rounding points differ from the reference only where a GEMM's accumulation order does
+(cuBLAS's dense GEMMs and the experts engine's FC1/FC2: bounded by the contracts); the
+router, SiTU, MXFP8, dispatch, owner finalize, combine and RMSNorm are each bitwise equal
+to their reference (or to the emulation of the kernel's stated order) on their own inputs.
+
+Buffers are allocated once at ``max_tokens`` per rank and reused by every call; each call
+writes every receive row it reads, so no call sees a previous call's data. The layer
+launches no host synchronization (``validate=False`` engines; ``check()`` reads their
+error words), so a call can be captured in a CUDA graph (``DepLayer.graph``).
+
+Not here yet: the split-K CuTe DSL front (the dense GEMMs are cuBLAS), the side stream,
+and real ranks over symmetric memory (the kernels take address tables, so peers' buffers
+plug into the same launches).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from fast import activation, backend, mx, norm, router, stock
+from reference.config import LatentMoEConfig
+from reference.weights import LatentMoEWeights
+
+__all__ = ["DepLayer", "DepRankOutputs"]
+
+
+@dataclasses.dataclass
+class DepRankOutputs:
+    """One rank's stage outputs of one call (views into the layer's buffers, valid until
+    the next call), shapes for ``T`` tokens and ``N`` ranks:
+
+    logits FP32 ``[T, E]``; weights FP32 / ids int32 ``[T, K]``; front BF16 ``[T, 2S + L]``;
+    shared BF16 ``[T, H]``; codes float8_e4m3fn ``[T, L]``; scales uint8 ``[T, L/32]``;
+    as owner: recv_codes ``[N*T, L]`` (uint8), recv_scales, recv_ids, recv_weights
+    ``[N*T, ...]`` (row ``s*T + t`` = source ``s``'s token ``t``, poisoned where not sent),
+    rows BF16 ``[N*T*K, L]`` (the engine's row of each local pair; other rows unspecified),
+    partials BF16 ``[N*T, L]``; as home: routed, normed BF16 ``[T, L]``, out BF16 ``[T, H]``.
+    """
+
+    logits: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+    front: torch.Tensor
+    shared: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    recv_codes: torch.Tensor
+    recv_scales: torch.Tensor
+    recv_ids: torch.Tensor
+    recv_weights: torch.Tensor
+    rows: torch.Tensor
+    partials: torch.Tensor
+    routed: torch.Tensor
+    normed: torch.Tensor
+    out: torch.Tensor
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(kind: str, arch: str, params: tuple):
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+
+    from fast.schedules import dep_kernels as k
+
+    kw = dict(params)
+    if kind == "dispatch":
+        obj, args = k.DispatchKernel(**kw), [Int64(0)] * 5 + [Int32(0), Int32(1), Int32(1)]
+    elif kind == "owner_finalize":
+        obj, args = k.OwnerFinalizeKernel(**kw), [Int64(0)] * 4 + [Int32(0), Int32(1), Int32(1)]
+    else:
+        obj, args = k.CombineKernel(**kw), [Int64(0)] * 3 + [Int32(0), Int32(1)]
+    return cute.compile(obj, *args, backend._fake_stream(), options=f"--gpu-arch {arch}")
+
+
+def kernel_params(config: LatentMoEConfig, ranks: int) -> dict[str, tuple]:
+    """The compile parameters of the routed data-movement kernels for ``ranks`` ranks."""
+    c, per = config, config.experts // ranks
+    return {
+        "dispatch": tuple(sorted(dict(latent=c.latent, top_k=c.top_k, per=per).items())),
+        "owner_finalize": tuple(sorted(dict(latent=c.latent, top_k=c.top_k).items())),
+        "combine": tuple(sorted(dict(latent=c.latent, top_k=c.top_k, ranks=ranks,
+                                     per=per).items())),
+    }
+
+
+def compile_all(config: LatentMoEConfig, ranks: int, arch: str):
+    """Compile the routed data-movement kernels for ``arch`` (no GPU needed)."""
+    return [_compiled(kind, arch, params) for kind, params in kernel_params(config, ranks).items()]
+
+
+class DepLayer:
+    """S1 over ``ranks`` virtual ranks on one CUDA device, reusable across calls.
+
+    Args:
+        weights: the layer's weights (any device; copied to ``device``); each virtual
+            rank's engine prepares only its own experts ``[r E/N, (r+1) E/N)``.
+        ranks: ``N``; must divide ``E``.
+        max_tokens: the most tokens per rank one call may have (buffers are sized for it).
+        device: the CUDA device.
+    """
+
+    def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_tokens: int,
+                 device: str | torch.device = "cuda"):
+        from fast.experts import ExpertsEngine, prepare_experts
+
+        if not isinstance(weights, LatentMoEWeights):
+            raise TypeError(f"DepLayer: weights must be LatentMoEWeights, got {type(weights).__name__}")
+        c = weights.config
+        if not isinstance(ranks, int) or ranks < 1 or c.experts % ranks:
+            raise ValueError(f"DepLayer: ranks={ranks!r} must be a positive int dividing "
+                             f"E={c.experts} (each rank owns E/N experts)")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"DepLayer: max_tokens must be a positive int, got {max_tokens!r}")
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"DepLayer: device must be a CUDA device, got {device}")
+        ok, why = backend.device_supported()
+        if not ok:
+            raise RuntimeError(f"DepLayer: the fast kernels cannot run here: {why}")
+        self.config, self.ranks, self.max_tokens, self.device = c, ranks, max_tokens, device
+        self.per = c.experts // ranks
+        self.arch = backend.device_arch(device)
+        on = dict(device=device)
+        self.gate = weights.gate.to(**on).contiguous()
+        self.bias = weights.bias.to(**on).contiguous()
+        self.front_w = weights.front.to(**on).contiguous()
+        self.shared_down = weights.shared_down.to(**on).contiguous()
+        self.latent_norm = weights.latent_norm.to(**on).contiguous()
+        self.up = weights.up.to(**on).contiguous()
+        rows = ranks * max_tokens
+        self.engines = [
+            ExpertsEngine(prepare_experts(weights, device, experts=(r * self.per, self.per)),
+                          max_rows=rows, empty_rows=True)
+            for r in range(ranks)
+        ]
+        k, L = c.top_k, c.latent
+        self._owner = [dict(
+            codes=torch.empty(rows, L, dtype=torch.uint8, **on),
+            scales=torch.empty(rows, L // 32, dtype=torch.uint8, **on),
+            ids=torch.empty(rows, k, dtype=torch.int32, **on),
+            weights=torch.empty(rows, k, dtype=torch.float32, **on),
+            rows=torch.empty(rows * k, L, dtype=torch.bfloat16, **on),
+            partials=torch.empty(rows, L, dtype=torch.bfloat16, **on),
+        ) for _ in range(ranks)]
+        self.dispatch_table = torch.tensor(
+            [[b[f].data_ptr() for f in ("codes", "scales", "ids", "weights")] for b in self._owner],
+            dtype=torch.int64, device=device)
+        self.combine_table = torch.tensor([b["partials"].data_ptr() for b in self._owner],
+                                          dtype=torch.int64, device=device)
+        self._fn = {kind: _compiled(kind, self.arch, p)
+                    for kind, p in kernel_params(c, ranks).items()}
+
+    # -- checks -------------------------------------------------------------------------
+
+    def _check_inputs(self, xs) -> int:
+        c = self.config
+        if not isinstance(xs, (list, tuple)) or len(xs) != self.ranks:
+            raise ValueError(f"DepLayer: xs must be a list of {self.ranks} tensors (one per rank)")
+        tokens = None
+        for r, x in enumerate(xs):
+            if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
+                    or x.shape[1] != c.hidden:
+                got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"DepLayer: xs[{r}] must be BF16 [T, H={c.hidden}], got {got}")
+            if x.device != self.device or not x.is_contiguous():
+                raise ValueError(f"DepLayer: xs[{r}] must be contiguous on {self.device}, got {x.device}")
+            tokens = x.shape[0] if tokens is None else tokens
+            if x.shape[0] != tokens:
+                raise ValueError(f"DepLayer: every rank runs one padded T; xs[0] has {tokens} "
+                                 f"rows, xs[{r}] has {x.shape[0]}")
+        if not 1 <= tokens <= self.max_tokens:
+            raise ValueError(f"DepLayer: T={tokens} tokens per rank is outside [1, "
+                             f"max_tokens={self.max_tokens}] the layer was built for")
+        return tokens
+
+    # -- the call -------------------------------------------------------------------------
+
+    def __call__(self, xs: list[torch.Tensor], *, check: bool = True) -> list[DepRankOutputs]:
+        """One layer step of every rank: ``xs[r]`` BF16 ``[T, H]`` (one ``T`` for all).
+
+        Returns each rank's :class:`DepRankOutputs` (``.out`` is its layer output).
+        ``check=False`` skips the engines' error words (inside a CUDA-graph capture; call
+        :meth:`check` after)."""
+        from cutlass import Int32, Int64
+
+        tokens = self._check_inputs(xs)
+        c, n, k = self.config, self.ranks, self.config.top_k
+        s2 = 2 * c.shared_intermediate
+        stream = backend.stream(self.device)
+        dense = []
+        for r, x in enumerate(xs):
+            logits = stock.mm_fp32_out(x, self.gate)
+            weights, ids = router.route(logits, self.bias, top_k=k, renormalize=c.renormalize,
+                                        scale=c.routed_scaling_factor)
+            front = stock.mm_bf16(x, self.front_w)
+            act = activation.situ_and_mul(front[:, :s2], beta=c.situ_beta,
+                                          linear_beta=c.situ_linear_beta)
+            shared = stock.mm_bf16(act, self.shared_down)
+            codes, scales = mx.quantize_mxfp8(front[:, s2:].contiguous())
+            self._fn["dispatch"](
+                Int64(codes.data_ptr()), Int64(scales.data_ptr()), Int64(ids.data_ptr()),
+                Int64(weights.data_ptr()), Int64(self.dispatch_table.data_ptr()),
+                Int32(r), Int32(tokens), Int32(n), stream)
+            dense.append((logits, weights, ids, front, shared, codes, scales))
+        received = n * tokens
+        for o, (engine, b) in enumerate(zip(self.engines, self._owner)):
+            rows = b["rows"][: received * k]
+            engine(b["codes"][:received].view(torch.float8_e4m3fn), b["scales"][:received],
+                   b["ids"][:received], out=rows, validate=False)
+            self._fn["owner_finalize"](
+                Int64(rows.data_ptr()), Int64(b["weights"].data_ptr()), Int64(b["ids"].data_ptr()),
+                Int64(b["partials"].data_ptr()), Int32(o * self.per), Int32(self.per),
+                Int32(received), stream)
+        outputs = []
+        for r, (logits, weights, ids, front, shared, codes, scales) in enumerate(dense):
+            routed = torch.empty(tokens, c.latent, dtype=torch.bfloat16, device=self.device)
+            self._fn["combine"](Int64(ids.data_ptr()), Int64(self.combine_table.data_ptr()),
+                                Int64(routed.data_ptr()), Int32(r), Int32(tokens), stream)
+            normed = norm.rms_norm(routed, self.latent_norm, c.rms_eps)
+            out = stock.addmm_bf16(shared, normed, self.up)
+            b = self._owner[r]
+            outputs.append(DepRankOutputs(
+                logits=logits, weights=weights, ids=ids, front=front, shared=shared,
+                codes=codes, scales=scales, recv_codes=b["codes"][:received],
+                recv_scales=b["scales"][:received], recv_ids=b["ids"][:received],
+                recv_weights=b["weights"][:received], rows=b["rows"][: received * k],
+                partials=b["partials"][:received], routed=routed, normed=normed, out=out))
+        if check:
+            self.check()
+        return outputs
+
+    def check(self) -> None:
+        """Raise the first engine error recorded since the last check (``EngineError``
+        naming the owner's receive row and slot); synchronizes the device."""
+        for engine in self.engines:
+            engine.check()
+
+    def graph(self, xs: list[torch.Tensor]):
+        """Capture one call on the static inputs ``xs`` in a CUDA graph; returns
+        ``(replay, outputs)``: ``replay()`` reruns the whole layer on whatever ``xs`` then
+        hold, writing the same output tensors."""
+        self(xs)  # compile and warm every kernel outside the capture
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            with torch.cuda.graph(graph, stream=side):
+                outputs = self(xs, check=False)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+
+        def replay():
+            graph.replay()
+            return outputs
+
+        return replay, outputs

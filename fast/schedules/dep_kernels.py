@@ -1,0 +1,203 @@
+"""CuTe DSL kernels of the DEP layer's routed data movement: dispatch to the owners, the
+owners' partial finalize, and the home rank's combine.
+
+Each kernel takes raw device addresses (``Int64``) and run-time sizes (``Int32``); the
+owners' buffers are reached through a table of addresses in device memory, so one kernel
+serves virtual ranks (every buffer on this GPU) and real ranks (peer addresses from
+symmetric memory; plain unicast stores and loads over NVLink).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from fast import _cute as h
+from fast.experts import _ptx as p
+
+__all__ = ["DispatchKernel", "OwnerFinalizeKernel", "CombineKernel", "POISON_WORDS",
+           "TABLE_FIELDS"]
+
+#: The four receive buffers of an owner, in the order of a table row: E4M3 codes
+#: ``[N*T, L]``, E8M0 scales ``[N*T, L/32]``, int32 ids ``[N*T, K]``, FP32 weights ``[N*T, K]``.
+TABLE_FIELDS = ("codes", "scales", "ids", "weights")
+#: The 32-bit word an empty receive row holds in each buffer: E4M3 NaN bytes, E8M0 NaN
+#: bytes, id -1, an FP32 quiet NaN.
+POISON_WORDS = {"codes": 0x7F7F7F7F, "scales": 0xFFFFFFFF, "ids": 0xFFFFFFFF,
+                "weights": 0x7FC00000}
+
+_THREADS = 128
+
+
+def _ldg_u64(address):
+    """A 64-bit global load (an address from a table): ``ld.global.nc.u64``."""
+    return cute.arch.inline_ptx("ld.global.nc.u64 {$w0}, [{$r0}];", write_only_types=[Int64],
+                                read_only_args=[Int64(address)])
+
+
+def _stg_u32(address, value):
+    cute.arch.inline_ptx("st.global.u32 [{$r0}], {$r1};", write_only_types=[],
+                         read_only_args=[Int64(address), Uint32(value)])
+
+
+def _owner_of_any(ids_row: Int64, top_k: int, lo, hi):
+    """1 if any of the row's ``top_k`` ids lies in ``[lo, hi)``, else 0 (every thread
+    reads the row; it is 64 bytes)."""
+    hit = Int32(0)
+    for j in range(top_k):  # unrolled at trace time (a plain helper, not a kernel body)
+        e = p.ldg_i32(ids_row + j * 4)
+        hit = hit | cutlass.select_((e >= lo) & (e < hi), Int32(1), Int32(0))
+    return hit
+
+
+class DispatchKernel:
+    """A source rank's tokens to every owner's receive buffers: one CTA per (token t,
+    owner o), 128 threads.
+
+    CTA ``(t, o)``: the token is *present* at ``o`` when one of its ``top_k`` ids lies in
+    ``[o * per, (o + 1) * per)``. Receive row ``src * T + t`` of owner ``o`` then gets the
+    token's E4M3 codes (``L`` bytes, 16-byte copies), E8M0 scales, ids and weights
+    (4-byte copies), else the poison words of ``POISON_WORDS`` (an empty row). Every
+    receive row of this source is written, so no buffer keeps a previous call's rows.
+
+    Pure data movement: the owner's rows are the source's bits.
+
+    Constraints: ``L % 32 == 0``; source tensors contiguous; codes 16-byte aligned; the
+    table int64 ``[N, 4]`` (``TABLE_FIELDS`` order) of owner addresses.
+    """
+
+    def __init__(self, latent: int, top_k: int, per: int):
+        self.latent, self.top_k, self.per = latent, top_k, per
+
+    @cute.jit
+    def __call__(self, codes: Int64, scales: Int64, ids: Int64, weights: Int64, table: Int64,
+                 source: Int32, tokens: Int32, ranks: Int32, stream):
+        self.kernel(codes, scales, ids, weights, table, source, tokens).launch(
+            grid=(tokens, ranks, 1), block=(_THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, codes: Int64, scales: Int64, ids: Int64, weights: Int64, table: Int64,
+               source: Int32, tokens: Int32):
+        tid = cute.arch.thread_idx()[0]
+        t, o, _ = cute.arch.block_idx()
+        latent: cutlass.Constexpr = self.latent
+        top_k: cutlass.Constexpr = self.top_k
+        present = _owner_of_any(ids + Int64(t) * (top_k * 4), top_k, o * self.per,
+                                (o + 1) * self.per)
+        row = Int64(source) * Int64(tokens) + Int64(t)
+        dst = [_ldg_u64(table + Int64(o) * 32 + 8 * i) for i in range(4)]
+        keep = present != 0
+        granules: cutlass.Constexpr = latent // 16
+        for i in cutlass.range_constexpr((granules + _THREADS - 1) // _THREADS):
+            g = tid + _THREADS * i
+            if g < granules:
+                got = p.ldg_stream_v4(codes + Int64(t) * latent + g * 16)
+                poison = Uint32(POISON_WORDS["codes"])
+                p.stg_v4(dst[0] + row * latent + g * 16,
+                         [cutlass.select_(keep, w, poison) for w in got])
+        # scales, ids, weights: 4-byte words
+        for field, src, width in ((1, scales, latent // 128), (2, ids, top_k),
+                                  (3, weights, top_k)):
+            poison = Uint32(POISON_WORDS[TABLE_FIELDS[field]])
+            for i in cutlass.range_constexpr((width + _THREADS - 1) // _THREADS):
+                g = tid + _THREADS * i
+                if g < width:
+                    word = p.ldg_u32(src + (Int64(t) * width + g) * 4)
+                    _stg_u32(dst[field] + (row * width + g) * 4, cutlass.select_(keep, word, poison))
+
+
+class OwnerFinalizeKernel:
+    """An owner's partial finalize of its receive rows: one CTA per receive row, ``L / 8``
+    threads of 8 columns.
+
+    Row ``r``: ``acc = +0``; for ``j`` = 0 .. K-1 in order, when ``ids[r, j]`` is local
+    (in ``[first, first + count)``): ``acc = fma.rn.f32(w[r, j], rows[K r + j], acc)``;
+    then one RNE rounding to BF16. Rows of non-local slots are never read (they hold
+    whatever the engine left there); a row with no local slot (an empty receive row)
+    gives +0.
+
+    Constraints: ``L % 8 == 0``, ``L / 8 <= 1024``; rows BF16 ``[R*K, L]``, weights FP32
+    ``[R, K]``, ids int32 ``[R, K]``, out BF16 ``[R, L]``, contiguous, 16-byte aligned.
+    """
+
+    def __init__(self, latent: int, top_k: int):
+        self.latent, self.top_k = latent, top_k
+        self.threads = latent // 8
+
+    @cute.jit
+    def __call__(self, rows: Int64, weights: Int64, ids: Int64, out: Int64, first: Int32,
+                 count: Int32, receive_rows: Int32, stream):
+        self.kernel(rows, weights, ids, out, first, count).launch(
+            grid=(receive_rows, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, rows: Int64, weights: Int64, ids: Int64, out: Int64, first: Int32,
+               count: Int32):
+        tid = cute.arch.thread_idx()[0]
+        r = cute.arch.block_idx()[0]
+        latent: cutlass.Constexpr = self.latent
+        top_k: cutlass.Constexpr = self.top_k
+        acc = cute.make_rmem_tensor((8,), Float32)
+        for i in cutlass.range_constexpr(8):
+            acc[i] = Float32(0.0)
+        for j in cutlass.range_constexpr(top_k):
+            e = p.ldg_i32(ids + (Int64(r) * top_k + j) * 4)
+            if (e >= first) & (e < first + count):
+                w = h.from_bits(p.ldg_u32(weights + (Int64(r) * top_k + j) * 4))
+                words = p.ldg_stream_v4(rows + ((Int64(r) * top_k + j) * latent + tid * 8) * 2)
+                for i in cutlass.range_constexpr(4):
+                    acc[2 * i] = h.ffma(w, h.bf16_lo(words[i]), acc[2 * i])
+                    acc[2 * i + 1] = h.ffma(w, h.bf16_hi(words[i]), acc[2 * i + 1])
+        packed = [h.pack_bf16x2(acc[2 * i], acc[2 * i + 1]) for i in range(4)]
+        p.stg_v4(out + (Int64(r) * latent + tid * 8) * 2, packed)
+
+
+class CombineKernel:
+    """The home rank's combine of its owners' partials: one CTA per token, ``L / 8``
+    threads of 8 columns.
+
+    Token ``t`` of source ``s``: for owners ``o`` = 0 .. N-1 in order, when one of the
+    token's ids lies in ``o``'s range, read the partial row ``s * T + t`` of ``o`` (its
+    address from the table): the first present partial is widened exactly to FP32, each
+    later one added (``add.rn.f32``); one RNE rounding to BF16.
+
+    Constraints: ``L % 8 == 0``, ``L / 8 <= 1024``; ``ranks <= 64``; ids int32 ``[T, K]``;
+    partial buffers BF16 ``[N*T, L]``; out BF16 ``[T, L]``; table int64 ``[N]``.
+    """
+
+    def __init__(self, latent: int, top_k: int, ranks: int, per: int):
+        self.latent, self.top_k, self.ranks, self.per = latent, top_k, ranks, per
+        self.threads = latent // 8
+
+    @cute.jit
+    def __call__(self, ids: Int64, table: Int64, out: Int64, source: Int32, tokens: Int32,
+                 stream):
+        self.kernel(ids, table, out, source, tokens).launch(
+            grid=(tokens, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, ids: Int64, table: Int64, out: Int64, source: Int32, tokens: Int32):
+        tid = cute.arch.thread_idx()[0]
+        t = cute.arch.block_idx()[0]
+        latent: cutlass.Constexpr = self.latent
+        top_k: cutlass.Constexpr = self.top_k
+        acc = cute.make_rmem_tensor((8,), Float32)
+        for i in cutlass.range_constexpr(8):
+            acc[i] = Float32(0.0)
+        seen = Int32(0)
+        row = Int64(source) * Int64(tokens) + Int64(t)
+        for o in cutlass.range_constexpr(self.ranks):
+            present = _owner_of_any(ids + Int64(t) * (top_k * 4), top_k, o * self.per,
+                                    (o + 1) * self.per)
+            if present != 0:
+                part = _ldg_u64(table + 8 * o)
+                words = p.ldg_stream_v4(part + (row * latent + tid * 8) * 2)
+                for i in cutlass.range_constexpr(4):
+                    for half in cutlass.range_constexpr(2):
+                        v = h.bf16_lo(words[i]) if half == 0 else h.bf16_hi(words[i])
+                        acc[2 * i + half] = cutlass.select_(
+                            seen != 0, h.fadd(acc[2 * i + half], v), v)
+                seen = Int32(1)
+        packed = [h.pack_bf16x2(acc[2 * i], acc[2 * i + 1]) for i in range(4)]
+        p.stg_v4(out + (Int64(t) * latent + tid * 8) * 2, packed)

@@ -1,0 +1,246 @@
+"""Contracts of the fast S1 layer (``fast.schedules.dep.DepLayer``) over virtual ranks on one
+GPU: each stage of every rank against the reference stage on *that rank's own inputs*.
+
+| stage | contract |
+|---|---|
+| router logits, front, shared | within the FP32-accumulated GEMM bound of the exact product (cuBLAS's order) |
+| ids, weights | bitwise = the router's emulation on own logits |
+| SiTU feeding shared | the shared GEMM's bound is taken around the emulated SiTU of own front |
+| MXFP8 latent | bitwise = ``quantize_mxfp8(own latent)`` |
+| dispatch | every owner's receive rows are the sources' codes/scales/ids/weights, bit for bit; rows not sent are poisoned |
+| owner rows | bitwise = the owner's engine run alone on its own receive rows (the engine's own bounds are ``test_experts.py``'s) |
+| owner partial | bitwise = an FMA chain over the owner's local slots in k order, one BF16 rounding |
+| combine | bitwise = the present partials summed in FP32 in owner order, one BF16 rounding |
+| normed | bitwise = the RMSNorm kernel's emulation on own routed |
+| out | within the two-rounding bound of cuBLAS's BF16 ``addmm`` |
+| CUDA graph | replays on new inputs bitwise equal to eager calls on those inputs (no stale scratch) |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from reference import emulation
+from reference.fp import fma_f32
+from reference.mx import quantize_mxfp8
+from reference.schedules.dep import POISON_CODE, POISON_SCALE
+from reference.weights import LatentMoEWeights
+from verify import bounds, cases
+
+pytestmark = [pytest.mark.gpu, pytest.mark.backends("fast")]
+
+ROWS = ("token", "column")
+GEMM_BOUND = "gamma_K(2^-24)|A||B| + final half-ULP (any FP32 summation order)"
+
+
+def _layer(config_name: str, ranks: int, max_tokens: int):
+    from fast.schedules.dep import DepLayer
+
+    w = _device_weights(config_name) if config_name == "kimi_k3" else cases.weights(config_name)
+    return DepLayer(w, ranks=ranks, max_tokens=max_tokens, device="cuda")
+
+
+def _device_weights(config_name: str, seed: int = 11) -> LatentMoEWeights:
+    """A layer generated on the GPU in seconds (the reference's CPU generator takes far
+    longer at the real size): dense weights normal with std ``1/sqrt(fan_in)`` rounded to
+    BF16, router bias normal(0, 0.01), experts uniformly random MXFP4 codes with scale
+    codes 118..124 (a trained layer's expert magnitudes)."""
+    c = cases.config(config_name)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h, l, s, i, e = c.hidden, c.latent, c.shared_intermediate, c.intermediate, c.experts
+
+    def dense(*shape):
+        return (torch.randn(*shape, generator=g, device="cuda") / shape[-1] ** 0.5).bfloat16()
+
+    def codes(*shape):
+        return torch.randint(0, 256, shape, generator=g, device="cuda", dtype=torch.uint8)
+
+    def scales(*shape):
+        return torch.randint(118, 125, shape, generator=g, device="cuda", dtype=torch.uint8)
+
+    return LatentMoEWeights(
+        gate=dense(e, h), bias=torch.randn(e, generator=g, device="cuda") * 0.01,
+        front=dense(2 * s + l, h), shared_down=dense(h, s),
+        latent_norm=(1 + 0.1 * torch.randn(l, generator=g, device="cuda")).bfloat16(),
+        up=dense(h, l), w13=codes(e, 2 * i, l // 2), w13_scales=scales(e, 2 * i, l // 32),
+        w2=codes(e, l, i // 2), w2_scales=scales(e, l, i // 32), config=c)
+
+
+def _inputs(cfg, ranks: int, tokens: int, seed: int) -> list[torch.Tensor]:
+    return [cases.hidden_rows(cfg, tokens, seed + r).cuda() for r in range(ranks)]
+
+
+def _gemm(contract, got, a, b, out_dtype, what):
+    make = bounds.matmul_fp32_out_bound if out_dtype == torch.float32 else \
+        bounds.matmul_bf16_out_bound
+    contract.bounded(got, bounds.reference_matmul(a, b), make(a, b), what=what,
+                     bound_name=GEMM_BOUND, index_names=ROWS)
+
+
+def check_dep_fast(contract, layer, outs, xs) -> None:
+    """Every stage of one fast S1 call on every rank (the module docstring's table),
+    compared on the CPU (the emulations and oracles run there)."""
+    c, n = layer.config, layer.ranks
+    tokens, k, per = xs[0].shape[0], c.top_k, layer.per
+    s2 = 2 * c.shared_intermediate
+    # the owners' engines alone on their own receive rows (on the GPU), then CPU copies
+    alone = [engine(o.recv_codes.view(torch.float8_e4m3fn), o.recv_scales, o.recv_ids).cpu()
+             for engine, o in zip(layer.engines, outs)]
+    outs = [dataclasses.replace(o, **{f.name: getattr(o, f.name).cpu()
+                                      for f in dataclasses.fields(o)}) for o in outs]
+    xs = [x.cpu() for x in xs]
+    gate, bias, front_w, shared_down, up, latent_norm = (
+        t.cpu() for t in (layer.gate, layer.bias, layer.front_w, layer.shared_down, layer.up,
+                          layer.latent_norm))
+    for r, (o, x) in enumerate(zip(outs, xs)):
+        _gemm(contract, o.logits, x, gate, torch.float32, f"rank {r} router logits")
+        emu_w, emu_ids = emulation.route(o.logits, bias, top_k=k,
+                                         renormalize=c.renormalize,
+                                         scale=c.routed_scaling_factor)
+        contract.bitwise(o.ids, emu_ids, what=f"rank {r} ids = route(own logits)")
+        contract.bitwise(o.weights, emu_w, what=f"rank {r} weights = route(own logits)")
+        _gemm(contract, o.front, x, front_w, torch.bfloat16, f"rank {r} front")
+        act = emulation.situ_and_mul(o.front[:, :s2], beta=c.situ_beta,
+                                     linear_beta=c.situ_linear_beta)
+        _gemm(contract, o.shared, act, shared_down, torch.bfloat16, f"rank {r} shared")
+        codes, scales = quantize_mxfp8(o.front[:, s2:].contiguous())
+        contract.bitwise(o.codes, codes, what=f"rank {r} MXFP8 codes", index_names=ROWS)
+        contract.bitwise(o.scales, scales, what=f"rank {r} MXFP8 scales", index_names=ROWS)
+
+    owners = torch.arange(n)
+    for dst, owner in enumerate(outs):
+        for src, home in enumerate(outs):
+            at = slice(src * tokens, (src + 1) * tokens)
+            sent = ((home.ids.long() // per) == dst).any(1)
+            want_codes = torch.where(sent[:, None], home.codes.view(torch.uint8),
+                                     torch.full_like(home.codes.view(torch.uint8), POISON_CODE))
+            want_scales = torch.where(sent[:, None], home.scales,
+                                      torch.full_like(home.scales, POISON_SCALE))
+            want_ids = torch.where(sent[:, None], home.ids, torch.full_like(home.ids, -1))
+            want_w = torch.where(sent[:, None], home.weights,
+                                 torch.full_like(home.weights, float("nan")))
+            name = f"dispatch {src}->{dst}"
+            contract.bitwise(owner.recv_codes[at], want_codes, what=f"{name} codes",
+                             index_names=ROWS)
+            contract.bitwise(owner.recv_scales[at], want_scales, what=f"{name} scales",
+                             index_names=ROWS)
+            contract.bitwise(owner.recv_ids[at], want_ids, what=f"{name} ids")
+            contract.bitwise(owner.recv_weights[at].view(torch.int32),
+                             want_w.view(torch.int32), what=f"{name} weights (bits)")
+
+    # owners: the engine alone on the same receive rows gives the same local rows
+    for o, out in enumerate(outs):
+        lo = o * per
+        local = (out.recv_ids >= lo) & (out.recv_ids < lo + per)  # [N*T, k]
+        pairs = local.flatten()
+        contract.bitwise(out.rows[pairs], alone[o][pairs],
+                         what=f"owner {o} expert rows = engine alone",
+                         index_names=("pair", "column"))
+        rows = out.rows.view(-1, k, c.latent)
+        acc = torch.zeros(rows.shape[0], c.latent)
+        for j in range(k):
+            step = fma_f32(out.recv_weights[:, j:j + 1].expand_as(acc), rows[:, j].float(), acc)
+            acc = torch.where(local[:, j:j + 1], step, acc)
+        valid = out.recv_ids[:, 0] >= 0
+        contract.bitwise(out.partials[valid], acc.bfloat16()[valid],
+                         what=f"owner {o} partial finalize (local slots in k order)",
+                         index_names=ROWS)
+
+    for h, home in enumerate(outs):
+        present = ((home.ids.long() // per)[None] == owners[:, None, None]).any(2)  # [N, T]
+        acc = torch.zeros(tokens, c.latent)
+        started = torch.zeros(tokens, 1, dtype=torch.bool)
+        for o, owner in enumerate(outs):
+            part = owner.partials[h * tokens:(h + 1) * tokens].float()
+            m = present[o][:, None]
+            acc = torch.where(m, torch.where(started, acc + part, part), acc)
+            started = started | m
+        contract.bitwise(home.routed, acc.bfloat16(), what=f"rank {h} combine (owner order)",
+                         index_names=ROWS)
+        contract.bitwise(home.normed, emulation.rms_norm_tree(home.routed, latent_norm, c.rms_eps),
+                         what=f"rank {h} normed", index_names=ROWS)
+        exact = bounds.reference_matmul(home.normed, up) + home.shared.double()
+        product = bounds.matmul_bf16_out_bound(home.normed, up)
+        contract.bounded(home.out, exact, bounds.final_rounding_bound(exact, product, torch.bfloat16),
+                         what=f"rank {h} out = shared + normed @ up^T",
+                         bound_name=GEMM_BOUND + ", then the BF16 add (cuBLAS addmm rounds twice)",
+                         index_names=ROWS)
+
+
+#: (ranks, tokens per rank) on the small config: every rank count, batches around the
+#: engine's window sizes.
+GRID = [(1, 1), (1, 64), (2, 7), (4, 16), (8, 3), (16, 2), (16, 16)]
+
+
+@pytest.mark.config("small")
+@pytest.mark.parametrize("ranks,tokens", GRID)
+def test_dep_fast_stages(backend, ranks, tokens, seed, contract):
+    cfg = cases.config("small")
+    layer = _layer("small", ranks, tokens)
+    xs = _inputs(cfg, ranks, tokens, seed)
+    check_dep_fast(contract, layer, layer(xs), xs)
+
+
+@pytest.mark.config("small")
+@pytest.mark.parametrize("ranks", (1, 4))
+def test_dep_fast_graph_replay(backend, ranks, seed, contract):
+    """One CUDA graph per batch: three replays on new inputs, each bitwise equal to an
+    eager call on those inputs, and the replayed call passes every stage contract."""
+    cfg = cases.config("small")
+    tokens = 7
+    layer = _layer("small", ranks, 16)
+    static = _inputs(cfg, ranks, tokens, seed)
+    replay, graph_outs = layer.graph(static)
+    for i in range(1, 4):
+        fresh = _inputs(cfg, ranks, tokens, seed + 100 * i)
+        for s, f in zip(static, fresh):
+            s.copy_(f)
+        replay()
+        torch.cuda.synchronize()
+        got = [o.out.clone() for o in graph_outs]
+        eager = layer(fresh)
+        for r in range(ranks):
+            contract.bitwise(got[r], eager[r].out, what=f"replay {i} rank {r} out = eager",
+                             index_names=ROWS)
+    replay()
+    layer.check()
+    check_dep_fast(contract, layer, graph_outs, static)
+
+
+@pytest.mark.config("kimi_k3")
+@pytest.mark.parametrize("tokens", (1, 4))
+def test_dep_fast_real_dep16(backend, tokens, seed, contract):
+    """The real layer over 16 virtual ranks (56 experts each), every stage of every rank."""
+    cfg = cases.config("kimi_k3")
+    layer = _real_dep16()
+    xs = _inputs(cfg, 16, tokens, seed)
+    check_dep_fast(contract, layer, layer(xs), xs)
+
+
+_REAL = {}
+
+
+def _real_dep16():
+    if "dep16" not in _REAL:
+        _REAL["dep16"] = _layer("kimi_k3", 16, 4)
+    return _REAL["dep16"]
+
+
+@pytest.mark.config("small")
+def test_dep_fast_bad_input(backend):
+    cfg = cases.config("small")
+    layer = _layer("small", 2, 4)
+    xs = _inputs(cfg, 2, 4, 0)
+    with pytest.raises(ValueError, match="max_tokens=4"):
+        layer(_inputs(cfg, 2, 5, 0))
+    with pytest.raises(ValueError, match="one padded T"):
+        layer([xs[0], xs[1][:3]])
+    with pytest.raises(ValueError, match=r"xs\[1\] must be BF16"):
+        layer([xs[0], xs[1].float()])
+    with pytest.raises(ValueError, match="list of 2 tensors"):
+        layer(xs[:1])
+    with pytest.raises(ValueError, match="dividing"):
+        _layer("small", 3, 4)
