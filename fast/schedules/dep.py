@@ -132,6 +132,8 @@ class DepLayer:
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"DepLayer: device must be a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         ok, why = backend.device_supported()
         if not ok:
             raise RuntimeError(f"DepLayer: the fast kernels cannot run here: {why}")
