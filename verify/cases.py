@@ -52,6 +52,34 @@ def weights(name: str, device: str = "cpu", seed: int = 2026) -> LatentMoEWeight
     return LatentMoEWeights.random(config(name), seed, device=device)
 
 
+@functools.cache
+def device_weights(name: str, seed: int = 11) -> LatentMoEWeights:
+    """A layer generated on the GPU in seconds (``weights``' CPU generator takes far longer
+    at the real size): dense weights normal with std ``1/sqrt(fan_in)`` rounded to BF16,
+    router bias normal(0, 0.01), latent-norm weight ``1 + normal(0, 0.1)``, experts
+    uniformly random MXFP4 codes with scale codes 118..124 (a trained layer's expert
+    magnitudes)."""
+    c = config(name)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    h, l, s, i, e = c.hidden, c.latent, c.shared_intermediate, c.intermediate, c.experts
+
+    def dense(*shape):
+        return (torch.randn(*shape, generator=g, device="cuda") / shape[-1] ** 0.5).bfloat16()
+
+    def codes(*shape):
+        return torch.randint(0, 256, shape, generator=g, device="cuda", dtype=torch.uint8)
+
+    def scales(*shape):
+        return torch.randint(118, 125, shape, generator=g, device="cuda", dtype=torch.uint8)
+
+    return LatentMoEWeights(
+        gate=dense(e, h), bias=torch.randn(e, generator=g, device="cuda") * 0.01,
+        front=dense(2 * s + l, h), shared_down=dense(h, s),
+        latent_norm=(1 + 0.1 * torch.randn(l, generator=g, device="cuda")).bfloat16(),
+        up=dense(h, l), w13=codes(e, 2 * i, l // 2), w13_scales=scales(e, 2 * i, l // 32),
+        w2=codes(e, l, i // 2), w2_scales=scales(e, l, i // 32), config=c)
+
+
 def hidden_rows(cfg: LatentMoEConfig, tokens: int, seed: int, device: str = "cpu",
                 scale: float = 1.0) -> torch.Tensor:
     """Hidden rows x [tokens, H] BF16 like a decoder's normalized residual stream."""

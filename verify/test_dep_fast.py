@@ -27,7 +27,6 @@ from reference import emulation
 from reference.fp import fma_f32
 from reference.mx import quantize_mxfp8
 from reference.schedules.dep import POISON_CODE, POISON_SCALE
-from reference.weights import LatentMoEWeights
 from verify import bounds, cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.backends("fast")]
@@ -39,34 +38,9 @@ GEMM_BOUND = "gamma_K(2^-24)|A||B| + final half-ULP (any FP32 summation order)"
 def _layer(config_name: str, ranks: int, max_tokens: int):
     from fast.schedules.dep import DepLayer
 
-    w = _device_weights(config_name) if config_name == "kimi_k3" else cases.weights(config_name)
+    # the real layer from the GPU generator (the CPU one takes minutes at that size)
+    w = cases.device_weights(config_name) if config_name == "kimi_k3" else cases.weights(config_name)
     return DepLayer(w, ranks=ranks, max_tokens=max_tokens, device="cuda")
-
-
-def _device_weights(config_name: str, seed: int = 11) -> LatentMoEWeights:
-    """A layer generated on the GPU in seconds (the reference's CPU generator takes far
-    longer at the real size): dense weights normal with std ``1/sqrt(fan_in)`` rounded to
-    BF16, router bias normal(0, 0.01), experts uniformly random MXFP4 codes with scale
-    codes 118..124 (a trained layer's expert magnitudes)."""
-    c = cases.config(config_name)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    h, l, s, i, e = c.hidden, c.latent, c.shared_intermediate, c.intermediate, c.experts
-
-    def dense(*shape):
-        return (torch.randn(*shape, generator=g, device="cuda") / shape[-1] ** 0.5).bfloat16()
-
-    def codes(*shape):
-        return torch.randint(0, 256, shape, generator=g, device="cuda", dtype=torch.uint8)
-
-    def scales(*shape):
-        return torch.randint(118, 125, shape, generator=g, device="cuda", dtype=torch.uint8)
-
-    return LatentMoEWeights(
-        gate=dense(e, h), bias=torch.randn(e, generator=g, device="cuda") * 0.01,
-        front=dense(2 * s + l, h), shared_down=dense(h, s),
-        latent_norm=(1 + 0.1 * torch.randn(l, generator=g, device="cuda")).bfloat16(),
-        up=dense(h, l), w13=codes(e, 2 * i, l // 2), w13_scales=scales(e, 2 * i, l // 32),
-        w2=codes(e, l, i // 2), w2_scales=scales(e, l, i // 32), config=c)
 
 
 def _inputs(cfg, ranks: int, tokens: int, seed: int) -> list[torch.Tensor]:

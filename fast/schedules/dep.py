@@ -201,53 +201,85 @@ class DepLayer:
         Returns each rank's :class:`DepRankOutputs` (``.out`` is its layer output).
         ``check=False`` skips the engines' error words (inside a CUDA-graph capture; call
         :meth:`check` after)."""
-        from cutlass import Int32, Int64
-
         tokens = self._check_inputs(xs)
-        c, n, k = self.config, self.ranks, self.config.top_k
-        s2 = 2 * c.shared_intermediate
-        stream = backend.stream(self.device)
         dense = []
         for r, x in enumerate(xs):
-            logits = stock.mm_fp32_out(x, self.gate)
-            weights, ids = router.route(logits, self.bias, top_k=k, renormalize=c.renormalize,
-                                        scale=c.routed_scaling_factor)
-            front = stock.mm_bf16(x, self.front_w)
-            act = activation.situ_and_mul(front[:, :s2], beta=c.situ_beta,
-                                          linear_beta=c.situ_linear_beta)
-            shared = stock.mm_bf16(act, self.shared_down)
-            codes, scales = mx.quantize_mxfp8(front[:, s2:].contiguous())
-            self._fn["dispatch"](
-                Int64(codes.data_ptr()), Int64(scales.data_ptr()), Int64(ids.data_ptr()),
-                Int64(weights.data_ptr()), Int64(self.dispatch_table.data_ptr()),
-                Int32(r), Int32(tokens), Int32(n), stream)
-            dense.append((logits, weights, ids, front, shared, codes, scales))
-        received = n * tokens
-        for o, (engine, b) in enumerate(zip(self.engines, self._owner)):
-            rows = b["rows"][: received * k]
-            engine(b["codes"][:received].view(torch.float8_e4m3fn), b["scales"][:received],
-                   b["ids"][:received], out=rows, validate=False)
-            self._fn["owner_finalize"](
-                Int64(rows.data_ptr()), Int64(b["weights"].data_ptr()), Int64(b["ids"].data_ptr()),
-                Int64(b["partials"].data_ptr()), Int32(o * self.per), Int32(self.per),
-                Int32(received), stream)
-        outputs = []
-        for r, (logits, weights, ids, front, shared, codes, scales) in enumerate(dense):
-            routed = torch.empty(tokens, c.latent, dtype=torch.bfloat16, device=self.device)
-            self._fn["combine"](Int64(ids.data_ptr()), Int64(self.combine_table.data_ptr()),
-                                Int64(routed.data_ptr()), Int32(r), Int32(tokens), stream)
-            normed = norm.rms_norm(routed, self.latent_norm, c.rms_eps)
-            out = stock.addmm_bf16(shared, normed, self.up)
-            b = self._owner[r]
-            outputs.append(DepRankOutputs(
-                logits=logits, weights=weights, ids=ids, front=front, shared=shared,
-                codes=codes, scales=scales, recv_codes=b["codes"][:received],
-                recv_scales=b["scales"][:received], recv_ids=b["ids"][:received],
-                recv_weights=b["weights"][:received], rows=b["rows"][: received * k],
-                partials=b["partials"][:received], routed=routed, normed=normed, out=out))
+            dense.append(self.dense_stage(r, x))
+            self.dispatch_stage(r, dense[-1], tokens)
+        for o in range(self.ranks):
+            self.experts_stage(o, tokens)
+            self.partial_stage(o, tokens)
+        outputs = [self._outputs(r, d, *self.home_stage(r, d, tokens), tokens)
+                   for r, d in enumerate(dense)]
         if check:
             self.check()
         return outputs
+
+    # -- one rank's stages (a call runs them for every rank; the benchmark times one
+    # rank's own work by replaying its stages after a full call filled the others') -----
+
+    def dense_stage(self, r: int, x: torch.Tensor) -> tuple:
+        """Rank ``r``'s dense part: ``(logits, weights, ids, front, shared, codes, scales)``."""
+        c = self.config
+        s2 = 2 * c.shared_intermediate
+        logits = stock.mm_fp32_out(x, self.gate)
+        weights, ids = router.route(logits, self.bias, top_k=c.top_k, renormalize=c.renormalize,
+                                    scale=c.routed_scaling_factor)
+        front = stock.mm_bf16(x, self.front_w)
+        act = activation.situ_and_mul(front[:, :s2], beta=c.situ_beta,
+                                      linear_beta=c.situ_linear_beta)
+        shared = stock.mm_bf16(act, self.shared_down)
+        codes, scales = mx.quantize_mxfp8(front[:, s2:].contiguous())
+        return logits, weights, ids, front, shared, codes, scales
+
+    def dispatch_stage(self, r: int, dense: tuple, tokens: int) -> None:
+        """Source ``r``'s tokens into every owner's receive rows ``r*T + t``."""
+        from cutlass import Int32, Int64
+
+        _, weights, ids, _, _, codes, scales = dense
+        self._fn["dispatch"](
+            Int64(codes.data_ptr()), Int64(scales.data_ptr()), Int64(ids.data_ptr()),
+            Int64(weights.data_ptr()), Int64(self.dispatch_table.data_ptr()),
+            Int32(r), Int32(tokens), Int32(self.ranks), backend.stream(self.device))
+
+    def experts_stage(self, o: int, tokens: int) -> None:
+        """Owner ``o``'s experts over its ``N*T`` receive rows."""
+        b, k, received = self._owner[o], self.config.top_k, self.ranks * tokens
+        self.engines[o](b["codes"][:received].view(torch.float8_e4m3fn), b["scales"][:received],
+                        b["ids"][:received], out=b["rows"][: received * k], validate=False)
+
+    def partial_stage(self, o: int, tokens: int) -> None:
+        """Owner ``o``'s partial finalize of its receive rows."""
+        from cutlass import Int32, Int64
+
+        b = self._owner[o]
+        self._fn["owner_finalize"](
+            Int64(b["rows"].data_ptr()), Int64(b["weights"].data_ptr()), Int64(b["ids"].data_ptr()),
+            Int64(b["partials"].data_ptr()), Int32(o * self.per), Int32(self.per),
+            Int32(self.ranks * tokens), backend.stream(self.device))
+
+    def home_stage(self, r: int, dense: tuple, tokens: int) -> tuple:
+        """Home ``r``'s combine, RMSNorm and up-projection: ``(routed, normed, out)``."""
+        from cutlass import Int32, Int64
+
+        c = self.config
+        ids, shared = dense[2], dense[4]
+        routed = torch.empty(tokens, c.latent, dtype=torch.bfloat16, device=self.device)
+        self._fn["combine"](Int64(ids.data_ptr()), Int64(self.combine_table.data_ptr()),
+                            Int64(routed.data_ptr()), Int32(r), Int32(tokens),
+                            backend.stream(self.device))
+        normed = norm.rms_norm(routed, self.latent_norm, c.rms_eps)
+        return routed, normed, stock.addmm_bf16(shared, normed, self.up)
+
+    def _outputs(self, r: int, dense: tuple, routed, normed, out, tokens: int) -> DepRankOutputs:
+        logits, weights, ids, front, shared, codes, scales = dense
+        b, received = self._owner[r], self.ranks * tokens
+        return DepRankOutputs(
+            logits=logits, weights=weights, ids=ids, front=front, shared=shared, codes=codes,
+            scales=scales, recv_codes=b["codes"][:received], recv_scales=b["scales"][:received],
+            recv_ids=b["ids"][:received], recv_weights=b["weights"][:received],
+            rows=b["rows"][: received * self.config.top_k], partials=b["partials"][:received],
+            routed=routed, normed=normed, out=out)
 
     def check(self) -> None:
         """Raise the first engine error recorded since the last check (``EngineError``

@@ -1,0 +1,192 @@
+"""One DEP rank's layer time on one GPU, stage by stage, against the stock composition and
+the byte limit (GPU node):
+
+    PYTHONPATH=.gpu/peers:. python3 -m benchmarks.dep_table --out results.json
+
+The layer is ``fast.schedules.dep.DepLayer`` over ``--ranks`` virtual ranks (default 16,
+the real layer's 56 experts per rank). A full call fills every rank's buffers; then rank
+0's own work is timed: its dense part, its dispatch, its experts over the ``N*T`` rows it
+received, its partial finalize, and its combine + RMSNorm + up-projection (reading the
+other owners' partials from the full call). Each stage and the whole rank run are
+captured in CUDA graphs, the L2 flushed before every replay (``benchmarks.experts_table``).
+
+The stock composition of the same rank, one graph: cuBLAS router (FP32 out), front and
+shared GEMMs; PyTorch sigmoid top-k and SiTU; the dispatch as one copy of the token rows
+into each owner's BF16 receive buffer; triton_kernels ``matmul_ogs`` experts over the
+owner's received rows (best of ``num_warps`` 4 and 8, as vLLM runs MXFP4 MoE on Hopper);
+the combine as an FP32 sum of the owners' partial rows; PyTorch RMSNorm; cuBLAS addmm.
+
+The byte limit: the dense weights (router gate, front, shared down, up) plus the touched
+local experts, at the read bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+
+import torch
+
+from benchmarks.experts_table import FLUSH_BYTES, copy_bandwidth_gbs, device_time_us, \
+    read_bandwidth_gbs
+
+STAGES = ("dense", "dispatch", "experts", "partial", "home", "rank")
+
+
+def fast_stages(layer, x, tokens: int) -> dict:
+    """Callables of rank 0's stages (buffers from a full call) and of its whole step."""
+    dense = layer.dense_stage(0, x)
+
+    def rank():
+        d = layer.dense_stage(0, x)
+        layer.dispatch_stage(0, d, tokens)
+        layer.experts_stage(0, tokens)
+        layer.partial_stage(0, tokens)
+        layer.home_stage(0, d, tokens)
+
+    return {
+        "dense": lambda: layer.dense_stage(0, x),
+        "dispatch": lambda: layer.dispatch_stage(0, dense, tokens),
+        "experts": lambda: layer.experts_stage(0, tokens),
+        "partial": lambda: layer.partial_stage(0, tokens),
+        "home": lambda: layer.home_stage(0, dense, tokens),
+        "rank": rank,
+    }
+
+
+class StockRank:
+    """Rank 0 of the stock composition (module docstring) with buffers for ``tokens``."""
+
+    def __init__(self, layer, moe, tokens: int, outputs):
+        self.layer, self.moe, self.tokens = layer, moe, tokens
+        c, n, dev = layer.config, layer.ranks, layer.device
+        rows = n * tokens
+        # every owner receives every source's rows (the engine skips the pairs that are not
+        # its own; triton_kernels does the same), with the sources' real routing
+        ids = torch.cat([o.ids for o in outputs])
+        weights = torch.cat([o.weights for o in outputs])
+        self.recv_x = [torch.randn(rows, c.latent, device=dev).bfloat16() for _ in range(n)]
+        self.recv_ids = [ids.clone() for _ in range(n)]
+        self.recv_w = [weights.clone() for _ in range(n)]
+        self.parts = [torch.randn(rows, c.latent, device=dev).bfloat16() for _ in range(n)]
+
+    def __call__(self, x):
+        from fast import stock
+
+        lay, c, t = self.layer, self.layer.config, self.tokens
+        s2 = 2 * c.shared_intermediate
+        logits = stock.mm_fp32_out(x, lay.gate)
+        w, ids = stock.route(logits, lay.bias, top_k=c.top_k, renormalize=c.renormalize,
+                             scale=c.routed_scaling_factor)
+        front = stock.mm_bf16(x, lay.front_w)
+        shared = stock.mm_bf16(stock.situ_and_mul(front[:, :s2], beta=c.situ_beta,
+                                                  linear_beta=c.situ_linear_beta), lay.shared_down)
+        latent = front[:, s2:]
+        for o in range(lay.ranks):
+            self.recv_x[o][:t].copy_(latent)
+            self.recv_ids[o][:t].copy_(ids)
+            self.recv_w[o][:t].copy_(w)
+        self.parts[0] = self.moe(self.recv_x[0], self.recv_ids[0], self.recv_w[0])
+        routed = torch.stack([p[:t] for p in self.parts]).float().sum(0).bfloat16()
+        normed = stock.rms_norm(routed, lay.latent_norm, c.rms_eps)
+        return stock.addmm_bf16(shared, normed, lay.up)
+
+
+def render(result: dict) -> str:
+    """Markdown: per T, each stage's median (us), the rank's total and its fraction of the
+    byte limit, the best stock composition and the speed-up."""
+    lines = [f"Device {result['device']}, torch {result['torch']}; {result['ranks']} virtual "
+             f"ranks; read bandwidth {result['read_gbs']:.0f} GB/s (this run); fraction = "
+             "byte limit / time.", "",
+             "| T | limit us | dense | dispatch | experts | partial | home | rank us (frac) | "
+             "stock us (frac) | speed-up |", "|" + "---|" * 10]
+    for c in result["cases"]:
+        med, lim = c["median_us"], c["limit_us"]
+        stock = min((v for k, v in med.items() if k.startswith("stock")), default=None)
+        cells = " | ".join(f"{med[s]:.1f}" for s in STAGES[:-1])
+        st = f"{stock:.1f} ({lim / stock:.2f})" if stock else "-"
+        up = f"{stock / med['rank']:.2f}x" if stock else "-"
+        lines.append(f"| {c['tokens']} | {lim:.1f} | {cells} | {med['rank']:.1f} "
+                     f"({lim / med['rank']:.2f}) | {st} | {up} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--render", help="print the markdown table of a result JSON and exit")
+    ap.add_argument("--out", default="dep_table.json")
+    ap.add_argument("--ranks", type=int, default=16)
+    ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--peers", default="triton")
+    args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            print(render(json.load(f)), end="")
+        return
+
+    from fast.schedules.dep import DepLayer
+    from verify import cases
+
+    torch.manual_seed(0)
+    tokens_list = [int(t) for t in args.tokens.split(",")]
+    flush_buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
+    flush = lambda: flush_buf.fill_(1)  # noqa: E731
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "python": platform.python_version(), "ranks": args.ranks, "cases": []}
+    result["read_gbs"] = read_bandwidth_gbs()
+    result["copy_gbs"] = copy_bandwidth_gbs()
+    print(f"read {result['read_gbs']:.0f} GB/s, copy {result['copy_gbs']:.0f} GB/s", flush=True)
+    w = cases.device_weights("kimi_k3")
+    c = w.config
+    layer = DepLayer(w, ranks=args.ranks, max_tokens=max(tokens_list))
+    per = layer.per
+    dense_bytes = sum(t.numel() * t.element_size()
+                      for t in (layer.gate, layer.front_w, layer.shared_down, layer.up))
+    expert_bytes = layer.engines[0].prepared.expert_bytes()
+    peers = {}
+    if "triton" in args.peers:
+        from benchmarks.peers import triton_moe
+
+        ok, why = triton_moe.available()
+        if not ok:
+            print("triton_kernels unavailable:", why)
+            result["triton_error"] = why
+        else:
+            for nw in (4, 8):
+                peers[f"stock_triton_w{nw}"] = triton_moe.TritonMoE(
+                    w.w13, w.w13_scales, w.w2, w.w2_scales, first=0, count=per,
+                    n_experts_total=c.experts, num_warps=nw, device="cuda")
+    for tokens in tokens_list:
+        xs = [(torch.randn(tokens, c.hidden, device="cuda")).bfloat16() for _ in range(args.ranks)]
+        outputs = layer(xs)
+        received = layer._owner[0]["ids"][: args.ranks * tokens]
+        local = received[(received >= 0) & (received < per)]
+        touched = int(torch.unique(local).numel())
+        nbytes = dense_bytes + touched * expert_bytes
+        case = {"tokens": tokens, "touched": touched, "bytes": nbytes,
+                "limit_us": nbytes / (result["read_gbs"] * 1e9) * 1e6, "times": {}}
+        for name, fn in fast_stages(layer, xs[0], tokens).items():
+            case["times"][name] = device_time_us(fn, reps=args.reps, flush=flush)
+        for name, moe in peers.items():
+            try:
+                stock_rank = StockRank(layer, moe, tokens, outputs)
+                case["times"][name] = device_time_us(lambda: stock_rank(xs[0]), reps=args.reps,
+                                                     flush=flush)
+            except Exception as error:  # reported in the JSON, not hidden
+                print(f"{name} at T={tokens} failed: {error!r}", flush=True)
+                case.setdefault("errors", {})[name] = repr(error)
+        case["median_us"] = {k: statistics.median(v) for k, v in case["times"].items()}
+        med = case["median_us"]
+        print(f"T {tokens:3d} touched {touched:2d} limit {case['limit_us']:.1f}us | " +
+              " | ".join(f"{k} {v:.1f}" for k, v in med.items()), flush=True)
+        result["cases"].append(case)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(render(result), end="")
+
+
+if __name__ == "__main__":
+    main()
