@@ -10,8 +10,9 @@ What runs, per rank ``r`` of ``N`` (the order of ``reference.schedules.dep``)::
     routed : DispatchKernel  -> every owner's receive rows ``r*T + t`` (data or poison)
              owner o: fast.experts engine (DEP owner mode, empty rows allowed) over its
              N*T receive rows, OwnerFinalizeKernel -> BF16 partial per receive row
-             home r : CombineKernel (owners in rank order, FP32) -> routed ;
-                      fast.norm.rms_norm -> normed ; out = shared + normed @ up^T (cuBLAS addmm)
+             home r : CombineKernel (owners in rank order, FP32) -> routed, fused with the
+                      RMSNorm (fast.norm's exact tree) -> normed ; out = shared + normed @ up^T
+                      (cuBLAS addmm)
 
 Rounding points differ from the reference only where a GEMM's accumulation order does
 (cuBLAS's dense GEMMs and the experts engine's FC1/FC2: bounded by the contracts); the
@@ -35,7 +36,7 @@ import functools
 
 import torch
 
-from fast import activation, backend, mx, norm, router, stock
+from fast import activation, backend, mx, router, stock
 from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
 
@@ -76,7 +77,7 @@ class DepRankOutputs:
 @functools.lru_cache(maxsize=None)
 def _compiled(kind: str, arch: str, params: tuple):
     import cutlass.cute as cute
-    from cutlass import Int32, Int64
+    from cutlass import Float32, Int32, Int64
 
     from fast.schedules import dep_kernels as k
 
@@ -86,7 +87,7 @@ def _compiled(kind: str, arch: str, params: tuple):
     elif kind == "owner_finalize":
         obj, args = k.OwnerFinalizeKernel(**kw), [Int64(0)] * 4 + [Int32(0), Int32(1), Int32(1)]
     else:
-        obj, args = k.CombineKernel(**kw), [Int64(0)] * 3 + [Int32(0), Int32(1)]
+        obj, args = k.CombineKernel(**kw), [Int64(0)] * 5 + [Float32(1e-5), Int32(0), Int32(1)]
     return cute.compile(obj, *args, backend._fake_stream(), options=f"--gpu-arch {arch}")
 
 
@@ -259,16 +260,18 @@ class DepLayer:
             Int32(self.ranks * tokens), backend.stream(self.device))
 
     def home_stage(self, r: int, dense: tuple, tokens: int) -> tuple:
-        """Home ``r``'s combine, RMSNorm and up-projection: ``(routed, normed, out)``."""
-        from cutlass import Int32, Int64
+        """Home ``r``'s combine fused with the RMSNorm, and the up-projection:
+        ``(routed, normed, out)``."""
+        from cutlass import Float32, Int32, Int64
 
         c = self.config
         ids, shared = dense[2], dense[4]
         routed = torch.empty(tokens, c.latent, dtype=torch.bfloat16, device=self.device)
+        normed = torch.empty_like(routed)
         self._fn["combine"](Int64(ids.data_ptr()), Int64(self.combine_table.data_ptr()),
-                            Int64(routed.data_ptr()), Int32(r), Int32(tokens),
-                            backend.stream(self.device))
-        normed = norm.rms_norm(routed, self.latent_norm, c.rms_eps)
+                            Int64(routed.data_ptr()), Int64(self.latent_norm.data_ptr()),
+                            Int64(normed.data_ptr()), Float32(c.rms_eps), Int32(r),
+                            Int32(tokens), backend.stream(self.device))
         return routed, normed, stock.addmm_bf16(shared, normed, self.up)
 
     def _outputs(self, r: int, dense: tuple, routed, normed, out, tokens: int) -> DepRankOutputs:

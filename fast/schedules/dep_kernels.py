@@ -154,16 +154,23 @@ class OwnerFinalizeKernel:
 
 
 class CombineKernel:
-    """The home rank's combine of its owners' partials: one CTA per token, ``L / 8``
-    threads of 8 columns.
+    """The home rank's combine of its owners' partials, fused with the latent RMSNorm: one
+    CTA per token, ``L / 8`` threads of 8 columns.
 
-    Token ``t`` of source ``s``: for owners ``o`` = 0 .. N-1 in order, when one of the
-    token's ids lies in ``o``'s range, read the partial row ``s * T + t`` of ``o`` (its
-    address from the table): the first present partial is widened exactly to FP32, each
-    later one added (``add.rn.f32``); one RNE rounding to BF16.
+    Token ``t`` of source ``s``:
 
-    Constraints: ``L % 8 == 0``, ``L / 8 <= 1024``; ``ranks <= 64``; ids int32 ``[T, K]``;
-    partial buffers BF16 ``[N*T, L]``; out BF16 ``[T, L]``; table int64 ``[N]``.
+    1. the partial rows ``s * T + t`` of the owners that hold one of the token's experts
+       are loaded up front (independent 16-byte loads per thread, addresses from the
+       table; branches on presence are uniform over the CTA), so no load waits on another;
+    2. for owners ``o`` = 0 .. N-1 in order, when one of the token's ids lies in ``o``'s
+       range: the first present partial is widened exactly to FP32, each later one added
+       (``add.rn.f32``); one RNE rounding to BF16 -> ``routed[t]``;
+    3. ``normed[t]`` = ``fast.norm.normalize_row`` of the BF16 routed row (the RMSNorm
+       kernel's exact reduction tree and rounding points).
+
+    Constraints: ``L % 256 == 0``, ``L <= 8192``; ``ranks <= 32``; ids int32 ``[T, K]``;
+    partial buffers BF16 ``[N*T, L]``; routed, normed BF16 ``[T, L]``; norm weight BF16
+    ``[L]``; table int64 ``[N]``.
     """
 
     def __init__(self, latent: int, top_k: int, ranks: int, per: int):
@@ -171,33 +178,51 @@ class CombineKernel:
         self.threads = latent // 8
 
     @cute.jit
-    def __call__(self, ids: Int64, table: Int64, out: Int64, source: Int32, tokens: Int32,
-                 stream):
-        self.kernel(ids, table, out, source, tokens).launch(
+    def __call__(self, ids: Int64, table: Int64, routed: Int64, norm_weight: Int64,
+                 normed: Int64, eps: Float32, source: Int32, tokens: Int32, stream):
+        self.kernel(ids, table, routed, norm_weight, normed, eps, source, tokens).launch(
             grid=(tokens, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
-    def kernel(self, ids: Int64, table: Int64, out: Int64, source: Int32, tokens: Int32):
+    def kernel(self, ids: Int64, table: Int64, routed: Int64, norm_weight: Int64,
+               normed: Int64, eps: Float32, source: Int32, tokens: Int32):
+        from fast.norm import normalize_row
+
         tid = cute.arch.thread_idx()[0]
         t = cute.arch.block_idx()[0]
         latent: cutlass.Constexpr = self.latent
         top_k: cutlass.Constexpr = self.top_k
+        row = Int64(source) * Int64(tokens) + Int64(t)
+        ranks: cutlass.Constexpr = self.ranks
+        present = cute.make_rmem_tensor((ranks,), Int32)
+        words = cute.make_rmem_tensor((ranks * 4,), Uint32)
+        for o in cutlass.range_constexpr(ranks):
+            present[o] = _owner_of_any(ids + Int64(t) * (top_k * 4), top_k, o * self.per,
+                                       (o + 1) * self.per)
+        for o in cutlass.range_constexpr(ranks):
+            for i in cutlass.range_constexpr(4):
+                words[o * 4 + i] = Uint32(0)
+            if present[o] != 0:  # the same for the whole CTA: no divergence
+                got = p.ldg_stream_v4(_ldg_u64(table + 8 * o) + (row * latent + tid * 8) * 2)
+                for i in cutlass.range_constexpr(4):
+                    words[o * 4 + i] = got[i]
         acc = cute.make_rmem_tensor((8,), Float32)
         for i in cutlass.range_constexpr(8):
             acc[i] = Float32(0.0)
         seen = Int32(0)
-        row = Int64(source) * Int64(tokens) + Int64(t)
-        for o in cutlass.range_constexpr(self.ranks):
-            present = _owner_of_any(ids + Int64(t) * (top_k * 4), top_k, o * self.per,
-                                    (o + 1) * self.per)
-            if present != 0:
-                part = _ldg_u64(table + 8 * o)
-                words = p.ldg_stream_v4(part + (row * latent + tid * 8) * 2)
-                for i in cutlass.range_constexpr(4):
-                    for half in cutlass.range_constexpr(2):
-                        v = h.bf16_lo(words[i]) if half == 0 else h.bf16_hi(words[i])
-                        acc[2 * i + half] = cutlass.select_(
-                            seen != 0, h.fadd(acc[2 * i + half], v), v)
-                seen = Int32(1)
+        for o in cutlass.range_constexpr(ranks):
+            keep = present[o] != 0
+            started = seen != 0
+            for i in cutlass.range_constexpr(4):
+                for half in cutlass.range_constexpr(2):
+                    word = words[o * 4 + i]
+                    v = h.bf16_lo(word) if half == 0 else h.bf16_hi(word)
+                    a = acc[2 * i + half]
+                    acc[2 * i + half] = cutlass.select_(
+                        keep, cutlass.select_(started, h.fadd(a, v), v), a)
+            seen = seen | present[o]
         packed = [h.pack_bf16x2(acc[2 * i], acc[2 * i + 1]) for i in range(4)]
-        p.stg_v4(out + (Int64(t) * latent + tid * 8) * 2, packed)
+        p.stg_v4(routed + (Int64(t) * latent + tid * 8) * 2, packed)
+        ww = p.ldg_stream_v4(norm_weight + tid * 16)
+        out = normalize_row(packed, ww, eps, latent, self.threads // 32)
+        p.stg_v4(normed + (Int64(t) * latent + tid * 8) * 2, out)
