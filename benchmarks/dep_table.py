@@ -5,7 +5,8 @@ the byte limit (GPU node):
 
 The layer is ``fast.schedules.dep.DepLayer`` over ``--ranks`` virtual ranks (default 16,
 the real layer's 56 experts per rank). A full call fills every rank's buffers; then rank
-0's own work is timed: its dense part, its dispatch, its experts over the ``N*T`` rows it
+0's own work is timed: its dense part (router and shared expert on the side stream), its
+dispatch, its experts over the ``N*T`` rows it
 received, its partial finalize, and its combine + RMSNorm + up-projection (reading the
 other owners' partials from the full call). Each stage and the whole rank run are
 captured in CUDA graphs, the L2 flushed before every replay (``benchmarks.experts_table``).
@@ -39,15 +40,19 @@ def fast_stages(layer, x, tokens: int) -> dict:
     """Callables of rank 0's stages (buffers from a full call) and of its whole step."""
     dense = layer.dense_stage(0, x)
 
+    def dense_side():  # the router and the shared expert beside the front, joined
+        d = layer.dense_stage(0, x, order="side")
+        torch.cuda.current_stream().wait_event(d[-1])
+
     def rank():
-        d = layer.dense_stage(0, x)
+        d = layer.dense_stage(0, x, order="side")
         layer.dispatch_stage(0, d, tokens)
         layer.experts_stage(0, tokens)
         layer.partial_stage(0, tokens)
         layer.home_stage(0, d, tokens)
 
     return {
-        "dense": lambda: layer.dense_stage(0, x),
+        "dense": dense_side,
         "dispatch": lambda: layer.dispatch_stage(0, dense, tokens),
         "experts": lambda: layer.experts_stage(0, tokens),
         "partial": lambda: layer.partial_stage(0, tokens),

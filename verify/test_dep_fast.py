@@ -14,6 +14,7 @@ GPU: each stage of every rank against the reference stage on *that rank's own in
 | normed | bitwise = the RMSNorm kernel's emulation on own routed |
 | out | within the two-rounding bound of cuBLAS's BF16 ``addmm`` |
 | CUDA graph | replays on new inputs bitwise equal to eager calls on those inputs (no stale scratch) |
+| stream orders | serialized, side stream, side stream delayed by a spin, graph replay: bitwise equal |
 """
 
 from __future__ import annotations
@@ -182,6 +183,40 @@ def test_dep_fast_graph_replay(backend, ranks, seed, contract):
     replay()
     layer.check()
     check_dep_fast(contract, layer, graph_outs, static)
+
+
+@pytest.mark.config("small")
+def test_dep_fast_stream_orders(backend, seed, contract):
+    """The side stream changes no bit: everything serialized on one stream, the router and
+    the shared expert on the side stream, the same with each side segment delayed by a
+    spin (a missing wait would let the dispatch or the up-projection read another call's
+    ids or shared rows: the call before runs on other inputs so stale buffers differ),
+    and a CUDA-graph replay of the side-stream order."""
+    cfg = cases.config("small")
+    ranks, tokens = 4, 7
+    layer = _layer("small", ranks, 8)
+    xs = _inputs(cfg, ranks, tokens, seed)
+    other = _inputs(cfg, ranks, tokens, seed + 999)
+    serial = [o.out.clone() for o in layer(xs, order="serial")]
+    runs = {}
+    # each side-stream run follows one on the other inputs, so the side stream's freed
+    # buffers hold other values
+    layer(other, order="side")
+    runs["side, delayed"] = [o.out.clone() for o in layer(xs, order="side",
+                                                          side_delay_cycles=2_000_000)]
+    layer(other, order="side")
+    runs["side"] = [o.out.clone() for o in layer(xs, order="side")]
+    static = [x.clone() for x in other]
+    replay, outs = layer.graph(static, order="side")
+    for s, x in zip(static, xs):
+        s.copy_(x)
+    replay()
+    torch.cuda.synchronize()
+    runs["graph replay"] = [o.out.clone() for o in outs]
+    for name, got in runs.items():
+        for r in range(ranks):
+            contract.bitwise(got[r], serial[r], what=f"{name}: rank {r} out = serialized",
+                             index_names=ROWS)
 
 
 @pytest.mark.config("kimi_k3")

@@ -24,9 +24,12 @@ writes every receive row it reads, so no call sees a previous call's data. The l
 launches no host synchronization (``validate=False`` engines; ``check()`` reads their
 error words), so a call can be captured in a CUDA graph (``DepLayer.graph``).
 
-Not here yet: the split-K CuTe DSL front (the dense GEMMs are cuBLAS), the side stream,
-and real ranks over symmetric memory (the kernels take address tables, so peers' buffers
-plug into the same launches).
+The router and the shared expert run on a side stream beside the front (``order="side"``,
+the default); ``order="serial"`` runs everything on one stream with the same bits.
+
+Not here yet: the split-K CuTe DSL front (the dense GEMMs are cuBLAS) and real ranks over
+symmetric memory (the kernels take address tables, so peers' buffers plug into the same
+launches).
 """
 
 from __future__ import annotations
@@ -168,6 +171,7 @@ class DepLayer:
             dtype=torch.int64, device=device)
         self.combine_table = torch.tensor([b["partials"].data_ptr() for b in self._owner],
                                           dtype=torch.int64, device=device)
+        self._side = torch.cuda.Stream(device)
         self._fn = {kind: _compiled(kind, self.arch, p)
                     for kind, p in kernel_params(c, ranks).items()}
 
@@ -196,16 +200,28 @@ class DepLayer:
 
     # -- the call -------------------------------------------------------------------------
 
-    def __call__(self, xs: list[torch.Tensor], *, check: bool = True) -> list[DepRankOutputs]:
+    def __call__(self, xs: list[torch.Tensor], *, check: bool = True, order: str = "side",
+                 side_delay_cycles: int = 0) -> list[DepRankOutputs]:
         """One layer step of every rank: ``xs[r]`` BF16 ``[T, H]`` (one ``T`` for all).
 
-        Returns each rank's :class:`DepRankOutputs` (``.out`` is its layer output).
-        ``check=False`` skips the engines' error words (inside a CUDA-graph capture; call
-        :meth:`check` after)."""
+        Args:
+            check: read the engines' error words (one synchronization); pass False inside
+                a CUDA-graph capture and call :meth:`check` after.
+            order: ``"side"``: the router and the shared expert on a side stream beside
+                the front, the MXFP8 quantization and the dispatch (the schedule's
+                streams); ``"serial"``: everything on the current stream. The bits are
+                the same (the contracts compare them).
+            side_delay_cycles: a spin of this many clock cycles at the start of each
+                side-stream segment (``torch.cuda._sleep``), so that a missing wait
+                between the streams shows as wrong data (the stream-order contract).
+
+        Returns each rank's :class:`DepRankOutputs` (``.out`` is its layer output)."""
+        if order not in ("side", "serial"):
+            raise ValueError(f"DepLayer: order must be 'side' or 'serial', got {order!r}")
         tokens = self._check_inputs(xs)
         dense = []
         for r, x in enumerate(xs):
-            dense.append(self.dense_stage(r, x))
+            dense.append(self.dense_stage(r, x, order=order, side_delay_cycles=side_delay_cycles))
             self.dispatch_stage(r, dense[-1], tokens)
         for o in range(self.ranks):
             self.experts_stage(o, tokens)
@@ -219,25 +235,47 @@ class DepLayer:
     # -- one rank's stages (a call runs them for every rank; the benchmark times one
     # rank's own work by replaying its stages after a full call filled the others') -----
 
-    def dense_stage(self, r: int, x: torch.Tensor) -> tuple:
-        """Rank ``r``'s dense part: ``(logits, weights, ids, front, shared, codes, scales)``."""
+    def dense_stage(self, r: int, x: torch.Tensor, *, order: str = "serial",
+                    side_delay_cycles: int = 0) -> tuple:
+        """Rank ``r``'s dense part: ``(logits, weights, ids, front, shared, codes, scales,
+        shared_ready)``. With ``order="side"`` the router and the shared expert run on the
+        side stream; the current stream waits for the router before returning (the
+        dispatch reads ids and weights) and for the shared expert through
+        ``shared_ready`` (an event :meth:`home_stage` waits on; None when serial)."""
         c = self.config
         s2 = 2 * c.shared_intermediate
-        logits = stock.mm_fp32_out(x, self.gate)
-        weights, ids = router.route(logits, self.bias, top_k=c.top_k, renormalize=c.renormalize,
-                                    scale=c.routed_scaling_factor)
+        main = torch.cuda.current_stream(self.device)
+        side = self._side if order == "side" else main
+
+        def segment():
+            if side is not main:
+                side.wait_stream(main)
+                if side_delay_cycles:
+                    torch.cuda._sleep(int(side_delay_cycles))
+
+        segment()
+        with torch.cuda.stream(side):
+            logits = stock.mm_fp32_out(x, self.gate)
+            weights, ids = router.route(logits, self.bias, top_k=c.top_k,
+                                        renormalize=c.renormalize, scale=c.routed_scaling_factor)
+        route_ready = side.record_event() if side is not main else None
         front = stock.mm_bf16(x, self.front_w)
-        act = activation.situ_and_mul(front[:, :s2], beta=c.situ_beta,
-                                      linear_beta=c.situ_linear_beta)
-        shared = stock.mm_bf16(act, self.shared_down)
+        segment()
+        with torch.cuda.stream(side):
+            act = activation.situ_and_mul(front[:, :s2], beta=c.situ_beta,
+                                          linear_beta=c.situ_linear_beta)
+            shared = stock.mm_bf16(act, self.shared_down)
+        shared_ready = side.record_event() if side is not main else None
         codes, scales = mx.quantize_mxfp8(front[:, s2:].contiguous())
-        return logits, weights, ids, front, shared, codes, scales
+        if route_ready is not None:
+            main.wait_event(route_ready)
+        return logits, weights, ids, front, shared, codes, scales, shared_ready
 
     def dispatch_stage(self, r: int, dense: tuple, tokens: int) -> None:
         """Source ``r``'s tokens into every owner's receive rows ``r*T + t``."""
         from cutlass import Int32, Int64
 
-        _, weights, ids, _, _, codes, scales = dense
+        _, weights, ids, _, _, codes, scales, _ = dense
         self._fn["dispatch"](
             Int64(codes.data_ptr()), Int64(scales.data_ptr()), Int64(ids.data_ptr()),
             Int64(weights.data_ptr()), Int64(self.dispatch_table.data_ptr()),
@@ -265,17 +303,19 @@ class DepLayer:
         from cutlass import Float32, Int32, Int64
 
         c = self.config
-        ids, shared = dense[2], dense[4]
+        ids, shared, shared_ready = dense[2], dense[4], dense[7]
         routed = torch.empty(tokens, c.latent, dtype=torch.bfloat16, device=self.device)
         normed = torch.empty_like(routed)
         self._fn["combine"](Int64(ids.data_ptr()), Int64(self.combine_table.data_ptr()),
                             Int64(routed.data_ptr()), Int64(self.latent_norm.data_ptr()),
                             Int64(normed.data_ptr()), Float32(c.rms_eps), Int32(r),
                             Int32(tokens), backend.stream(self.device))
+        if shared_ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(shared_ready)
         return routed, normed, stock.addmm_bf16(shared, normed, self.up)
 
     def _outputs(self, r: int, dense: tuple, routed, normed, out, tokens: int) -> DepRankOutputs:
-        logits, weights, ids, front, shared, codes, scales = dense
+        logits, weights, ids, front, shared, codes, scales, _ = dense
         b, received = self._owner[r], self.ranks * tokens
         return DepRankOutputs(
             logits=logits, weights=weights, ids=ids, front=front, shared=shared, codes=codes,
@@ -290,19 +330,20 @@ class DepLayer:
         for engine in self.engines:
             engine.check()
 
-    def graph(self, xs: list[torch.Tensor]):
-        """Capture one call on the static inputs ``xs`` in a CUDA graph; returns
-        ``(replay, outputs)``: ``replay()`` reruns the whole layer on whatever ``xs`` then
-        hold, writing the same output tensors."""
-        self(xs)  # compile and warm every kernel outside the capture
+    def graph(self, xs: list[torch.Tensor], *, order: str = "side"):
+        """Capture one call on the static inputs ``xs`` in a CUDA graph (both streams,
+        forked from and joined back into the capture stream); returns ``(replay,
+        outputs)``: ``replay()`` reruns the whole layer on whatever ``xs`` then hold,
+        writing the same output tensors."""
+        self(xs, order=order)  # compile and warm every kernel outside the capture
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            with torch.cuda.graph(graph, stream=side):
-                outputs = self(xs, check=False)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        capture = torch.cuda.Stream(self.device)
+        capture.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(capture):
+            with torch.cuda.graph(graph, stream=capture):
+                outputs = self(xs, check=False, order=order)
+        torch.cuda.current_stream(self.device).wait_stream(capture)
         torch.cuda.synchronize(self.device)
 
         def replay():
