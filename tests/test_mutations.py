@@ -69,7 +69,7 @@ MUTATIONS = [
     _one("128x4 scale layout with the row groups transposed", "reference/mx.py",
          "tiles = padded.view(prows // 128, 4, 32, pcols // 4, 4).permute(0, 3, 2, 1, 4)",
          "tiles = padded.view(prows // 128, 4, 32, pcols // 4, 4).permute(0, 3, 1, 2, 4)",
-         ["verify/test_mx.py::test_quantize_mxfp8_swizzled"]),
+         ["verify/test_mx.py::test_quantize_mxfp8_swizzled_reference"]),
     # --- the stages
     _one("SiTU gate and up swapped", "reference/activation.py",
          "    g = gate.float()\n    u = up.float()",

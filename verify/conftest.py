@@ -1,13 +1,23 @@
 """pytest plumbing of the verification suite.
 
+* ``--backend SPEC`` (repeatable): the backends the contracts run against: a built-in name,
+  a ``latentmoe.backends`` entry point, ``module:attribute`` or ``path/file.py:attribute``
+  (``verify.backends``); ``default`` stands for a plain run's selection, the built-ins
+  and every registered entry point. With ``--backend``, the contracts of backends not
+  selected are deselected (the reference's own contracts too, unless ``reference`` is
+  named).
 * ``seed``: an integer derived from the test's node id (md5), so a failing case
   reproduces alone (``pytest 'verify/test_x.py::test_y[...]'``).
-* ``backend``: parametrized over the backends a test names with
-  ``@pytest.mark.backends("reference", "fast", ...)`` (default: ``reference``); a backend
-  this machine cannot run is skipped with its reason (``verify.backends``).
+* ``backend``: parametrized over the selected backends a test names with
+  ``@pytest.mark.backends("reference", "fast", ..., external=True)`` (default:
+  ``reference``); ``external=True`` adds every selected backend that is not built in.
+  The fixture is the checked backend (``verify.backends.UnderTest``); a backend this
+  machine cannot run is skipped with its reason, one that could not be loaded fails with
+  its load error.
 * ``contract``: the recorder a test compares through (``verify.recorder.Recorder``); what it
   records, with the test's outcome, becomes a row of the summary table printed at the end
-  of the session and written to ``verify-report.json`` / ``verify-report.md``.
+  of the session and written to ``verify-report.json`` / ``verify-report.md``, with the
+  name, version and source of every backend of the run.
 * hardware markers: ``gpu``, ``sm90``, ``sm100``, ``multi_gpu`` are skipped with a reason
   where the machine lacks them.
 """
@@ -16,6 +26,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -27,13 +38,31 @@ from verify.report import Report, format_table, write_report
 from verify.seeds import seed_of
 
 REPORT_KEY = pytest.StashKey[Report]()
-ROW_KEY = pytest.StashKey[tuple]()
+SELECTED_KEY = pytest.StashKey[list]()
+VERIFY_DIR = Path(__file__).resolve().parent
+#: The parameter of a contract none of whose backends is selected (the item is deselected).
+NOT_SELECTED = "not-selected"
+
+
+def pytest_addoption(parser):
+    parser.getgroup("latentmoe").addoption(
+        "--backend", action="append", default=None, metavar="SPEC",
+        help="a backend to verify (repeatable): a built-in name (reference, reference-cuda, "
+             "stock, fast), a latentmoe.backends entry point, module:attribute, "
+             "path/file.py:attribute, or 'default' (the built-ins and every entry point)")
 
 
 def pytest_configure(config):
-    config.stash[REPORT_KEY] = Report()
+    report = Report()
+    config.stash[REPORT_KEY] = report
+    specs = config.getoption("backend", default=None)
+    selected = backend_registry.select(specs)
+    config.stash[SELECTED_KEY] = selected
+    for b in selected:
+        report.backends[b.name] = b.describe()
     config.addinivalue_line(
-        "markers", "backends(*names): the backends this contract runs against"
+        "markers", "backends(*names, external=False): the built-in backends this contract "
+        "runs against; external=True adds every selected backend that is not built in"
     )
     config.addinivalue_line(
         "markers", "contract(name): the report row's contract name (default: the test's "
@@ -68,8 +97,29 @@ def pytest_generate_tests(metafunc):
     if "backend" in metafunc.fixturenames:
         marker = metafunc.definition.get_closest_marker("backends")
         names = marker.args if marker else ("reference",)
-        metafunc.parametrize("backend", [backend_registry.get(n) for n in names], ids=str,
-                             indirect=True)
+        external = bool(marker.kwargs.get("external", False)) if marker else False
+        selected = metafunc.config.stash[SELECTED_KEY]
+        by_name = {b.name: b for b in selected if b.builtin}
+        chosen = [by_name[n] for n in names if n in by_name]
+        chosen += [b for b in selected if external and not b.builtin]
+        metafunc.parametrize("backend", chosen or [NOT_SELECTED], ids=str, indirect=True)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Deselect the contracts of backends the run did not select: a contract none of whose
+    backends is selected, and, when ``--backend`` leaves ``reference`` out, the contracts
+    without a backend parameter (they check the reference)."""
+    names = {b.name for b in config.stash[SELECTED_KEY]}
+    keep, drop = [], []
+    for item in items:
+        if Path(str(item.path)).parent != VERIFY_DIR:
+            keep.append(item)
+            continue
+        _, backend, _ = row_key(item)
+        (keep if backend in names else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
 
 
 def _cuda_capability():
@@ -109,8 +159,10 @@ def generator(seed) -> torch.Generator:
 
 
 @pytest.fixture
-def backend(request):
+def backend(request) -> backend_registry.UnderTest:
     chosen = request.param
+    if chosen.load_error:
+        pytest.fail(chosen.load_error, pytrace=False)
     ok, reason = chosen.availability()
     if not ok:
         pytest.skip(reason)
@@ -140,9 +192,25 @@ def pytest_runtest_makereport(item, call):
     return result
 
 
+def _commit() -> str:
+    """The repository's commit (``-dirty`` with uncommitted changes), ``-`` without git."""
+    root = VERIFY_DIR.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
+                              capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "-"
+    if head.returncode:
+        return "-"
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
 def _environment() -> dict:
     capability = _cuda_capability()
     return {
+        "commit": _commit(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if capability else "cpu",
@@ -157,6 +225,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     rank = int(os.environ.get("RANK", "0"))
     terminalreporter.section("latentmoe verification summary")
+    for name, about in report.backends.items():
+        terminalreporter.write_line(about.get("load_error")
+                                    or f"backend {name}: {about['version']} ({about['source']})")
     terminalreporter.write_line(format_table(report.sorted_rows()))
     totals = report.totals()
     terminalreporter.write_line(

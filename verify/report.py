@@ -82,10 +82,13 @@ class Row:
 
 
 class Report:
-    """Collects rows while the session runs."""
+    """Collects rows while the session runs, and what each backend of the run is:
+    ``backends`` maps its name to its version, source (built-in, entry point, import
+    path), devices and claims, so that a row can be cited with the code it checked."""
 
     def __init__(self) -> None:
         self.rows: dict[tuple[str, str, str], Row] = {}
+        self.backends: dict[str, dict] = {}
 
     def row(self, contract: str, backend: str, config: str) -> Row:
         key = (contract, backend, config)
@@ -163,12 +166,20 @@ def format_markdown(rows: Iterable[Row]) -> str:
     return "\n".join(lines)
 
 
+def _backend_line(name: str, about: dict) -> str:
+    if about.get("load_error"):
+        return f"* {about['load_error']}"
+    return f"* `{name}` {about['version']} ({about['source']})"
+
+
 def write_report(report: Report, directory: Path, environment: dict) -> tuple[Path, Path]:
-    """Write ``verify-report.json`` (machine-readable, every row with its skip reasons and
-    failing node ids) and ``verify-report.md`` into ``directory``."""
+    """Write ``verify-report.json`` (machine-readable: the environment, every backend of the
+    run with its version and source, every row with its skip reasons and failing node ids)
+    and ``verify-report.md`` into ``directory``."""
     rows = report.sorted_rows()
     payload = {
         "environment": environment,
+        "backends": report.backends,
         "totals": report.totals(),
         "rows": [dataclasses.asdict(r) | {"status": r.status()} for r in rows],
     }
@@ -178,6 +189,8 @@ def write_report(report: Report, directory: Path, environment: dict) -> tuple[Pa
     md_path.write_text(
         "# Verification report\n\n"
         + "\n".join(f"* {k}: {v}" for k, v in environment.items())
+        + "\n\nBackends:\n\n"
+        + "\n".join(_backend_line(n, a) for n, a in report.backends.items())
         + "\n\n" + format_markdown(rows) + "\n"
     )
     return json_path, md_path

@@ -40,8 +40,9 @@ PLACES: dict[str, tuple[str, str, str]] = {
 }
 
 
-#: The order backends are listed in (``verify.backends``).
-BACKEND_ORDER = ("reference", "reference-cuda", "stock", "fast")
+#: The order backends are listed in (``verify.backends``); ``external`` stands for the
+#: backends selected from outside the package (``--backend``, entry points).
+BACKEND_ORDER = ("reference", "reference-cuda", "stock", "fast", "external")
 
 
 def _module(path: str) -> str:
@@ -61,10 +62,14 @@ def contract_files(stage: str) -> list[Path]:
 
 
 def _marker_backends(node: ast.AST) -> tuple[str, ...] | None:
-    """The string arguments of a ``pytest.mark.backends(...)`` call, else None."""
+    """The string arguments of a ``pytest.mark.backends(...)`` call, and ``external`` when
+    it says ``external=True`` (every selected backend that is not built in), else None."""
     if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
             and node.func.attr == "backends"):
-        return tuple(a.value for a in node.args if isinstance(a, ast.Constant))
+        names = tuple(a.value for a in node.args if isinstance(a, ast.Constant))
+        external = any(k.arg == "external" and isinstance(k.value, ast.Constant)
+                       and k.value.value is True for k in node.keywords)
+        return names + (("external",) if external else ())
     return None
 
 

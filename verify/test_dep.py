@@ -20,6 +20,9 @@ On designed experts (constructed rows, the real dispatch, owner Finalize and com
 order the schedule fixes is visible in the output bits: each pair of adjacent slots in the
 owner's chain, and the owners' order in the combine. Two consecutive layers run through one
 world of ranks (different inputs and weights), the second checked like the first.
+
+A backend that runs the whole S1 layer (stage ``layer_dep``) is checked at its output and
+routing per rank (``verify.layers``).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from reference.schedules import dep
 from reference.schedules.groups import run_virtual
 from reference.schedules.dep import POISON_CODE, POISON_SCALE, dep_layer_virtual, dep_rank
 from verify import bounds, cases, schedule_bounds, tolerances
+from verify.layers import check_layer
 from verify.oracles import stages as oracle
 from verify.routing import biased_score_bound, compare_routing
 
@@ -372,3 +376,11 @@ def test_designed_orders_have_power(contract):
         blind.append("owner order")
     contract.figure("designed_orders", k - 2 + 1, worst="min")
     assert not blind, f"designed experts do not distinguish: {blind}"
+
+
+@pytest.mark.backends("fast", external=True)
+@pytest.mark.parametrize("ranks,tokens", [(n, t) for n in cases.RANKS for t in (1, 7)] + [(2, 64)])
+def test_layer_dep(backend, ranks, tokens, seed, contract):
+    """A backend's whole S1 layer at ``ranks`` ranks of ``tokens`` tokens each
+    (``verify.layers``)."""
+    check_layer(contract, backend, "dep", ranks, tokens, seed)

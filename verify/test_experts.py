@@ -1,22 +1,39 @@
-"""Contracts of the routed-experts engine (``fast.experts``) on the GPU.
+"""Contracts of the routed experts' rows (the ``expert_rows`` stage), for every backend
+that claims the stage, and of the fast engine's own knobs (``fast.experts``) on the GPU.
 
-The engine's only freedom is the order of FC1's and FC2's FP32 sums (tensor-core MMA), so
-it is checked stage by stage on its own intermediates (``capture=True``):
+A backend's rows come from MXFP8 latent rows, routing ids, an expert range (a DEP owner's
+slice) and a tensor-parallel shard (``verify.interface.Backend.expert_rows``). By its claim:
 
-1. FC1 (FP32) against the float64 product of the exactly dequantized operands, within
-   ``gamma_n(2^-23) * sum|x w|`` with ``n = K + K/16`` (``mma_fc1_bound``);
-2. SiTU + MXFP8 re-quantization **bitwise**: ``reference.mx.quantize_mxfp8`` of
-   ``reference.emulation.situ_and_mul_fp32`` of the engine's own FC1 output (the kernel
-   uses the same IEEE operation sequence and the RCEIL rule of ``fast.mx``);
-3. FC2 (BF16 rows) against the float64 product of the engine's own MXFP8 hidden and the
-   dequantized ``w2``, within the same accumulation bound plus the final BF16 rounding.
+* bitwise: every local pair's row bit-identical to the reference's
+  (``reference.experts``, itself equal to the pair loop
+  :func:`verify.oracles.experts.expert_rows` bit for bit);
+* bound (``fast``): the only freedom is the order of FC1's and FC2's FP32 sums
+  (tensor-core MMA), so the backend hands over its intermediates and is checked stage by
+  stage on them:
 
-So an FC1 difference of one ULP that moves an MXFP8 code is accounted for (step 2 uses the
-engine's FC1), and a wrong code, a swapped gate/up, a dropped token or a wrong expert is a
-failure, never absorbed by a tolerance. Beyond the stages: pair rows are batch invariant
-(alone, in a window, in a large batch), deterministic, independent of the routing-list
-order (rows permuted), DEP owner rows of non-local pairs stay untouched, and bad input
-raises before (or, for ids, right after) the launch.
+  1. FC1 (FP32) against the float64 product of the exactly dequantized operands, within
+     ``gamma_n(2^-23) * sum|x w|`` with ``n = K + K/16`` (``mma_fc_bound``);
+  2. SiTU + MXFP8 re-quantization **bitwise**: ``reference.mx.quantize_mxfp8`` of the
+     SiTU oracle (:func:`verify.oracles.stages.situ_and_mul_fp32`, with the ``tanh`` and
+     ``sigmoid`` the claim names: ``fast``'s ``tanh_rn`` / ``sigmoid_rn``) of the
+     backend's own FC1 output (the kernel uses the same IEEE operation sequence and the
+     RCEIL rule of ``fast.mx``);
+  3. FC2 (BF16 rows) against the float64 product of the backend's own MXFP8 hidden and
+     the dequantized ``w2``, within the same accumulation bound plus the final BF16
+     rounding.
+
+  So an FC1 difference of one ULP that moves an MXFP8 code is accounted for (step 2 uses
+  the backend's FC1), and a wrong code, a swapped gate/up, a dropped token or a wrong
+  expert is a failure, never absorbed by a tolerance.
+
+For every claim, rows of pairs whose expert is not local stay NaN, and the rows are batch
+invariant (alone, in a window, in a large batch), deterministic and independent of the
+routing-list order (rows permuted). The fast engine's own contracts: every window count
+and FC kernel shape stage by stage, shapes that change no bit, the decode of every scale
+code, and bad input raising before (or, for ids, right after) the launch.
+
+The reference's rows are checked against the same pair loop in
+``verify/test_experts_reference.py``.
 
 The tensor-core model: ``mma.sync`` adds the 16 exact products of a step and the FP32
 accumulator with aligned, truncating adders (Fasi, Higham, Mikaitis, Pranesh, *Numerical
@@ -35,13 +52,14 @@ import functools
 import pytest
 import torch
 
-from reference import emulation
 from reference.config import LatentMoEConfig
+from reference.experts import expert_rows_mxfp8
 from reference.mx import dequantize_mxfp4, dequantize_mxfp8, quantize_mxfp8
 from reference.weights import LatentMoEWeights
 from verify import bounds, cases
+from verify.interface import Claim, ExpertRows
+from verify.oracles import stages as oracle_stages
 
-pytestmark = [pytest.mark.gpu, pytest.mark.backends("fast")]
 
 U_TRUNC = 2.0**-23  # one ULP of FP32 relative: a truncating adder's loss
 
@@ -138,38 +156,68 @@ def _dequantized_expert(w: LatentMoEWeights, e: int, shard: tuple[int, int]):
 # --- stage-by-stage ---------------------------------------------------------------------
 
 
-def check_stages(contract, engine, w: LatentMoEWeights, codes, scales, ids, out, cap, *,
-                 what: str):
+def check_stages(contract, w: LatentMoEWeights, experts: tuple[int, int],
+                 shard: tuple[int, int], codes, scales, ids, result: ExpertRows, *,
+                 claim: Claim, what: str):
     """The three stage contracts over every local pair, expert by expert (``w``: the
-    weights the engine was prepared from); non-local rows untouched (NaN)."""
-    g, cfg = engine.geometry, engine.config
+    weights the rows were computed from; ``result`` with its intermediates; ``claim``:
+    the SiTU's ``tanh`` / ``sigmoid``); non-local rows untouched (NaN)."""
+    cfg = w.config
+    functions = dict(tanh=claim.tanh or torch.tanh, sigmoid=claim.sigmoid or torch.sigmoid)
+    inter = result.fc1.shape[1] // 2
+    first, count = experts
+    out = result.rows
     dev = out.device
     flat = ids.reshape(-1).long().to(dev)
-    local = (flat >= g.first) & (flat < g.first + g.count)
+    local = (flat >= first) & (flat < first + count)
     x = dequantize_mxfp8(codes.to(dev), scales.to(dev))  # [R, L] FP32, exact
     k = cfg.top_k
     for e in torch.unique(flat[local]).tolist():
         pairs = torch.nonzero(flat == e).flatten()
-        w13, w2 = _dequantized_expert(w, e, g.shard)
+        w13, w2 = _dequantized_expert(w, e, shard)
         ref1, bound1 = mma_fc_bound(x[pairs // k], w13)
-        contract.bounded(cap.fc1[pairs], ref1, bound1, what=f"{what}: FC1 of expert {e}",
+        contract.bounded(result.fc1[pairs], ref1, bound1, what=f"{what}: FC1 of expert {e}",
                          bound_name="gamma_{K+K/16+3}(2^-23) sum|x w| (tensor-core MMA)",
                          index_names=("pair", "column"))
-        act = emulation.situ_and_mul_fp32(cap.fc1[pairs].cpu(), beta=cfg.situ_beta,
-                                          linear_beta=cfg.situ_linear_beta)
+        fc1 = result.fc1[pairs].cpu()
+        act = oracle_stages.situ_and_mul_fp32(fc1[:, :inter], fc1[:, inter:], beta=cfg.situ_beta,
+                                              linear_beta=cfg.situ_linear_beta, **functions)
         want_codes, want_scales = quantize_mxfp8(act)
-        contract.bitwise(cap.codes[pairs].cpu(), want_codes.view(torch.uint8),
+        contract.bitwise(result.hidden_codes[pairs].cpu(), want_codes.view(torch.uint8),
                          what=f"{what}: SiTU + MXFP8 codes of expert {e}", index_names=("pair", "column"))
-        contract.bitwise(cap.scales[pairs].cpu(), want_scales,
+        contract.bitwise(result.hidden_scales[pairs].cpu(), want_scales,
                          what=f"{what}: MXFP8 scales of expert {e}", index_names=("pair", "block"))
-        hidden = dequantize_mxfp8(cap.codes[pairs].view(torch.float8_e4m3fn), cap.scales[pairs])
+        hidden = dequantize_mxfp8(result.hidden_codes[pairs].view(torch.float8_e4m3fn),
+                                  result.hidden_scales[pairs])
         ref2, beta2 = mma_fc_bound(hidden, w2)
         bound2 = bounds.final_rounding_bound(ref2, beta2, torch.bfloat16)
         contract.bounded(out[pairs], ref2, bound2, what=f"{what}: FC2 rows of expert {e}",
                          bound_name="gamma_{K+K/16+3}(2^-23) sum|h w| + BF16 half-ULP",
                          index_names=("pair", "column"))
+    _check_untouched(out, local, what)
+
+
+def _check_untouched(out: torch.Tensor, local: torch.Tensor, what: str) -> None:
     untouched = out[~local]
     assert bool(torch.isnan(untouched.float()).all()), f"{what}: a non-local pair's row was written"
+
+
+def check_rows_bitwise(contract, w: LatentMoEWeights, experts: tuple[int, int],
+                       shard: tuple[int, int], codes, scales, ids, out, *, what: str):
+    """Every local pair's row bit-identical to the reference's
+    (``reference.experts.expert_rows_mxfp8`` on the weights' device: its FC sums of MX
+    products are exact in float64 wherever they run, and it equals the pair loop of
+    :mod:`verify.oracles.experts` bit for bit, ``verify/test_experts_reference.py``);
+    non-local rows untouched (NaN)."""
+    first, count = experts
+    dev = w.device
+    flat = ids.reshape(-1).long().cpu()
+    local = (flat >= first) & (flat < first + count)
+    want = expert_rows_mxfp8(codes.to(dev), scales.to(dev), ids.to(dev), w, w.config,
+                             shard=None if shard == (0, 1) else shard).cpu()
+    contract.bitwise(out.cpu()[local], want[local], what=f"{what}: local rows vs the reference",
+                     index_names=("pair", "column"))
+    _check_untouched(out.cpu(), local, what)
 
 
 # --- cases ------------------------------------------------------------------------------
@@ -190,7 +238,45 @@ REAL_CASES = [
 ]
 
 
-def _run_stages(contract, name, first, count, shard, rows, skew, seed, windows=None,
+def _check_backend(backend, contract, name, first, count, shard, rows, skew, seed):
+    """The stage's contract on one case, by the backend's claim."""
+    claim = backend.claim("expert_rows")
+    w = code_weights(name, backend.device)
+    cfg, dev = w.config, backend.device
+    codes, scales = latent_rows(cfg, rows, seed)
+    ids = routing(cfg, rows, seed, skew=skew)
+    result = backend.expert_rows(codes.to(dev), scales.to(dev), ids.to(dev), w,
+                                 experts=(first, count), shard=shard,
+                                 intermediates=not claim.exact)
+    what = f"{backend.name} {name} experts [{first}, {first + count}) shard {shard} rows {rows}"
+    if claim.exact:
+        check_rows_bitwise(contract, w, (first, count), shard, codes, scales, ids, result.rows,
+                           what=what)
+    else:
+        check_stages(contract, w, (first, count), shard, codes, scales, ids, result,
+                     claim=claim, what=what)
+
+
+@pytest.mark.backends("fast", external=True)
+@pytest.mark.parametrize("config_name,first,count,shard,rows,skew", STAGE_CASES)
+def test_experts_stages(backend, config_name, first, count, shard, rows, skew, seed, contract):
+    _check_backend(backend, contract, config_name, first, count, shard, rows, skew, seed)
+
+
+@pytest.mark.backends("fast", external=True)
+@pytest.mark.slow
+@pytest.mark.parametrize("config_name,first,count,shard,rows,skew", REAL_CASES)
+def test_experts_stages_real(backend, config_name, first, count, shard, rows, skew, seed, contract):
+    if backend.device == "cpu":
+        pytest.skip("the real layer's 15 GB of MXFP4 experts are generated only where a GPU "
+                    "holds them")
+    _check_backend(backend, contract, config_name, first, count, shard, rows, skew, seed)
+
+
+# --- the fast engine's own knobs ----------------------------------------------------------
+
+
+def _run_stages(backend, contract, name, first, count, shard, rows, skew, seed, windows=None,
                 tactic=None):
     engine = engine_for(name, first, count, shard, max(rows, 256))
     cfg = engine.config
@@ -198,33 +284,36 @@ def _run_stages(contract, name, first, count, shard, rows, skew, seed, windows=N
     ids = routing(cfg, rows, seed, skew=skew)
     out, cap = engine(codes.cuda(), scales.cuda(), ids.cuda(), capture=True, windows=windows,
                       tactic=tactic)
-    check_stages(contract, engine, code_weights(name, "cuda"), codes, scales, ids, out, cap,
+    check_stages(contract, code_weights(name, "cuda"), (first, count), shard, codes, scales,
+                 ids, ExpertRows(out, cap.fc1, cap.codes, cap.scales),
+                 claim=backend.claim("expert_rows"),
                  what=f"{name} experts [{first}, {first + count}) shard {shard} rows {rows}")
 
 
-@pytest.mark.parametrize("config_name,first,count,shard,rows,skew", STAGE_CASES)
-def test_experts_stages(backend, config_name, first, count, shard, rows, skew, seed, contract):
-    _run_stages(contract, config_name, first, count, shard, rows, skew, seed)
-
-
+@pytest.mark.gpu
+@pytest.mark.backends("fast")
 @pytest.mark.config("small")
 @pytest.mark.parametrize("windows", (1, 2, 4))
 def test_experts_stages_every_window_count(backend, windows, seed, contract):
     """Every compiled window count, on skewed routing (experts with several groups)."""
-    _run_stages(contract, "small", 0, 64, (0, 1), 160, 1.0, seed, windows=windows)
+    _run_stages(backend, contract, "small", 0, 64, (0, 1), 160, 1.0, seed, windows=windows)
 
 
 TACTICS = [dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
            dict(ring=2), dict(ring=6), dict(chains=2), dict(chains=4), dict(occupancy=1)]
 
 
+@pytest.mark.gpu
+@pytest.mark.backends("fast")
 @pytest.mark.config("small")
 @pytest.mark.parametrize("tactic", TACTICS, ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
 def test_experts_stages_every_tactic(backend, tactic, seed, contract):
     """Every FC kernel shape the engine can be asked for, stage by stage."""
-    _run_stages(contract, "small", 0, 64, (0, 1), 96, 1.0, seed, tactic=tactic)
+    _run_stages(backend, contract, "small", 0, 64, (0, 1), 96, 1.0, seed, tactic=tactic)
 
 
+@pytest.mark.gpu
+@pytest.mark.backends("fast")
 @pytest.mark.config("small")
 def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
     """Tile shape, ring depth and occupancy never change a bit (the sum order of each
@@ -242,12 +331,6 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
                              index_names=("pair", "column"))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config_name,first,count,shard,rows,skew", REAL_CASES)
-def test_experts_stages_real(backend, config_name, first, count, shard, rows, skew, seed, contract):
-    _run_stages(contract, config_name, first, count, shard, rows, skew, seed)
-
-
 # --- invariances ------------------------------------------------------------------------
 
 
@@ -255,40 +338,53 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
 
 
+def _rows(backend, w, codes, scales, ids) -> torch.Tensor:
+    """The backend's rows of every pair (all experts local, no shard)."""
+    dev = backend.device
+    return backend.expert_rows(codes.to(dev), scales.to(dev), ids.to(dev), w,
+                               experts=(0, w.config.experts), shard=(0, 1)).rows
+
+
+@pytest.mark.backends("fast", external=True)
 @pytest.mark.config("small")
 def test_experts_batch_invariant_and_order_free(backend, seed, contract):
     """A pair's row has the same bits alone, in a window of 8 rows, in a batch of 256, and
     with the batch's rows permuted (other routing-list claim orders)."""
-    engine = engine_for("small", 0, 64, (0, 1), 256)
-    cfg = engine.config
+    backend.claim("expert_rows")
+    w = code_weights("small", backend.device)
+    cfg = w.config
     codes, scales = latent_rows(cfg, 256, seed)
     ids = routing(cfg, 256, seed, skew=0.8)
-    full = engine(codes.cuda(), scales.cuda(), ids.cuda())
+    full = _rows(backend, w, codes, scales, ids).cpu()
     k = cfg.top_k
     for rows in (slice(0, 1), slice(0, 8), slice(100, 101)):
-        part = engine(codes[rows].cuda(), scales[rows].cuda(), ids[rows].cuda())
+        part = _rows(backend, w, codes[rows], scales[rows], ids[rows]).cpu()
         contract.bitwise(_bits(part), _bits(full[rows.start * k:rows.stop * k]),
                          what=f"rows {rows.start}:{rows.stop} alone vs in a batch of 256",
                          index_names=("pair", "column"))
     perm = torch.randperm(256, generator=torch.Generator().manual_seed(seed))
-    shuffled = engine(codes[perm].cuda(), scales[perm].cuda(), ids[perm].cuda())
-    back = shuffled.view(256, k, -1)[torch.argsort(perm).cuda()].reshape(256 * k, -1)
+    shuffled = _rows(backend, w, codes[perm], scales[perm], ids[perm]).cpu()
+    back = shuffled.view(256, k, -1)[torch.argsort(perm)].reshape(256 * k, -1)
     contract.bitwise(_bits(back), _bits(full), what="rows permuted (list order)",
                      index_names=("pair", "column"))
 
 
+@pytest.mark.backends("fast", external=True)
 @pytest.mark.config("small")
 def test_experts_deterministic(backend, seed, contract):
     """20 reruns of one call give the same bits."""
-    engine = engine_for("small", 0, 64, (0, 1), 256)
-    codes, scales = latent_rows(engine.config, 128, seed)
-    ids = routing(engine.config, 128, seed, skew=1.0)
-    args = (codes.cuda(), scales.cuda(), ids.cuda())
-    first = engine(*args)
+    backend.claim("expert_rows")
+    w = code_weights("small", backend.device)
+    codes, scales = latent_rows(w.config, 128, seed)
+    ids = routing(w.config, 128, seed, skew=1.0)
+    first = _rows(backend, w, codes, scales, ids)
     for _ in range(20):
-        contract.bitwise(_bits(engine(*args)), _bits(first), what="rerun", index_names=("pair", "column"))
+        contract.bitwise(_bits(_rows(backend, w, codes, scales, ids)), _bits(first),
+                         what="rerun", index_names=("pair", "column"))
 
 
+@pytest.mark.gpu
+@pytest.mark.backends("fast")
 @pytest.mark.config("small")
 def test_experts_decode_range(backend, contract):
     """Every E2M1 code under every supported scale code (0..128) decodes exactly: FC1 of
@@ -322,6 +418,8 @@ def test_experts_decode_range(backend, contract):
 # --- bad input --------------------------------------------------------------------------
 
 
+@pytest.mark.gpu
+@pytest.mark.backends("fast")
 @pytest.mark.config("small")
 def test_experts_bad_input(backend):
     from fast.experts import EngineError, ExpertsEngine, prepare_experts

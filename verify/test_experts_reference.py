@@ -16,6 +16,7 @@ import torch
 
 from reference.experts import expert_rows, routed_experts
 from reference.finalize import finalize
+from reference.mx import quantize_mxfp8
 from verify import cases
 from verify.oracles import experts as oracle
 
@@ -35,14 +36,22 @@ def _latent_and_ids(cfg, tokens: int, seed: int):
     return latent.to(torch.bfloat16), ids.to(torch.int32)
 
 
+@pytest.mark.backends("reference")
 @pytest.mark.parametrize("shard", [None, (1, 4)], ids=["whole", "tp-slice-1-of-4"])
 @pytest.mark.parametrize("tokens", (1, 7))
-def test_expert_rows(tokens, shard, seed, contract):
+def test_expert_rows(backend, tokens, shard, seed, contract):
+    """The reference's ``expert_rows`` (BF16 latent in) and the reference backend's stage
+    (MXFP8 latent in, every expert local) against the pair loop."""
     cfg, w = cases.config("small"), cases.weights("small")
     latent, ids = _latent_and_ids(cfg, tokens, seed)
-    got = expert_rows(latent, ids, w, cfg, shard=shard)
-    contract.bitwise(got, oracle.expert_rows(latent, ids, w, cfg, shard=shard),
+    want = oracle.expert_rows(latent, ids, w, cfg, shard=shard)
+    contract.bitwise(expert_rows(latent, ids, w, cfg, shard=shard), want,
                      what=f"expert rows (shard {shard}) vs the pair loop", index_names=ROWS)
+    codes, scales = quantize_mxfp8(latent)
+    stage = backend.expert_rows(codes, scales, ids, w, experts=(0, cfg.experts),
+                                shard=shard or (0, 1))
+    contract.bitwise(stage.rows, want, what=f"{backend.name} expert_rows stage (shard {shard}) "
+                     "vs the pair loop", index_names=ROWS)
 
 
 def test_expert_rows_two_layers(seed, contract):

@@ -1,12 +1,16 @@
 """Contracts of Finalize: ``out[t] = sum_k w[t,k] * rows[K t + k]`` as an FP32 fused
 multiply-add chain in k order from ``acc = +0``, one BF16 rounding.
 
-* ``reference`` (CPU), ``reference-cuda`` and ``fast``: bit-identical to the oracle
-  :func:`verify.oracles.stages.finalize` (each step the exact ``w * row + acc`` rounded
-  once), on random rows and on designed tokens where every k order, every pair of adjacent
-  slots swapped, a multiply rounded before the add, and a ``-0`` start change the bits;
-* ``stock`` (a PyTorch reduction, products rounded, its own summation order): within
-  ``gamma_k(2^-24) * sum_k |w_k r_k|`` plus the final BF16 rounding of the exact sum.
+By the backend's claim for the ``finalize`` stage:
+
+* bitwise (``reference`` on the CPU, ``reference-cuda``, ``fast``): bit-identical to the
+  oracle :func:`verify.oracles.stages.finalize` (each step the exact ``w * row + acc``
+  rounded once), on random rows and on designed tokens where every k order, every pair of
+  adjacent slots swapped, a multiply rounded before the add, and a ``-0`` start change the
+  bits;
+* bound (``stock``: a PyTorch reduction, products rounded, its own summation order; any
+  backend that sums in another order): within ``gamma_k(2^-24) * sum_k |w_k r_k|`` plus
+  the final BF16 rounding of the exact sum.
 
 Widths and ``top_k`` are the config's (``latent``, ``top_k``).
 """
@@ -16,7 +20,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference.finalize import finalize
 from verify import bounds, cases
 from verify.oracles import stages as oracle
 
@@ -68,25 +71,14 @@ def _inputs(tokens: int, width: int, top_k: int, seed: int, device: str):
     return rows.to(device), w.to(device)
 
 
-def _run(backend, rows, w):
-    if backend.name == "fast":
-        from fast import finalize as fast_finalize
-
-        return fast_finalize.finalize(rows, w)
-    if backend.name == "stock":
-        from fast import stock
-
-        return stock.finalize(rows, w)
-    return finalize(rows, w)
-
-
 def _check(backend, config_name, tokens, seed, contract):
+    claim = backend.claim("finalize")
     cfg = cases.config(config_name)
     rows, w = _inputs(tokens, cfg.latent, cfg.top_k, seed, backend.device)
-    out = _run(backend, rows, w).cpu()
+    out = backend.finalize(rows, w).cpu()
     rows, w = rows.cpu(), w.cpu()
     names = ("token", "column")
-    if backend.name != "stock":
+    if claim.exact:
         contract.bitwise(out, oracle.finalize(rows, w),
                          what=f"{backend.name} finalize vs the exact FMA chain", index_names=names)
         return
@@ -95,11 +87,11 @@ def _check(backend, config_name, tokens, seed, contract):
     exact = products.sum(1)  # k exact products; float64 sum error far below the bound
     propagated = products.abs().sum(1) * (bounds.gamma(k, U32) + bounds.gamma(k, 2.0**-53))
     bound = bounds.final_rounding_bound(exact, propagated, torch.bfloat16)
-    contract.bounded(out, exact, bound, what="stock finalize",
+    contract.bounded(out, exact, bound, what=f"{backend.name} finalize",
                      bound_name="gamma_k(2^-24) sum|w r| + BF16 half-ULP", index_names=names)
 
 
-@pytest.mark.backends("reference-cuda", "stock", "fast")
+@pytest.mark.backends("reference-cuda", "stock", "fast", external=True)
 @pytest.mark.parametrize("config_name", cases.STAGE_CONFIGS)
 @pytest.mark.parametrize("tokens", cases.ALL_BATCHES)
 def test_finalize(backend, config_name, tokens, seed, contract):

@@ -3,14 +3,17 @@ bits of the definition (RCEIL scales, round-to-nearest-even satfinite E4M3 eleme
 code-0 block as signed zeros), and the MXFP4 weights and the 128x4 scale layout are what
 the GEMMs expect.
 
-* ``reference``: ``reference.mx`` bit-identical to the oracle :mod:`verify.oracles.mx`
-  (``ml_dtypes`` element codecs, the block rules written from their definition): MXFP8 and
-  MXFP4 codes and scales, the exact dequantization, the 128x4 layout; and every E4M3, E2M1
-  and E8M0 code decoded as ``ml_dtypes`` decodes it;
-* ``stock``: torchao's ``to_mx`` (RCEIL) on BF16 input, the library the rule is specified
-  to match; ``fast``: the project's CuTe DSL quantizer (linear and 128x4 layouts);
-  ``reference-cuda``: the reference code on CUDA tensors — each bit-identical to the
-  oracle;
+* every backend's ``quantize_mxfp8`` (stages ``quantize_mxfp8`` and
+  ``quantize_mxfp8_swizzled``, which can only claim bitwise): codes and scales
+  bit-identical to the oracle :mod:`verify.oracles.mx` (``ml_dtypes`` element codecs, the
+  block rules written from their definition), and their exact dequantization by
+  ``reference.mx`` on the backend's device equal to the oracle's. The backends:
+  ``reference`` (``reference.mx``; also its 128x4 layout undone), ``reference-cuda`` (the
+  same code on CUDA tensors), ``stock`` (torchao's ``to_mx`` (RCEIL) on BF16 input, the
+  library the rule is specified to match), ``fast`` (the project's CuTe DSL quantizer,
+  linear and 128x4 layouts) and every external backend that claims the stage;
+* the reference's MXFP4 weight quantizer and its E4M3, E2M1 and E8M0 codecs against
+  ``ml_dtypes``;
 * FlashInfer's ``mxfp8_quantize``: a contract of its own on Blackwell only (its SM90 build
   leaves the outputs unwritten).
 
@@ -52,44 +55,23 @@ def _activations(tokens: int, width: int, seed: int, device: str) -> torch.Tenso
     return x.to(torch.bfloat16).to(device)
 
 
-def _fast_quantize(x, swizzled):
-    from fast import mx as fast_mx
-
-    return fast_mx.quantize_mxfp8(x, swizzled=swizzled)
-
-
-def _stock_quantize(x):
-    pytest.importorskip("torchao", reason="the stock MXFP8 quantizer here is torchao's "
-                        "to_mx; torchao is not installed on this machine")
-    from torchao.prototype.mx_formats.mx_tensor import ScaleCalculationMode, to_mx
-
-    scales, data = to_mx(x.contiguous(), torch.float8_e4m3fn, 32,
-                         scaling_mode=ScaleCalculationMode.RCEIL)
-    return data.view(x.shape), scales.view(torch.uint8).view(*x.shape[:-1], -1)
-
-
 def _check(backend, config_name, width_name, tokens, seed, contract):
+    backend.claim("quantize_mxfp8")  # the stage can only claim bitwise
     width = getattr(cases.config(config_name), width_name)
     x = _activations(tokens, width, seed, backend.device)
     want_codes, want_scales = oracle.quantize(x, "e4m3")
-    if backend.name == "stock":
-        codes, scales = _stock_quantize(x)
-    elif backend.name == "fast":
-        codes, scales = _fast_quantize(x, swizzled=False)
-    else:
-        codes, scales = mx.quantize_mxfp8(x)
+    codes, scales = backend.quantize_mxfp8(x)
     names = ("token", "column")
     contract.bitwise(scales.cpu(), want_scales, what=f"{backend.name} MXFP8 E8M0 scales",
                      index_names=names)
     contract.bitwise(codes.cpu().view(torch.uint8), want_codes,
                      what=f"{backend.name} MXFP8 E4M3 codes", index_names=names)
-    if backend.name in ("reference", "reference-cuda"):
-        got = mx.dequantize_mxfp8(codes, scales).cpu()
-        contract.bitwise(got.double(), oracle.dequantize(want_codes, want_scales, "e4m3"),
-                         what="MXFP8 dequantized", index_names=names)
+    got = mx.dequantize_mxfp8(codes, scales).cpu()
+    contract.bitwise(got.double(), oracle.dequantize(want_codes, want_scales, "e4m3"),
+                     what=f"{backend.name} MXFP8 dequantized", index_names=names)
 
 
-@pytest.mark.backends("stock", "reference-cuda", "fast")
+@pytest.mark.backends("stock", "reference-cuda", "fast", external=True)
 @pytest.mark.parametrize("config_name", cases.STAGE_CONFIGS)
 @pytest.mark.parametrize("width_name", WIDTHS)
 @pytest.mark.parametrize("tokens", cases.ALL_BATCHES)
@@ -105,27 +87,41 @@ def test_quantize_mxfp8_reference(backend, config_name, width_name, tokens, seed
     _check(backend, config_name, width_name, tokens, seed, contract)
 
 
-@pytest.mark.backends("reference", "fast")
-@pytest.mark.parametrize("config_name", cases.STAGE_CONFIGS)
-@pytest.mark.parametrize("tokens", (1, 7, 65, 129, 256))
-def test_quantize_mxfp8_swizzled(backend, config_name, tokens, seed, contract):
+SWIZZLED_TOKENS = (1, 7, 65, 129, 256)
+
+
+def _check_swizzled(backend, config_name, tokens, seed, contract):
     """The 128x4-swizzled scale layout, padding included (rows past a multiple of 128,
     scale columns past a multiple of 4), against the oracle's layout of the oracle's
-    scales."""
+    scales. Returns the oracle's linear scales."""
+    backend.claim("quantize_mxfp8_swizzled")
     width = cases.config(config_name).latent
     x = _activations(tokens, width, seed, backend.device)
     want_codes, want_scales = oracle.quantize(x, "e4m3")
-    if backend.name == "fast":
-        codes, scales = _fast_quantize(x, swizzled=True)
-    else:
-        codes, scales = mx.quantize_mxfp8(x)
-        scales = mx.swizzle_scales_128x4(scales)
-        back = mx.unswizzle_scales_128x4(scales, tokens, width // 32)
-        contract.bitwise(back, want_scales, what="128x4 layout undone")
+    codes, scales = backend.quantize_mxfp8_swizzled(x)
     contract.bitwise(codes.cpu().view(torch.uint8), want_codes,
                      what="MXFP8 codes (swizzled call)", index_names=("token", "column"))
     contract.bitwise(scales.cpu().reshape(-1), oracle.swizzle_128x4(want_scales),
                      what="MXFP8 scales, 128x4 layout")
+    return scales, want_scales
+
+
+@pytest.mark.backends("fast", external=True)
+@pytest.mark.parametrize("config_name", cases.STAGE_CONFIGS)
+@pytest.mark.parametrize("tokens", SWIZZLED_TOKENS)
+def test_quantize_mxfp8_swizzled(backend, config_name, tokens, seed, contract):
+    _check_swizzled(backend, config_name, tokens, seed, contract)
+
+
+@pytest.mark.contract("quantize_mxfp8_swizzled")
+@pytest.mark.backends("reference")
+@pytest.mark.parametrize("config_name", cases.STAGE_CONFIGS)
+@pytest.mark.parametrize("tokens", SWIZZLED_TOKENS)
+def test_quantize_mxfp8_swizzled_reference(backend, config_name, tokens, seed, contract):
+    """The same, and ``reference.mx.unswizzle_scales_128x4`` undoes the layout."""
+    scales, want_scales = _check_swizzled(backend, config_name, tokens, seed, contract)
+    back = mx.unswizzle_scales_128x4(scales, tokens, cases.config(config_name).latent // 32)
+    contract.bitwise(back, want_scales, what="128x4 layout undone")
 
 
 @pytest.mark.backends("reference")

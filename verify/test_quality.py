@@ -2,26 +2,21 @@
 a tracked figure with a floor.
 
 Both use one routing (the quantized path's ids), so the figure measures quantization noise,
-not routing flips. The floor: MXFP4 weights and MXFP8 activations each carry a relative
-noise of about 2^-4 (E2M1 and E4M3 half-ULP at the top of their binades: 1/4 and 1/16 of
-the value), and the routed latent passes two MXFP8 quantizations and one MXFP4 weight per
-GEMM; the shared expert and the dense GEMMs are BF16 (2^-9). An SQNR floor of
-20 log10(2^4) = 24 dB for the whole layer output, which sums the routed path with the
-shared expert, is what a wrong rounding mode, a swapped gate/up or a dropped scale falls
-below (they give < 10 dB); the measured figure is reported per batch.
+not routing flips. The floor, ``verify.tolerances.LAYER_SQNR_FLOOR_DB`` (24 dB), comes from
+the MX formats' relative noise (about 2^-4 per MXFP4 weight and MXFP8 activation; the
+derivation is there): a wrong rounding mode, a swapped gate/up or a dropped scale falls
+below it (they give < 10 dB); the measured figure is reported per batch.
 """
 
 from __future__ import annotations
-
-import math
 
 import pytest
 
 from reference.layer import ideal_layer, sqnr_db, stock_order_trace
 from verify import cases
+from verify.tolerances import LAYER_SQNR_FLOOR_DB as SQNR_FLOOR_DB
 
 pytestmark = pytest.mark.config("small")
-SQNR_FLOOR_DB = 20 * math.log10(2**4)
 
 
 @pytest.mark.parametrize("tokens", (1, 16, 64, 256))

@@ -2,17 +2,21 @@
 and renormalized weights (the unbiased scores of the chosen ids over their FP32 sum in k
 order, times the scale).
 
-* ``reference``: ids and weights bit-identical to the oracle
+By the backend's claim for the ``route`` stage:
+
+* bitwise (``reference``): ids and weights bit-identical to the oracle
   :func:`verify.oracles.stages.route` (numpy FP32 arithmetic, ``lexsort`` on
   ``(-score, id)``, torch's FP32 sigmoid);
-* ``fast``: bit-identical to ``reference.emulation.route`` and to the same oracle fed with
-  the kernels' ``sigmoid_rn``;
-* every backend (``stock`` = ``torch.topk``, ``reference-cuda`` with CUDA's sigmoid): ids
-  that differ from the reference's are accepted only where the competing biased scores lie
-  within the sigmoid's error (flips counted, ``verify.routing``), weights within the
-  derived weight bound on the backend's own ids. The sigmoid's error is the libraries'
-  (``verify.tolerances.SIGMOID_ABS_ERROR``) or, for ``fast``, the one derived from the
-  measured accuracy of ``exp_rn`` (``SIGMOID_RN_ABS_ERROR``).
+* own order (``fast``): bit-identical to the backend's emulation
+  (``reference.emulation.route``) and to the same oracle fed with the backend's sigmoid
+  (the kernels' ``sigmoid_rn``), so the emulation is checked too;
+* every backend, whatever its claim (``stock`` = ``torch.topk``, ``reference-cuda`` with
+  CUDA's sigmoid, external ones): ids that differ from the reference's are accepted only
+  where the competing biased scores lie within the sigmoid's error (flips counted,
+  ``verify.routing``), weights within the derived weight bound on the backend's own ids.
+  The sigmoid's error is the libraries' (``verify.tolerances.SIGMOID_ABS_ERROR``) unless
+  the claim states the backend's own (``fast``: ``SIGMOID_RN_ABS_ERROR``, derived from
+  the measured accuracy of ``exp_rn``).
 
 Configs: ``small`` routes the logits of its gate weights on hidden rows; ``kimi_k3``
 random logits at the real width (``experts`` 896) and spread.
@@ -23,7 +27,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference import emulation, router
+from reference import router
 from verify import cases, tolerances
 from verify.oracles import stages as oracle
 from verify.routing import biased_score_bound, compare_routing, routing_weights_bound
@@ -51,43 +55,32 @@ def _tied_logits(tokens: int, experts: int, seed: int, device: str):
     return base.repeat_interleave(4, dim=1).contiguous().to(device)
 
 
-def _run(backend, logits, bias, cfg):
+def _check(backend, cfg, logits, bias, contract):
+    claim = backend.claim("route")
     kwargs = dict(top_k=cfg.top_k, renormalize=cfg.renormalize,
                   scale=cfg.routed_scaling_factor)
-    if backend.name == "fast":
-        from fast import router as fast_router
-
-        return fast_router.route(logits, bias, **kwargs)
-    if backend.name == "stock":
-        from fast import stock
-
-        return stock.route(logits, bias, **kwargs)
-    return router.route(logits, bias, **kwargs)
-
-
-def _check(backend, cfg, logits, bias, contract):
-    weights, ids = _run(backend, logits, bias, cfg)
+    weights, ids = backend.route(logits, bias, **kwargs)
     weights, ids = weights.cpu(), ids.cpu()
     logits, bias = logits.cpu(), bias.cpu()
-    kwargs = dict(top_k=cfg.top_k, renormalize=cfg.renormalize,
-                  scale=cfg.routed_scaling_factor)
     ref_w, ref_ids = router.route(logits, bias, **kwargs)
-    sigmoid_error = tolerances.SIGMOID_ABS_ERROR
-    if backend.name == "reference":
+    sigmoid_error = claim.sigmoid_abs_error or tolerances.SIGMOID_ABS_ERROR
+    if claim.exact:
         want_w, want_ids = oracle.route(logits, bias, **kwargs)
-        contract.bitwise(ids, want_ids, what="reference router ids vs oracle", index_names=IDS)
-        contract.bitwise(weights, want_w, what="reference router weights vs oracle",
+        contract.bitwise(ids, want_ids, what=f"{backend.name} router ids vs oracle",
                          index_names=IDS)
-    if backend.name == "fast":
-        sigmoid_error = tolerances.SIGMOID_RN_ABS_ERROR
-        emu_w, emu_ids = emulation.route(logits, bias, **kwargs)
-        contract.bitwise(ids, emu_ids, what="router ids vs the kernel's emulation",
+        contract.bitwise(weights, want_w, what=f"{backend.name} router weights vs oracle",
+                         index_names=IDS)
+    if claim.emulation:
+        emu_w, emu_ids = claim.emulation(logits, bias, **kwargs)
+        contract.bitwise(ids, emu_ids, what="router ids vs the backend's emulation",
                          index_names=IDS)
         contract.bitwise(weights, emu_w, what="router weights vs emulation", index_names=IDS)
-        own_w, own_ids = oracle.route(logits, bias, **kwargs, sigmoid=emulation.sigmoid_rn)
-        contract.bitwise(ids, own_ids, what="router ids vs oracle with sigmoid_rn",
+    if claim.sigmoid:
+        own_w, own_ids = oracle.route(logits, bias, **kwargs, sigmoid=claim.sigmoid)
+        contract.bitwise(ids, own_ids, what="router ids vs oracle with the backend's sigmoid",
                          index_names=IDS)
-        contract.bitwise(weights, own_w, what="router weights vs oracle with sigmoid_rn",
+        contract.bitwise(weights, own_w,
+                         what="router weights vs oracle with the backend's sigmoid",
                          index_names=IDS)
     sigma = torch.sigmoid(logits.double())
     exact = sigma + bias.double()
@@ -105,7 +98,7 @@ def _check(backend, cfg, logits, bias, contract):
                      bound_name="sigmoid error + renormalization roundings", index_names=IDS)
 
 
-@pytest.mark.backends("reference", "reference-cuda", "stock", "fast")
+@pytest.mark.backends("reference", "reference-cuda", "stock", "fast", external=True)
 @pytest.mark.parametrize("config_name", cases.STAGE_CONFIGS)
 @pytest.mark.parametrize("tokens", cases.ALL_BATCHES)
 def test_route(backend, config_name, tokens, seed, contract):
@@ -113,7 +106,7 @@ def test_route(backend, config_name, tokens, seed, contract):
     _check(backend, cfg, logits, bias, contract)
 
 
-@pytest.mark.backends("reference", "reference-cuda", "stock", "fast")
+@pytest.mark.backends("reference", "reference-cuda", "stock", "fast", external=True)
 @pytest.mark.parametrize("config_name", cases.STAGE_CONFIGS)
 @pytest.mark.parametrize("tokens", (1, 7, 64, 256))
 def test_route_ties(backend, config_name, tokens, seed, contract):

@@ -12,6 +12,9 @@ Every GEMM of the layer has BF16 operands and FP32 accumulation, one rounding at
   either side (``ambiguous``, reported; none is expected at these sizes), and on designed
   rows where a second rounding (through FP32 on the way to BF16, or of the product before
   the add) changes the result.
+
+The whole S0 layer of a backend that runs it (stage ``layer_stock``; ``stock`` builds it
+from its ops): ``verify.layers``.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from fast import stock
 from reference import gemm
 from reference.gemm import addmm
 from verify import bounds, cases, compare
+from verify.layers import check_layer
 from verify.oracles import stages as oracle
 
 GEMM_BOUND = "gamma_K(2^-24)|A||B|^T + final half-ULP"
@@ -180,3 +184,11 @@ def test_gemm_rounding_designed(backend, contract):
     assert want.value[0, 0].item() == 1 + 2.0**-7, "the designed addmm lost its meaning"
     contract.bitwise(addmm(c, a2, b2), want.value, what="addmm of designed rows",
                      index_names=TOKENS)
+
+
+@pytest.mark.backends("stock", external=True)
+@pytest.mark.config("small")
+@pytest.mark.parametrize("tokens", (1, 16, 64, 256))
+def test_layer_stock(backend, tokens, seed, contract):
+    """A backend's whole S0 layer (``verify.layers``)."""
+    check_layer(contract, backend, "stock", 1, tokens, seed)

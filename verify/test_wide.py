@@ -21,6 +21,9 @@ list is exactly full, and one token more is refused with an error naming the lim
 across calls: two consecutive layers (other inputs and weights) run through one rank's
 persistent mailbox (:class:`~reference.schedules.wide.WideScratch`), the second checked
 like the first, the rotating buffers alternating and re-armed.
+
+A backend that runs the whole S2 layer (stage ``layer_wide``) is checked at its output and
+routing per rank (``verify.layers``).
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from reference.schedules import mailbox
 from reference.schedules.groups import run_virtual
 from reference.schedules.wide import WideScratch, routing_lists, wide_layer_virtual, wide_rank
 from verify import bounds, cases, schedule_bounds
+from verify.layers import check_layer
 
 ROWS = ("token", "column")
 #: Pairs per unit window of the listed engine: each touched expert's weights stream once
@@ -309,3 +313,12 @@ def test_mailbox_sentinel(ranks, seed, contract):
         contract.bitwise(latent, want_lat, what=f"rank {r} latent through the mailbox")
         contract.bitwise(logits, want_log, what=f"rank {r} logits through the mailbox")
         assert armed, f"rank {r}: the slots it read were not re-armed"
+
+
+@pytest.mark.backends(external=True)
+@pytest.mark.config("small")
+@pytest.mark.parametrize("ranks,tokens", [(n, 65) for n in (1, 2, 4, 8)] + [(1, 3)])
+def test_layer_wide(backend, ranks, tokens, seed, contract):
+    """A backend's whole S2 layer at ``ranks`` TP ranks over one batch of ``tokens``
+    (``verify.layers``)."""
+    check_layer(contract, backend, "wide", ranks, tokens, seed)

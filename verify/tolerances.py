@@ -13,6 +13,7 @@ needs an allowance imports it from here, so a reader finds every one in this fil
 | ``CPU_TRANSCENDENTAL_ULP`` | 1 | PyTorch's CPU vectorized exp/tanh/sigmoid use SLEEF's ``u10`` variants: max 1.0 ulp |
 | ``EXP_RN_ULP`` | 2 | the fast kernels' own ``exp_rn`` (``fast._cute``; ``reference.emulation`` repeats it bit for bit): measured max 1.17 ulp over every 127th FP32 bit pattern of its argument range [-104, 89] against float64 (``tests/test_emulation.py`` repeats the measurement and requires it below this bound) |
 | ``TANH_RN_ULP`` | 2 | the kernels' ``tanh_rn``: measured max 1.32 ulp over every 127th FP32 bit pattern of [-1e30, 1e30] (same test) |
+| ``LAYER_SQNR_FLOOR_DB`` | 24.08 | ``20 log10(2^4)``: the MX formats' relative noise (below) |
 
 A "ULP" of a value ``v`` in FP32 is at most ``2 u |v|``, so an ``n``-ulp function has a
 relative error of at most ``2 n u``. The two measured constants are bounds, not the
@@ -22,9 +23,11 @@ measures fails if a change of the functions ever reaches it.
 
 from __future__ import annotations
 
-from verify import bounds
+import math
 
 import torch
+
+from verify import bounds
 
 U32 = bounds.unit_roundoff(torch.float32)
 CUDA_EXPF_ULP = 2
@@ -80,3 +83,14 @@ def rms_norm_relative_error(width: int) -> float:
     two roundings), then two multiplications."""
     inner = bounds.gamma(width + 1, U32) + 2 * U32
     return inner / 2 + ulp_relative(LIBRARY_ULP) + 2 * U32 + 2 * U32
+
+
+#: SQNR floor of the quantized layer against the unquantized float64 layer on the same
+#: routing (``verify/test_quality.py`` for the whole output, ``verify.layers`` per token of
+#: a backend's whole layer): MXFP4 weights and MXFP8 activations each carry a relative
+#: noise of about 2^-4 (E2M1 and E4M3 half-ULP at the top of their binades: 1/4 and 1/16
+#: of the value), and the routed latent passes two MXFP8 quantizations and one MXFP4
+#: weight per GEMM; the shared expert and the dense GEMMs are BF16 (2^-9). So
+#: ``20 log10(2^4)`` dB, which a wrong rounding mode, a swapped gate/up or a dropped scale
+#: falls below (they give < 10 dB).
+LAYER_SQNR_FLOOR_DB = 20 * math.log10(2**4)
