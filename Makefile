@@ -22,11 +22,15 @@ verify: $(STAMP)
 	$(PY) -m pytest verify/ -q
 
 # The tests: unit tests, the verification suite (which includes the CPU compile of every
-# fast kernel for sm_90a, sm_100a and sm_103a), the committed benchmark history checked,
-# the reference's CPU benchmarks compared with this machine's committed baseline, and the
+# fast kernel for sm_90a, sm_100a and sm_103a) over the built-in backends and the example
+# external backend (examples/, outside the package, selected as a kernel engineer's own
+# would be: docs/verifying-your-kernel.md), the committed benchmark history checked, the
+# reference's CPU benchmarks compared with this machine's committed baseline, and the
 # documentation site built strictly.
+EXAMPLE_BACKEND := examples/torchao_mx.py:TorchaoMX
+
 test: $(STAMP)
-	$(PY) -m pytest tests/ verify/ -q
+	$(PY) -m pytest tests/ verify/ -q --backend default --backend $(EXAMPLE_BACKEND)
 	$(PY) -m pytest benchmarks/test_history.py -q
 	$(PY) -m benchmarks.run cpu check
 	$(VENV)/bin/mkdocs build --strict -q

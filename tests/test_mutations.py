@@ -1,17 +1,21 @@
 """The power of the verification suite: planted bugs must make ``pytest verify/`` fail.
 
-Each mutation copies ``reference/``, ``fast/`` and ``verify/`` to a temporary directory,
-replaces exact snippets (each must occur exactly once, so a mutation never silently stops
-applying when the code changes), and runs the named ``verify/`` contracts there with
-``pytest -x``. The mutation is *caught* when pytest reports failed tests (exit code 1); an
-import or collection error (exit code 2-4) or "no tests" (5) is not a catch. The contracts
-named are a subset of ``pytest verify/``, so a catch there is a catch of the whole suite.
+Each mutation copies ``reference/``, ``fast/``, ``verify/`` and ``examples/`` to a
+temporary directory, replaces exact snippets (each must occur exactly once, so a mutation
+never silently stops applying when the code changes), and runs the named ``verify/``
+contracts there with ``pytest -x`` (against the external backend it names, if any). The
+mutation is *caught* when pytest reports failed tests (exit code 1) with the comparators'
+first-mismatch report; an import or collection error (exit code 2-4) or "no tests" (5) is
+not a catch. The contracts named are a subset of ``pytest verify/``, so a catch there is a
+catch of the whole suite.
 
 The bugs are of the classes the suite exists for: a wrong rounding rule or rounding point,
 an operation order changed, a swapped operand, a selection off by one at a bucket edge, a
 layout permuted, state leaking from one call to the next. Those in the reference are caught
 on any machine (the reference is checked against the independent oracles of
-``verify/oracles``); those in a fast kernel need its GPU (``needs_gpu``) and run with
+``verify/oracles``), and so is the one in the example external backend
+(``examples/torchao_mx.py``, run through ``--backend`` as a kernel engineer's own would
+be); those in a fast kernel need its GPU (``needs_gpu``) and run with
 
     python -m pytest tests/test_mutations.py -k gpu
 
@@ -35,17 +39,21 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @dataclasses.dataclass(frozen=True)
 class Mutation:
-    """A planted bug: ``edits`` (path, old snippet, new snippet) and the contracts that must
-    fail."""
+    """A planted bug: ``edits`` (path, old snippet, new snippet), the contracts that must
+    fail, the ``--backend`` they run against (None: the built-in ones) and, optionally, a
+    phrase the failure report must contain."""
 
     name: str
     edits: tuple[tuple[str, str, str], ...]
     contracts: tuple[str, ...]
     needs_gpu: bool = False
+    backend: str | None = None
+    expect: str | None = None
 
 
-def _one(name, path, old, new, contracts, needs_gpu=False) -> Mutation:
-    return Mutation(name, ((path, old, new),), tuple(contracts), needs_gpu)
+def _one(name, path, old, new, contracts, needs_gpu=False, backend=None,
+         expect=None) -> Mutation:
+    return Mutation(name, ((path, old, new),), tuple(contracts), needs_gpu, backend, expect)
 
 
 MUTATIONS = [
@@ -162,6 +170,12 @@ MUTATIONS = [
           "_LAYER_CACHE = {}\n\n\n@dataclass\nclass LatentMoEWeights:")),
         ("verify/test_experts_reference.py::test_expert_rows_two_layers",),
     ),
+    # --- the example external backend, through --backend
+    _one("example backend (torchao to_mx): scale rule FLOOR instead of RCEIL",
+         "examples/torchao_mx.py",
+         "scaling_mode=ScaleCalculationMode.RCEIL", "scaling_mode=ScaleCalculationMode.FLOOR",
+         ["verify/test_mx.py::test_quantize_mxfp8"], backend="examples/torchao_mx.py:TorchaoMX",
+         expect="elements differ bitwise"),  # the comparator's first-mismatch report
     # --- the fast kernels, on their GPU
     _one("fast MXFP8 kernel: scale code rounded down (FLOOR of the quotient)", "fast/mx.py",
          "normal = e + sel((qb & U(0x7FFFFF)) != U(0), 1, 0)", "normal = e",
@@ -208,7 +222,7 @@ MUTATIONS = [
 
 
 def _apply(tree: Path, m: Mutation) -> None:
-    for package in ("reference", "fast", "verify"):
+    for package in ("reference", "fast", "verify", "examples"):
         shutil.copytree(ROOT / package, tree / package,
                         ignore=shutil.ignore_patterns("__pycache__"))
     for path, old, new in m.edits:
@@ -235,6 +249,8 @@ def test_planted_bug_fails_verify(mutation, tmp_path):
     args = list(mutation.contracts)
     if mutation.needs_gpu:
         args += ["-k", "fast"]
+    if mutation.backend:
+        args += ["--backend", mutation.backend]
     cmd = [sys.executable, "-m", "pytest", *args, "-x", "-q",
            "-p", "no:cacheprovider", "--rootdir", str(tmp_path)]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -244,3 +260,6 @@ def test_planted_bug_fails_verify(mutation, tmp_path):
         f"planted bug '{mutation.name}' was NOT caught by {mutation.contracts} "
         f"(pytest exit {done.returncode}):\n{tail}")
     assert " failed" in done.stdout, tail
+    if mutation.expect:
+        assert mutation.expect in done.stdout, (
+            f"planted bug '{mutation.name}' failed without {mutation.expect!r}:\n{tail}")
