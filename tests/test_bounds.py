@@ -26,6 +26,8 @@ from verify.bounds import (
     gamma,
     matmul_bf16_out_bound,
     matmul_fp32_out_bound,
+    mma_matmul_bound,
+    mma_split_k_terms,
     reference_matmul,
     rounding_bound,
     split_k_terms,
@@ -280,6 +282,45 @@ def test_matmul_bf16_out_bound_torch_and_emulated(gen, record_property):
     bad = sum(pp.to(torch.bfloat16).float() for pp in parts).to(torch.bfloat16)
     with pytest.raises(ContractError):
         assert_within_bound(bad, ref, matmul_bf16_out_bound(a, b, splits=4), what="bf16 partials")
+
+
+def test_mma_split_k_terms_and_bound(gen):
+    """The tensor-core split-K count: K + K/16 for one part (the experts engine's chain
+    without its chain joins), ``c + ceil(c / 16) + splits - 1`` for ``splits`` parts; the
+    bound holds for a truncating emulation of 16-product steps in 4 parts summed in order,
+    with a BF16 addend, BF16 out, and breaks when a part is dropped."""
+    assert mma_split_k_terms(7168) == 7168 + 448
+    assert mma_split_k_terms(7168, 2) == 3584 + 224 + 1
+    assert mma_split_k_terms(100, 3) == 34 + 3 + 2
+    with pytest.raises(ValueError):
+        mma_split_k_terms(4, 5)
+    m, n, k, splits = 6, 10, 1024, 4
+    a = torch.randn(m, k, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    c0 = torch.randn(m, n, generator=gen).to(torch.bfloat16)
+    p = a.double()[:, None, :] * b.double()[None, :, :]  # exact products
+
+    def rz(s):  # the float64 step sum truncated to FP32
+        r = s.float()
+        return torch.where(r.double().abs() > s.abs(), torch.nextafter(r, torch.zeros_like(r)), r)
+
+    parts = []
+    for part in p.split(k // splits, dim=-1):
+        acc = torch.zeros(m, n, dtype=torch.float32)
+        for step in part.split(16, dim=-1):
+            acc = rz(acc.double() + step.sum(-1))
+        parts.append(acc)
+    total = parts[0]
+    for q in parts[1:]:
+        total = total + q
+    out = (total + c0.float()).to(torch.bfloat16)
+    ref, bound = mma_matmul_bound(a, b, splits=splits, addend=c0, out_dtype=torch.bfloat16)
+    assert_within_bound(out, ref, bound, what="truncating split-K MMA emulation")
+    ref32, bound32 = mma_matmul_bound(a, b, splits=splits)
+    assert_within_bound(total, ref32, bound32, what="FP32 out")
+    with pytest.raises(ContractError):
+        short = (parts[0] + parts[1] + parts[2] + c0.float()).to(torch.bfloat16)
+        assert_within_bound(short, ref, bound, what="a dropped split")
 
 
 def test_matmul_fp32_out_bound_includes_reference_error(gen):

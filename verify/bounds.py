@@ -36,6 +36,8 @@ __all__ = [
     "gamma",
     "matmul_bf16_out_bound",
     "matmul_fp32_out_bound",
+    "mma_matmul_bound",
+    "mma_split_k_terms",
     "reference_matmul",
     "rounding_bound",
     "split_k_terms",
@@ -413,3 +415,67 @@ def matmul_bf16_out_bound(
     """
     beta, ref = _matmul_out_bound(a, b, splits, addend, accum_rounding)
     return final_rounding_bound(ref, beta, torch.bfloat16)
+
+
+def mma_split_k_terms(k: int, splits: int = 1) -> int:
+    """Effective ``n`` of ``gamma_n(2^-23)`` for a K-long dot product computed by tensor-core
+    ``mma.m16n8k16`` steps in ``splits`` contiguous parts whose FP32 partials are then
+    added (the split-K GEMM of ``fast.gemm``).
+
+    The tensor-core model (the one ``verify/test_experts.py`` uses for the experts engine):
+    an MMA step adds its 16 exact products and the FP32 accumulator with aligned, truncating
+    adders (Fasi, Higham, Mikaitis, Pranesh, *Numerical behavior of NVIDIA tensor cores*,
+    PeerJ CS 2021); each of the ``16 + 1`` terms loses less than one ULP, ``u = 2^-23``
+    relative. A part of ``c = ceil(K / splits)`` products is ``ceil(c / 16)`` steps, so each
+    product passes through at most ``c + ceil(c / 16)`` such losses; the ``splits - 1``
+    FP32 additions of the partials (round to nearest, bounded here by the same ``u``) add one
+    each (as in [`split_k_terms`][verify.bounds.split_k_terms]):
+
+        ``n = c + ceil(c / 16) + splits - 1``.
+
+    Args:
+        k: reduction length ``K >= 1``.
+        splits: number of K parts, ``1 <= splits <= K``.
+    """
+    c = split_k_terms(k, splits) - (splits - 1)  # ceil(K / splits), validated there
+    return c + -(-c // 16) + splits - 1
+
+
+def mma_matmul_bound(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    *,
+    splits: int = 1,
+    addend: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(reference, bound) of a split-K tensor-core GEMM ``A @ B^T (+ C0)``, FP32 or BF16 out.
+
+    ``ref`` is `reference_matmul` (``+ addend`` in float64). The bound is the accumulation
+    bound of ``dot_bound`` with ``n = mma_split_k_terms(K, splits)`` (plus 1 with an addend,
+    added in FP32 after the partials) under truncating adders (``accum_rounding =
+    "toward_zero"``: ``u = 2^-23``, the whole subnormal spacing per product), plus the float64
+    reference's own error ``gamma_{K(+1)}(2^-53) S``; for a BF16 output, carried through the
+    final round to nearest (``final_rounding_bound``).
+
+    Shapes: ``a [..., M, K]``, ``b [N, K]``, addend ``[..., M, N]`` -> float64 ``[..., M, N]``
+    each.
+    """
+    k = a.shape[-1]
+    n = mma_split_k_terms(k, splits)
+    ref = reference_matmul(a, b)
+    s = _abs_products(a, b)
+    n64 = k
+    if addend is not None:
+        _check_exact_in_f64(addend)
+        s = s + addend.to(torch.float64).abs()
+        ref = ref + addend.to(torch.float64)
+        n += 1
+        n64 += 1
+    acc = _dot_bound_from(s, k, n, torch.float32, "toward_zero")
+    beta = _inflate(acc + _inflate(s * gamma(n64, _U64), k + 3), 1)
+    if out_dtype == torch.float32:
+        return ref, beta
+    if out_dtype != torch.bfloat16:
+        raise ValueError(f"mma_matmul_bound: out_dtype must be float32 or bfloat16, got {out_dtype}")
+    return ref, final_rounding_bound(ref, beta, torch.bfloat16)
