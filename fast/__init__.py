@@ -6,6 +6,7 @@
 * ``fast.finalize.finalize`` -- routing-weighted FP32 FMA sum of the top-k rows;
 * ``fast.norm.rms_norm`` -- RMSNorm with a stated reduction tree;
 * ``fast.experts`` -- the routed experts' engine;
+* ``fast.gemm`` -- the dense part's split-K swap-AB GEMM (``T <= 64`` tokens);
 * ``fast.stock`` -- the stock PyTorch / cuBLAS ops, the baseline the kernels are checked
   and timed against;
 * ``fast.backend`` -- architecture detection, availability reasons, the compile cache.

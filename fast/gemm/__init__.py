@@ -1,0 +1,41 @@
+"""The dense part's split-K swap-AB GEMM on the GPU (CuTe DSL, SM90 and SM100).
+
+At ``T <= front_max = 64`` tokens the dense part of the DEP layer streams four BF16
+weights (``reference.schedules.dep``): the packed front ``[shared gate_up | latent down]``
+``[2S + L, H]`` (BF16 out), the router gate ``[E, H]`` (FP32 out), the shared down-projection
+``[H, S]`` (BF16 out) and the latent up-projection ``[H, L]`` (BF16 out, the shared output
+added before the one rounding: ``reference.gemm.addmm``). At these batches every one is a
+weight stream: ``2 T`` FLOP per weight byte.
+
+``DenseGemm(weight)(x, out_dtype=..., addend=...)`` puts the weight rows on the 16-row M
+side of ``mma.sync.m16n8k16`` (BF16, FP32 accumulation) and the tokens on its 8-column N
+side (swap-AB), cuts K into ``splits`` contiguous parts handled by different CTAs, and
+sums the FP32 partials in split order in the last CTA of each tile (deterministic, and a
+token's bits never depend on the other tokens of the call). The weights stream through a
+``cp.async`` ring of shared memory (``fast.gemm.layout``), one CTA per (tile, split), one
+wave; one compiled kernel per window count ``ceil(T / 8)``; programmatic dependent launch up
+to ``PDL_MAX_TOKENS`` tokens. Tactics per batch bucket: ``fast.gemm.host.DEFAULT_TACTICS``;
+only ``splits`` changes bits.
+
+Status (H200, ``benchmarks/results/dense/h200_2026-11-30_v2.md``): the four GEMMs in one
+graph at T <= 8 take 106.8-109.7 us, 0.77-0.79 of the byte limit at the measured read
+bandwidth (cuBLAS 111.1-113.3 us, 0.75-0.76); from T = 12 on they are slower than cuBLAS
+(T = 64: 161.8 us against 111.1 us): the ``mma.sync`` main loop's tensor-core and
+shared-memory work per weight byte grows with the windows. The 0.85 target is not met.
+
+Run: ``python -m pytest verify/test_gemm_fast.py -k fast`` (on an SM90/SM100 GPU);
+timing: ``python -m benchmarks.dense_table``.
+"""
+
+from fast.gemm.layout import MAX_TOKENS, Tactic, windows_for
+
+__all__ = ["DenseGemm", "Tactic", "choose_tactic", "MAX_TOKENS", "windows_for",
+           "compile_kernel", "kernel_shapes", "DEFAULT_TACTICS"]
+
+
+def __getattr__(name):
+    if name in ("DenseGemm", "choose_tactic", "compile_kernel", "kernel_shapes", "DEFAULT_TACTICS"):
+        from fast.gemm import host
+
+        return getattr(host, name)
+    raise AttributeError(name)

@@ -1,0 +1,283 @@
+"""Host side of the split-K GEMM: the tactic table, kernels compiled once per tactic shape,
+workspace and tile counters allocated once per GEMM object, every argument checked before
+the launch."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from fast import backend
+from fast.gemm.layout import MAX_ACCUMULATORS, MAX_TOKENS, MAX_WINDOWS, Tactic, windows_for
+
+__all__ = ["DenseGemm", "choose_tactic", "CANDIDATES", "DEFAULT_TACTICS", "PDL_MAX_TOKENS",
+           "compile_kernel", "kernel_shapes"]
+
+_R64, _R128 = dict(warps=2, mtiles=2), dict(warps=4, mtiles=2)
+_R128M4, _R256M4 = dict(warps=2, mtiles=4), dict(warps=4, mtiles=4, occupancy=1)
+_R64DEEP = dict(warps=2, mtiles=2, occupancy=1, ring=12)
+
+#: The tactics considered for the layer's four dense GEMMs (kimi_k3 shapes ``(N, K)``): each
+#: is verified (``verify/test_gemm_fast.py``) and timed (``benchmarks/dense_table.py``); all
+#: launch one wave on an H200 (132 multiprocessors). Five kernel shapes serve them all
+#: (``splits`` is a run-time value): tiles of 64 rows (2 warps x 2 m-tiles), 128 rows (4 x 2,
+#: or 2 x 4: each B fragment feeds 4 m-tiles) at 2 CTAs per multiprocessor, 256 rows (4 x 4)
+#: at one, and 64 rows at one CTA per multiprocessor with a 12-stage ring (more bytes in
+#: flight where the grid has fewer CTAs than multiprocessors).
+CANDIDATES: dict[tuple[int, int], tuple[Tactic, ...]] = {
+    (15872, 7168): (  # front [shared gate_up | latent down], BF16 out
+        Tactic(**_R128, splits=1), Tactic(**_R128, splits=2), Tactic(**_R64, splits=1),
+        Tactic(**_R128M4, splits=1), Tactic(**_R128M4, splits=2), Tactic(**_R256M4, splits=2)),
+    (896, 7168): (  # router gate, FP32 out
+        Tactic(**_R64, splits=4), Tactic(**_R64, splits=8), Tactic(**_R64, splits=16),
+        Tactic(**_R128M4, splits=16)),
+    (7168, 6144): (  # shared down, BF16 out
+        Tactic(**_R128, splits=2), Tactic(**_R128, splits=4), Tactic(**_R64, splits=1),
+        Tactic(**_R64, splits=2), Tactic(**_R128M4, splits=2), Tactic(**_R128M4, splits=4),
+        Tactic(**_R64DEEP, splits=1)),
+    (7168, 3584): (  # latent up + shared (addend), BF16 out
+        Tactic(**_R128, splits=2), Tactic(**_R128, splits=4), Tactic(**_R64, splits=1),
+        Tactic(**_R64, splits=2), Tactic(**_R128M4, splits=2), Tactic(**_R128M4, splits=4),
+        Tactic(**_R64DEEP, splits=1)),
+}
+
+#: Default tactic per shape and batch bucket (largest T of the bucket -> tactic): the
+#: candidate with the least time over the bucket's batches in two runs on the H200
+#: (benchmarks/results/dense/h200_2026-11-30_v2*.json), except the front above T = 32,
+#: which keeps split 1 where split 2 was 0.7 us (1%) faster.
+DEFAULT_TACTICS: dict[tuple[int, int], dict[int, Tactic]] = {
+    # split 1 at every T: a front row's bits never depend on the batch size (<= 64)
+    (15872, 7168): {16: Tactic(**_R64, splits=1), 64: Tactic(**_R128, splits=1)},
+    # split 8 at every T (likewise)
+    (896, 7168): {64: Tactic(**_R64, splits=8)},
+    (7168, 6144): {8: Tactic(**_R64, splits=1), 32: Tactic(**_R64, splits=2),
+                   64: Tactic(**_R128, splits=4)},
+    (7168, 3584): {8: Tactic(**_R64, splits=1), 64: Tactic(**_R128, splits=2)},
+}
+
+#: Calls of at most this many tokens launch with programmatic dependent launch by default
+#: (``DenseGemm(pdl=None)``). Measured on the H200 (the four GEMMs in one graph): 3.5-4 us
+#: faster at T <= 8, 1-1.5 us at 12-16, but 6-26 us slower from T = 24 on, where the
+#: compute-heavier CTAs of a kernel that launched early are packed two per multiprocessor.
+PDL_MAX_TOKENS = 16
+
+
+def choose_tactic(n: int, k: int, tokens: int, sms: int = 132) -> Tactic:
+    """The default tactic of an ``[N, K]`` weight at ``tokens`` rows: the measured table for
+    the layer's shapes; otherwise 64-row tiles (128 where N allows one wave of them) with
+    the fewest K splits (dividing K into multiples of 64) that give at least ``sms`` CTAs."""
+    table = DEFAULT_TACTICS.get((n, k))
+    if table:
+        for top in sorted(table):
+            if tokens <= top:
+                return table[top]
+    rows = 128 if n % 128 == 0 and n // 128 >= sms else 64
+    tiles = n // rows
+    splits = 1
+    while tiles * splits < sms and k % (2 * splits * 64) == 0:
+        splits *= 2
+    return Tactic(warps=rows // 32, mtiles=2, splits=splits)
+
+
+def kernel_shapes(tactics) -> list[dict]:
+    """The distinct compile-time kernel parameters of ``tactics`` at every window count."""
+    seen = []
+    for t in tactics:
+        for windows in range(1, MAX_WINDOWS + 1):
+            if t.mtiles * windows > MAX_ACCUMULATORS:
+                continue
+            params = t.kernel_params(windows)
+            if params not in seen:
+                seen.append(params)
+    return seen
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(arch: str, params: tuple):
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+
+    from fast.gemm.kernel import SplitKGemmKernel
+
+    obj = SplitKGemmKernel(**dict(params))
+    args = [Int64(0)] * 6 + [Int32(1)] * 7
+    return cute.compile(obj, *args, backend._fake_stream(), options=f"--gpu-arch {arch}")
+
+
+def compile_kernel(arch: str, **params):
+    """Compile the kernel of one shape (``Tactic.kernel_params``) for ``arch``; no GPU
+    needed. Cached per (arch, shape)."""
+    if arch not in backend.TARGETS:
+        raise ValueError(f"arch must be one of {backend.TARGETS}, got {arch!r}")
+    return _compiled(arch, tuple(sorted(params.items())))
+
+
+_BF16, _F32 = torch.bfloat16, torch.float32
+
+
+class DenseGemm:
+    """``x @ W^T`` (+ addend) for ``T <= max_tokens`` rows on the GPU: the dense part's
+    split-K swap-AB GEMM (kernel: ``fast.gemm.kernel.SplitKGemmKernel``).
+
+    One object per weight and call site: it owns the split-K workspace and tile counters
+    of its calls, so two objects may run on two streams at once; calls of one object must
+    be ordered (one stream). Buffers are allocated at construction for ``tactics`` (default:
+    the table's tactics for this shape); a call with another tactic that needs more
+    workspace allocates it then, which is refused inside CUDA-graph capture.
+
+    Args:
+        weight: BF16 ``[N, K]`` contiguous on a CUDA device (``nn.Linear`` layout).
+        max_tokens: the most rows a call may have (at most 64).
+        tactics: tactics to size the buffers for (default: every default tactic of
+            ``choose_tactic`` for T = 1..max_tokens).
+        pdl: launch with programmatic dependent launch: a call may start streaming its
+            weights while the previous kernel of the stream finishes (it waits for that
+            kernel before touching anything else; ``fast.gemm.kernel``). None (default):
+            for calls of at most ``PDL_MAX_TOKENS`` tokens. Never changes a bit.
+
+    Run: ``python -m pytest verify/test_gemm_fast.py -k fast`` (on an SM90/SM100 GPU).
+    """
+
+    def __init__(self, weight: torch.Tensor, *, max_tokens: int = MAX_TOKENS, tactics=None,
+                 pdl: bool | None = None):
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"DenseGemm: weight must be a torch.Tensor, got {type(weight).__name__}")
+        if weight.dtype != _BF16 or weight.dim() != 2:
+            raise ValueError(f"DenseGemm: weight must be a 2-D bfloat16 [N, K] tensor, got "
+                             f"{weight.dtype} {tuple(weight.shape)}")
+        if weight.device.type != "cuda":
+            raise ValueError(f"DenseGemm: weight must be on a CUDA device, got {weight.device}")
+        if not weight.is_contiguous() or weight.data_ptr() % 16:
+            raise ValueError("DenseGemm: weight must be contiguous and 16-byte aligned")
+        n, k = weight.shape
+        if n % 64 or k % 64 or n == 0 or k == 0:
+            raise ValueError(f"DenseGemm: weight [N, K] = [{n}, {k}] needs N and K positive "
+                             "multiples of 64")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_TOKENS:
+            raise ValueError(f"DenseGemm: max_tokens must be an int in [1, {MAX_TOKENS}], got {max_tokens!r}")
+        ok, why = backend.device_supported()
+        if not ok:
+            raise RuntimeError(f"DenseGemm: the fast kernels cannot run here: {why}")
+        self.weight, self.n, self.k, self.max_tokens = weight, n, k, max_tokens
+        if pdl not in (None, True, False):
+            raise ValueError(f"DenseGemm: pdl must be None, True or False, got {pdl!r}")
+        self.pdl = pdl
+        self.device = weight.device
+        self.arch = backend.device_arch(self.device)
+        self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        if tactics is None:
+            tactics = {self.tactic(t) for t in range(1, max_tokens + 1)}
+        tactics = list(tactics)
+        for t in tactics:
+            self._check_tactic(t)
+        self.workspace = torch.empty(max(self._ws_bytes(t) for t in tactics) // 4 + 4,
+                                     dtype=_F32, device=self.device)
+        self.counters = torch.zeros(n // 64, dtype=torch.int32, device=self.device)
+        self._null = torch.zeros(4, dtype=_F32, device=self.device)
+
+    def tactic(self, tokens: int) -> Tactic:
+        """The default tactic at ``tokens`` rows (``choose_tactic``)."""
+        return choose_tactic(self.n, self.k, tokens, self.sms)
+
+    def _ws_bytes(self, t: Tactic) -> int:
+        windows = windows_for(self.max_tokens)
+        return 0 if t.splits == 1 else t.splits * self.n * windows * 8 * 4
+
+    def _check_tactic(self, t: Tactic) -> None:
+        if not isinstance(t, Tactic):
+            raise TypeError(f"DenseGemm: tactic must be a fast.gemm.Tactic, got {type(t).__name__}")
+        if self.n % t.tile_rows:
+            raise ValueError(f"DenseGemm: N={self.n} is not a multiple of the tactic's "
+                             f"{t.tile_rows}-row tile ({t})")
+        if self.k % (t.splits * t.stage_k):
+            raise ValueError(f"DenseGemm: K={self.k} is not a multiple of splits * stage_k = "
+                             f"{t.splits} * {t.stage_k} ({t})")
+
+    def _check(self, x, out, out_dtype, addend):
+        n, dev = self.n, self.device
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"DenseGemm: x must be a torch.Tensor, got {type(x).__name__}")
+        if x.dtype != _BF16 or x.dim() != 2 or x.shape[1] != self.k:
+            raise ValueError(f"DenseGemm: x must be bfloat16 [T, K={self.k}], got {x.dtype} "
+                             f"{tuple(x.shape)}")
+        t = x.shape[0]
+        if not 1 <= t <= self.max_tokens:
+            raise ValueError(f"DenseGemm: x has {t} rows; this GEMM serves 1..{self.max_tokens}")
+        if x.device != dev:
+            raise ValueError(f"DenseGemm: x is on {x.device}, the weight on {dev}")
+        if not x.is_contiguous() or x.data_ptr() % 16:
+            raise ValueError("DenseGemm: x must be contiguous and 16-byte aligned")
+        if out_dtype not in (_BF16, _F32):
+            raise ValueError(f"DenseGemm: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
+        if addend is not None:
+            if not isinstance(addend, torch.Tensor) or addend.dtype not in (_BF16, _F32):
+                raise ValueError(f"DenseGemm: addend must be a bfloat16 or float32 tensor, got "
+                                 f"{getattr(addend, 'dtype', type(addend).__name__)}")
+            if tuple(addend.shape) != (t, n) or not addend.is_contiguous() or addend.device != dev:
+                raise ValueError(f"DenseGemm: addend must be contiguous [T, N] = [{t}, {n}] on "
+                                 f"{dev}, got {tuple(addend.shape)} on {addend.device}")
+        if out is not None:
+            if (not isinstance(out, torch.Tensor) or out.dtype != out_dtype
+                    or tuple(out.shape) != (t, n) or not out.is_contiguous() or out.device != dev):
+                raise ValueError(f"DenseGemm: out must be a contiguous {out_dtype} [T, N] = "
+                                 f"[{t}, {n}] tensor on {dev}")
+            if addend is not None and addend.data_ptr() != out.data_ptr() and _overlap(addend, out):
+                raise ValueError("DenseGemm: out and addend overlap without being the same tensor")
+        return t
+
+    def __call__(self, x: torch.Tensor, *, out_dtype: torch.dtype = _BF16,
+                 addend: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                 tactic: Tactic | None = None) -> torch.Tensor:
+        """``x @ W^T`` (``+ addend``), rounded once to ``out_dtype``.
+
+        Args:
+            x: BF16 ``[T, K]`` contiguous, ``1 <= T <= max_tokens``.
+            out_dtype: ``torch.bfloat16`` (RNE) or ``torch.float32``.
+            addend: optional BF16 or FP32 ``[T, N]`` added to the FP32 sum before the
+                output rounding (``reference.gemm.addmm``'s beta = 1); may be ``out``
+                itself (accumulate in place).
+            out: optional ``[T, N]`` output of ``out_dtype``.
+            tactic: a ``fast.gemm.Tactic`` (default ``self.tactic(T)``); only its
+                ``splits`` changes bits.
+
+        Returns:
+            ``out`` (a new tensor when not given).
+        """
+        t = self._check(x, out, out_dtype, addend)
+        tactic = tactic or self.tactic(t)
+        self._check_tactic(tactic)
+        if not tactic.serves(t):
+            raise ValueError(f"DenseGemm: tactic {tactic.label()} does not serve {t} tokens "
+                             f"({tactic.mtiles} m-tiles x {windows_for(t)} windows > "
+                             f"{MAX_ACCUMULATORS} accumulator tiles per warp)")
+        if self._ws_bytes(tactic) > self.workspace.numel() * 4:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"DenseGemm: tactic {tactic} needs a larger workspace than "
+                                   "was allocated; pass it in tactics= before graph capture")
+            self.workspace = torch.empty(self._ws_bytes(tactic) // 4 + 4, dtype=_F32,
+                                         device=self.device)
+        if out is None:
+            out = torch.empty(t, self.n, dtype=out_dtype, device=self.device)
+        from cutlass import Int32, Int64
+
+        from fast.gemm.kernel import FLAG_ADD_BF16, FLAG_ADD_F32, FLAG_F32_OUT
+
+        params = tactic.kernel_params(windows_for(t))
+        fn = _compiled(self.arch, tuple(sorted(params.items())))
+        flags = (FLAG_F32_OUT if out_dtype == _F32 else 0)
+        if addend is not None:
+            flags |= FLAG_ADD_BF16 if addend.dtype == _BF16 else FLAG_ADD_F32
+        grid = self.n // tactic.tile_rows * tactic.splits
+        fn(Int64(self.weight.data_ptr()), Int64(x.data_ptr()), Int64(out.data_ptr()),
+           Int64((addend if addend is not None else self._null).data_ptr()),
+           Int64(self.workspace.data_ptr()), Int64(self.counters.data_ptr()),
+           Int32(self.n), Int32(self.k), Int32(t), Int32(tactic.splits), Int32(flags),
+           Int32(grid), Int32(int(t <= PDL_MAX_TOKENS if self.pdl is None else self.pdl)),
+           backend.stream(self.device))
+        return out
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()

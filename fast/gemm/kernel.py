@@ -1,0 +1,374 @@
+"""The CuTe DSL kernel of the split-K swap-AB GEMM (``fast.gemm``; byte layout in
+``fast.gemm.layout``).
+
+The kernel takes raw device addresses (``Int64``) and run-time sizes (``Int32``): N, K, the
+token count, the number of K splits and the output/addend kinds are run-time values, and
+only the CTA shape, the window count, the ring and the stage width are compile-time
+constants of a kernel object, so one compile serves every GEMM of the layer at one tactic
+shape.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from fast import _cute as h
+from fast.experts import _ptx as p
+from fast.gemm import layout as lay
+
+__all__ = ["SplitKGemmKernel", "FLAG_F32_OUT", "FLAG_ADD_BF16", "FLAG_ADD_F32",
+           "ld_cg_v4", "ld_u16", "ld_f32", "stg_u16_if", "stg_f32_if", "fence_gpu"]
+
+#: ``flags`` bits of a launch: FP32 output (else BF16), a BF16 or an FP32 addend.
+FLAG_F32_OUT, FLAG_ADD_BF16, FLAG_ADD_F32 = 1, 2, 4
+
+
+def _asm(code, outs, ins):
+    return cute.arch.inline_ptx(code, write_only_types=outs, read_only_args=ins)
+
+
+def ld_cg_v4(address):
+    """Four words another CTA of this launch wrote, read through L2 (``ld.global.cg.v4``:
+    not the non-coherent path, not L1)."""
+    return _asm("ld.global.cg.v4.u32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];",
+                [Uint32] * 4, [Int64(address)])
+
+
+def ld_u16(address):
+    """A zero-extended coherent 16-bit load (``ld.global.u16``: the addend may be the
+    output itself)."""
+    return _asm("{ .reg .b16 t; ld.global.u16 t, [{$r0}]; cvt.u32.u16 {$w0}, t; }",
+                [Uint32], [Int64(address)])
+
+
+def ld_f32(address):
+    """A coherent FP32 load (``ld.global.f32``)."""
+    return _asm("ld.global.f32 {$w0}, [{$r0}];", [Float32], [Int64(address)])
+
+
+def stg_u16_if(address, value, live):
+    """Store the low 16 bits of ``value`` when ``live`` (Int32) is non-zero: one predicated
+    ``st.global.u16``, no branch."""
+    _asm("{ .reg .pred p; .reg .b16 t; setp.ne.s32 p, {$r2}, 0; cvt.u16.u32 t, {$r1}; "
+         "@p st.global.u16 [{$r0}], t; }", [], [Int64(address), Uint32(value), Int32(live)])
+
+
+def stg_f32_if(address, value, live):
+    """Store ``value`` when ``live`` (Int32) is non-zero (predicated ``st.global.f32``)."""
+    _asm("{ .reg .pred p; setp.ne.s32 p, {$r2}, 0; @p st.global.f32 [{$r0}], {$r1}; }", [],
+         [Int64(address), Float32(value), Int32(live)])
+
+
+def fence_gpu():
+    """``fence.acq_rel.gpu``: this thread's earlier writes before its later accesses, for
+    every thread of the GPU (``__threadfence``)."""
+    _asm("fence.acq_rel.gpu;", [], [])
+
+
+class SplitKGemmKernel:
+    """``out[t, n] = sum_k x[t, k] W[n, k] (+ addend[t, n])`` for ``8 (windows - 1) < T <=
+    8 windows`` tokens: BF16 operands, FP32 accumulation, FP32 or BF16 (RNE) output.
+
+    Grid: one CTA per (tile of ``16 * warps * mtiles`` weight rows, K split), split-major
+    (``block = split * tiles + tile``); the host launches ``tiles * splits`` CTAs, at most
+    one wave for the layer's shapes.
+
+    Algorithm of CTA (tile, split s) over ``k in [s K/S, (s+1) K/S)``:
+
+    1. each lane computes the global addresses of its weight pieces (``layout.a_source``:
+       per m-tile rows ``g`` and ``g + 8``, 16 bytes at ``8q``) and each thread the offsets
+       of its token pieces (``layout.b_offset``; tokens past ``T`` in the last window are
+       zero-filled);
+    2. main loop over the split's stages of ``stage_k`` k: ``cp.async.cg`` copies of the
+       weights (each lane's own pieces) and tokens into a ring of ``ring`` slots, ``ring - 1``
+       stages ahead; one barrier per stage. The prologue copies the weights of the first
+       ``ring - 1`` stages, then ``griddepcontrol.wait`` (with programmatic dependent launch,
+       the CTA may start while the stream's previous kernel finishes: nothing that kernel
+       writes is read or written before the wait), ``griddepcontrol.launch_dependents``, then
+       the tokens of those stages; per sub-chunk of 32 k and MMA step j = 0, 1, for
+       every (m-tile, window) one ``mma.m16n8k16`` adding 16 exact products into that
+       (m-tile, window)'s FP32 accumulators, step-major over the independent accumulators
+       (no accumulator's MMAs back to back). The window count is a compile-time constant
+       (one kernel per ``ceil(T / 8)``): no branch in the loop;
+    3. ``S = 1``: the epilogue. ``S > 1``: the split's accumulators go to the workspace in
+       fragment order (``layout.ws_offset``), every thread fences, thread 0 increments the
+       tile's counter; the CTA that finds ``S - 1`` (the last to finish, whichever split it
+       is) re-arms the counter to 0, fences, reads the S partials back through L2 (all
+       loads of a split in flight together) and sums them **in split order** ``acc = p_0;
+       acc = acc + p_s`` (``add.rn.f32``), then the epilogue;
+    4. epilogue: with an addend, every ``addend[t, n]`` loaded first (rows past ``T``
+       clamped to ``T - 1``, never used), ``v = add.rn(acc, addend)`` (a BF16 addend
+       converted exactly); then FP32 out or one ``cvt.rn.bf16.f32``, stored by predicated
+       stores for ``t < T`` (no branch).
+
+    Summation order of an output (what ``verify.bounds.mma_matmul_bound`` covers): per
+    split, the MMA steps in k order from the split's first k, each adding 16 exact
+    products; the splits' partials in split order; the addend last. Nothing in it depends on
+    the other tokens of the call, on the tile shape, the window count, the ring, the stage
+    width or which CTA reduces: only ``splits`` changes bits.
+
+    Constraints (checked by the host, ``fast.gemm.DenseGemm``): ``N % tile_rows == 0``,
+    ``K % (splits * stage_k) == 0``, ``8 (windows - 1) < T <= 8 windows``, at most
+    ``layout.MAX_ACCUMULATORS`` (m-tile, window) tiles per warp, contiguous 16-byte aligned
+    operands.
+
+    Run: ``python -m pytest verify/test_gemm_fast.py -k fast`` (on an SM90/SM100 GPU).
+    """
+
+    def __init__(self, *, warps: int = 4, mtiles: int = 2, windows: int = 1, ring: int = 4,
+                 stage_k: int = 64, occupancy: int = 2):
+        if warps not in (1, 2, 4, 8) or mtiles not in (1, 2, 4) or not 1 <= windows <= lay.MAX_WINDOWS:
+            raise ValueError(f"SplitKGemmKernel: warps {warps}, mtiles {mtiles}, windows "
+                             f"{windows} not supported")
+        if stage_k not in (64, 128) or not 2 <= ring <= 12:
+            raise ValueError(f"SplitKGemmKernel: stage_k {stage_k} / ring {ring} not supported")
+        self.warps, self.mtiles, self.windows = warps, mtiles, windows
+        self.ring, self.stage_k, self.occupancy = ring, stage_k, occupancy
+        self.threads = 32 * warps
+        self.tile_rows = 16 * warps * mtiles
+        self.subs = stage_k // lay.SUB_K
+        self.pieces = stage_k // 8  # 16-byte pieces of one row per stage
+        self.a_bytes = self.tile_rows * stage_k * 2
+        self.slot_bytes = lay.slot_bytes(self.tile_rows, windows, stage_k)
+        self.smem_bytes = ring * self.slot_bytes
+        self.granules = lay.WINDOW * windows * self.pieces  # token pieces per stage
+        self.copies = -(-self.granules // self.threads)
+
+    @cute.jit
+    def __call__(self, w: Int64, x: Int64, out: Int64, addend: Int64, ws: Int64,
+                 counters: Int64, n: Int32, k: Int32, tokens: Int32, splits: Int32,
+                 flags: Int32, grid: Int32, pdl: Int32, stream):
+        self.kernel(w, x, out, addend, ws, counters, n, k, tokens, splits, flags).launch(
+            grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream, smem=self.smem_bytes,
+            min_blocks_per_mp=self.occupancy, preferred_smem_carveout=100, use_pdl=pdl)
+
+    @cute.kernel
+    def kernel(self, w: Int64, x: Int64, out: Int64, addend: Int64, ws: Int64, counters: Int64,
+               n: Int32, k: Int32, tokens: Int32, splits: Int32, flags: Int32):
+        tid = cute.arch.thread_idx()[0]
+        lane = tid % 32
+        warp = tid // 32
+        MT: cutlass.Constexpr = self.mtiles
+        W: cutlass.Constexpr = self.windows
+        SUBS: cutlass.Constexpr = self.subs
+        RING: cutlass.Constexpr = self.ring
+        TILE: cutlass.Constexpr = self.tile_rows
+        SLOT: cutlass.Constexpr = self.slot_bytes
+        threads: cutlass.Constexpr = self.threads
+
+        ring = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=128).toint()
+        flag = cute.arch.alloc_smem(Int32, 4, alignment=16).toint()
+
+        block = cute.arch.block_idx()[0]
+        tiles = n // TILE
+        tile = block % tiles
+        split = block // tiles
+        kc = k // splits
+        k0 = split * kc
+        stages = kc // self.stage_k
+        row_bytes = Int64(k) * 2
+
+        # 1. this lane's weight pieces (stage 0, sub-chunk 0), per (m-tile, half)
+        abase = w + Int64(tile * TILE) * row_bytes + Int64(k0) * 2
+        asrc = []
+        for mt in cutlass.range_constexpr(MT):
+            for half in cutlass.range_constexpr(2):
+                row, kk = lay.a_source(warp, mt, half, lane, MT)
+                asrc.append(abase + Int64(row) * row_bytes + kk * 2)
+        # this thread's token pieces: byte offset from x + k0 (-1: zero-fill, -2: none) and
+        # slot offset
+        xbase = x + Int64(k0) * 2
+        src = cute.make_rmem_tensor((self.copies,), Int32)
+        dst = cute.make_rmem_tensor((self.copies,), Int32)
+        for i in cutlass.range_constexpr(self.copies):
+            gid = tid + threads * i
+            token = gid // self.pieces
+            piece = gid % self.pieces
+            dst[i] = lay.b_offset(token, piece, SUBS, self.a_bytes)
+            off = Int32(-2)
+            if gid < self.granules:
+                off = Int32(-1)
+                if token < tokens:
+                    off = (token * k + piece * 8) * 2
+            src[i] = off
+
+        acc = cute.make_rmem_tensor((MT * W * 4,), Float32)
+        for i in cutlass.range_constexpr(MT * W * 4):
+            acc[i] = Float32(0.0)
+
+        # 2. main loop. Prologue: the weights of the first ring - 1 stages (one group), then
+        # (programmatic dependent launch) wait for the previous grid of the stream, whose
+        # output x, the addend or out may be, and let the next grid launch; then the tokens
+        # of those stages (one group each).
+        for st in cutlass.range_constexpr(RING - 1):
+            if st < stages:
+                self._issue_a(asrc, ring + st * SLOT, st, warp, lane)
+        cute.arch.cp_async_commit_group()
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        for st in cutlass.range_constexpr(RING - 1):
+            if st < stages:
+                self._issue_b(xbase, src, dst, ring + st * SLOT, st)
+            cute.arch.cp_async_commit_group()
+        for s in cutlass.range(stages, unroll=1):
+            cute.arch.cp_async_wait_group(RING - 2)
+            cute.arch.sync_threads()
+            ahead = s + RING - 1
+            if ahead < stages:
+                self._issue(asrc, xbase, src, dst, ring + (ahead % RING) * SLOT, ahead, warp, lane)
+            cute.arch.cp_async_commit_group()
+            self._compute(acc, ring + (s % RING) * SLOT, warp, lane)
+        cute.arch.cp_async_wait_group(0)
+
+        # 3. split-K: partials to the workspace, the last CTA of the tile reduces in order
+        if splits > 1:
+            for mt in cutlass.range_constexpr(MT):
+                for wn in cutlass.range_constexpr(W):
+                    at = (mt * W + wn) * 4
+                    p.stg_v4(ws + lay.ws_offset(Int64(split), tile, warp, mt, wn, lane, tiles,
+                                                self.warps, MT, W),
+                             [h.bits(acc[at + i]) for i in range(4)])
+            fence_gpu()
+            cute.arch.sync_threads()
+            if tid == 0:
+                fence_gpu()
+                old = p.atomic_add(counters + Int64(tile) * 4, 1)
+                last = Int32(0)
+                if old == splits - 1:
+                    last = Int32(1)
+                    p.stg_i32(counters + Int64(tile) * 4, 0)
+                p.sts_i32(flag, last)
+            cute.arch.sync_threads()
+            if p.lds_i32(flag) != 0:
+                fence_gpu()
+                for sp in cutlass.range(splits, unroll=1):
+                    for mt in cutlass.range_constexpr(MT):  # one m-tile's loads in flight at once
+                        got = [ld_cg_v4(ws + lay.ws_offset(Int64(sp), tile, warp, mt, wn, lane,
+                                                           tiles, self.warps, MT, W))
+                               for wn in range(W)]
+                        for wn in cutlass.range_constexpr(W):
+                            at = (mt * W + wn) * 4
+                            for i in cutlass.range_constexpr(4):
+                                part = h.from_bits(got[wn][i])
+                                # split 0 starts the sum (acc = p_0, not 0 + p_0: -0 stays -0)
+                                acc[at + i] = cutlass.select_(sp == 0, part,
+                                                              h.fadd(acc[at + i], part))
+                self._epilogue(acc, out, addend, n, tokens, flags, tile, warp, lane)
+        else:
+            self._epilogue(acc, out, addend, n, tokens, flags, tile, warp, lane)
+
+    # -- pieces -----------------------------------------------------------------------
+
+    @cute.jit
+    def _issue(self, asrc, xbase, src, dst, slot, stage, warp, lane):
+        """``cp.async`` everything stage ``stage`` reads into ``slot``."""
+        self._issue_b(xbase, src, dst, slot, stage)
+        self._issue_a(asrc, slot, stage, warp, lane)
+
+    @cute.jit
+    def _issue_b(self, xbase, src, dst, slot, stage):
+        """This thread's token pieces of stage ``stage``."""
+        offset = Int64(stage) * (self.stage_k * 2)
+        for i in cutlass.range_constexpr(self.copies):
+            if cutlass.const_expr((i + 1) * self.threads <= self.granules):
+                p.cp_async_16(slot + dst[i], xbase + Int64(cutlass.max(src[i], Int32(0))) + offset,
+                              src[i] >= 0)
+            else:
+                if src[i] >= -1:
+                    p.cp_async_16(slot + dst[i], xbase + Int64(cutlass.max(src[i], Int32(0))) + offset,
+                                  src[i] >= 0)
+
+    @cute.jit
+    def _issue_a(self, asrc, slot, stage, warp, lane):
+        """This lane's weight pieces of stage ``stage``."""
+        MT: cutlass.Constexpr = self.mtiles
+        SUBS: cutlass.Constexpr = self.subs
+        offset = Int64(stage) * (self.stage_k * 2)
+        for mt in cutlass.range_constexpr(MT):
+            for half in cutlass.range_constexpr(2):
+                for sub in cutlass.range_constexpr(SUBS):
+                    p.cp_async_16(slot + lay.a_offset(warp, mt, sub, half, lane, MT, SUBS),
+                                  asrc[mt * 2 + half] + offset + sub * (lay.SUB_K * 2), True)
+
+    @cute.jit
+    def _mma(self, acc, a_words, b_words, j: int, mt: int, wn: int):
+        W: cutlass.Constexpr = self.windows
+        lo, hi = a_words
+        at = (mt * W + wn) * 4
+        a_regs, b_regs = lay.mma_operands(lo, hi, b_words, j)
+        d = p.mma_bf16(a_regs, b_regs, [acc[at + i] for i in range(4)])
+        for i in cutlass.range_constexpr(4):
+            acc[at + i] = d[i]
+
+    @cute.jit
+    def _compute(self, acc, slot, warp, lane):
+        """One stage from ``slot``: per sub-chunk, the A words of every m-tile (two 16-byte
+        loads each) and the B words of every window, then MMA steps 0 and 1 over (m-tile,
+        window): step-major over all of them for up to 2 m-tiles; window by window (B words
+        loaded per window, fewer live registers) for 4 m-tiles, where the 4 m-tiles already
+        separate an accumulator's two steps."""
+        MT: cutlass.Constexpr = self.mtiles
+        W: cutlass.Constexpr = self.windows
+        SUBS: cutlass.Constexpr = self.subs
+        for sub in cutlass.range_constexpr(SUBS):
+            a = []
+            for mt in cutlass.range_constexpr(MT):
+                a.append((p.lds_v4(slot + lay.a_offset(warp, mt, sub, 0, lane, MT, SUBS)),
+                          p.lds_v4(slot + lay.a_offset(warp, mt, sub, 1, lane, MT, SUBS))))
+            if cutlass.const_expr(MT >= 4):
+                for wn in cutlass.range_constexpr(W):
+                    b = p.lds_v4(slot + lay.b_read_offset(wn, sub, lane, SUBS, self.a_bytes))
+                    for j in cutlass.range_constexpr(2):
+                        for mt in cutlass.range_constexpr(MT):
+                            self._mma(acc, a[mt], b, j, mt, wn)
+            else:
+                b = [p.lds_v4(slot + lay.b_read_offset(wn, sub, lane, SUBS, self.a_bytes))
+                     for wn in range(W)]
+                for j in cutlass.range_constexpr(2):
+                    for mt in cutlass.range_constexpr(MT):
+                        for wn in cutlass.range_constexpr(W):
+                            self._mma(acc, a[mt], b[wn], j, mt, wn)
+
+    @cute.jit
+    def _epilogue(self, acc, out: Int64, addend: Int64, n: Int32, tokens: Int32, flags: Int32,
+                  tile, warp, lane):
+        """Addend (loads of one m-tile in flight together), output rounding, predicated
+        stores of the tokens ``< T``."""
+        MT: cutlass.Constexpr = self.mtiles
+        W: cutlass.Constexpr = self.windows
+        col0 = tile * self.tile_rows
+        last = tokens - 1
+        add_bf16 = (flags & FLAG_ADD_BF16) != 0
+        add_f32 = (flags & FLAG_ADD_F32) != 0
+        f32_out = (flags & FLAG_F32_OUT) != 0
+        for mt in cutlass.range_constexpr(MT):
+            # (accumulator index, element offset of (min(t, T - 1), n), token) of the m-tile;
+            # offsets are Int32 (T N < 2^31), one register each
+            where = []
+            for wn in cutlass.range_constexpr(W):
+                for r in cutlass.range_constexpr(4):
+                    row, token = lay.c_map(warp, mt, wn, lane, r, MT)
+                    where.append(((mt * W + wn) * 4 + r, cutlass.min(token, last) * n + col0 + row,
+                                  token))
+            if add_bf16:
+                vals = [ld_u16(addend + Int64(at) * 2) for _, at, _ in where]
+                for e in cutlass.range_constexpr(W * 4):
+                    i = where[e][0]
+                    acc[i] = h.fadd(acc[i], h.bf16_lo(vals[e]))
+            if add_f32:
+                vals = [ld_f32(addend + Int64(at) * 4) for _, at, _ in where]
+                for e in cutlass.range_constexpr(W * 4):
+                    i = where[e][0]
+                    acc[i] = h.fadd(acc[i], vals[e])
+            if f32_out:
+                for e in cutlass.range_constexpr(W * 4):
+                    i, at, token = where[e]
+                    stg_f32_if(out + Int64(at) * 4, acc[i],
+                               cutlass.select_(token < tokens, Int32(1), Int32(0)))
+            else:
+                for e in cutlass.range_constexpr(W * 4):
+                    i, at, token = where[e]
+                    stg_u16_if(out + Int64(at) * 2, p.f32_to_bf16_bits(acc[i]),
+                               cutlass.select_(token < tokens, Int32(1), Int32(0)))

@@ -1,0 +1,199 @@
+"""Where every byte of the split-K GEMM goes: ring-slot offsets, fragment maps, tactics.
+
+Pure Python (no CuTe DSL): the index functions below take plain ints or the kernel's
+``Int32`` values alike (they use only ``+``, ``*``, ``//``, ``%``), so the kernel
+(``fast.gemm.kernel``) calls them while tracing and ``tests/test_gemm_fast.py`` replays
+the whole data path of a CTA with them on the CPU (copies into a ring slot, fragment
+reads, the PTX fragment layout of ``mma.m16n8k16``, the output map) before any GPU runs.
+
+**Operands (swap-AB).** ``out[t, n] = sum_k x[t, k] * W[n, k]``: the weight rows are the
+16-row M side of ``mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32``, the tokens the
+8-column N side (a *window* of 8 tokens), K the reduction. An *m-tile* is 16 weight rows;
+a warp owns ``mtiles`` m-tiles, a CTA ``warps`` warps (``tile_rows = 16 warps mtiles``).
+
+**k permutation.** A *sub-chunk* is 32 consecutive k. Lane ``l = 4g + q`` loads, per
+m-tile and sub-chunk, the 16 bytes ``W[r, 8q : 8q + 8]`` of rows ``r = g`` (half 0) and
+``r = g + 8`` (half 1) and, per window, ``x[8w + g, 8q : 8q + 8]``. MMA step ``j`` (0, 1)
+of the sub-chunk gives the MMA's logical k ``{2q, 2q+1}`` the physical ``8q + 4j + {0,
+1}`` (word ``2j`` of the lane's 16 bytes) and ``{2q+8, 2q+9}`` the physical ``8q + 4j +
+{2, 3}`` (word ``2j + 1``): one permutation of k applied to both operands, so each MMA
+adds 16 exact products of matching k, every physical k of the sub-chunk exactly once over
+the two steps (a dot product does not depend on the names of its terms; the hardware's
+order is what ``verify.bounds.mma_matmul_bound`` covers).
+
+**A ring slot** (one stage of ``stage_k`` k): the weights first, ``[warp, m-tile,
+sub-chunk, half, lane, 16 bytes]`` (each lane reads back exactly the 16-byte pieces it
+copied), then the tokens, ``[window, sub-chunk, lane (= 4 token + piece), 16 bytes]``.
+Both are read as one 16-byte shared load per lane at ``lane * 16`` of a 512-byte block:
+no bank conflict.
+
+**Split-K workspace.** Split ``s`` of tile ``t`` stores its FP32 accumulators in fragment
+order, ``[split, tile, warp, m-tile, window, lane, 4 floats]`` (one coalesced 16-byte store
+per lane), so the reducing CTA reads each partial back into the same registers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+__all__ = [
+    "WINDOW", "MAX_TOKENS", "MAX_WINDOWS", "SUB_K", "PIECE", "BLOCK",
+    "a_source", "a_offset", "b_offset", "b_read_offset", "mma_operands", "c_map", "ws_offset",
+    "windows_for", "Tactic", "SMEM_PER_SM", "MAX_ACCUMULATORS", "slot_bytes", "ring_for",
+]
+
+#: Tokens per window: the N of ``mma.m16n8k16``.
+WINDOW = 8
+#: The most tokens one call serves (8 windows; the DEP front's ``front_max``).
+MAX_WINDOWS = 8
+MAX_TOKENS = WINDOW * MAX_WINDOWS
+#: k of one sub-chunk (two MMA steps of 16).
+SUB_K = 32
+#: Bytes of one ``cp.async`` / one lane's shared load.
+PIECE = 16
+#: Bytes a warp reads with one 16-byte shared load per lane.
+BLOCK = 32 * PIECE
+#: The most (m-tile, window) accumulator tiles of one warp (4 FP32 registers each): beyond
+#: it, ptxas spills (measured with the kernel's code: 4 m-tiles x 5 windows fit in 250
+#: registers, 4 x 6 spill).
+MAX_ACCUMULATORS = 20
+#: Shared memory of one H100/H200 multiprocessor a CTA may share (228 KiB, of which 1 KiB
+#: per resident CTA is reserved by the system).
+SMEM_PER_SM = 228 << 10
+
+
+def a_source(warp, mt, half, lane, mtiles: int):
+    """(row within the tile, k within the sub-chunk) of the 16 bytes lane ``lane`` of
+    ``warp`` copies for m-tile ``mt``, half ``half``."""
+    return (warp * mtiles + mt) * 16 + 8 * half + lane // 4, 8 * (lane % 4)
+
+
+def a_offset(warp, mt, sub, half, lane, mtiles: int, subs: int):
+    """Byte offset in a ring slot of that lane's piece for sub-chunk ``sub``."""
+    return (((warp * mtiles + mt) * subs + sub) * 2 + half) * BLOCK + lane * PIECE
+
+
+def b_offset(token, piece, subs: int, a_bytes: int):
+    """Byte offset in a ring slot of token ``token``'s 16-byte piece ``piece`` (k ``8 piece
+    .. 8 piece + 7`` of the stage; ``piece < 4 subs``)."""
+    return a_bytes + ((token // WINDOW * subs + piece // 4) * 32
+                      + (token % WINDOW) * 4 + piece % 4) * PIECE
+
+
+def b_read_offset(window, sub, lane, subs: int, a_bytes: int):
+    """Where lane ``lane`` reads its B fragment of ``window`` for sub-chunk ``sub``: the
+    piece of token ``8 window + lane // 4``, k ``32 sub + 8 (lane % 4)``."""
+    return a_bytes + ((window * subs + sub) * 32 + lane) * PIECE
+
+
+def mma_operands(a_lo, a_hi, b, j: int):
+    """The registers of MMA step ``j`` (0, 1) of a sub-chunk: ``a_lo``/``a_hi`` the 4 words
+    of the lane's half-0/half-1 weight pieces, ``b`` the 4 words of its token piece.
+    Returns ``((a0, a1, a2, a3), (b0, b1))`` in ``mma.m16n8k16``'s fragment order (a0: row
+    g, k 2q..2q+1; a1: row g+8, same k; a2: row g, k 2q+8..2q+9; a3: row g+8, same k;
+    b0: k 2q..2q+1, b1: k 2q+8..2q+9 of token g)."""
+    return (a_lo[2 * j], a_hi[2 * j], a_lo[2 * j + 1], a_hi[2 * j + 1]), (b[2 * j], b[2 * j + 1])
+
+
+def c_map(warp, mt, window, lane, r, mtiles: int):
+    """(row within the tile, token) of accumulator ``r`` (0..3) of ``(mt, window)`` in lane
+    ``lane``: the ``mma.m16n8k16`` C fragment, rows ``g`` and ``g + 8``, columns ``2q`` and
+    ``2q + 1``."""
+    return ((warp * mtiles + mt) * 16 + lane // 4 + 8 * (r // 2),
+            window * WINDOW + 2 * (lane % 4) + r % 2)
+
+
+def ws_offset(split, tile, warp, mt, window, lane, tiles, warps: int, mtiles: int,
+              windows: int):
+    """Byte offset of a lane's 4 FP32 partials of ``(mt, window)`` in the workspace."""
+    return (((((split * tiles + tile) * warps + warp) * mtiles + mt) * windows + window)
+            * BLOCK + lane * PIECE)
+
+
+def windows_for(tokens: int) -> int:
+    """Windows of 8 tokens a call of ``tokens`` rows runs: ``ceil(tokens / 8)``, a
+    compile-time constant of the kernel (one compiled variant per count, 1..8), so its main
+    loop has no branch on the token count."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_TOKENS:
+        raise ValueError(f"tokens must be an int in [1, {MAX_TOKENS}], got {tokens!r}")
+    return -(-tokens // WINDOW)
+
+
+def slot_bytes(tile_rows: int, windows: int, stage_k: int) -> int:
+    """One ring slot: the tile's weights and the windows' tokens for ``stage_k`` k."""
+    return (tile_rows + WINDOW * windows) * stage_k * 2
+
+
+def ring_for(tile_rows: int, windows: int, stage_k: int, occupancy: int) -> int:
+    """Deepest ring (at most 8 stages) whose slots fit ``occupancy`` CTAs per
+    multiprocessor, 2 KiB per CTA left for the system and the kernel's flag."""
+    budget = SMEM_PER_SM // occupancy - 2048
+    return max(2, min(8, budget // slot_bytes(tile_rows, windows, stage_k)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Tactic:
+    """How one GEMM call is cut up. ``splits`` is the only field that changes bits (it
+    fixes the summation order: each split's MMA chain over ``K / splits`` consecutive k,
+    then the splits' FP32 partials added in split order); the tile shape, the ring, the
+    stage width and the occupancy only move work between CTAs and through shared memory.
+
+    Attributes:
+        warps, mtiles: the CTA tile, ``16 * warps * mtiles`` weight rows.
+        splits: K splits (CTAs per tile); ``K % (splits * stage_k) == 0``.
+        stage_k: k per ring stage (64 or 128).
+        occupancy: CTAs per multiprocessor the kernel is built for (launch bounds and
+            the ring's share of shared memory); default 2 for tiles up to 128 rows, else 1.
+        ring: stages in the ``cp.async`` ring; default ``ring_for(...)``.
+    """
+
+    warps: int = 4
+    mtiles: int = 2
+    splits: int = 1
+    stage_k: int = 64
+    occupancy: int | None = None
+    ring: int | None = None
+
+    def __post_init__(self):
+        for name in ("warps", "mtiles", "splits"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"Tactic.{name} must be a positive int, got {v!r}")
+        if self.warps not in (1, 2, 4, 8) or self.mtiles not in (1, 2, 4):
+            raise ValueError(f"Tactic: warps must be 1, 2, 4 or 8 and mtiles 1, 2 or 4, got "
+                             f"warps={self.warps}, mtiles={self.mtiles}")
+        if self.stage_k not in (64, 128):
+            raise ValueError(f"Tactic.stage_k must be 64 or 128, got {self.stage_k!r}")
+        if self.occupancy is not None and self.occupancy not in (1, 2, 3, 4):
+            raise ValueError(f"Tactic.occupancy must be 1..4, got {self.occupancy!r}")
+        if self.ring is not None and not 2 <= self.ring <= 12:
+            raise ValueError(f"Tactic.ring must be 2..12, got {self.ring!r}")
+
+    @property
+    def tile_rows(self) -> int:
+        return 16 * self.warps * self.mtiles
+
+    def serves(self, tokens: int) -> bool:
+        """Whether the tactic runs a call of ``tokens`` rows: its warp's accumulators
+        (``mtiles * ceil(tokens / 8)``) fit ``MAX_ACCUMULATORS``."""
+        return self.mtiles * windows_for(tokens) <= MAX_ACCUMULATORS
+
+    def kernel_params(self, windows: int) -> dict:
+        """The compile-time parameters of the kernel this tactic runs at ``windows``."""
+        if self.mtiles * windows > MAX_ACCUMULATORS:
+            raise ValueError(f"Tactic {self.label()}: {self.mtiles} m-tiles x {windows} windows "
+                             f"exceed {MAX_ACCUMULATORS} accumulator tiles per warp (registers); "
+                             f"it serves up to {8 * (MAX_ACCUMULATORS // self.mtiles)} tokens")
+        occ = self.occupancy or (2 if self.tile_rows <= 128 else 1)
+        ring = self.ring or ring_for(self.tile_rows, windows, self.stage_k, occ)
+        if occ * (ring * slot_bytes(self.tile_rows, windows, self.stage_k) + 2048) > SMEM_PER_SM:
+            raise ValueError(f"Tactic {self}: {ring} ring stages of "
+                             f"{slot_bytes(self.tile_rows, windows, self.stage_k)} bytes do not "
+                             f"fit {occ} CTAs per multiprocessor at {windows} windows")
+        return dict(warps=self.warps, mtiles=self.mtiles, windows=windows, ring=ring,
+                    stage_k=self.stage_k, occupancy=occ)
+
+    def label(self) -> str:
+        extra = "".join(f",{k}{getattr(self, k)}" for k in ("stage_k", "occupancy", "ring")
+                        if getattr(self, k) != Tactic.__dataclass_fields__[k].default)
+        return f"r{self.tile_rows}w{self.warps}s{self.splits}{extra}"

@@ -1,0 +1,264 @@
+"""CPU checks of the split-K GEMM (``fast.gemm``): the kernel's byte maps replayed end to
+end (ring-slot copies, fragment reads, the ``mma.m16n8k16`` fragment layout of the PTX ISA,
+the split-K workspace and the output map) give ``x @ W^T`` exactly on integer data; the
+maps tile a ring slot and the workspace without overlap; every kernel shape of every
+candidate tactic compiles for every target; bad tactics and weights are refused before
+anything is launched."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+from fast import backend
+from fast.gemm import layout as lay
+from fast.gemm.layout import Tactic
+
+_cute_error = backend.cute_import_error()
+
+
+# --- the data path replayed -------------------------------------------------------------
+
+
+def _mma(a_regs, b_regs):
+    """``mma.m16n8k16`` of one warp: per lane 4 A words and 2 B words, each word a (low,
+    high) pair of values; returns per lane (c0, c1, c2, c3). Fragment layout as in the PTX
+    ISA (Matrix fragments for mma.m16n8k16 with .bf16): A element (row, col) of register
+    i: rows g (i = 0, 2) / g + 8 (i = 1, 3), cols 2q + {0, 1} (i = 0, 1) / 2q + 8 + {0, 1}
+    (i = 2, 3); B register i: rows (k) 2q + 8 i + {0, 1}, col g; C: rows g, g + 8 (c0, c1 /
+    c2, c3), cols 2q, 2q + 1."""
+    a = torch.zeros(16, 16, dtype=torch.float64)
+    b = torch.zeros(16, 8, dtype=torch.float64)
+    for lane in range(32):
+        g, q = lane // 4, lane % 4
+        for i, (lo, hi) in enumerate(a_regs[lane]):
+            row = g + 8 * (i % 2)
+            col = 2 * q + 8 * (i // 2)
+            a[row, col], a[row, col + 1] = lo, hi
+        for i, (lo, hi) in enumerate(b_regs[lane]):
+            b[2 * q + 8 * i, g], b[2 * q + 8 * i + 1, g] = lo, hi
+    d = a @ b
+    return [(d[lane // 4, 2 * (lane % 4)], d[lane // 4, 2 * (lane % 4) + 1],
+             d[lane // 4 + 8, 2 * (lane % 4)], d[lane // 4 + 8, 2 * (lane % 4) + 1])
+            for lane in range(32)]
+
+
+def _words(smem: torch.Tensor, offset: int):
+    """The 4 words (value pairs) of the 16 bytes at ``offset`` of a slot held as BF16
+    elements (little endian: the lower address is the low half)."""
+    e = offset // 2
+    return [(smem[e + 2 * i].item(), smem[e + 2 * i + 1].item()) for i in range(4)]
+
+
+def replay(w: torch.Tensor, x: torch.Tensor, tactic: Tactic, windows: int) -> torch.Tensor:
+    """Run the kernel's data path on the CPU: every CTA (tile, split), every stage's copies
+    into a slot (pieces of dead windows left NaN, tokens past T zero-filled), the fragment
+    reads and MMAs of every warp (live windows only), the partials through the workspace
+    in fragment order and the split-order reduction, the output map. Float64 on small
+    integers: exact, so any misplaced byte shows (slot bytes nothing copied are NaN)."""
+    n, k = w.shape
+    t = x.shape[0]
+    p = tactic.kernel_params(windows)
+    warps, mt_n, subs = p["warps"], p["mtiles"], p["stage_k"] // lay.SUB_K
+    tile_rows, stage_k, splits = tactic.tile_rows, p["stage_k"], tactic.splits
+    tiles = n // tile_rows
+    a_bytes = tile_rows * stage_k * 2
+    slot = lay.slot_bytes(tile_rows, windows, stage_k)
+    nwin = windows
+    pieces = stage_k // 8
+    kc = k // splits
+    ws = {}
+    out = torch.full((t, n), float("nan"), dtype=torch.float64)
+    for block in range(tiles * splits):
+        tile, split = block % tiles, block // tiles
+        acc = {(wp, m, wn, lane): [0.0] * 4 for wp in range(warps) for m in range(mt_n)
+               for wn in range(nwin) for lane in range(32)}
+        for stage in range(kc // stage_k):
+            k0 = split * kc + stage * stage_k
+            smem = torch.full((slot // 2,), float("nan"), dtype=torch.float64)
+            for gid in range(lay.WINDOW * windows * pieces):  # token pieces
+                token, piece = gid // pieces, gid % pieces
+                e = lay.b_offset(token, piece, subs, a_bytes) // 2
+                src = x[token, k0 + 8 * piece:k0 + 8 * piece + 8] if token < t else torch.zeros(8)
+                smem[e:e + 8] = src.double()
+            for wp, m, half, sub, lane in itertools.product(range(warps), range(mt_n), range(2),
+                                                            range(subs), range(32)):
+                row, kk = lay.a_source(wp, m, half, lane, mt_n)
+                e = lay.a_offset(wp, m, sub, half, lane, mt_n, subs) // 2
+                col = k0 + sub * lay.SUB_K + kk
+                smem[e:e + 8] = w[tile * tile_rows + row, col:col + 8].double()
+            for wp, sub, m, wn in itertools.product(range(warps), range(subs), range(mt_n),
+                                                    range(nwin)):
+                for j in range(2):
+                    a_regs, b_regs = [], []
+                    for lane in range(32):
+                        lo = _words(smem, lay.a_offset(wp, m, sub, 0, lane, mt_n, subs))
+                        hi = _words(smem, lay.a_offset(wp, m, sub, 1, lane, mt_n, subs))
+                        bw = _words(smem, lay.b_read_offset(wn, sub, lane, subs, a_bytes))
+                        ar, br = lay.mma_operands(lo, hi, bw, j)
+                        a_regs.append(ar)
+                        b_regs.append(br)
+                    for lane, d in enumerate(_mma(a_regs, b_regs)):
+                        c = acc[(wp, m, wn, lane)]
+                        acc[(wp, m, wn, lane)] = [c[i] + float(d[i]) for i in range(4)]
+        for (wp, m, wn, lane), c in acc.items():
+            at = lay.ws_offset(split, tile, wp, m, wn, lane, tiles, warps, mt_n, windows)
+            assert at not in ws, f"workspace offset {at} written twice"
+            ws[at] = c
+    for tile in range(tiles):
+        for wp, m, wn, lane in itertools.product(range(warps), range(mt_n), range(nwin), range(32)):
+            total = [0.0] * 4
+            for split in range(splits):  # split order
+                part = ws[lay.ws_offset(split, tile, wp, m, wn, lane, tiles, warps, mt_n, windows)]
+                total = [total[i] + part[i] for i in range(4)]
+            for r in range(4):
+                row, token = lay.c_map(wp, m, wn, lane, r, mt_n)
+                if token < t:
+                    assert torch.isnan(out[token, tile * tile_rows + row]), "output written twice"
+                    out[token, tile * tile_rows + row] = total[r]
+    return out
+
+
+@pytest.mark.parametrize("tactic,tokens", [
+    (Tactic(warps=1, mtiles=1, splits=1), 3),
+    (Tactic(warps=2, mtiles=2, splits=2), 8),
+    (Tactic(warps=1, mtiles=2, splits=3, stage_k=128), 13),
+    (Tactic(warps=2, mtiles=1, splits=1), 33),
+], ids=lambda v: v.label() if isinstance(v, Tactic) else str(v))
+def test_data_path_replay_is_exact(tactic, tokens):
+    """Integer weights and tokens (exact in BF16 and float64): the replayed kernel equals
+    the float64 product bit for bit, every output written once, no slot byte read that
+    nothing copied (NaN)."""
+    g = torch.Generator().manual_seed(tokens)
+    windows = lay.windows_for(tokens)
+    n = 2 * tactic.tile_rows
+    k = tactic.splits * tactic.stage_k * 2
+    w = torch.randint(-8, 9, (n, k), generator=g).to(torch.bfloat16)
+    x = torch.randint(-8, 9, (tokens, k), generator=g).to(torch.bfloat16)
+    got = replay(w, x, tactic, windows)
+    want = x.double() @ w.double().T
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("windows", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("shape", [(1, 1, 64), (2, 2, 64), (4, 2, 128), (8, 2, 64), (4, 4, 64)])
+def test_slot_maps_tile_a_slot(shape, windows):
+    """The weight pieces and the token pieces of one stage cover the ring slot exactly once,
+    and every lane's fragment reads land on pieces that were copied."""
+    warps, mtiles, stage_k = shape
+    subs = stage_k // lay.SUB_K
+    tile_rows = 16 * warps * mtiles
+    a_bytes = tile_rows * stage_k * 2
+    offsets = [lay.a_offset(wp, m, sub, half, lane, mtiles, subs) for wp, m, sub, half, lane in
+               itertools.product(range(warps), range(mtiles), range(subs), range(2), range(32))]
+    offsets += [lay.b_offset(tok, piece, subs, a_bytes) for tok in range(8 * windows)
+                for piece in range(stage_k // 8)]
+    assert sorted(offsets) == list(range(0, lay.slot_bytes(tile_rows, windows, stage_k), 16))
+    reads = {lay.b_read_offset(wn, sub, lane, subs, a_bytes) for wn in range(windows)
+             for sub in range(subs) for lane in range(32)}
+    assert reads <= set(offsets)
+    # the piece lane l reads for window wn, sub-chunk c is token 8 wn + l // 4, piece 4c + l % 4
+    for wn, sub, lane in itertools.product(range(windows), range(subs), range(32)):
+        assert lay.b_read_offset(wn, sub, lane, subs, a_bytes) == lay.b_offset(
+            8 * wn + lane // 4, 4 * sub + lane % 4, subs, a_bytes)
+
+
+def test_workspace_map_is_dense():
+    """Fragment-order partials of every (split, tile, warp, m-tile, window, lane) fill the
+    workspace the host allocates (``splits * N * windows * 8`` floats) once each."""
+    warps, mtiles, windows, tiles, splits = 2, 2, 4, 3, 3
+    offsets = [lay.ws_offset(s, t, wp, m, wn, lane, tiles, warps, mtiles, windows)
+               for s, t, wp, m, wn, lane in itertools.product(
+                   range(splits), range(tiles), range(warps), range(mtiles), range(windows), range(32))]
+    n = tiles * 16 * warps * mtiles
+    assert sorted(offsets) == list(range(0, splits * n * windows * 8 * 4, 16))
+
+
+# --- tactics ------------------------------------------------------------------------------
+
+
+def test_tactics_and_windows():
+    assert [lay.windows_for(t) for t in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 3, 4, 5, 8]
+    for bad in (0, 65, 1.0, True):
+        with pytest.raises(ValueError, match="tokens must be"):
+            lay.windows_for(bad)
+    with pytest.raises(ValueError, match="warps must be"):
+        Tactic(warps=3)
+    with pytest.raises(ValueError, match="splits must be"):
+        Tactic(splits=0)
+    with pytest.raises(ValueError, match="stage_k"):
+        Tactic(stage_k=96)
+    with pytest.raises(ValueError, match="do not fit"):
+        Tactic(warps=8, mtiles=2, occupancy=2, ring=8).kernel_params(8)
+    assert Tactic(mtiles=4).serves(40) and not Tactic(mtiles=4).serves(41)
+    assert Tactic(mtiles=2).serves(64)
+
+
+def test_default_tactics_fit_their_shapes():
+    """Every candidate and default tactic of the layer's four shapes divides N into tiles
+    and K into ``splits * stage_k``, fits shared memory at every window count it serves,
+    and launches at most one wave of CTAs on a 132-multiprocessor H200; each bucket's
+    default serves every batch of the bucket, and the buckets cover 1..64."""
+    from fast.gemm.host import CANDIDATES, DEFAULT_TACTICS, choose_tactic
+
+    assert set(DEFAULT_TACTICS) == set(CANDIDATES)
+    for (n, k), cands in CANDIDATES.items():
+        for t in list(cands) + list(DEFAULT_TACTICS[(n, k)].values()):
+            assert n % t.tile_rows == 0 and k % (t.splits * t.stage_k) == 0, (n, k, t)
+            for windows in range(1, lay.MAX_WINDOWS + 1):
+                if t.mtiles * windows > lay.MAX_ACCUMULATORS:
+                    with pytest.raises(ValueError, match="accumulator tiles"):
+                        t.kernel_params(windows)
+                    continue
+                params = t.kernel_params(windows)
+                assert n // t.tile_rows * t.splits <= 132 * params["occupancy"], (n, k, t)
+        assert set(DEFAULT_TACTICS[(n, k)].values()) <= set(cands), (n, k)
+        assert max(DEFAULT_TACTICS[(n, k)]) == lay.MAX_TOKENS
+        for tokens in range(1, lay.MAX_TOKENS + 1):
+            assert choose_tactic(n, k, tokens).serves(tokens), (n, k, tokens)
+
+
+def test_weight_checked_before_anything_runs():
+    from fast.gemm import DenseGemm
+
+    with pytest.raises(TypeError, match="weight must be a torch.Tensor"):
+        DenseGemm([[1.0]])
+    with pytest.raises(ValueError, match="2-D bfloat16"):
+        DenseGemm(torch.zeros(64, 64))
+    with pytest.raises(ValueError, match="CUDA device, got cpu"):
+        DenseGemm(torch.zeros(64, 64, dtype=torch.bfloat16))
+
+
+# --- every kernel shape compiles ----------------------------------------------------------
+
+
+def _shapes():
+    """(arch, kernel parameters): every kernel shape of every candidate tactic at every
+    window count it serves for sm_90a (the H200); for sm_100a / sm_103a at its smallest and
+    largest window count (the same code instantiated over a compile-time window count, at a
+    third of the CPU time)."""
+    import dataclasses
+
+    from fast.gemm.host import CANDIDATES, kernel_shapes
+
+    shapes = {dataclasses.replace(t, splits=1) for cands in CANDIDATES.values() for t in cands}
+    cases = []
+    for shape in sorted(shapes, key=lambda t: t.label()):
+        params = kernel_shapes([shape])
+        cases += [("sm_90a", q) for q in params if ("sm_90a", q) not in cases]
+        for arch in backend.TARGETS[1:]:
+            cases += [(arch, q) for q in (params[0], params[-1]) if (arch, q) not in cases]
+    return cases
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+@pytest.mark.parametrize("arch,params", _shapes(),
+                         ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()))
+def test_kernel_compiles(arch, params):
+    """Every kernel shape of every candidate tactic compiles (no GPU needed; ``mma.sync``,
+    ``cp.async`` and ``griddepcontrol`` exist on SM90 and SM100)."""
+    from fast.gemm.host import compile_kernel
+
+    assert compile_kernel(arch, **params) is not None

@@ -1,0 +1,296 @@
+"""Contracts of the dense part's split-K GEMM (``fast.gemm``) on the GPU, at the real widths.
+
+The four dense GEMMs of the DEP layer at ``T <= front_max`` (``reference.schedules.dep``),
+each with its own output rule:
+
+| GEMM | weight | out | reference stage |
+|---|---|---|---|
+| ``front`` | ``[2S + L, H]`` packed ``[shared gate_up ; latent down]`` | BF16 | ``projection(x, front)`` |
+| ``router`` | gate ``[E, H]`` | FP32 | ``projection(x, gate)`` (logits) |
+| ``shared_down`` | ``[H, S]`` | BF16 | ``projection(act, shared_down)`` |
+| ``up`` | ``[H, L]`` | BF16, ``+ shared`` before the one rounding | ``addmm(shared, normed, up)`` |
+
+For every candidate tactic of every GEMM (``fast.gemm.host.CANDIDATES``, the ones the
+defaults are chosen from) and every batch T in 1, 2, 4, 8, 16, 32, 33, 64 it serves (a
+tactic of 4 m-tiles per warp serves up to 40 tokens):
+
+* **bound**: within ``verify.bounds.mma_matmul_bound`` of the exact product sum (float64):
+  ``gamma_n(2^-23) sum|x w| (+|addend|)`` with ``n = c + ceil(c/16) + splits - 1`` (``c =
+  K / splits``: the tensor-core MMA model of truncating adders, the splits' FP32 sum, one
+  more term for the addend), plus the float64 reference's own error and, for BF16, the
+  final half-ULP. The kernel's only freedom is the order of FP32 sums; a dropped k range,
+  a wrong row or token, a split added twice or rounded to BF16 is far outside it.
+* **batch invariance** (what the design promises, bit for bit): a token's row is the same
+  at every T the tactic serves and whatever its batch-mates (rows 1..63 replaced by other values 1000 times
+  larger), and the same for every tactic of the same ``splits`` (the tile, the ring, the
+  stage width and the occupancy move no bit).
+* **determinism**: reruns, and a CUDA graph replayed with new inputs (the tile counters
+  re-arm themselves), are bitwise equal to the eager call.
+* **programmatic dependent launch**: a call that reads the previous call's output on the
+  same stream (eager and in a graph) sees that output, bit for bit.
+* **bad input** raises a ValueError/TypeError naming the argument before any launch (the
+  output buffer stays untouched).
+
+Inputs per GEMM come from one seed per GEMM (``verify.seeds.seed_of`` of the GEMM's id), so
+the float64 reference of the largest batch is computed once and every smaller batch is a
+prefix of it (rows are independent). Weights: ``verify.cases.dense_weights("kimi_k3")``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from verify import bounds, cases
+from verify.seeds import seed_of
+
+pytestmark = [pytest.mark.gpu, pytest.mark.backends("fast"), pytest.mark.config("kimi_k3")]
+
+BATCHES = (1, 2, 4, 8, 16, 32, 33, 64)
+DEVICE = "cuda"
+ROWS = ("token", "column")
+GEMMS = ("front", "router", "shared_down", "up")
+BOUND_NAME = "gamma_{c+c/16+splits-1(+1)}(2^-23) sum|x w| (+|addend|) (+ BF16 half-ULP)"
+
+
+@functools.cache
+def case(gemm: str):
+    """(weight, x [64, K], addend [64, N] or None, out dtype) of one GEMM on the GPU."""
+    w = cases.dense_weights("kimi_k3", DEVICE)
+    cfg = cases.config("kimi_k3")
+    g = torch.Generator().manual_seed(seed_of(f"verify/test_gemm_fast.py::{gemm}"))
+    if gemm in ("front", "router"):
+        x = cases.hidden_rows(cfg, 64, int(torch.randint(1 << 30, (1,), generator=g)))
+        weight = w.front if gemm == "front" else w.gate
+        return weight, x.to(DEVICE), None, torch.bfloat16 if gemm == "front" else torch.float32
+    if gemm == "shared_down":
+        act = (torch.randn(64, cfg.shared_intermediate, generator=g) * 0.5).to(torch.bfloat16)
+        return w.shared_down, act.to(DEVICE), None, torch.bfloat16
+    normed = torch.randn(64, cfg.latent, generator=g).to(torch.bfloat16)
+    shared = torch.randn(64, cfg.hidden, generator=g).to(torch.bfloat16)
+    return w.up, normed.to(DEVICE), shared.to(DEVICE), torch.bfloat16
+
+
+@functools.cache
+def reference(gemm: str, splits: int):
+    """(float64 exact sum, bound) of the 64-row case: ``bounds.mma_matmul_bound``."""
+    weight, x, addend, out_dtype = case(gemm)
+    return bounds.mma_matmul_bound(x, weight, splits=splits, addend=addend, out_dtype=out_dtype)
+
+
+@functools.cache
+def engine(gemm: str):
+    from fast.gemm import DenseGemm
+    from fast.gemm.host import CANDIDATES
+
+    weight = case(gemm)[0]
+    return DenseGemm(weight, tactics=CANDIDATES[tuple(weight.shape)])
+
+
+def run(gemm: str, tokens: int, tactic, x=None, addend=None):
+    """The kernel on the first ``tokens`` rows into a NaN-poisoned output."""
+    weight, x0, a0, out_dtype = case(gemm)
+    x = x0 if x is None else x
+    addend = a0 if addend is None else addend
+    out = torch.full((tokens, weight.shape[0]), float("nan"), dtype=out_dtype, device=DEVICE)
+    engine(gemm)(x[:tokens].contiguous(), out_dtype=out_dtype, out=out, tactic=tactic,
+                 addend=None if addend is None else addend[:tokens].contiguous())
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def _tactics():
+    from fast.gemm.host import CANDIDATES
+
+    shapes = {"front": "front", "router": "gate", "shared_down": "shared_down", "up": "up"}
+    cfg = cases.config("kimi_k3")
+    dims = {"front": (cfg.front_rows, cfg.hidden), "gate": (cfg.experts, cfg.hidden),
+            "shared_down": (cfg.hidden, cfg.shared_intermediate), "up": (cfg.hidden, cfg.latent)}
+    return [(g, t) for g in GEMMS for t in CANDIDATES[dims[shapes[g]]]]
+
+
+@pytest.mark.parametrize("gemm,tactic", _tactics(),
+                         ids=lambda v: v if isinstance(v, str) else v.label())
+def test_gemm_fast_tactic(backend, gemm, tactic, contract):
+    """One tactic of one GEMM at every batch it serves: within the bound, every batch a
+    prefix of the largest one's result bit for bit, token 0 independent of its batch-mates,
+    3 reruns equal."""
+    weight, x, addend, out_dtype = case(gemm)
+    ref, bound = reference(gemm, tactic.splits)
+    batches = [t for t in BATCHES if tactic.serves(t)]
+    top = batches[-1]
+    full = run(gemm, top, tactic)
+    for tokens in batches:
+        out = full if tokens == top else run(gemm, tokens, tactic)
+        contract.bounded(out, ref[:tokens], bound[:tokens],
+                         what=f"{gemm} {tactic.label()} T={tokens}", bound_name=BOUND_NAME,
+                         index_names=ROWS)
+        contract.bitwise(_bits(out), _bits(full[:tokens]),
+                         what=f"{gemm} {tactic.label()}: T={tokens} vs the first rows of T={top}",
+                         index_names=ROWS)
+    # batch-mates 1000 times larger, and other values: token 0 keeps its bits
+    g = torch.Generator(device=DEVICE).manual_seed(5)
+    mates = x.clone()
+    mates[1:] = (torch.randn(mates[1:].shape, generator=g, device=DEVICE) * 1000).to(torch.bfloat16)
+    other_addend = None if addend is None else torch.randn(addend.shape, generator=g,
+                                                           device=DEVICE).to(addend.dtype)
+    for tokens in (2, 8, 9, top):
+        out = run(gemm, tokens, tactic, x=mates, addend=None if addend is None else
+                  torch.cat([addend[:1], other_addend[1:]]))
+        contract.bitwise(_bits(out[:1]), _bits(full[:1]),
+                         what=f"{gemm} {tactic.label()}: token 0 among other batch-mates, T={tokens}",
+                         index_names=ROWS)
+    for _ in range(3):
+        contract.bitwise(_bits(run(gemm, top, tactic)), _bits(full),
+                         what=f"{gemm} {tactic.label()}: rerun", index_names=ROWS)
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_gemm_fast_tactics_same_splits_same_bits(backend, gemm, contract):
+    """Tactics with equal ``splits`` (other tile, ring, stage width, occupancy) give the same
+    bits; the default tactic of every bucket is one of the candidates."""
+    from fast.gemm.host import CANDIDATES, DEFAULT_TACTICS
+
+    shape = tuple(case(gemm)[0].shape)
+    assert set(DEFAULT_TACTICS[shape].values()) <= set(CANDIDATES[shape])
+    for tokens in (9, 33, 64):
+        by_splits = {}
+        for t in CANDIDATES[shape]:
+            if t.serves(tokens):
+                by_splits.setdefault(t.splits, []).append(t)
+        for splits, tactics in by_splits.items():
+            first = run(gemm, tokens, tactics[0])
+            for t in tactics[1:]:
+                contract.bitwise(_bits(run(gemm, tokens, t)), _bits(first),
+                                 what=f"{gemm} T={tokens}: {t.label()} vs {tactics[0].label()}",
+                                 index_names=ROWS)
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_gemm_fast_default_deterministic_and_graph(backend, gemm, contract):
+    """The default tactic at each bucket's T: 20 eager reruns and 20 replays of a CUDA graph
+    (new inputs copied in between replays) equal the eager call bit for bit."""
+    weight, x, addend, out_dtype = case(gemm)
+    eng = engine(gemm)
+    for tokens in (1, 16, 64):
+        want = run(gemm, tokens, None)
+        for _ in range(20):
+            contract.bitwise(_bits(run(gemm, tokens, None)), _bits(want),
+                             what=f"{gemm} default T={tokens}: rerun", index_names=ROWS)
+        xs = torch.empty(tokens, x.shape[1], dtype=x.dtype, device=DEVICE)
+        adds = None if addend is None else torch.empty(tokens, addend.shape[1],
+                                                       dtype=addend.dtype, device=DEVICE)
+        out = torch.empty(tokens, weight.shape[0], dtype=out_dtype, device=DEVICE)
+        xs.copy_(x[:tokens])
+        if adds is not None:
+            adds.copy_(addend[:tokens])
+        call = lambda: eng(xs, out_dtype=out_dtype, addend=adds, out=out)  # noqa: E731
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            call()
+            with torch.cuda.graph(graph, stream=stream):
+                call()
+        torch.cuda.current_stream().wait_stream(stream)
+        other = torch.flip(x[:tokens], (1,))
+        for i in range(20):
+            src = other if i % 2 else x[:tokens]
+            xs.copy_(src)
+            graph.replay()
+            want_i = run(gemm, tokens, None, x=src.contiguous()) if i % 2 else want
+            contract.bitwise(_bits(out), _bits(want_i),
+                             what=f"{gemm} default T={tokens}: graph replay {i}", index_names=ROWS)
+        torch.cuda.synchronize()
+
+
+def test_gemm_fast_chain_waits_for_the_previous_kernel(backend, contract):
+    """Programmatic dependent launch: a call reading the previous call's output on the same
+    stream (the up projection's ``[T, H]`` output fed to the front GEMM, whose K is H), with
+    the intermediate re-poisoned (NaN) right before the chain, equals the two calls with a
+    synchronization between them, eagerly and as 10 replays of a CUDA graph (new inputs
+    between replays)."""
+    up, front = engine("up"), engine("front")
+    _, x, addend, _ = case("up")
+    width, rows = case("up")[0].shape[0], case("front")[0].shape[0]
+    for tokens in (1, 33, 64):
+        xs = x[:tokens].clone()
+        adds = addend[:tokens].clone()
+        y = torch.empty(tokens, width, dtype=torch.bfloat16, device=DEVICE)
+        z = torch.empty(tokens, rows, dtype=torch.bfloat16, device=DEVICE)
+
+        def chain():
+            y.fill_(float("nan"))
+            up(xs, addend=adds, out=y)
+            front(y, out=z)
+
+        def separate():
+            mid = up(xs, addend=adds)
+            torch.cuda.synchronize()
+            want = front(mid)
+            torch.cuda.synchronize()
+            return want
+
+        chain()
+        contract.bitwise(_bits(z), _bits(separate()), what=f"up -> front chain, T={tokens}",
+                         index_names=ROWS)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(stream):
+            chain()
+            with torch.cuda.graph(graph, stream=stream):
+                chain()
+        torch.cuda.current_stream().wait_stream(stream)
+        for i in range(10):
+            xs.copy_(torch.roll(x[:tokens], i, dims=1))
+            graph.replay()
+            torch.cuda.synchronize()
+            contract.bitwise(_bits(z), _bits(separate()),
+                             what=f"up -> front chain in a graph, T={tokens}, replay {i}",
+                             index_names=ROWS)
+
+
+def test_gemm_fast_bad_input(backend):
+    """Every bad argument is refused with its name, shape, dtype or device before a launch."""
+    from fast.gemm import DenseGemm, Tactic
+
+    weight, x, _, _ = case("router")
+    eng = engine("router")
+    out = torch.full((4, weight.shape[0]), float("nan"), dtype=torch.float32, device=DEVICE)
+    bad = [
+        (dict(x=x[:4].float()), ValueError, "x must be bfloat16"),
+        (dict(x=x[:4, :-64].contiguous()), ValueError, r"x must be bfloat16 \[T, K=7168\]"),
+        (dict(x=x[:0]), ValueError, "x has 0 rows"),
+        (dict(x=torch.cat([x, x[:1]])), ValueError, "x has 65 rows"),
+        (dict(x=x[:4].cpu()), ValueError, "x is on cpu"),
+        (dict(x=x[:4].t().contiguous().t()), ValueError, "x must be contiguous"),
+        (dict(x=[1]), TypeError, "x must be a torch.Tensor"),
+        (dict(out_dtype=torch.float16), ValueError, "out_dtype must be"),
+        (dict(out=out.to(torch.bfloat16)), ValueError, "out must be a contiguous torch.float32"),
+        (dict(out=out[:3]), ValueError, r"\[T, N\] = \[4, 896\]"),
+        (dict(addend=torch.zeros(4, 895, device=DEVICE)), ValueError, "addend must be contiguous"),
+        (dict(addend=torch.zeros(4, 896, dtype=torch.int32, device=DEVICE)), ValueError,
+         "addend must be a bfloat16 or float32"),
+        (dict(tactic=Tactic(warps=8, mtiles=4, splits=1)), ValueError, "N=896 is not a multiple"),
+        (dict(tactic=Tactic(splits=5)), ValueError, "K=7168 is not a multiple"),
+        (dict(tactic="fast"), TypeError, "tactic must be a fast.gemm.Tactic"),
+        (dict(x=x[:41], out=None, tactic=Tactic(warps=2, mtiles=4, splits=16)), ValueError,
+         "does not serve 41 tokens"),
+    ]
+    for kwargs, error, match in bad:
+        args = dict(x=x[:4], out_dtype=torch.float32, out=out)
+        args.update(kwargs)
+        xx = args.pop("x")
+        with pytest.raises(error, match=match):
+            eng(xx, **args)
+    assert bool(torch.isnan(out).all()), "a refused call wrote its output"
+    with pytest.raises(ValueError, match="N and K positive multiples of 64"):
+        DenseGemm(weight[:100])
+    with pytest.raises(ValueError, match="max_tokens"):
+        DenseGemm(weight, max_tokens=65)
