@@ -30,7 +30,7 @@ import statistics
 
 import torch
 
-from benchmarks.experts_table import FLUSH_BYTES, copy_bandwidth_gbs, device_time_us, \
+from benchmarks.experts_table import copy_bandwidth_gbs, device_time_us, l2_flush, \
     read_bandwidth_gbs
 
 STAGES = ("dense", "dispatch", "experts", "partial", "home", "rank")
@@ -137,8 +137,7 @@ def main(argv=None):
 
     torch.manual_seed(0)
     tokens_list = [int(t) for t in args.tokens.split(",")]
-    flush_buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    flush = lambda: flush_buf.fill_(1)  # noqa: E731
+    flush = l2_flush()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "ranks": args.ranks, "cases": []}
     result["read_gbs"] = read_bandwidth_gbs()

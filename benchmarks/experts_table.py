@@ -9,7 +9,7 @@ Cases (Kimi-K3 latent MoE, L = 3584, I = 3072, E = 896, top-16):
 * TP8 rank: all 896 experts, the intermediate slice [0, 384), 65..1024 rows.
 
 Contestants, each captured in a CUDA graph and timed by CUDA events around one replay,
-L2 flushed (a 256 MiB write) before every replay, median of ``--reps``:
+L2 flushed (a 256 MiB streaming read, ``l2_flush``) before every replay, median of ``--reps``:
 
 * ``engine``: ``fast.experts.ExpertsEngine`` (routing lists, plan, FC1, FC2);
 * ``triton_kernels``: OpenAI's ``matmul_ogs`` MXFP4 MoE (``benchmarks/peers/triton_moe``), at
@@ -36,8 +36,17 @@ L, I, E, K = 3584, 3072, 896, 16
 FLUSH_BYTES = 256 << 20
 
 
-def _flush(buf):
-    buf.fill_(1)
+def l2_flush():
+    """A callable that evicts the L2 before a timed replay by a 256 MiB streaming read
+    (``benchmarks.readbw``). A write flush (``fill_``) would leave dirty lines that drain
+    during the timed kernel (measured on the H200: four cuBLAS GEMMs timed apart after a
+    write flush summed to 135 us against 117 us in one graph); results up to
+    ``h200_engine_v4`` and ``h200_dep16_v1`` were made with the write flush."""
+    from benchmarks import readbw
+
+    buf = torch.randint(0, 255, (FLUSH_BYTES,), dtype=torch.uint8, device="cuda")
+    out = torch.zeros(readbw.CTAS, dtype=torch.int32, device="cuda")
+    return lambda: readbw.read(buf, out)
 
 
 def device_time_us(fn, *, reps: int, flush) -> list[float]:
@@ -170,8 +179,7 @@ def main(argv=None):
     from reference.mx import quantize_mxfp8
 
     torch.manual_seed(0)
-    flush_buf = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device="cuda")
-    flush = lambda: _flush(flush_buf)  # noqa: E731
+    flush = l2_flush()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "cases": []}
     t0 = time.time()

@@ -20,7 +20,8 @@ Over the four MMA steps ``j = 0..3`` of a chunk the MMA's logical k ``{2q, 2q+1,
 2q+9}`` of step j are the physical k ``16q + 4j + {0, 1, 2, 3}``: one consistent
 permutation of k applied to weights and activations alike (a dot product does not
 depend on the order its terms are named in; the hardware's summation order is covered by
-the bound in ``verify.bounds.mma_sum_bound``).
+the FC1/FC2 bounds of ``verify/test_experts.py``, the tensor-core model of
+``verify.bounds``).
 
 Prepared bytes of one expert, ``[M-tiles, chunks, 32 lanes, 16 bytes]``; a lane's 16 bytes
 are four little-endian words: ``r0`` k 0-7, ``r0`` k 8-15, ``r1`` k 0-7, ``r1`` k 8-15 (k
