@@ -355,10 +355,11 @@ def reference_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.to(torch.float64) @ b.to(torch.float64).transpose(-1, -2)
 
 
-def _matmul_out_bound(a, b, splits, addend, accum_rounding):
-    """(bound of |C_fp32 - ref|, ref) shared by the two matmul helpers."""
+def _matmul_out_bound(a, b, n, addend, accum_rounding):
+    """(bound of |C_fp32 - ref|, ref) shared by the matmul helpers: an FP32 accumulation
+    whose every product passes through ``n`` roundings (``split_k_terms`` /
+    ``mma_split_k_terms``; one more with an addend) plus the float64 reference's error."""
     k = a.shape[-1]
-    n = split_k_terms(k, splits)
     ref = reference_matmul(a, b)
     s = _abs_products(a, b)
     n64 = k
@@ -390,7 +391,8 @@ def matmul_fp32_out_bound(
     compare against ``reference_matmul(a, b) + addend.double()``. `splits` and
     `accum_rounding` as in [`dot_bound`][verify.bounds.dot_bound].
     """
-    return _matmul_out_bound(a, b, splits, addend, accum_rounding)[0]
+    return _matmul_out_bound(a, b, split_k_terms(a.shape[-1], splits), addend,
+                             accum_rounding)[0]
 
 
 def matmul_bf16_out_bound(
@@ -413,7 +415,8 @@ def matmul_bf16_out_bound(
     output rounding is to nearest (``__float2bfloat16_rn`` in every epilogue).
     Shapes: ``a [..., M, K]``, ``b [N, K]`` -> float64 ``[..., M, N]``.
     """
-    beta, ref = _matmul_out_bound(a, b, splits, addend, accum_rounding)
+    beta, ref = _matmul_out_bound(a, b, split_k_terms(a.shape[-1], splits), addend,
+                                  accum_rounding)
     return final_rounding_bound(ref, beta, torch.bfloat16)
 
 
@@ -461,19 +464,8 @@ def mma_matmul_bound(
     Shapes: ``a [..., M, K]``, ``b [N, K]``, addend ``[..., M, N]`` -> float64 ``[..., M, N]``
     each.
     """
-    k = a.shape[-1]
-    n = mma_split_k_terms(k, splits)
-    ref = reference_matmul(a, b)
-    s = _abs_products(a, b)
-    n64 = k
-    if addend is not None:
-        _check_exact_in_f64(addend)
-        s = s + addend.to(torch.float64).abs()
-        ref = ref + addend.to(torch.float64)
-        n += 1
-        n64 += 1
-    acc = _dot_bound_from(s, k, n, torch.float32, "toward_zero")
-    beta = _inflate(acc + _inflate(s * gamma(n64, _U64), k + 3), 1)
+    beta, ref = _matmul_out_bound(a, b, mma_split_k_terms(a.shape[-1], splits), addend,
+                                  "toward_zero")
     if out_dtype == torch.float32:
         return ref, beta
     if out_dtype != torch.bfloat16:

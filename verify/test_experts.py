@@ -74,12 +74,8 @@ def mma_terms(k: int) -> int:
 def mma_fc_bound(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(float64 ``x @ w^T``, bound of an FP32 MMA chain's distance to it). x [P, K], w [N, K]
     FP32 with exactly representable entries (dequantized MX values)."""
-    k = x.shape[-1]
-    ref = bounds.reference_matmul(x, w)
-    s = bounds._abs_products(x, w)
-    acc = bounds._dot_bound_from(s, k, mma_terms(k), torch.float32, "toward_zero")
-    ref_err = bounds._inflate(s * bounds.gamma(k, 2.0**-53), k + 3)
-    return ref, bounds._inflate(acc + ref_err, 1)
+    bound, ref = bounds._matmul_out_bound(x, w, mma_terms(x.shape[-1]), None, "toward_zero")
+    return ref, bound
 
 
 # --- weights and inputs -----------------------------------------------------------------
