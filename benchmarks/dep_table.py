@@ -166,7 +166,7 @@ def main(argv=None):
     for tokens in tokens_list:
         xs = [(torch.randn(tokens, c.hidden, device="cuda")).bfloat16() for _ in range(args.ranks)]
         outputs = layer(xs)
-        received = layer._owner[0]["ids"][: args.ranks * tokens]
+        received = outputs[0].recv_ids  # rank 0 as an owner: its N*T receive rows
         local = received[(received >= 0) & (received < per)]
         touched = int(torch.unique(local).numel())
         nbytes = dense_bytes + touched * expert_bytes

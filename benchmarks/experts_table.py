@@ -27,7 +27,6 @@ import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 
 import torch
@@ -94,19 +93,19 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 20) -> float:
     return nbytes / (statistics.median(times) * 1e-6) / 1e9
 
 
-def random_weights(device="cuda", seed=7):
-    """Uniformly random MXFP4 codes with scale codes 118..124 at the real dimensions."""
-    sys.path.insert(0, ".")
-    from verify.test_experts import code_weights
+def random_weights(seed=7):
+    """The real layer with uniformly random MXFP4 expert codes, scale codes 118..124
+    (``verify.cases.device_weights``; the engine reads only the experts)."""
+    from verify import cases
 
-    return code_weights("kimi_k3", device, seed)
+    return cases.device_weights("kimi_k3", seed)
 
 
 def routing(rows: int, seed: int, skew: float) -> torch.Tensor:
     from reference.config import LatentMoEConfig
-    from verify.test_experts import routing as route
+    from verify import cases
 
-    return route(LatentMoEConfig.kimi_k3(), rows, seed, skew=skew)
+    return cases.routing(LatentMoEConfig.kimi_k3(), rows, seed, skew=skew)
 
 
 class GroupedMM:

@@ -52,34 +52,6 @@ def weights(name: str, device: str = "cpu", seed: int = 2026) -> LatentMoEWeight
     return LatentMoEWeights.random(config(name), seed, device=device)
 
 
-@functools.cache
-def device_weights(name: str, seed: int = 11) -> LatentMoEWeights:
-    """A layer generated on the GPU in seconds (``weights``' CPU generator takes far longer
-    at the real size): dense weights normal with std ``1/sqrt(fan_in)`` rounded to BF16,
-    router bias normal(0, 0.01), latent-norm weight ``1 + normal(0, 0.1)``, experts
-    uniformly random MXFP4 codes with scale codes 118..124 (a trained layer's expert
-    magnitudes)."""
-    c = config(name)
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    h, l, s, i, e = c.hidden, c.latent, c.shared_intermediate, c.intermediate, c.experts
-
-    def dense(*shape):
-        return (torch.randn(*shape, generator=g, device="cuda") / shape[-1] ** 0.5).bfloat16()
-
-    def codes(*shape):
-        return torch.randint(0, 256, shape, generator=g, device="cuda", dtype=torch.uint8)
-
-    def scales(*shape):
-        return torch.randint(118, 125, shape, generator=g, device="cuda", dtype=torch.uint8)
-
-    return LatentMoEWeights(
-        gate=dense(e, h), bias=torch.randn(e, generator=g, device="cuda") * 0.01,
-        front=dense(2 * s + l, h), shared_down=dense(h, s),
-        latent_norm=(1 + 0.1 * torch.randn(l, generator=g, device="cuda")).bfloat16(),
-        up=dense(h, l), w13=codes(e, 2 * i, l // 2), w13_scales=scales(e, 2 * i, l // 32),
-        w2=codes(e, l, i // 2), w2_scales=scales(e, l, i // 32), config=c)
-
-
 def hidden_rows(cfg: LatentMoEConfig, tokens: int, seed: int, device: str = "cpu",
                 scale: float = 1.0) -> torch.Tensor:
     """Hidden rows x [tokens, H] BF16 like a decoder's normalized residual stream."""
@@ -141,3 +113,44 @@ def other_weights(name: str, device: str = "cpu") -> LatentMoEWeights:
         shared_down=w.shared_down.flip(0), latent_norm=w.latent_norm.flip(0), up=w.up.flip(0),
         w13=w.w13.roll(1, 0), w13_scales=w.w13_scales.roll(1, 0), w2=w.w2.roll(1, 0),
         w2_scales=w.w2_scales.roll(1, 0))
+
+
+def mxfp4_expert_codes(cfg: LatentMoEConfig, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Every expert's weights as uniformly random MXFP4 codes with scale codes 118..124 (the
+    magnitudes of a trained layer's experts), drawn from ``g`` on its device in the order
+    w13, w13 scales, w2, w2 scales: the ``LatentMoEWeights`` fields of those names (the
+    real layer's 15 GB of experts in well under a second on a GPU)."""
+    e, i, l = cfg.experts, cfg.intermediate, cfg.latent
+
+    def draw(low, high, *shape):
+        return torch.randint(low, high, shape, generator=g, device=g.device, dtype=torch.uint8)
+
+    return {"w13": draw(0, 256, e, 2 * i, l // 2), "w13_scales": draw(118, 125, e, 2 * i, l // 32),
+            "w2": draw(0, 256, e, l, i // 2), "w2_scales": draw(118, 125, e, l, i // 32)}
+
+
+@functools.cache
+def device_weights(name: str, seed: int = 11) -> LatentMoEWeights:
+    """A whole layer on the GPU in seconds (``weights``' CPU generator takes far longer at
+    the real size): :func:`dense_weights` on CUDA, router bias normal(0, 0.01), latent-norm
+    weight ``1 + normal(0, 0.1)``, experts from :func:`mxfp4_expert_codes`."""
+    c = config(name)
+    d = dense_weights(name, "cuda", seed)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    bias = torch.randn(c.experts, generator=g, device="cuda") * 0.01
+    latent_norm = (1 + 0.1 * torch.randn(c.latent, generator=g, device="cuda")).bfloat16()
+    return LatentMoEWeights(gate=d.gate, bias=bias, front=d.front, shared_down=d.shared_down,
+                            latent_norm=latent_norm, up=d.up, **mxfp4_expert_codes(c, g),
+                            config=c)
+
+
+def routing(cfg: LatentMoEConfig, rows: int, seed: int, *, skew: float = 0.0) -> torch.Tensor:
+    """int32 [rows, top_k] distinct expert ids per row: uniform, or Zipf-like popularity
+    ``p(e) ~ 1 / (rank(e) + 1)^skew`` over a seeded permutation of the experts."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.ones(cfg.experts)
+    if skew:
+        weights = (torch.arange(cfg.experts, dtype=torch.float64) + 1.0) ** -skew
+        weights = weights[torch.randperm(cfg.experts, generator=g)].float()
+    ids = torch.multinomial(weights.expand(rows, -1), cfg.top_k, replacement=False, generator=g)
+    return ids.to(torch.int32)

@@ -9,8 +9,8 @@ GPU: each stage of every rank against the reference stage on *that rank's own in
 | MXFP8 latent | bitwise = ``quantize_mxfp8(own latent)`` |
 | dispatch | every owner's receive rows are the sources' codes/scales/ids/weights, bit for bit; rows not sent are poisoned |
 | owner rows | bitwise = the owner's engine run alone on its own receive rows (the engine's own bounds are ``test_experts.py``'s) |
-| owner partial | bitwise = an FMA chain over the owner's local slots in k order, one BF16 rounding |
-| combine | bitwise = the present partials summed in FP32 in owner order, one BF16 rounding |
+| owner partial | bitwise = ``reference.schedules.dep.local_finalize`` (an FMA chain over the owner's local slots in k order, one BF16 rounding) |
+| combine | bitwise = ``reference.schedules.dep.ordered_combine`` (the present partials summed in FP32 in owner order, one BF16 rounding) |
 | normed | bitwise = the RMSNorm kernel's emulation on own routed |
 | out | within the two-rounding bound of cuBLAS's BF16 ``addmm`` |
 | CUDA graph | replays on new inputs bitwise equal to eager calls on those inputs (no stale scratch) |
@@ -20,14 +20,14 @@ GPU: each stage of every rank against the reference stage on *that rank's own in
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 import torch
 
 from reference import emulation
-from reference.fp import fma_f32
 from reference.mx import quantize_mxfp8
-from reference.schedules.dep import POISON_CODE, POISON_SCALE
+from reference.schedules.dep import POISON_CODE, POISON_SCALE, local_finalize, ordered_combine
 from verify import bounds, cases
 
 pytestmark = [pytest.mark.gpu, pytest.mark.backends("fast")]
@@ -114,27 +114,17 @@ def check_dep_fast(contract, layer, outs, xs) -> None:
         contract.bitwise(out.rows[pairs], alone[o][pairs],
                          what=f"owner {o} expert rows = engine alone",
                          index_names=("pair", "column"))
-        rows = out.rows.view(-1, k, c.latent)
-        acc = torch.zeros(rows.shape[0], c.latent)
-        for j in range(k):
-            step = fma_f32(out.recv_weights[:, j:j + 1].expand_as(acc), rows[:, j].float(), acc)
-            acc = torch.where(local[:, j:j + 1], step, acc)
+        want = local_finalize(out.rows.view(-1, k, c.latent), out.recv_weights, local)
         valid = out.recv_ids[:, 0] >= 0
-        contract.bitwise(out.partials[valid], acc.bfloat16()[valid],
+        contract.bitwise(out.partials[valid], want[valid],
                          what=f"owner {o} partial finalize (local slots in k order)",
                          index_names=ROWS)
 
     for h, home in enumerate(outs):
         present = ((home.ids.long() // per)[None] == owners[:, None, None]).any(2)  # [N, T]
-        acc = torch.zeros(tokens, c.latent)
-        started = torch.zeros(tokens, 1, dtype=torch.bool)
-        for o, owner in enumerate(outs):
-            part = owner.partials[h * tokens:(h + 1) * tokens].float()
-            m = present[o][:, None]
-            acc = torch.where(m, torch.where(started, acc + part, part), acc)
-            started = started | m
-        contract.bitwise(home.routed, acc.bfloat16(), what=f"rank {h} combine (owner order)",
-                         index_names=ROWS)
+        parts = [owner.partials[h * tokens:(h + 1) * tokens] for owner in outs]
+        contract.bitwise(home.routed, ordered_combine(parts, list(present)),
+                         what=f"rank {h} combine (owner order)", index_names=ROWS)
         contract.bitwise(home.normed, emulation.rms_norm_tree(home.routed, latent_norm, c.rms_eps),
                          what=f"rank {h} normed", index_names=ROWS)
         exact = bounds.reference_matmul(home.normed, up) + home.shared.double()
@@ -229,13 +219,9 @@ def test_dep_fast_real_dep16(backend, tokens, seed, contract):
     check_dep_fast(contract, layer, layer(xs), xs)
 
 
-_REAL = {}
-
-
+@functools.cache
 def _real_dep16():
-    if "dep16" not in _REAL:
-        _REAL["dep16"] = _layer("kimi_k3", 16, 4)
-    return _REAL["dep16"]
+    return _layer("kimi_k3", 16, 4)
 
 
 @pytest.mark.config("small")

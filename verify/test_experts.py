@@ -83,41 +83,20 @@ def mma_fc_bound(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 @functools.cache
 def code_weights(name: str, device: str, seed: int = 7) -> LatentMoEWeights:
-    """A layer whose experts are uniformly random MXFP4 codes with scale codes 118..124
-    (the magnitudes of a trained layer's experts), generated directly on ``device`` (the
-    real layer's 15 GB of experts in well under a second; the dense weights are the
-    reference's small random ones where the config allows, else zeros: they are not read)."""
+    """A layer whose experts are :func:`verify.cases.mxfp4_expert_codes` generated directly
+    on ``device``; its dense weights are zeros (the experts' contracts never read them)."""
     cfg = cases.config(name)
     g = torch.Generator(device=device).manual_seed(seed)
-    e, i, l = cfg.experts, cfg.intermediate, cfg.latent
 
-    def codes(*shape):
-        return torch.randint(0, 256, shape, generator=g, device=device, dtype=torch.uint8)
-
-    def scales(*shape):
-        return torch.randint(118, 125, shape, generator=g, device=device, dtype=torch.uint8)
-
-    def dense(*shape, dtype=torch.bfloat16):
+    def zeros(*shape, dtype=torch.bfloat16):
         return torch.zeros(*shape, dtype=dtype, device=device)
 
     return LatentMoEWeights(
-        gate=dense(e, cfg.hidden), bias=dense(e, dtype=torch.float32),
-        front=dense(cfg.front_rows, cfg.hidden), shared_down=dense(cfg.hidden, cfg.shared_intermediate),
-        latent_norm=dense(l), up=dense(cfg.hidden, l),
-        w13=codes(e, 2 * i, l // 2), w13_scales=scales(e, 2 * i, l // 32),
-        w2=codes(e, l, i // 2), w2_scales=scales(e, l, i // 32), config=cfg)
+        gate=zeros(cfg.experts, cfg.hidden), bias=zeros(cfg.experts, dtype=torch.float32),
+        front=zeros(cfg.front_rows, cfg.hidden),
+        shared_down=zeros(cfg.hidden, cfg.shared_intermediate), latent_norm=zeros(cfg.latent),
+        up=zeros(cfg.hidden, cfg.latent), **cases.mxfp4_expert_codes(cfg, g), config=cfg)
 
-
-def routing(cfg: LatentMoEConfig, rows: int, seed: int, *, skew: float = 0.0) -> torch.Tensor:
-    """int32 [rows, top_k] distinct expert ids per row: uniform, or Zipf-like popularity
-    ``p(e) ~ 1 / (rank(e) + 1)^skew`` over a seeded permutation of the experts."""
-    g = torch.Generator().manual_seed(seed)
-    weights = torch.ones(cfg.experts)
-    if skew:
-        weights = (torch.arange(cfg.experts, dtype=torch.float64) + 1.0) ** -skew
-        weights = weights[torch.randperm(cfg.experts, generator=g)].float()
-    ids = torch.multinomial(weights.expand(rows, -1), cfg.top_k, replacement=False, generator=g)
-    return ids.to(torch.int32)
 
 
 def latent_rows(cfg: LatentMoEConfig, rows: int, seed: int):
@@ -240,7 +219,7 @@ def _check_backend(backend, contract, name, first, count, shard, rows, skew, see
     w = code_weights(name, backend.device)
     cfg, dev = w.config, backend.device
     codes, scales = latent_rows(cfg, rows, seed)
-    ids = routing(cfg, rows, seed, skew=skew)
+    ids = cases.routing(cfg, rows, seed, skew=skew)
     result = backend.expert_rows(codes.to(dev), scales.to(dev), ids.to(dev), w,
                                  experts=(first, count), shard=shard,
                                  intermediates=not claim.exact)
@@ -277,7 +256,7 @@ def _run_stages(backend, contract, name, first, count, shard, rows, skew, seed, 
     engine = engine_for(name, first, count, shard, max(rows, 256))
     cfg = engine.config
     codes, scales = latent_rows(cfg, rows, seed)
-    ids = routing(cfg, rows, seed, skew=skew)
+    ids = cases.routing(cfg, rows, seed, skew=skew)
     out, cap = engine(codes.cuda(), scales.cuda(), ids.cuda(), capture=True, windows=windows,
                       tactic=tactic)
     check_stages(contract, code_weights(name, "cuda"), (first, count), shard, codes, scales,
@@ -316,7 +295,7 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
     output is the chunk order); only the number of accumulator chains does."""
     engine = engine_for("small", 0, 64, (0, 1), 256)
     codes, scales = latent_rows(engine.config, 96, seed)
-    ids = routing(engine.config, 96, seed, skew=1.0)
+    ids = cases.routing(engine.config, 96, seed, skew=1.0)
     args = (codes.cuda(), scales.cuda(), ids.cuda())
     for windows in (1, 2):
         base = engine(*args, windows=windows)
@@ -350,7 +329,7 @@ def test_experts_batch_invariant_and_order_free(backend, seed, contract):
     w = code_weights("small", backend.device)
     cfg = w.config
     codes, scales = latent_rows(cfg, 256, seed)
-    ids = routing(cfg, 256, seed, skew=0.8)
+    ids = cases.routing(cfg, 256, seed, skew=0.8)
     full = _rows(backend, w, codes, scales, ids).cpu()
     k = cfg.top_k
     for rows in (slice(0, 1), slice(0, 8), slice(100, 101)):
@@ -372,7 +351,7 @@ def test_experts_deterministic(backend, seed, contract):
     backend.claim("expert_rows")
     w = code_weights("small", backend.device)
     codes, scales = latent_rows(w.config, 128, seed)
-    ids = routing(w.config, 128, seed, skew=1.0)
+    ids = cases.routing(w.config, 128, seed, skew=1.0)
     first = _rows(backend, w, codes, scales, ids)
     for _ in range(20):
         contract.bitwise(_bits(_rows(backend, w, codes, scales, ids)), _bits(first),
@@ -425,7 +404,7 @@ def test_experts_bad_input(backend):
     cfg = engine.config
     codes, scales = latent_rows(cfg, 4, 1)
     codes, scales = codes.cuda(), scales.cuda()
-    ids = routing(cfg, 4, 1).cuda()
+    ids = cases.routing(cfg, 4, 1).cuda()
     with pytest.raises(ValueError, match="ids must be int32"):
         engine(codes, scales, ids.long())
     with pytest.raises(ValueError, match="codes must be float8_e4m3fn"):
@@ -436,7 +415,7 @@ def test_experts_bad_input(backend):
         engine(codes.cpu(), scales, ids)
     with pytest.raises(ValueError, match="max_rows=8"):
         big, big_s = latent_rows(cfg, 9, 2)
-        engine(big.cuda(), big_s.cuda(), routing(cfg, 9, 2).cuda())
+        engine(big.cuda(), big_s.cuda(), cases.routing(cfg, 9, 2).cuda())
     bad = ids.clone()
     bad[2, 5] = cfg.experts
     with pytest.raises(EngineError, match=r"ids\[2, 5\] = 64 is outside"):
