@@ -42,7 +42,7 @@ def fast_stages(layer, x, tokens: int) -> dict:
 
     def dense_side():  # the router and the shared expert beside the front, joined
         d = layer.dense_stage(0, x, order="side")
-        torch.cuda.current_stream().wait_event(d[-1])
+        torch.cuda.current_stream().wait_event(d.shared_ready)
 
     def rank():
         d = layer.dense_stage(0, x, order="side")
@@ -82,12 +82,12 @@ class StockRank:
 
         lay, c, t = self.layer, self.layer.config, self.tokens
         s2 = 2 * c.shared_intermediate
-        logits = stock.mm_fp32_out(x, lay.gate)
-        w, ids = stock.route(logits, lay.bias, top_k=c.top_k, renormalize=c.renormalize,
+        logits = stock.mm_fp32_out(x, lay.dense.gate)
+        w, ids = stock.route(logits, lay.dense.bias, top_k=c.top_k, renormalize=c.renormalize,
                              scale=c.routed_scaling_factor)
-        front = stock.mm_bf16(x, lay.front_w)
+        front = stock.mm_bf16(x, lay.dense.front_w)
         shared = stock.mm_bf16(stock.situ_and_mul(front[:, :s2], beta=c.situ_beta,
-                                                  linear_beta=c.situ_linear_beta), lay.shared_down)
+                                                  linear_beta=c.situ_linear_beta), lay.dense.shared_down)
         latent = front[:, s2:]
         for o in range(lay.ranks):
             self.recv_x[o][:t].copy_(latent)
@@ -95,8 +95,8 @@ class StockRank:
             self.recv_w[o][:t].copy_(w)
         self.parts[0] = self.moe(self.recv_x[0], self.recv_ids[0], self.recv_w[0])
         routed = torch.stack([p[:t] for p in self.parts]).float().sum(0).bfloat16()
-        normed = stock.rms_norm(routed, lay.latent_norm, c.rms_eps)
-        return stock.addmm_bf16(shared, normed, lay.up)
+        normed = stock.rms_norm(routed, lay.dense.latent_norm, c.rms_eps)
+        return stock.addmm_bf16(shared, normed, lay.dense.up)
 
 
 def render(result: dict) -> str:
@@ -147,8 +147,7 @@ def main(argv=None):
     c = w.config
     layer = DepLayer(w, ranks=args.ranks, max_tokens=max(tokens_list))
     per = layer.per
-    dense_bytes = sum(t.numel() * t.element_size()
-                      for t in (layer.gate, layer.front_w, layer.shared_down, layer.up))
+    dense_bytes = layer.dense.dense_bytes
     expert_bytes = layer.engines[0].prepared.expert_bytes()
     peers = {}
     if "triton" in args.peers:

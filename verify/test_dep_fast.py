@@ -68,8 +68,8 @@ def check_dep_fast(contract, layer, outs, xs) -> None:
                                       for f in dataclasses.fields(o)}) for o in outs]
     xs = [x.cpu() for x in xs]
     gate, bias, front_w, shared_down, up, latent_norm = (
-        t.cpu() for t in (layer.gate, layer.bias, layer.front_w, layer.shared_down, layer.up,
-                          layer.latent_norm))
+        t.cpu() for t in (layer.dense.gate, layer.dense.bias, layer.dense.front_w,
+                          layer.dense.shared_down, layer.dense.up, layer.dense.latent_norm))
     for r, (o, x) in enumerate(zip(outs, xs)):
         _gemm(contract, o.logits, x, gate, torch.float32, f"rank {r} router logits")
         emu_w, emu_ids = emulation.route(o.logits, bias, top_k=k,

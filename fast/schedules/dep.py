@@ -3,7 +3,8 @@ virtual ranks whose buffers all live on one device.
 
 What runs, per rank ``r`` of ``N`` (the order of ``reference.schedules.dep``)::
 
-    dense  : logits = x @ gate^T (cuBLAS, FP32 out) ; weights, ids = fast.router.route
+    dense  : fast.schedules.dense.DenseFront (router and shared expert on a side stream):
+             logits = x @ gate^T (cuBLAS, FP32 out) ; weights, ids = fast.router.route
              front = x @ [shared gate_up | latent down]^T (cuBLAS, BF16)
              act = fast.activation.situ_and_mul(front[:, :2S]) ; shared = act @ down^T (cuBLAS)
              codes, scales = fast.mx.quantize_mxfp8(front[:, 2S:])
@@ -39,7 +40,8 @@ import functools
 
 import torch
 
-from fast import activation, backend, mx, router, stock
+from fast import backend
+from fast.schedules.dense import DenseFront, DenseOutputs
 from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
 
@@ -145,12 +147,7 @@ class DepLayer:
         self.per = c.experts // ranks
         self.arch = backend.device_arch(device)
         on = dict(device=device)
-        self.gate = weights.gate.to(**on).contiguous()
-        self.bias = weights.bias.to(**on).contiguous()
-        self.front_w = weights.front.to(**on).contiguous()
-        self.shared_down = weights.shared_down.to(**on).contiguous()
-        self.latent_norm = weights.latent_norm.to(**on).contiguous()
-        self.up = weights.up.to(**on).contiguous()
+        self.dense = DenseFront(weights, device)
         rows = ranks * max_tokens
         self.engines = [
             ExpertsEngine(prepare_experts(weights, device, experts=(r * self.per, self.per)),
@@ -171,7 +168,6 @@ class DepLayer:
             dtype=torch.int64, device=device)
         self.combine_table = torch.tensor([b["partials"].data_ptr() for b in self._owner],
                                           dtype=torch.int64, device=device)
-        self._side = torch.cuda.Stream(device)
         self._fn = {kind: _compiled(kind, self.arch, p)
                     for kind, p in kernel_params(c, ranks).items()}
 
@@ -236,40 +232,12 @@ class DepLayer:
     # rank's own work by replaying its stages after a full call filled the others') -----
 
     def dense_stage(self, r: int, x: torch.Tensor, *, order: str = "serial",
-                    side_delay_cycles: int = 0) -> tuple:
-        """Rank ``r``'s dense part: ``(logits, weights, ids, front, shared, codes, scales,
-        shared_ready)``. With ``order="side"`` the router and the shared expert run on the
-        side stream; the current stream waits for the router before returning (the
-        dispatch reads ids and weights) and for the shared expert through
-        ``shared_ready`` (an event :meth:`home_stage` waits on; None when serial)."""
-        c = self.config
-        s2 = 2 * c.shared_intermediate
-        main = torch.cuda.current_stream(self.device)
-        side = self._side if order == "side" else main
-
-        def segment():
-            if side is not main:
-                side.wait_stream(main)
-                if side_delay_cycles:
-                    torch.cuda._sleep(int(side_delay_cycles))
-
-        segment()
-        with torch.cuda.stream(side):
-            logits = stock.mm_fp32_out(x, self.gate)
-            weights, ids = router.route(logits, self.bias, top_k=c.top_k,
-                                        renormalize=c.renormalize, scale=c.routed_scaling_factor)
-        route_ready = side.record_event() if side is not main else None
-        front = stock.mm_bf16(x, self.front_w)
-        segment()
-        with torch.cuda.stream(side):
-            act = activation.situ_and_mul(front[:, :s2], beta=c.situ_beta,
-                                          linear_beta=c.situ_linear_beta)
-            shared = stock.mm_bf16(act, self.shared_down)
-        shared_ready = side.record_event() if side is not main else None
-        codes, scales = mx.quantize_mxfp8(front[:, s2:].contiguous())
-        if route_ready is not None:
-            main.wait_event(route_ready)
-        return logits, weights, ids, front, shared, codes, scales, shared_ready
+                    side_delay_cycles: int = 0) -> DenseOutputs:
+        """Rank ``r``'s dense part (``fast.schedules.dense.DenseFront``): with
+        ``order="side"`` the router and the shared expert run on the side stream; the
+        current stream waits for the router before returning (the dispatch reads ids and
+        weights) and for the shared expert in :meth:`home_stage`."""
+        return self.dense(x, order=order, side_delay_cycles=side_delay_cycles)
 
     def dispatch_stage(self, r: int, dense: tuple, tokens: int) -> None:
         """Source ``r``'s tokens into every owner's receive rows ``r*T + t``."""
@@ -303,16 +271,14 @@ class DepLayer:
         from cutlass import Float32, Int32, Int64
 
         c = self.config
-        ids, shared, shared_ready = dense[2], dense[4], dense[7]
+        ids = dense.ids
         routed = torch.empty(tokens, c.latent, dtype=torch.bfloat16, device=self.device)
         normed = torch.empty_like(routed)
         self._fn["combine"](Int64(ids.data_ptr()), Int64(self.combine_table.data_ptr()),
                             Int64(routed.data_ptr()), Int64(self.latent_norm.data_ptr()),
                             Int64(normed.data_ptr()), Float32(c.rms_eps), Int32(r),
                             Int32(tokens), backend.stream(self.device))
-        if shared_ready is not None:
-            torch.cuda.current_stream(self.device).wait_event(shared_ready)
-        return routed, normed, stock.addmm_bf16(shared, normed, self.up)
+        return routed, normed, self.dense.up_projection(dense, normed)
 
     def _outputs(self, r: int, dense: tuple, routed, normed, out, tokens: int) -> DepRankOutputs:
         logits, weights, ids, front, shared, codes, scales, _ = dense
