@@ -20,6 +20,8 @@
   name, version and source of every backend of the run.
 * hardware markers: ``gpu``, ``sm90``, ``sm100``, ``multi_gpu`` are skipped with a reason
   where the machine lacks them.
+* ``process_group``: under ``torchrun``, the world process group (NCCL with one GPU per
+  process where CUDA is available, else gloo), initialised once per session.
 """
 
 from __future__ import annotations
@@ -145,6 +147,22 @@ def pytest_runtest_setup(item):
                 f"needs {need} processes launched with torchrun (WORLD_SIZE={world}); "
                 "see docs/verify.md"
             )
+
+
+@pytest.fixture(scope="session")
+def process_group():
+    """The world group of a ``torchrun`` launch (``multi_gpu`` tests only; they skip
+    without torchrun), destroyed at the end of the session."""
+    import torch.distributed as dist
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not dist.is_initialized():
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend)
+    yield dist.group.WORLD
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 @pytest.fixture

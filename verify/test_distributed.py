@@ -12,10 +12,7 @@ Run it with::
 
 from __future__ import annotations
 
-import os
-
 import pytest
-import torch
 
 from reference.schedules.groups import TorchGroup
 from reference.schedules.dep import dep_layer_virtual, dep_rank
@@ -27,17 +24,8 @@ pytestmark = [pytest.mark.multi_gpu(2), pytest.mark.config("small")]
 
 
 @pytest.fixture(scope="module")
-def group():
-    import torch.distributed as dist
-
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if not dist.is_initialized():
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
-    yield TorchGroup()
-    dist.barrier()
-    dist.destroy_process_group()
+def group(process_group):
+    return TorchGroup()
 
 
 def _compare(contract, real: dict, virtual: dict, what: str) -> None:

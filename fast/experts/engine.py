@@ -248,6 +248,17 @@ class ExpertsEngine:
             self.check()
         return (out, cap) if capture else out
 
+    def compile_for(self, rows: int) -> None:
+        """Compile, on the host only, the kernels a call of ``rows`` rows launches with the
+        default windows and tactic, so that call launches at once (a real DEP rank's
+        peers wait for its rows with a timeout)."""
+        c, g = self.config, self.geometry
+        params = _kernel_params(g, c, choose_windows(rows, c.top_k, c.experts), False,
+                                self.strict, choose_tactic(rows, c.top_k, c.experts, g.count),
+                                self.empty_rows)
+        for kind, p in params.items():
+            _compiled(kind, self.arch, p)
+
     def check(self) -> None:
         """Raise ``EngineError`` if a call since the last check met a bad routing entry
         (synchronizes the device), and clear the error."""

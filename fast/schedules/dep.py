@@ -88,28 +88,36 @@ def _compiled(kind: str, arch: str, params: tuple):
 
     kw = dict(params)
     if kind == "dispatch":
-        obj, args = k.DispatchKernel(**kw), [Int64(0)] * 5 + [Int32(0), Int32(1), Int32(1)]
+        obj, args = k.DispatchKernel(**kw), [Int64(0)] * 6 + [Int32(0), Int32(1), Int32(1)]
     elif kind == "owner_finalize":
-        obj, args = k.OwnerFinalizeKernel(**kw), [Int64(0)] * 4 + [Int32(0), Int32(1), Int32(1)]
+        obj, args = k.OwnerFinalizeKernel(**kw), [Int64(0)] * 5 + [Int32(0), Int32(1), Int32(1),
+                                                                    Int32(1)]
+    elif kind == "wait":
+        obj, args = k.ArrivalWaitKernel(**kw), [Int64(0)] * 4 + [Int32(1), Int32(0), Int32(0)]
     else:
         obj, args = k.CombineKernel(**kw), [Int64(0)] * 5 + [Float32(1e-5), Int32(0), Int32(1)]
     return cute.compile(obj, *args, backend._fake_stream(), options=f"--gpu-arch {arch}")
 
 
-def kernel_params(config: LatentMoEConfig, ranks: int) -> dict[str, tuple]:
-    """The compile parameters of the routed data-movement kernels for ``ranks`` ranks."""
+def kernel_params(config: LatentMoEConfig, ranks: int, *, peers: bool = False) -> dict[str, tuple]:
+    """The compile parameters of the routed data-movement kernels for ``ranks`` ranks:
+    virtual ranks on one device, or real ranks (``peers``: the dispatch and the owner
+    finalize signal their receivers, and a wait kernel holds each receiver)."""
     c, per = config, config.experts // ranks
-    return {
-        "dispatch": tuple(sorted(dict(latent=c.latent, top_k=c.top_k, per=per).items())),
-        "owner_finalize": tuple(sorted(dict(latent=c.latent, top_k=c.top_k).items())),
-        "combine": tuple(sorted(dict(latent=c.latent, top_k=c.top_k, ranks=ranks,
-                                     per=per).items())),
+    params = {
+        "dispatch": dict(latent=c.latent, top_k=c.top_k, per=per, signal=peers),
+        "owner_finalize": dict(latent=c.latent, top_k=c.top_k, signal=peers),
+        "combine": dict(latent=c.latent, top_k=c.top_k, ranks=ranks, per=per),
     }
+    if peers:
+        params["wait"] = dict(ranks=ranks)
+    return {kind: tuple(sorted(p.items())) for kind, p in params.items()}
 
 
-def compile_all(config: LatentMoEConfig, ranks: int, arch: str):
+def compile_all(config: LatentMoEConfig, ranks: int, arch: str, *, peers: bool = False):
     """Compile the routed data-movement kernels for ``arch`` (no GPU needed)."""
-    return [_compiled(kind, arch, params) for kind, params in kernel_params(config, ranks).items()]
+    return [_compiled(kind, arch, params)
+            for kind, params in kernel_params(config, ranks, peers=peers).items()]
 
 
 class DepLayer:
@@ -246,7 +254,7 @@ class DepLayer:
         _, weights, ids, _, _, codes, scales, _ = dense
         self._fn["dispatch"](
             Int64(codes.data_ptr()), Int64(scales.data_ptr()), Int64(ids.data_ptr()),
-            Int64(weights.data_ptr()), Int64(self.dispatch_table.data_ptr()),
+            Int64(weights.data_ptr()), Int64(self.dispatch_table.data_ptr()), Int64(0),
             Int32(r), Int32(tokens), Int32(self.ranks), backend.stream(self.device))
 
     def experts_stage(self, o: int, tokens: int) -> None:
@@ -262,8 +270,8 @@ class DepLayer:
         b = self._owner[o]
         self._fn["owner_finalize"](
             Int64(b["rows"].data_ptr()), Int64(b["weights"].data_ptr()), Int64(b["ids"].data_ptr()),
-            Int64(b["partials"].data_ptr()), Int32(o * self.per), Int32(self.per),
-            Int32(self.ranks * tokens), backend.stream(self.device))
+            Int64(b["partials"].data_ptr()), Int64(0), Int32(o * self.per), Int32(self.per),
+            Int32(tokens), Int32(self.ranks * tokens), backend.stream(self.device))
 
     def home_stage(self, r: int, dense: tuple, tokens: int) -> tuple:
         """Home ``r``'s combine fused with the RMSNorm, and the up-projection:
@@ -275,7 +283,7 @@ class DepLayer:
         routed = torch.empty(tokens, c.latent, dtype=torch.bfloat16, device=self.device)
         normed = torch.empty_like(routed)
         self._fn["combine"](Int64(ids.data_ptr()), Int64(self.combine_table.data_ptr()),
-                            Int64(routed.data_ptr()), Int64(self.latent_norm.data_ptr()),
+                            Int64(routed.data_ptr()), Int64(self.dense.latent_norm.data_ptr()),
                             Int64(normed.data_ptr()), Float32(c.rms_eps), Int32(r),
                             Int32(tokens), backend.stream(self.device))
         return routed, normed, self.dense.up_projection(dense, normed)

@@ -5,6 +5,12 @@ Each kernel takes raw device addresses (``Int64``) and run-time sizes (``Int32``
 owners' buffers are reached through a table of addresses in device memory, so one kernel
 serves virtual ranks (every buffer on this GPU) and real ranks (peer addresses from
 symmetric memory; plain unicast stores and loads over NVLink).
+
+Over real ranks the kernels also say when their rows are written: the dispatch and the
+owner finalize built with ``signal=True`` end each CTA with a release at system scope that
+adds 1 to a word in the receiving rank's memory (its *arrival counter* for this sender),
+and ``ArrivalWaitKernel`` holds the receiver's stream until every sender's counter has
+grown by this call's CTA count, or raises through an error word after a timeout.
 """
 
 from __future__ import annotations
@@ -16,8 +22,8 @@ from cutlass import Float32, Int32, Int64, Uint32
 from fast import _cute as h
 from fast.experts import _ptx as p
 
-__all__ = ["DispatchKernel", "OwnerFinalizeKernel", "CombineKernel", "POISON_WORDS",
-           "TABLE_FIELDS"]
+__all__ = ["DispatchKernel", "OwnerFinalizeKernel", "CombineKernel", "ArrivalWaitKernel",
+           "POISON_WORDS", "TABLE_FIELDS", "WAIT_ERROR_FIELDS"]
 
 #: The four receive buffers of an owner, in the order of a table row: E4M3 codes
 #: ``[N*T, L]``, E8M0 scales ``[N*T, L/32]``, int32 ids ``[N*T, K]``, FP32 weights ``[N*T, K]``.
@@ -39,6 +45,31 @@ def _ldg_u64(address):
 def _stg_u32(address, value):
     cute.arch.inline_ptx("st.global.u32 [{$r0}], {$r1};", write_only_types=[],
                          read_only_args=[Int64(address), Uint32(value)])
+
+
+def _signal_arrival(counter: Int64, tid):
+    """End of a CTA whose stores another rank will read: every thread fences at system
+    scope (``fence.acq_rel.sys``: its stores, peer stores over NVLink included, are
+    ordered before what follows), the CTA synchronizes, and thread 0 adds 1 to the
+    receiver's counter word at ``counter`` with ``red.release.sys`` (a reader that
+    acquires the new count sees every store of the CTA)."""
+    cute.arch.fence_acq_rel_sys()
+    cute.arch.barrier()
+    cute.arch.inline_ptx("{ .reg .pred first; setp.eq.s32 first, {$r1}, 0; "
+                         "@first red.release.sys.global.add.u32 [{$r0}], 1; }",
+                         write_only_types=[], read_only_args=[Int64(counter), Int32(tid)])
+
+
+def _ld_acquire_sys(address):
+    """``ld.acquire.sys.global.u32``: a counter another GPU adds to."""
+    return cute.arch.inline_ptx("ld.acquire.sys.global.u32 {$w0}, [{$r0}];",
+                                write_only_types=[Uint32], read_only_args=[Int64(address)])
+
+
+def _atomic_cas(address, compare, value):
+    return cute.arch.inline_ptx("atom.global.cas.b32 {$w0}, [{$r0}], {$r1}, {$r2};",
+                                write_only_types=[Int32],
+                                read_only_args=[Int64(address), Int32(compare), Int32(value)])
 
 
 def _owner_of_any(ids_row: Int64, top_k: int, lo, hi):
@@ -63,22 +94,27 @@ class DispatchKernel:
 
     Pure data movement: the owner's rows are the source's bits.
 
+    With ``signal=True`` (real ranks) CTA ``(t, o)`` then adds 1 to owner ``o``'s arrival
+    counter for this source (address ``arrivals[o]``, an int64 ``[N]`` table), after a
+    system-scope release: owner ``o`` has all of this source's rows once its counter has
+    grown by ``T`` (``ArrivalWaitKernel``). With ``signal=False`` ``arrivals`` is unused.
+
     Constraints: ``L % 32 == 0``; source tensors contiguous; codes 16-byte aligned; the
     table int64 ``[N, 4]`` (``TABLE_FIELDS`` order) of owner addresses.
     """
 
-    def __init__(self, latent: int, top_k: int, per: int):
-        self.latent, self.top_k, self.per = latent, top_k, per
+    def __init__(self, latent: int, top_k: int, per: int, signal: bool = False):
+        self.latent, self.top_k, self.per, self.signal = latent, top_k, per, signal
 
     @cute.jit
     def __call__(self, codes: Int64, scales: Int64, ids: Int64, weights: Int64, table: Int64,
-                 source: Int32, tokens: Int32, ranks: Int32, stream):
-        self.kernel(codes, scales, ids, weights, table, source, tokens).launch(
+                 arrivals: Int64, source: Int32, tokens: Int32, ranks: Int32, stream):
+        self.kernel(codes, scales, ids, weights, table, arrivals, source, tokens).launch(
             grid=(tokens, ranks, 1), block=(_THREADS, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, codes: Int64, scales: Int64, ids: Int64, weights: Int64, table: Int64,
-               source: Int32, tokens: Int32):
+               arrivals: Int64, source: Int32, tokens: Int32):
         tid = cute.arch.thread_idx()[0]
         t, o, _ = cute.arch.block_idx()
         latent: cutlass.Constexpr = self.latent
@@ -105,6 +141,8 @@ class DispatchKernel:
                 if g < width:
                     word = p.ldg_u32(src + (Int64(t) * width + g) * 4)
                     _stg_u32(dst[field] + (row * width + g) * 4, cutlass.select_(keep, word, poison))
+        if cutlass.const_expr(self.signal):
+            _signal_arrival(_ldg_u64(arrivals + Int64(o) * 8), tid)
 
 
 class OwnerFinalizeKernel:
@@ -117,23 +155,29 @@ class OwnerFinalizeKernel:
     whatever the engine left there); a row with no local slot (an empty receive row)
     gives +0.
 
+    With ``signal=True`` (real ranks) the CTA of receive row ``s*T + t`` then adds 1 to
+    home ``s``'s arrival counter for this owner (address ``ready[s]``, an int64 ``[N]``
+    table) after a system-scope release: home ``s`` has all of this owner's partials of
+    its tokens once the counter has grown by ``T``. With ``signal=False`` ``ready`` is
+    unused.
+
     Constraints: ``L % 8 == 0``, ``L / 8 <= 1024``; rows BF16 ``[R*K, L]``, weights FP32
     ``[R, K]``, ids int32 ``[R, K]``, out BF16 ``[R, L]``, contiguous, 16-byte aligned.
     """
 
-    def __init__(self, latent: int, top_k: int):
-        self.latent, self.top_k = latent, top_k
+    def __init__(self, latent: int, top_k: int, signal: bool = False):
+        self.latent, self.top_k, self.signal = latent, top_k, signal
         self.threads = latent // 8
 
     @cute.jit
-    def __call__(self, rows: Int64, weights: Int64, ids: Int64, out: Int64, first: Int32,
-                 count: Int32, receive_rows: Int32, stream):
-        self.kernel(rows, weights, ids, out, first, count).launch(
+    def __call__(self, rows: Int64, weights: Int64, ids: Int64, out: Int64, ready: Int64,
+                 first: Int32, count: Int32, tokens: Int32, receive_rows: Int32, stream):
+        self.kernel(rows, weights, ids, out, ready, first, count, tokens).launch(
             grid=(receive_rows, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
-    def kernel(self, rows: Int64, weights: Int64, ids: Int64, out: Int64, first: Int32,
-               count: Int32):
+    def kernel(self, rows: Int64, weights: Int64, ids: Int64, out: Int64, ready: Int64,
+               first: Int32, count: Int32, tokens: Int32):
         tid = cute.arch.thread_idx()[0]
         r = cute.arch.block_idx()[0]
         latent: cutlass.Constexpr = self.latent
@@ -151,6 +195,8 @@ class OwnerFinalizeKernel:
                     acc[2 * i + 1] = h.ffma(w, h.bf16_hi(words[i]), acc[2 * i + 1])
         packed = [h.pack_bf16x2(acc[2 * i], acc[2 * i + 1]) for i in range(4)]
         p.stg_v4(out + (Int64(r) * latent + tid * 8) * 2, packed)
+        if cutlass.const_expr(self.signal):
+            _signal_arrival(_ldg_u64(ready + Int64(r // tokens) * 8), tid)
 
 
 class CombineKernel:
@@ -226,3 +272,63 @@ class CombineKernel:
         ww = p.ldg_stream_v4(norm_weight + tid * 16)
         out = normalize_row(packed, ww, eps, latent, self.threads // 32)
         p.stg_v4(normed + (Int64(t) * latent + tid * 8) * 2, out)
+
+
+#: The int32 words of a wait's error record: nonzero ``code`` (1: timed out), the waiting
+#: ``rank``, the ``what`` it waited for (0: receive rows, 1: owner partials), the ``peer``
+#: rank whose counter fell short, the counter's ``seen`` value and its ``target``.
+WAIT_ERROR_FIELDS = ("code", "rank", "what", "peer", "seen", "target")
+WAIT_TIMEOUT = 1
+
+
+class ArrivalWaitKernel:
+    """Hold the stream until every peer's arrival counter has reached this call's target,
+    or a timeout passes: one CTA of 32 * ceil(N / 32) threads.
+
+    ``counters`` holds N uint32 words in this rank's memory, word ``s`` counting the CTAs
+    of peer ``s`` that finished writing here (``_signal_arrival``); ``expected`` (int32,
+    this rank's memory) is the count every word held after the previous wait. Thread
+    ``s < N`` polls word ``s`` (``ld.acquire.sys``) until ``seen - target >= 0`` in
+    wrapping 32-bit arithmetic, where ``target = expected + increment``, or until
+    ``%globaltimer`` passes ``timeout_ns`` after the thread began. The CTA then
+    synchronizes and thread 0 stores ``target`` to ``expected``. A timeout writes the error
+    record (``WAIT_ERROR_FIELDS``) at ``error`` if no error is recorded there yet (the
+    first one wins; ``atom.cas`` on the code) and the kernel ends: never a hang. After a
+    timeout the layer's outputs are unspecified and its counters out of step: the host
+    raises (``DepPeerLayer.check``) and the layer must be rebuilt.
+
+    The counters only grow (by ``T`` per call and peer), so no re-arm is needed and a CUDA
+    graph replays the same launches.
+    """
+
+    def __init__(self, ranks: int):
+        self.ranks = ranks
+        self.threads = 32 * ((ranks + 31) // 32)
+
+    @cute.jit
+    def __call__(self, counters: Int64, expected: Int64, error: Int64, timeout_ns: Int64,
+                 increment: Int32, rank: Int32, what: Int32, stream):
+        self.kernel(counters, expected, error, timeout_ns, increment, rank, what).launch(
+            grid=(1, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, counters: Int64, expected: Int64, error: Int64, timeout_ns: Int64,
+               increment: Int32, rank: Int32, what: Int32):
+        tid = cute.arch.thread_idx()[0]
+        target = p.ldg_i32(expected) + increment
+        if tid < self.ranks:
+            start = cute.arch.globaltimer()
+            seen = Int32(_ld_acquire_sys(counters + Int64(tid) * 4))
+            late = Int32(0)
+            while ((seen - target) < 0) & (late == 0):
+                seen = Int32(_ld_acquire_sys(counters + Int64(tid) * 4))
+                late = cutlass.select_(cute.arch.globaltimer() - start > timeout_ns,
+                                       Int32(1), Int32(0))
+            if ((seen - target) < 0) & (late != 0):
+                if _atomic_cas(error, 0, WAIT_TIMEOUT) == 0:
+                    record = [rank, what, tid, seen, target]
+                    for i in cutlass.range_constexpr(len(record)):
+                        p.stg_i32(error + 4 * (i + 1), record[i])
+        cute.arch.barrier()
+        if tid == 0:
+            p.stg_i32(expected, target)

@@ -1,0 +1,295 @@
+"""S1, the DEP layer, over real ranks: one process per GPU, the owners' receive buffers and
+partials in torch symmetric memory, reached by unicast peer stores and loads (never a
+multicast object).
+
+Each rank runs the same stages and kernels as a virtual rank of
+``fast.schedules.dep.DepLayer``; only the addresses in the kernels' tables differ (peer
+addresses from the symmetric-memory handle), and two waits join the ranks::
+
+    dense part (fast.schedules.dense.DenseFront; router and shared expert on a side stream)
+    DispatchKernel(signal)      my tokens -> every owner's receive rows rank*T + t;
+                                each CTA then adds 1 to the owner's arrival counter for me
+    ArrivalWaitKernel           until every source's counter here grew by T (receive rows)
+    ExpertsEngine               my experts over the N*T receive rows
+    OwnerFinalizeKernel(signal) my partial of each receive row; the CTA of row s*T + t adds
+                                1 to home s's counter for me
+    ArrivalWaitKernel           until every owner's counter here grew by T (owner partials)
+    CombineKernel               owners' partials of my tokens (peer loads) in owner order,
+                                fused with the RMSNorm
+    up-projection               shared + normed @ up^T
+
+The bits of every output equal those of the virtual layer's rank (the same kernels on the
+same data; ``verify/test_dep_peer.py`` compares them), so the stage contracts of
+``verify/test_dep_fast.py`` carry over.
+
+Buffer reuse needs no extra barrier: an owner overwrites its partials (call k+1) only
+after every source dispatched call k+1, which each did after its combine of call k read
+those partials; a source overwrites an owner's receive rows (call k+1) only after that
+owner's partials of call k arrived, which the owner wrote after its experts read the rows.
+
+Every rank must call the layer with the same ``T`` (the DEP padding contract). A wait
+whose peer does not arrive within ``timeout_s`` records which rank it waited for and what
+for; the next :meth:`DepPeerLayer.check` raises :class:`DepPeerTimeout` naming them. The
+counters only grow, so a call can be captured in a CUDA graph and replayed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fast import backend
+from fast.schedules.dense import DenseFront
+from fast.schedules.dep import DepRankOutputs, _compiled, kernel_params
+from reference.weights import LatentMoEWeights
+
+__all__ = ["DepPeerLayer", "DepPeerTimeout", "symmetric_layout", "WAITS"]
+
+#: What each of a call's two waits waits for, by index (``ArrivalWaitKernel``'s ``what``).
+WAITS = ("receive rows", "owner partials")
+_ALIGN = 256
+
+
+class DepPeerTimeout(RuntimeError):
+    """A rank's wait for its peers' rows passed its timeout."""
+
+
+def symmetric_layout(config, ranks: int, max_tokens: int) -> tuple[dict, int]:
+    """Byte offsets, shapes and dtypes of one rank's symmetric buffer, and its size: the
+    receive rows of ``N * max_tokens`` (E4M3 codes as uint8 ``[R, L]``, E8M0 scales
+    ``[R, L/32]``, int32 ids and FP32 weights ``[R, K]``), the BF16 partials ``[R, L]``,
+    and the arrival counters (uint32 ``[len(WAITS), N]``: one per wait and peer, as int32).
+    Every field starts on a 256-byte boundary."""
+    rows, c = ranks * max_tokens, config
+    fields = {
+        "codes": ((rows, c.latent), torch.uint8),
+        "scales": ((rows, c.latent // 32), torch.uint8),
+        "ids": ((rows, c.top_k), torch.int32),
+        "weights": ((rows, c.top_k), torch.float32),
+        "partials": ((rows, c.latent), torch.bfloat16),
+        "arrivals": ((len(WAITS), ranks), torch.int32),
+    }
+    layout, at = {}, 0
+    for name, (shape, dtype) in fields.items():
+        layout[name] = (at, shape, dtype)
+        at += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+    return layout, at
+
+
+class DepPeerLayer:
+    """One real rank of S1 (this process, this GPU), reusable across calls.
+
+    Args:
+        weights: the layer's weights (any device); this rank's engine prepares its own
+            experts ``[rank E/N, (rank+1) E/N)``.
+        max_tokens: the most tokens per rank one call may have (buffers are sized for it).
+        group: the ``torch.distributed`` process group of the ``N`` ranks (default the
+            world); initialised with NCCL, one process per GPU.
+        device: this rank's CUDA device (default the current one).
+        timeout_s: how long a wait for the peers' rows may take before it gives up.
+
+    Construction is collective (every rank of the group must construct the layer): it
+    allocates and exchanges the symmetric buffer.
+    """
+
+    def __init__(self, weights: LatentMoEWeights, *, max_tokens: int, group=None,
+                 device: str | torch.device | None = None, timeout_s: float = 10.0):
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from fast.experts import ExpertsEngine, prepare_experts
+
+        if not isinstance(weights, LatentMoEWeights):
+            raise TypeError(f"DepPeerLayer: weights must be LatentMoEWeights, got "
+                            f"{type(weights).__name__}")
+        if not dist.is_initialized():
+            raise RuntimeError("DepPeerLayer: torch.distributed is not initialised (launch with "
+                               "torchrun and call init_process_group('nccl'))")
+        group = group if group is not None else dist.group.WORLD
+        c = weights.config
+        rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+        if c.experts % ranks:
+            raise ValueError(f"DepPeerLayer: {ranks} ranks must divide E={c.experts} "
+                             "(each rank owns E/N experts)")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"DepPeerLayer: max_tokens must be a positive int, got {max_tokens!r}")
+        if not timeout_s > 0:
+            raise ValueError(f"DepPeerLayer: timeout_s must be positive, got {timeout_s!r}")
+        device = torch.device(device if device is not None else "cuda")
+        if device.type != "cuda":
+            raise ValueError(f"DepPeerLayer: device must be a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        ok, why = backend.device_supported()
+        if not ok:
+            raise RuntimeError(f"DepPeerLayer: the fast kernels cannot run here: {why}")
+        self.config, self.rank, self.ranks, self.group = c, rank, ranks, group
+        self.max_tokens, self.device, self.timeout_s = max_tokens, device, float(timeout_s)
+        self.per = c.experts // ranks
+        self.arch = backend.device_arch(device)
+        self.dense = DenseFront(weights, device)
+        rows = ranks * max_tokens
+        self.engine = ExpertsEngine(
+            prepare_experts(weights, device, experts=(rank * self.per, self.per)),
+            max_rows=rows, empty_rows=True)
+
+        self.layout, size = symmetric_layout(c, ranks, max_tokens)
+        self._symmetric = symm_mem.empty(size, dtype=torch.uint8, device=device)
+        self._symmetric.zero_()
+        handle = symm_mem.rendezvous(self._symmetric, group.group_name)
+        peers = [int(p) for p in handle.buffer_ptrs]
+        self.buffers = {
+            name: self._symmetric[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for name, (at, shape, dtype) in self.layout.items()}
+
+        def at(peer, name, index=0):
+            return peers[peer] + self.layout[name][0] + index
+
+        on = dict(dtype=torch.int64, device=device)
+        self.dispatch_table = torch.tensor(
+            [[at(o, f) for f in ("codes", "scales", "ids", "weights")] for o in range(ranks)], **on)
+        self.combine_table = torch.tensor([at(o, "partials") for o in range(ranks)], **on)
+        # my counter word at each receiver: wait 0 (receive rows) at owners, wait 1
+        # (owner partials) at homes
+        self.arrival_tables = [torch.tensor([at(o, "arrivals", 4 * (w * ranks + rank))
+                                             for o in range(ranks)], **on)
+                               for w in range(len(WAITS))]
+        self.rows = torch.empty(rows * c.top_k, c.latent, dtype=torch.bfloat16, device=device)
+        self.expected = torch.zeros(len(WAITS), dtype=torch.int32, device=device)
+        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
+
+        self.error = torch.zeros(len(WAIT_ERROR_FIELDS), dtype=torch.int32, device=device)
+        self._fn = {kind: _compiled(kind, self.arch, p)
+                    for kind, p in kernel_params(c, ranks, peers=True).items()}
+        self._prepared: set[int] = set()
+        torch.cuda.synchronize(device)
+        dist.barrier(group)
+
+    # -- checks -------------------------------------------------------------------------
+
+    def _check_input(self, x) -> int:
+        c = self.config
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
+                or x.shape[1] != c.hidden:
+            got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"DepPeerLayer: x must be BF16 [T, H={c.hidden}], got {got}")
+        if x.device != self.device or not x.is_contiguous():
+            raise ValueError(f"DepPeerLayer: x must be contiguous on {self.device}, got {x.device}")
+        if not 1 <= x.shape[0] <= self.max_tokens:
+            raise ValueError(f"DepPeerLayer: T={x.shape[0]} tokens is outside [1, "
+                             f"max_tokens={self.max_tokens}] the layer was built for")
+        return x.shape[0]
+
+    def _prepare(self, tokens: int) -> None:
+        """Before the first call of ``tokens`` tokens: compile the engine's kernels for it
+        and run the dense part once (its kernels compile on first use), then meet the
+        peers (a collective barrier), so no rank's wait times out while another compiles."""
+        import torch.distributed as dist
+
+        self.engine.compile_for(self.ranks * tokens)
+        self.dense(torch.zeros(tokens, self.config.hidden, dtype=torch.bfloat16,
+                               device=self.device))
+        torch.cuda.synchronize(self.device)
+        dist.barrier(self.group)
+        self._prepared.add(tokens)
+
+    # -- the call -------------------------------------------------------------------------
+
+    def __call__(self, x: torch.Tensor, *, check: bool = True, order: str = "side",
+                 side_delay_cycles: int = 0) -> DepRankOutputs:
+        """One layer step of this rank on its BF16 tokens ``x [T, H]`` (every rank passes
+        the same ``T``). ``check``, ``order`` and ``side_delay_cycles`` as
+        :meth:`fast.schedules.dep.DepLayer.__call__`. The first call of each ``T`` is
+        collective on the host (:meth:`_prepare`); later ones launch without host
+        synchronization (until ``check``)."""
+        from cutlass import Float32, Int32, Int64
+
+        tokens = self._check_input(x)
+        if tokens not in self._prepared:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"DepPeerLayer: T={tokens} is captured before an eager call "
+                                   "of that T (use DepPeerLayer.graph)")
+            self._prepare(tokens)
+        c, n, k = self.config, self.ranks, self.config.top_k
+        received = n * tokens
+        b = self.buffers
+        stream = backend.stream(self.device)
+
+        def ptr(t):
+            return Int64(t.data_ptr())
+
+        dense = self.dense(x, order=order, side_delay_cycles=side_delay_cycles)
+        self._fn["dispatch"](ptr(dense.codes), ptr(dense.scales), ptr(dense.ids),
+                             ptr(dense.weights), ptr(self.dispatch_table),
+                             ptr(self.arrival_tables[0]), Int32(self.rank), Int32(tokens),
+                             Int32(n), stream)
+        self._wait(0, tokens, stream)
+        self.engine(b["codes"][:received].view(torch.float8_e4m3fn), b["scales"][:received],
+                    b["ids"][:received], out=self.rows[:received * k], validate=False)
+        self._fn["owner_finalize"](ptr(self.rows), ptr(b["weights"]), ptr(b["ids"]),
+                                   ptr(b["partials"]), ptr(self.arrival_tables[1]),
+                                   Int32(self.rank * self.per), Int32(self.per), Int32(tokens),
+                                   Int32(received), stream)
+        self._wait(1, tokens, stream)
+        routed = torch.empty(tokens, c.latent, dtype=torch.bfloat16, device=self.device)
+        normed = torch.empty_like(routed)
+        self._fn["combine"](ptr(dense.ids), ptr(self.combine_table), ptr(routed),
+                            ptr(self.dense.latent_norm), ptr(normed), Float32(c.rms_eps),
+                            Int32(self.rank), Int32(tokens), stream)
+        out = self.dense.up_projection(dense, normed)
+        if check:
+            self.check()
+        return DepRankOutputs(
+            logits=dense.logits, weights=dense.weights, ids=dense.ids, front=dense.front,
+            shared=dense.shared, codes=dense.codes, scales=dense.scales,
+            recv_codes=b["codes"][:received], recv_scales=b["scales"][:received],
+            recv_ids=b["ids"][:received], recv_weights=b["weights"][:received],
+            rows=self.rows[:received * k], partials=b["partials"][:received],
+            routed=routed, normed=normed, out=out)
+
+    def _wait(self, what: int, tokens: int, stream) -> None:
+        from cutlass import Int32, Int64
+
+        counters = self.buffers["arrivals"][what]
+        self._fn["wait"](Int64(counters.data_ptr()), Int64(self.expected[what:].data_ptr()),
+                         Int64(self.error.data_ptr()), Int64(int(self.timeout_s * 1e9)),
+                         Int32(tokens), Int32(self.rank), Int32(what), stream)
+
+    def check(self) -> None:
+        """Raise the first error recorded since the layer was built: a wait that timed out
+        (:class:`DepPeerTimeout`, naming this rank, the peer and what it waited for; the
+        layer's counters are then out of step with its peers' and it must be rebuilt), or
+        an engine error (``EngineError``). Synchronizes the device."""
+        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
+
+        record = dict(zip(WAIT_ERROR_FIELDS, (int(v) for v in self.error.tolist())))
+        if record["code"]:
+            raise DepPeerTimeout(
+                f"DEP rank {record['rank']} of {self.ranks}: the {WAITS[record['what']]} from "
+                f"rank {record['peer']} did not arrive within {self.timeout_s:g} s (its "
+                f"counter here read {record['seen']}, the call needed {record['target']}); "
+                "every rank must call the layer with the same T. The layer's counters are "
+                "now out of step with its peers': rebuild it on every rank.")
+        self.engine.check()
+
+    def graph(self, x: torch.Tensor, *, order: str = "side"):
+        """Capture one call on the static input ``x`` in a CUDA graph (after an eager call
+        of the same ``T``; every rank captures and then replays in step); returns
+        ``(replay, outputs)`` as :meth:`fast.schedules.dep.DepLayer.graph`."""
+        self(x, order=order)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        capture = torch.cuda.Stream(self.device)
+        capture.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(capture):
+            with torch.cuda.graph(graph, stream=capture):
+                outputs = self(x, check=False, order=order)
+        torch.cuda.current_stream(self.device).wait_stream(capture)
+        torch.cuda.synchronize(self.device)
+
+        def replay():
+            graph.replay()
+            return outputs
+
+        return replay, outputs

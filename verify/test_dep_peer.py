@@ -1,0 +1,207 @@
+"""Contracts of the fast S1 layer over real ranks (``fast.schedules.dep_peer.DepPeerLayer``):
+one process per GPU, peer buffers in torch symmetric memory. Run with::
+
+    torchrun --standalone --nproc-per-node 2 -m pytest verify/test_dep_peer.py -m multi_gpu
+
+| contract | how |
+|---|---|
+| every stage output of a real rank | bitwise = the same rank of the virtual layer (``DepLayer``, every rank on this GPU) on the same inputs; the virtual layer's stage contracts are ``verify/test_dep_fast.py``'s |
+| consecutive calls | a call on new inputs after another equals the virtual layer on the new inputs (no stale receive row, partial or counter) |
+| stream orders, CUDA graph | serialized, side stream, side stream delayed by a spin, graph replays on new inputs and 100 reruns: bitwise equal |
+| a peer that never arrives | the wait times out and ``check`` raises naming the rank, the peer and the buffer (never a hang) |
+| the wait kernel alone (one GPU) | passes when every counter reached its target (also across the 32-bit wrap), times out with the error record otherwise |
+
+Every process builds the same weights (one seed) and every rank's inputs, so each runs the
+virtual layer locally and compares its own rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import pytest
+import torch
+
+from verify import cases
+
+pytestmark = [pytest.mark.gpu, pytest.mark.backends("fast")]
+
+ROWS = ("token", "column")
+#: Kept alive to the end of the session: a layer whose peers timed out is not used again,
+#: and its symmetric buffer is not freed while a peer may still write into it.
+_RETIRED = []
+
+
+def _inputs(cfg, ranks: int, tokens: int, seed: int) -> list[torch.Tensor]:
+    return [cases.hidden_rows(cfg, tokens, seed + r).cuda() for r in range(ranks)]
+
+
+def _weights(config_name: str):
+    return cases.device_weights(config_name) if config_name == "kimi_k3" else \
+        cases.weights(config_name)
+
+
+@functools.cache
+def _layers(config_name: str, max_tokens: int):
+    """The real rank's layer and the virtual layer of all ranks, on this process's GPU."""
+    import torch.distributed as dist
+
+    from fast.schedules.dep import DepLayer
+    from fast.schedules.dep_peer import DepPeerLayer
+
+    w = _weights(config_name)
+    real = DepPeerLayer(w, max_tokens=max_tokens)
+    virtual = DepLayer(w, ranks=dist.get_world_size(), max_tokens=max_tokens, device="cuda")
+    return real, virtual
+
+
+def _local_pairs(out, rank: int, per: int) -> torch.Tensor:
+    lo = rank * per
+    return ((out.recv_ids >= lo) & (out.recv_ids < lo + per)).flatten()
+
+
+def compare_with_virtual(contract, real_out, virtual_out, rank: int, per: int, what: str):
+    """Every field of a real rank's outputs bitwise equal to the virtual rank's (the
+    engine's rows of pairs that are not local are unspecified in both: only local pairs)."""
+    for f in dataclasses.fields(real_out):
+        got, want = getattr(real_out, f.name), getattr(virtual_out, f.name)
+        if f.name == "rows":
+            pairs = _local_pairs(virtual_out, rank, per)
+            got, want = got[pairs], want[pairs]
+        if got.dtype == torch.float32:  # poisoned weights are NaN: compare the bits
+            got, want = got.view(torch.int32), want.view(torch.int32)
+        contract.bitwise(got, want, what=f"{what}: {f.name} = virtual rank {rank}")
+
+
+@pytest.mark.multi_gpu(2)
+@pytest.mark.config("small")
+@pytest.mark.parametrize("tokens", (1, 5, 16))
+def test_dep_peer_equals_virtual(backend, process_group, tokens, seed, contract):
+    """Two consecutive calls on different inputs; each equals the virtual layer."""
+    import torch.distributed as dist
+
+    cfg = cases.config("small")
+    real, virtual = _layers("small", 16)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    for call in range(2):
+        xs = _inputs(cfg, n, tokens, seed + 1000 * call)
+        got = real(xs[rank])
+        want = virtual(xs)[rank]
+        compare_with_virtual(contract, got, want, rank, real.per,
+                             f"rank {rank}/{n} T={tokens} call {call}")
+
+
+@pytest.mark.multi_gpu(2)
+@pytest.mark.config("small")
+def test_dep_peer_stream_orders_and_graph(backend, process_group, seed, contract):
+    """Serialized, side stream, side stream delayed by a spin (after a call on other
+    inputs, so stale buffers differ), graph replays on new inputs: all bitwise equal to
+    the virtual layer; then 100 replays of one input give the same bits every time."""
+    import torch.distributed as dist
+
+    cfg, tokens = cases.config("small"), 7
+    real, virtual = _layers("small", 16)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    xs = _inputs(cfg, n, tokens, seed)
+    other = _inputs(cfg, n, tokens, seed + 999)
+    want = virtual(xs)[rank].out.clone()
+    runs = {"serial": real(xs[rank], order="serial").out.clone()}
+    real(other[rank])
+    runs["side, delayed"] = real(xs[rank], side_delay_cycles=2_000_000).out.clone()
+    real(other[rank])
+    runs["side"] = real(xs[rank]).out.clone()
+    static = other[rank].clone()
+    replay, outs = real.graph(static)
+    for i in range(3):
+        fresh = _inputs(cfg, n, tokens, seed + 100 * (i + 1))
+        static.copy_(fresh[rank])
+        replay()
+        torch.cuda.synchronize()
+        contract.bitwise(outs.out, virtual(fresh)[rank].out,
+                         what=f"rank {rank}: graph replay {i} = virtual", index_names=ROWS)
+    static.copy_(xs[rank])
+    replay()
+    torch.cuda.synchronize()
+    runs["graph replay"] = outs.out.clone()
+    for name, got in runs.items():
+        contract.bitwise(got, want, what=f"rank {rank}: {name} = virtual", index_names=ROWS)
+    differ = 0
+    for _ in range(100):
+        replay()
+        differ += int(not torch.equal(outs.out, want))
+    real.check()
+    assert differ == 0, f"rank {rank}: {differ} of 100 graph replays on one input differ"
+
+
+@pytest.mark.multi_gpu(2)
+@pytest.mark.config("kimi_k3")
+@pytest.mark.parametrize("tokens", (1, 4))
+def test_dep_peer_real_dims(backend, process_group, tokens, seed, contract):
+    """The real layer (E/N experts per rank) equals the virtual layer of the same ranks."""
+    import torch.distributed as dist
+
+    cfg = cases.config("kimi_k3")
+    real, virtual = _layers("kimi_k3", 4)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    xs = _inputs(cfg, n, tokens, seed)
+    compare_with_virtual(contract, real(xs[rank]), virtual(xs)[rank], rank, real.per,
+                         f"kimi_k3 rank {rank}/{n} T={tokens}")
+
+
+@pytest.mark.multi_gpu(2)
+@pytest.mark.config("small")
+def test_dep_peer_missing_peer_times_out(backend, process_group):
+    """Rank 0 calls the layer alone: its wait for rank 1's receive rows gives up after the
+    timeout and ``check`` names the rank, the peer and the buffer; rank 1 never calls."""
+    import torch.distributed as dist
+
+    from fast.schedules.dep_peer import DepPeerLayer, DepPeerTimeout
+
+    cfg = cases.config("small")
+    layer = DepPeerLayer(cases.weights("small"), max_tokens=4, timeout_s=0.2)
+    _RETIRED.append(layer)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    xs = _inputs(cfg, n, 3, 0)
+    layer(xs[rank])  # every rank once: the first call of a T meets the peers
+    dist.barrier()
+    if rank == 0:
+        with pytest.raises(DepPeerTimeout,
+                           match=rf"DEP rank 0 of {n}: the receive rows from rank 1 did not "
+                                 r"arrive within 0.2 s"):
+            layer(xs[0])
+    dist.barrier()
+
+
+@pytest.mark.config("small")
+def test_dep_peer_wait_kernel(backend):
+    """``ArrivalWaitKernel`` on one GPU: counters at their target pass and advance the
+    expected count (also across the 32-bit wrap); a counter short of it times out with the
+    error record; the kernel returns either way."""
+    from cutlass import Int32, Int64
+
+    from fast import backend as fb
+    from fast.schedules.dep import _compiled, kernel_params
+    from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
+
+    ranks = 4
+    wait = _compiled("wait", fb.device_arch("cuda"),
+                     kernel_params(cases.config("small"), ranks, peers=True)["wait"])
+
+    def run(counters, expected, increment, timeout_s):
+        c = torch.tensor(counters, dtype=torch.int64).to(torch.int32).cuda()
+        e = torch.tensor([expected], dtype=torch.int64).to(torch.int32).cuda()
+        err = torch.zeros(len(WAIT_ERROR_FIELDS), dtype=torch.int32, device="cuda")
+        wait(Int64(c.data_ptr()), Int64(e.data_ptr()), Int64(err.data_ptr()),
+             Int64(int(timeout_s * 1e9)), Int32(increment), Int32(5), Int32(1), fb.stream())
+        torch.cuda.synchronize()
+        return int(e.item()), dict(zip(WAIT_ERROR_FIELDS, err.tolist()))
+
+    expected, record = run([7, 7, 9, 7], 4, 3, 1.0)
+    assert (expected, record["code"]) == (7, 0)
+    wrap = 2**31 - 2  # target wraps past 2^31 - 1
+    expected, record = run([(wrap + 3) - 2**32] * ranks, wrap, 3, 1.0)
+    assert (expected, record["code"]) == ((wrap + 3) - 2**32, 0)
+    expected, record = run([3, 3, 2, 3], 0, 3, 0.02)
+    assert record == dict(code=1, rank=5, what=1, peer=2, seen=2, target=3), record
+    assert expected == 3
