@@ -157,9 +157,12 @@ def process_group():
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not dist.is_initialized():
+        options = {}
         if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group(backend)
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            torch.cuda.set_device(local)
+            options["device_id"] = torch.device("cuda", local)
+        dist.init_process_group(backend, **options)
     yield dist.group.WORLD
     dist.barrier()
     dist.destroy_process_group()
