@@ -205,3 +205,78 @@ def test_dep_peer_wait_kernel(backend):
     expected, record = run([3, 3, 2, 3], 0, 3, 0.02)
     assert record == dict(code=1, rank=5, what=1, peer=2, seen=2, target=3), record
     assert expected == 3
+
+
+@pytest.mark.multi_gpu(2)
+@pytest.mark.config("small")
+def test_dep_peer_layers_share_scratch(backend, process_group, seed, contract):
+    """Two layers with different weights on one ``DepPeerScratch`` (receive rows,
+    partials, counters, engine buffers), called in turn on different inputs: each call
+    equals the virtual layer of its own weights (no stale row crosses layers)."""
+    import torch.distributed as dist
+
+    from fast.schedules.dep import DepLayer
+    from fast.schedules.dep_peer import DepPeerLayer
+
+    cfg = cases.config("small")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    weights = [cases.weights("small", seed=s) for s in (2026, 7)]
+    first = DepPeerLayer(weights[0], max_tokens=8)
+    layers = [first, DepPeerLayer(weights[1], scratch=first.scratch)]
+    _RETIRED.extend(layers)
+    virtual = [DepLayer(w, ranks=n, max_tokens=8, device="cuda") for w in weights]
+    for call, which in enumerate((0, 1, 0, 1)):
+        xs = _inputs(cfg, n, 6, seed + 10 * call)
+        compare_with_virtual(contract, layers[which](xs[rank]), virtual[which](xs)[rank], rank,
+                             first.per, f"rank {rank} call {call} (layer {which})")
+
+
+@pytest.mark.multi_gpu(2)
+@pytest.mark.config("small")
+def test_dep_peer_bucket_graphs(backend, process_group, seed, contract):
+    """``BucketGraphs`` over a real rank: T = 5 and T = 7 run the bucket-8 graph; the
+    first five tokens' outputs are the same bits in both (batch invariance within a
+    bucket), and each equals an eager call on the zero-padded input."""
+    import torch.distributed as dist
+
+    from fast.schedules.graphs import BucketGraphs
+
+    cfg = cases.config("small")
+    real, _ = _layers("small", 16)
+    rank, n = dist.get_rank(), dist.get_world_size()
+    graphs = BucketGraphs(real, buckets=(1, 8, 16))
+    x7 = _inputs(cfg, n, 7, seed)[rank]
+    x5 = x7[:5].clone()
+    out7 = graphs(x7).clone()
+    out5 = graphs(x5).clone()
+    contract.bitwise(out5, out7[:5], what=f"rank {rank}: tokens 0-4 alone = within 7 (bucket 8)",
+                     index_names=ROWS)
+    padded = torch.zeros(8, cfg.hidden, dtype=torch.bfloat16, device="cuda")
+    padded[:7] = x7
+    contract.bitwise(out7, real(padded).out[:7], what=f"rank {rank}: graph = eager on padded",
+                     index_names=ROWS)
+
+
+@pytest.mark.config("small")
+def test_dep_virtual_bucket_graphs(backend, seed, contract):
+    """``BucketGraphs`` over the virtual layer (4 ranks): batch invariance within a bucket
+    and equality with an eager call on the zero-padded inputs."""
+    from fast.schedules.dep import DepLayer
+    from fast.schedules.graphs import BucketGraphs
+
+    cfg, ranks = cases.config("small"), 4
+    layer = DepLayer(cases.weights("small"), ranks=ranks, max_tokens=16, device="cuda")
+    graphs = BucketGraphs(layer, buckets=(4, 16))
+    xs = _inputs(cfg, ranks, 13, seed)
+    out13 = [o.clone() for o in graphs(xs)]
+    out9 = [o.clone() for o in graphs([x[:9].clone() for x in xs])]
+    padded = [torch.cat([x, torch.zeros(3, cfg.hidden, dtype=x.dtype, device=x.device)])
+              for x in xs]
+    eager = layer(padded)
+    for r in range(ranks):
+        contract.bitwise(out9[r], out13[r][:9], what=f"rank {r}: 9 tokens = first 9 of 13",
+                         index_names=ROWS)
+        contract.bitwise(out13[r], eager[r].out[:13], what=f"rank {r}: graph = eager on padded",
+                         index_names=ROWS)
+    with pytest.raises(ValueError, match="above the largest bucket 16"):
+        graphs(_inputs(cfg, ranks, 17, seed))

@@ -12,7 +12,8 @@ import torch
 from fast import backend
 from fast.experts.layout import PreparedExperts
 
-__all__ = ["ExpertsEngine", "Capture", "EngineError", "choose_windows", "choose_tactic"]
+__all__ = ["ExpertsEngine", "EngineScratch", "Capture", "EngineError", "choose_windows",
+           "choose_tactic"]
 
 _TOP_K = 16
 
@@ -108,6 +109,44 @@ def _kernel_params(g, config, windows: int, capture: bool, strict: bool,
     }
 
 
+class EngineScratch:
+    """The engine's call buffers, shareable by every engine of one geometry on one stream
+    (the layers of a model run one after another; each call re-initializes what it reads,
+    and the routing-lists and plan kernels leave the counters armed for the next call):
+
+    * ``work``: int32 work table (``fast.experts.kernels.Workspace``), zeroed once;
+    * ``lists``: int32 ``[count, max_rows]`` routing lists (pair indices);
+    * ``plan``: BF16 ``[max_rows, L]`` plan rows;
+    * ``hidden``: BF16 ``[max_rows * K, I_s]`` the FC1 -> FC2 hidden rows.
+    """
+
+    def __init__(self, geometry, *, max_rows: int, device):
+        from fast.experts.kernels import Workspace
+
+        if not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"EngineScratch: max_rows must be a positive int, got {max_rows!r}")
+        self.geometry, self.max_rows, self.device = geometry, max_rows, torch.device(device)
+        g, dev = geometry, self.device
+        self.layout = Workspace(g.count)
+        self.work = torch.zeros(self.layout.words, dtype=torch.int32, device=dev)
+        self.lists = torch.empty(g.count, max_rows, dtype=torch.int32, device=dev)
+        self.plan = torch.empty(max_rows, g.latent, dtype=torch.bfloat16, device=dev)
+        self.hidden = torch.empty(max_rows * _TOP_K, g.inter, dtype=torch.bfloat16, device=dev)
+
+    def fits(self, geometry, max_rows: int, device) -> str | None:
+        """None when an engine of ``geometry`` and ``max_rows`` on ``device`` can use this
+        scratch, else why not."""
+        g, mine = geometry, self.geometry
+        if (g.count, g.inter, g.latent) != (mine.count, mine.inter, mine.latent):
+            return (f"its geometry (experts {mine.count}, I_s {mine.inter}, L {mine.latent}) is "
+                    f"not the engine's ({g.count}, {g.inter}, {g.latent})")
+        if max_rows > self.max_rows:
+            return f"it holds {self.max_rows} rows, the engine needs {max_rows}"
+        if torch.device(device) != self.device:
+            return f"it is on {self.device}, the engine on {device}"
+        return None
+
+
 class ExpertsEngine:
     """The routed experts of one rank (``fast.experts``), reusable across calls.
 
@@ -121,10 +160,13 @@ class ExpertsEngine:
         empty_rows: an id of -1 marks a slot of an empty row (a DEP owner's receive rows
             no token was sent to): no pair, not an error; default: -1 is an error like
             every id outside ``[0, E)``.
+        scratch: an ``EngineScratch`` to use instead of allocating one (engines of the
+            same geometry sharing one stream, e.g. the layers of a model); its
+            ``max_rows`` becomes the engine's.
     """
 
     def __init__(self, prepared: PreparedExperts, *, max_rows: int, strict: bool = False,
-                 empty_rows: bool = False):
+                 empty_rows: bool = False, scratch: EngineScratch | None = None):
         if not isinstance(prepared, PreparedExperts):
             raise TypeError(f"ExpertsEngine: prepared must be PreparedExperts, got {type(prepared).__name__}")
         if not prepared.device.type == "cuda":
@@ -134,19 +176,21 @@ class ExpertsEngine:
         ok, why = backend.device_supported()
         if not ok:
             raise RuntimeError(f"ExpertsEngine: the fast kernels cannot run here: {why}")
-        from fast.experts.kernels import Workspace
-
-        self.prepared, self.max_rows, self.strict = prepared, max_rows, strict
+        self.prepared, self.strict = prepared, strict
         self.empty_rows = bool(empty_rows)
         self.config, self.geometry = prepared.config, prepared.geometry
         self.device = prepared.device
         self.arch = backend.device_arch(self.device)
         g, dev = self.geometry, self.device
-        self.layout = Workspace(g.count)
-        self.work = torch.zeros(self.layout.words, dtype=torch.int32, device=dev)
-        self.lists = torch.empty(g.count, max_rows, dtype=torch.int32, device=dev)
-        self.plan = torch.empty(max_rows, g.latent, dtype=torch.bfloat16, device=dev)
-        self.hidden = torch.empty(max_rows * _TOP_K, g.inter, dtype=torch.bfloat16, device=dev)
+        if scratch is None:
+            scratch = EngineScratch(g, max_rows=max_rows, device=dev)
+        elif not isinstance(scratch, EngineScratch):
+            raise TypeError(f"ExpertsEngine: scratch must be EngineScratch, got {type(scratch).__name__}")
+        elif (why := scratch.fits(g, max_rows, dev)) is not None:
+            raise ValueError(f"ExpertsEngine: the scratch does not fit: {why}")
+        self.scratch, self.max_rows, self.layout = scratch, scratch.max_rows, scratch.layout
+        self.work, self.lists = scratch.work, scratch.lists
+        self.plan, self.hidden = scratch.plan, scratch.hidden
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self._null = torch.zeros(16, dtype=torch.uint8, device=dev)
 

@@ -44,7 +44,7 @@ from fast.schedules.dense import DenseFront
 from fast.schedules.dep import DepRankOutputs, _compiled, kernel_params
 from reference.weights import LatentMoEWeights
 
-__all__ = ["DepPeerLayer", "DepPeerTimeout", "symmetric_layout", "WAITS"]
+__all__ = ["DepPeerLayer", "DepPeerScratch", "DepPeerTimeout", "symmetric_layout", "WAITS"]
 
 #: What each of a call's two waits waits for, by index (``ArrivalWaitKernel``'s ``what``).
 WAITS = ("receive rows", "owner partials")
@@ -77,64 +77,48 @@ def symmetric_layout(config, ranks: int, max_tokens: int) -> tuple[dict, int]:
     return layout, at
 
 
-class DepPeerLayer:
-    """One real rank of S1 (this process, this GPU), reusable across calls.
+class DepPeerScratch:
+    """One rank's buffers of the DEP layer over real ranks, allocated once at the widest
+    batch and shared by every layer of the model (the layers run one after another on one
+    stream, every rank calling them in the same order):
 
-    Args:
-        weights: the layer's weights (any device); this rank's engine prepares its own
-            experts ``[rank E/N, (rank+1) E/N)``.
-        max_tokens: the most tokens per rank one call may have (buffers are sized for it).
-        group: the ``torch.distributed`` process group of the ``N`` ranks (default the
-            world); initialised with NCCL, one process per GPU.
-        device: this rank's CUDA device (default the current one).
-        timeout_s: how long a wait for the peers' rows may take before it gives up.
+    * ``buffers``: views of the symmetric buffer (``symmetric_layout``): receive rows,
+      partials, arrival counters;
+    * ``dispatch_table`` int64 ``[N, 4]``, ``combine_table`` int64 ``[N]`` and
+      ``arrival_tables`` (two int64 ``[N]``): the peers' addresses the kernels write and
+      read through;
+    * ``rows``: BF16 ``[N*T*K, L]`` the engine's rows of this rank's pairs;
+    * ``expected`` int32 ``[2]``: the count every arrival counter held after the last wait;
+    * ``error`` int32 ``WAIT_ERROR_FIELDS``: the first timed-out wait;
+    * ``engine``: the experts engine's ``EngineScratch`` (made by the first layer).
 
-    Construction is collective (every rank of the group must construct the layer): it
-    allocates and exchanges the symmetric buffer.
+    Construction is collective over ``group`` (the symmetric buffer's rendezvous).
     """
 
-    def __init__(self, weights: LatentMoEWeights, *, max_tokens: int, group=None,
-                 device: str | torch.device | None = None, timeout_s: float = 10.0):
+    def __init__(self, config, *, max_tokens: int, group=None, device=None):
         import torch.distributed as dist
         import torch.distributed._symmetric_memory as symm_mem
 
-        from fast.experts import ExpertsEngine, prepare_experts
+        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
 
-        if not isinstance(weights, LatentMoEWeights):
-            raise TypeError(f"DepPeerLayer: weights must be LatentMoEWeights, got "
-                            f"{type(weights).__name__}")
         if not dist.is_initialized():
-            raise RuntimeError("DepPeerLayer: torch.distributed is not initialised (launch with "
+            raise RuntimeError("DepPeerScratch: torch.distributed is not initialised (launch with "
                                "torchrun and call init_process_group('nccl'))")
         group = group if group is not None else dist.group.WORLD
-        c = weights.config
         rank, ranks = dist.get_rank(group), dist.get_world_size(group)
-        if c.experts % ranks:
-            raise ValueError(f"DepPeerLayer: {ranks} ranks must divide E={c.experts} "
+        if config.experts % ranks:
+            raise ValueError(f"DepPeerScratch: {ranks} ranks must divide E={config.experts} "
                              "(each rank owns E/N experts)")
         if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise ValueError(f"DepPeerLayer: max_tokens must be a positive int, got {max_tokens!r}")
-        if not timeout_s > 0:
-            raise ValueError(f"DepPeerLayer: timeout_s must be positive, got {timeout_s!r}")
+            raise ValueError(f"DepPeerScratch: max_tokens must be a positive int, got {max_tokens!r}")
         device = torch.device(device if device is not None else "cuda")
         if device.type != "cuda":
-            raise ValueError(f"DepPeerLayer: device must be a CUDA device, got {device}")
+            raise ValueError(f"DepPeerScratch: device must be a CUDA device, got {device}")
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        ok, why = backend.device_supported()
-        if not ok:
-            raise RuntimeError(f"DepPeerLayer: the fast kernels cannot run here: {why}")
-        self.config, self.rank, self.ranks, self.group = c, rank, ranks, group
-        self.max_tokens, self.device, self.timeout_s = max_tokens, device, float(timeout_s)
-        self.per = c.experts // ranks
-        self.arch = backend.device_arch(device)
-        self.dense = DenseFront(weights, device)
-        rows = ranks * max_tokens
-        self.engine = ExpertsEngine(
-            prepare_experts(weights, device, experts=(rank * self.per, self.per)),
-            max_rows=rows, empty_rows=True)
-
-        self.layout, size = symmetric_layout(c, ranks, max_tokens)
+        self.config, self.group, self.rank, self.ranks = config, group, rank, ranks
+        self.max_tokens, self.device = max_tokens, device
+        self.layout, size = symmetric_layout(config, ranks, max_tokens)
         self._symmetric = symm_mem.empty(size, dtype=torch.uint8, device=device)
         self._symmetric.zero_()
         handle = symm_mem.rendezvous(self._symmetric, group.group_name)
@@ -155,16 +139,75 @@ class DepPeerLayer:
         self.arrival_tables = [torch.tensor([at(o, "arrivals", 4 * (w * ranks + rank))
                                              for o in range(ranks)], **on)
                                for w in range(len(WAITS))]
-        self.rows = torch.empty(rows * c.top_k, c.latent, dtype=torch.bfloat16, device=device)
+        rows = ranks * max_tokens
+        self.rows = torch.empty(rows * config.top_k, config.latent, dtype=torch.bfloat16,
+                                device=device)
         self.expected = torch.zeros(len(WAITS), dtype=torch.int32, device=device)
-        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
-
         self.error = torch.zeros(len(WAIT_ERROR_FIELDS), dtype=torch.int32, device=device)
-        self._fn = {kind: _compiled(kind, self.arch, p)
-                    for kind, p in kernel_params(c, ranks, peers=True).items()}
-        self._prepared: set[int] = set()
+        self.engine = None
         torch.cuda.synchronize(device)
         dist.barrier(group)
+
+
+class DepPeerLayer:
+    """One real rank of S1 (this process, this GPU), reusable across calls.
+
+    Args:
+        weights: the layer's weights (any device); this rank's engine prepares its own
+            experts ``[rank E/N, (rank+1) E/N)``.
+        max_tokens, group, device: as :class:`DepPeerScratch` (only without ``scratch``).
+        timeout_s: how long a wait for the peers' rows may take before it gives up.
+        scratch: the buffers of the model's layers (:class:`DepPeerScratch`, shared: pass
+            the first layer's ``.scratch`` to the others); default: a new one.
+
+    Construction of a scratch is collective (every rank of the group must construct it).
+    """
+
+    def __init__(self, weights: LatentMoEWeights, *, max_tokens: int | None = None, group=None,
+                 device: str | torch.device | None = None, timeout_s: float = 10.0,
+                 scratch: DepPeerScratch | None = None):
+        from fast.experts import ExpertsEngine, prepare_experts
+        from fast.experts.engine import EngineScratch
+
+        if not isinstance(weights, LatentMoEWeights):
+            raise TypeError(f"DepPeerLayer: weights must be LatentMoEWeights, got "
+                            f"{type(weights).__name__}")
+        if not timeout_s > 0:
+            raise ValueError(f"DepPeerLayer: timeout_s must be positive, got {timeout_s!r}")
+        ok, why = backend.device_supported()
+        if not ok:
+            raise RuntimeError(f"DepPeerLayer: the fast kernels cannot run here: {why}")
+        c = weights.config
+        if scratch is None:
+            scratch = DepPeerScratch(c, max_tokens=max_tokens, group=group, device=device)
+        elif (max_tokens, group, device) != (None, None, None):
+            raise ValueError("DepPeerLayer: pass either scratch or max_tokens/group/device (the "
+                             "scratch fixes them)")
+        elif not isinstance(scratch, DepPeerScratch):
+            raise TypeError(f"DepPeerLayer: scratch must be DepPeerScratch, got "
+                            f"{type(scratch).__name__}")
+        elif scratch.config != c:
+            raise ValueError("DepPeerLayer: the scratch was made for another config")
+        self.scratch, self.config = scratch, c
+        self.rank, self.ranks, self.group = scratch.rank, scratch.ranks, scratch.group
+        self.max_tokens, self.device = scratch.max_tokens, scratch.device
+        self.timeout_s = float(timeout_s)
+        self.per = c.experts // self.ranks
+        self.arch = backend.device_arch(self.device)
+        self.dense = DenseFront(weights, self.device)
+        prepared = prepare_experts(weights, self.device, experts=(self.rank * self.per, self.per))
+        rows = self.ranks * self.max_tokens
+        if scratch.engine is None:
+            scratch.engine = EngineScratch(prepared.geometry, max_rows=rows, device=self.device)
+        self.engine = ExpertsEngine(prepared, max_rows=rows, empty_rows=True,
+                                    scratch=scratch.engine)
+        self.buffers, self.rows = scratch.buffers, scratch.rows
+        self.dispatch_table, self.combine_table = scratch.dispatch_table, scratch.combine_table
+        self.arrival_tables = scratch.arrival_tables
+        self.expected, self.error = scratch.expected, scratch.error
+        self._fn = {kind: _compiled(kind, self.arch, p)
+                    for kind, p in kernel_params(c, self.ranks, peers=True).items()}
+        self._prepared: set[int] = set()
 
     # -- checks -------------------------------------------------------------------------
 

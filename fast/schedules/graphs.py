@@ -1,0 +1,70 @@
+"""One CUDA graph per batch bucket: a DEP layer step at ``T`` tokens runs as the graph of
+the smallest bucket ``>= T`` on a static input padded with zero rows, so a call costs
+two copies and one graph replay on the host, whatever the layer launches.
+
+Every rank pads to the same bucket (DEP ranks run one padded ``T``). A token's output
+depends only on its own row within a bucket: each stage is row-wise or per pair (the
+router, MXFP8, dispatch, experts engine, finalize and combine), and the dense GEMMs run at
+the bucket's fixed shape (``verify/test_dep_peer.py`` checks the batch invariance).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["BUCKETS", "bucket_of", "BucketGraphs"]
+
+#: The default batch buckets (tokens per rank) of the DEP front.
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def bucket_of(tokens: int, buckets=BUCKETS) -> int:
+    """The smallest bucket that holds ``tokens``."""
+    for b in sorted(buckets):
+        if tokens <= b:
+            return b
+    raise ValueError(f"T={tokens} tokens is above the largest bucket {max(buckets)}")
+
+
+class BucketGraphs:
+    """Graph-per-bucket launcher of a ``DepPeerLayer`` (one rank) or a ``DepLayer`` (all
+    virtual ranks: the input is the list of every rank's tokens).
+
+    A bucket's graph is captured at its first call (an eager call first, as the layer's
+    ``graph`` does; collective for real ranks). ``__call__`` returns the output rows of
+    the ``T`` real tokens, BF16 ``[T, H]`` (a list per rank for ``DepLayer``): views of the
+    graph's output, valid until the next call of the same bucket.
+    """
+
+    def __init__(self, layer, buckets=BUCKETS):
+        buckets = tuple(sorted(set(buckets)))
+        if not buckets or buckets[0] < 1 or buckets[-1] > layer.max_tokens:
+            raise ValueError(f"BucketGraphs: buckets {buckets} must lie in [1, max_tokens="
+                             f"{layer.max_tokens}]")
+        self.layer, self.buckets = layer, buckets
+        self.virtual = not hasattr(layer, "scratch")
+        self._graphs: dict[int, tuple] = {}
+
+    def _static(self, bucket: int):
+        c, dev = self.layer.config, self.layer.device
+
+        def zeros():
+            return torch.zeros(bucket, c.hidden, dtype=torch.bfloat16, device=dev)
+
+        return [zeros() for _ in range(self.layer.ranks)] if self.virtual else zeros()
+
+    def __call__(self, x):
+        rows = x if self.virtual else [x]
+        tokens = rows[0].shape[0]
+        bucket = bucket_of(tokens, self.buckets)
+        if bucket not in self._graphs:
+            static = self._static(bucket)
+            self._graphs[bucket] = (static, *self.layer.graph(static))
+        static, replay, outputs = self._graphs[bucket]
+        for s, r in zip(static if self.virtual else [static], rows):
+            s[:tokens].copy_(r)
+            s[tokens:].zero_()
+        replay()
+        if self.virtual:
+            return [o.out[:tokens] for o in outputs]
+        return outputs.out[:tokens]
