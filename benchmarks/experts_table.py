@@ -175,6 +175,7 @@ def main(argv=None):
         return
 
     from fast.experts import ExpertsEngine, prepare_experts
+    from fast.experts.engine import choose_tactic
     from reference.mx import quantize_mxfp8
 
     torch.manual_seed(0)
@@ -259,6 +260,8 @@ def main(argv=None):
                     reps=args.reps, flush=flush)
                 for spec in [t for t in args.tactics.split(";") if t]:
                     tac = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in spec.split(",")}
+                    # on top of the call's default tile (choose_tactic)
+                    tac = {**choose_tactic(rows, K, E, engine.geometry.count), **tac}
                     case["times"]["engine_" + spec.replace("=", "").replace(",", "_")] = device_time_us(
                         lambda: engine(codes, scales, ids, out=out, windows=win, validate=False,
                                        tactic=tac), reps=args.reps, flush=flush)

@@ -95,7 +95,8 @@ def compile_all(prepared_geometry, config, *, windows: int, arch: str, capture: 
 def _kernel_params(g, config, windows: int, capture: bool, strict: bool,
                    tactic: dict | None = None, empty_rows: bool = False) -> dict:
     common = dict(inter=g.inter, latent=g.latent, count=g.count, windows=windows,
-                  top_k=config.top_k, capture=capture, **(tactic or {}))
+                  top_k=config.top_k, capture=capture, pdl=True)
+    common.update(tactic or {})
     return {
         "lists": tuple(sorted(dict(latent=g.latent, top_k=config.top_k, experts=config.experts,
                                    first=g.first, count=g.count, strict=strict,
@@ -248,10 +249,11 @@ class ExpertsEngine:
                 capture and call ``check()`` later.
             capture: also return the intermediates (``Capture``; for verification).
             tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
-                "occupancy"}`` (defaults: ``choose_tactic``'s tile, a ring of 4 stages for one
-                window and 3 for more, one accumulator chain, CTAs per multiprocessor
-                from the shared memory). Warps, m-tiles, ring and occupancy never change a
-                bit; ``chains`` changes the summation order (within the same bound), so a
+                "occupancy", "pdl"}`` (defaults: ``choose_tactic``'s tile, a ring of 4 stages
+                for one window and 3 for more, one accumulator chain, CTAs per
+                multiprocessor from the shared memory, ``pdl`` on: FC1 lets FC2 launch
+                early, and FC2 streams its first weights before it waits for FC1's hidden
+                rows). Warps, m-tiles, ring, occupancy and pdl never change a bit; ``chains`` changes the summation order (within the same bound), so a
                 call with a non-default ``chains`` is not batch invariant with the default.
                 Every tactic is covered by ``verify/test_experts.py``.
 

@@ -262,7 +262,8 @@ class ExpertsGemmKernel:
     def __init__(self, *, fc1: bool, rows: int, k: int, inter: int, latent: int, count: int,
                  windows: int, top_k: int = 16, warps: int = 4, mtiles: int = 2,
                  ring: int | None = None, chains: int = 1, occupancy: int | None = None,
-                 capture: bool = False, beta: float = 4.0, linear_beta: float = 25.0):
+                 capture: bool = False, beta: float = 4.0, linear_beta: float = 25.0,
+                 pdl: bool = False):
         # measured on the H200: a 4-stage ring for one window, 3 stages (one more CTA per
         # multiprocessor) for more; the ring depth never changes a bit
         ring = ring or (4 if windows == 1 else 3)
@@ -273,6 +274,7 @@ class ExpertsGemmKernel:
         self.count, self.windows, self.top_k = count, windows, top_k
         self.warps, self.mtiles, self.capture = warps, mtiles, capture
         self.beta, self.linear_beta = beta, linear_beta
+        self.pdl = bool(pdl)
         self.threads = 32 * warps
         self.tile_rows = 16 * warps * mtiles
         if rows % self.tile_rows:
@@ -305,7 +307,8 @@ class ExpertsGemmKernel:
         self.kernel(weights, scales, act, lists, work, out, cap_fc1, cap_codes, cap_scales,
                     capacity).launch(grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream,
                                      smem=self.smem_bytes, min_blocks_per_mp=self.occupancy,
-                                     preferred_smem_carveout=100)
+                                     preferred_smem_carveout=100,
+                                     use_pdl=self.pdl and not self.fc1)
 
     # -- pieces -----------------------------------------------------------------------
 
@@ -383,7 +386,12 @@ class ExpertsGemmKernel:
         dst = cute.make_rmem_tensor((copies,), Int32)
         ok = cute.make_rmem_tensor((copies,), Int32)
 
+        if cutlass.const_expr(self.pdl and self.fc1):
+            # FC2 may be scheduled now: its CTAs take the multiprocessors this grid's CTAs
+            # leave, and read nothing this grid writes before griddepcontrol.wait
+            cute.arch.griddepcontrol_launch_dependents()
         tiles = Int32(self.tiles)
+        first = Int32(1)
         item = self._claim(work, info, tid, tiles)
         while item >= 0:
             expert = p.lds_i32(info + 4)
@@ -437,7 +445,9 @@ class ExpertsGemmKernel:
             # no MMA or B load of the loop is predicated on its window)
             for live in cutlass.range_constexpr(1, W + 1):
                 if nwin == live:
-                    self._main_loop(acc, src, dst, ok, wbase, sbase, ring, warp, lane, live)
+                    self._main_loop(acc, src, dst, ok, wbase, sbase, ring, warp, lane, live,
+                                    first)
+            first = Int32(0)
             self._join_chains(acc)
             # 3. epilogue
             if cutlass.const_expr(self.fc1):
@@ -448,16 +458,34 @@ class ExpertsGemmKernel:
             item = self._claim(work, info, tid, tiles)
 
     @cute.jit
-    def _main_loop(self, acc, src, dst, ok, wbase, sbase, ring, warp, lane, live: int):
+    def _main_loop(self, acc, src, dst, ok, wbase, sbase, ring, warp, lane, live: int, first):
         """Every stage of one item through the ``RING``-slot ring: copies issued
-        ``RING - 1`` stages ahead, then the stage's MMAs for the first ``live`` windows."""
+        ``RING - 1`` stages ahead, then the stage's MMAs for the first ``live`` windows.
+
+        FC2 launched with programmatic dependent launch (``pdl``), on its CTA's ``first``
+        item: the weights of the first ``RING - 1`` stages are requested, then
+        ``griddepcontrol.wait`` (FC1 complete, its hidden rows visible), then those
+        stages' hidden-row copies, all in the first of ``RING - 1`` commit groups (the
+        others empty), so the ring's waits count groups as in the plain prologue."""
         NS: cutlass.Constexpr = self.stages
         RING: cutlass.Constexpr = self.RING
-        for st in cutlass.range_constexpr(RING - 1):
-            if cutlass.const_expr(st < NS):
-                self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
-                            warp, lane)
-            cute.arch.cp_async_commit_group()
+        if cutlass.const_expr(self.pdl and not self.fc1):
+            if first != 0:
+                for st in cutlass.range_constexpr(RING - 1):
+                    if cutlass.const_expr(st < NS):
+                        self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
+                                    warp, lane, operand_b=False)
+                cute.arch.griddepcontrol_wait()
+                for st in cutlass.range_constexpr(RING - 1):
+                    if cutlass.const_expr(st < NS):
+                        self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
+                                    warp, lane, weights=False)
+                for st in cutlass.range_constexpr(RING - 1):
+                    cute.arch.cp_async_commit_group()
+            else:
+                self._prologue(src, dst, ok, wbase, sbase, ring, warp, lane)
+        else:
+            self._prologue(src, dst, ok, wbase, sbase, ring, warp, lane)
         for s in cutlass.range(NS, unroll=1):
             cute.arch.cp_async_wait_group(RING - 2)
             cute.arch.sync_threads()
@@ -468,6 +496,17 @@ class ExpertsGemmKernel:
             cute.arch.cp_async_commit_group()
             self._compute(acc, ring + (s % RING) * self.slot_bytes, warp, lane, live)
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _prologue(self, src, dst, ok, wbase, sbase, ring, warp, lane):
+        """The ring's first ``RING - 1`` stages, one commit group each."""
+        NS: cutlass.Constexpr = self.stages
+        RING: cutlass.Constexpr = self.RING
+        for st in cutlass.range_constexpr(RING - 1):
+            if cutlass.const_expr(st < NS):
+                self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
+                            warp, lane)
+            cute.arch.cp_async_commit_group()
 
     @cute.jit
     def _claim(self, work: Int64, info, tid, tiles):
@@ -508,28 +547,32 @@ class ExpertsGemmKernel:
         return p.lds_i32(info)
 
     @cute.jit
-    def _issue(self, src, dst, ok, wbase, sbase, slot, stage, warp, lane):
+    def _issue(self, src, dst, ok, wbase, sbase, slot, stage, warp, lane,
+               operand_b: cutlass.Constexpr = True, weights: cutlass.Constexpr = True):
         """cp.async everything ``stage`` reads into ``slot``: this thread's B copies, its
         lane's 16-byte weight pieces (one per m-tile and chunk), and, lanes
-        ``< 8 * stage_chunks``, 4 bytes of each of its warp's m-tile scale blocks."""
+        ``< 8 * stage_chunks``, 4 bytes of each of its warp's m-tile scale blocks
+        (``operand_b`` / ``weights`` False: leave those out)."""
         SC: cutlass.Constexpr = self.stage_chunks
         MT: cutlass.Constexpr = self.mtiles
         copies: cutlass.Constexpr = (self.granules + self.threads - 1) // self.threads
         offset = Int64(stage) * (64 * SC * 2)
-        for i in cutlass.range_constexpr(copies):
-            if ok[i] >= 0:
-                p.cp_async_16(slot + dst[i], src[i] + offset, ok[i] != 0)
-        wslot = slot + self.b_bytes + warp * (MT * SC * 512) + lane * 16
-        for mt in cutlass.range_constexpr(MT):
-            for cc in cutlass.range_constexpr(SC):
-                chunk = Int64(stage) * SC + cc
-                p.cp_async_16(wslot + (mt * SC + cc) * 512,
-                              wbase + (Int64(mt) * self.chunks + chunk) * 512, True)
-        if lane < 8 * SC:
-            sslot = slot + self.b_bytes + self.w_bytes + warp * (MT * 32 * SC) + lane * 4
+        if cutlass.const_expr(operand_b):
+            for i in cutlass.range_constexpr(copies):
+                if ok[i] >= 0:
+                    p.cp_async_16(slot + dst[i], src[i] + offset, ok[i] != 0)
+        if cutlass.const_expr(weights):
+            wslot = slot + self.b_bytes + warp * (MT * SC * 512) + lane * 16
             for mt in cutlass.range_constexpr(MT):
-                p.cp_async_4(sslot + mt * 32 * SC,
-                             sbase + (Int64(mt) * self.stages + stage) * (32 * SC))
+                for cc in cutlass.range_constexpr(SC):
+                    chunk = Int64(stage) * SC + cc
+                    p.cp_async_16(wslot + (mt * SC + cc) * 512,
+                                  wbase + (Int64(mt) * self.chunks + chunk) * 512, True)
+            if lane < 8 * SC:
+                sslot = slot + self.b_bytes + self.w_bytes + warp * (MT * 32 * SC) + lane * 4
+                for mt in cutlass.range_constexpr(MT):
+                    p.cp_async_4(sslot + mt * 32 * SC,
+                                 sbase + (Int64(mt) * self.stages + stage) * (32 * SC))
 
     @cute.jit
     def _mma_step(self, acc, frags, b, j: int, w: int):
