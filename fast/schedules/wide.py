@@ -1,0 +1,590 @@
+"""S2, the wide layer, on a GPU: every rank's stages with the fast kernels, over ``N``
+virtual ranks whose buffers all live on one device.
+
+Every rank holds the same tokens ``x [T, H]`` (65 <= T <= ``max_rows`` <= ``wide_rows``)
+and, for rank ``r``: its router rows and latent-down rows packed into one weight, the TP
+slice ``[r I/N, (r+1) I/N)`` of every routed expert, its slice of the shared expert and
+its up-projection columns ``[r H/N, (r+1) H/N)`` (``reference.schedules.wide``). What runs,
+per rank, in the order of ``reference.schedules.wide.wide_rank``::
+
+    side  : shared_stage   h = x @ gate_up_r^T (cuBLAS, BF16) ; act = fast.activation(h)
+                           shared_r = act @ down_r^T (cuBLAS, BF16) ───────────────────────┐
+    main  : front_stage    front_r = x @ [gate_r; down_r]^T (cuBLAS, FP32 out)             │
+            publish_stage  PublishKernel: front_r into every rank's mailbox (Lamport)      │
+            route_stage    PollKernel: poll own mailbox, re-arm -> logits [T, E] FP32,     │
+                           latent [T, L] BF16 ; fast.router.route ; fast.mx.quantize_mxfp8  │
+            experts_stage  fast.experts engine, TP slice (its own routing lists, windows   │
+                           of 8 tokens per expert) -> rows [T*K, L] BF16 partial rows       │
+            finalize_stage fast.finalize -> routed_partial [T, L] BF16                      │
+            latent_stage   LatentAllReduceNormKernel (every rank's partial, rank order,     │
+                           fused RMSNorm) -> routed, normed ; (wait side) up_r =  ◄─────────┘
+                           shared_r[:, cols_r] + normed @ up_r^T (cuBLAS addmm, BF16)
+            hidden_stage   HiddenAllReduceKernel: every rank's hidden partial (shared_o,
+                           rank o's columns taken from up_o), rank order -> out [T, H]
+
+A call runs each stage for every rank before the next stage (every publish before any
+poll: on one stream a poll that waited for a later launch would only time out).
+
+Rounding points and what the contracts (``verify/test_wide_fast.py``) compare, per rank
+on its own inputs:
+
+* front (FP32), shared, up columns: cuBLAS GEMMs; within the FP32-accumulated GEMM bound
+  (``addmm``: the two-rounding bound of cuBLAS's BF16 ``addmm``);
+* the mailbox: the published words are the front's bits (logits) and its RNE BF16 rounding
+  (latent), ``-0`` stored as ``+0``, bitwise; polled logits and latent bitwise the words;
+* ids, weights: bitwise ``reference.emulation.route`` of the polled logits; plan rows
+  bitwise ``reference.mx.quantize_mxfp8`` of the polled latent; routing lists: every pair
+  once in its expert's list (the list order is the order of the engine's atomic claims,
+  which changes no bit of the output);
+* expert rows: the engine (FP32 tensor-core sums: bounded by ``verify/test_experts.py``),
+  bitwise equal to the engine alone on the same plan rows;
+* routed partial: bitwise ``reference.finalize``; routed: bitwise
+  ``reference.schedules.groups.ordered_sum_bf16`` of every rank's partial; normed: bitwise
+  ``reference.emulation.rms_norm_tree``; out: bitwise ``ordered_sum_bf16`` of the hidden
+  partials.
+
+Buffers are allocated once at ``max_rows`` and reused by every call: the two rotating
+mailbox buffers per rank (``int16 [2, max_rows, L + 2E]``, armed at construction; call
+``c`` uses buffer ``c % 2``) and every stage output the peers read through address tables
+(partials, shared partials, up columns) or the caller reads. The layer launches no host
+synchronization (``validate=False`` engines; :meth:`WideLayer.check` reads the error
+words), so a call can be captured in a CUDA graph (:meth:`WideLayer.graph`, one graph per
+mailbox buffer, replayed alternately).
+
+Not here yet: the polled routing fused into the poll (routing and plan CTAs appending to
+the lists: the poll, the router, the quantizer and the engine's list kernel are four
+launches today), the shared expert's front / tail placements, real ranks over symmetric
+memory (the kernels take address tables; the tails' peer reads then need a flag or a
+Lamport exchange, which one stream orders on virtual ranks), and FlashInfer's fused
+all-reduce + RMSNorm as a second tail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from fast import activation, backend, finalize, mx, router, stock
+from reference.config import LatentMoEConfig
+from reference.weights import LatentMoEWeights
+
+__all__ = ["WideLayer", "WideRankOutputs", "MailboxTimeout", "check_ranks", "kernel_params",
+           "compile_all", "MAX_RANKS", "MAILBOX_BUFFERS"]
+
+#: The tail kernels keep one 16-byte granule of every rank in registers.
+MAX_RANKS = 16
+#: Rotating mailbox buffers per rank (calls alternate between them).
+MAILBOX_BUFFERS = 2
+
+
+class MailboxTimeout(TimeoutError):
+    """A rank's poll found a mailbox word still empty after the layer's timeout (its
+    writer never published). Raised by :meth:`WideLayer.check`."""
+
+
+def check_ranks(config: LatentMoEConfig, ranks) -> None:
+    """Raise a ValueError naming every reason ``ranks`` cannot run the fast wide layer:
+    the reference's split rules (``reference.schedules.wide.check_wide_ranks``: E, L, H,
+    S divisible by N, I by 32 N) and the kernels' granules (16-byte stores of ``E/N``
+    logits and ``L/N`` latent values, 8-column granules of ``H/N``, the SiTU kernel's
+    ``S/N % 8``, the engine's ``I/N % 64``, the router's ``E % 32 <= 1024``, the norm's
+    ``L % 256 <= 8192``, at most ``MAX_RANKS`` ranks)."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"wide layer: ranks must be a positive int, got {ranks!r}")
+    c, n, bad = config, ranks, []
+    for name, width in (("experts", c.experts), ("latent", c.latent), ("hidden", c.hidden),
+                        ("shared_intermediate", c.shared_intermediate)):
+        if width % n:
+            bad.append(f"{name} {width} % {n}")
+    if c.intermediate % (n * c.block):
+        bad.append(f"intermediate {c.intermediate} % ({n} * {c.block})")
+    if not bad:  # the kernels' granules, on top of the reference's splits
+        for name, width, unit in (("experts", c.experts, 4), ("latent", c.latent, 8),
+                                  ("hidden", c.hidden, 8), ("shared_intermediate",
+                                                             c.shared_intermediate, 8),
+                                  ("intermediate", c.intermediate, 64)):
+            if (width // n) % unit:
+                bad.append(f"{name}/N = {width // n} % {unit}")
+    if n > MAX_RANKS:
+        bad.append(f"{n} ranks > {MAX_RANKS}")
+    if c.experts % 32 or c.experts > 1024:
+        bad.append(f"experts {c.experts} must be a multiple of 32 up to 1024 (fast.router)")
+    if c.latent % 256 or c.latent > 8192:
+        bad.append(f"latent {c.latent} must be a multiple of 256 up to 8192 (fast.norm)")
+    if bad:
+        raise ValueError(f"wide layer: {n} ranks cannot split this layer: " + ", ".join(bad))
+
+
+@dataclasses.dataclass
+class WideRankOutputs:
+    """One rank's stage outputs of one call (views into the layer's buffers, valid until
+    the next call), for ``T`` tokens and ``N`` ranks:
+
+    front FP32 ``[T, E/N + L/N]`` (router logits, then the latent shard); logits FP32
+    ``[T, E]`` and latent BF16 ``[T, L]`` (polled); weights FP32 / ids int32 ``[T, K]``;
+    codes float8_e4m3fn ``[T, L]``, scales uint8 ``[T, L/32]`` (the plan rows); lists int32
+    ``[E, max_rows]`` (the engine's routing lists: pair indices ``t K + j``; entries at and
+    beyond ``counts[e]`` are stale) and counts int32 ``[E]``; rows BF16 ``[T K, L]`` (this
+    rank's partial expert rows); routed_partial, routed, normed BF16 ``[T, L]``;
+    shared_gate_up BF16 ``[T, 2 S/N]`` (this rank's shared gate and up columns) and
+    shared_act BF16 ``[T, S/N]`` (their SiTU); shared BF16 ``[T, H]`` (this rank's
+    shared-expert partial); up_columns BF16 ``[T, H/N]``
+    (``shared[:, cols_r] + normed @ up_r^T``); out BF16 ``[T, H]``; mailbox_index: the
+    rotating buffer this call used.
+    """
+
+    front: torch.Tensor
+    logits: torch.Tensor
+    latent: torch.Tensor
+    weights: torch.Tensor
+    ids: torch.Tensor
+    codes: torch.Tensor
+    scales: torch.Tensor
+    lists: torch.Tensor
+    counts: torch.Tensor
+    rows: torch.Tensor
+    routed_partial: torch.Tensor
+    routed: torch.Tensor
+    normed: torch.Tensor
+    shared_gate_up: torch.Tensor
+    shared_act: torch.Tensor
+    shared: torch.Tensor
+    up_columns: torch.Tensor
+    out: torch.Tensor
+    mailbox_index: int
+
+
+def kernel_params(config: LatentMoEConfig, ranks: int) -> dict[str, tuple]:
+    """The compile parameters of the wide layer's own kernels for ``ranks`` ranks."""
+    c = config
+    return {
+        "publish": tuple(sorted(dict(latent=c.latent, experts=c.experts, ranks=ranks).items())),
+        "poll": tuple(sorted(dict(latent=c.latent, experts=c.experts).items())),
+        "latent_all_reduce": tuple(sorted(dict(latent=c.latent, ranks=ranks).items())),
+        "hidden_all_reduce": tuple(sorted(dict(hidden=c.hidden, ranks=ranks).items())),
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(kind: str, arch: str, params: tuple):
+    import cutlass.cute as cute
+    from cutlass import Float32, Int32, Int64
+
+    from fast.schedules import wide_kernels as k
+
+    kw = dict(params)
+    if kind == "publish":
+        obj, args = k.PublishKernel(**kw), [Int64(0)] * 2 + [Int32(0), Int32(0), Int32(1), Int32(1)]
+    elif kind == "poll":
+        obj, args = k.PollKernel(**kw), [Int64(0)] * 5 + [Int32(0), Int32(0), Int32(1), Int32(1)]
+    elif kind == "latent_all_reduce":
+        obj, args = k.LatentAllReduceNormKernel(**kw), [Int64(0)] * 4 + [Float32(1e-5), Int32(1)]
+    else:
+        obj, args = k.HiddenAllReduceKernel(**kw), [Int64(0)] * 3 + [Int32(1)]
+    return cute.compile(obj, *args, backend._fake_stream(), options=f"--gpu-arch {arch}")
+
+
+def compile_all(config: LatentMoEConfig, ranks: int, arch: str):
+    """Compile the wide layer's own kernels for ``arch`` (no GPU needed)."""
+    check_ranks(config, ranks)
+    return [_compiled(kind, arch, params) for kind, params in kernel_params(config, ranks).items()]
+
+
+class WideLayer:
+    """S2 over ``ranks`` virtual ranks on one CUDA device, reusable across calls.
+
+    Args:
+        weights: the layer's weights (any device; each rank's slices are copied to
+            ``device``); each virtual rank's engine prepares every expert's TP slice
+            ``shard=(r, N)``.
+        ranks: ``N`` (:func:`check_ranks`: 1, 2, 4, 8, 16 at the real widths).
+        max_rows: the most tokens one call may have, in ``[front_max + 1, wide_rows]``
+            (default ``wide_rows``); every buffer is sized for it once.
+        device: the CUDA device.
+        timeout_s: how long a poll waits for a mailbox word before it gives up and records
+            the error :meth:`check` raises (:class:`MailboxTimeout`).
+    """
+
+    def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_rows: int | None = None,
+                 device: str | torch.device = "cuda", timeout_s: float = 10.0):
+        from fast.experts import ExpertsEngine, prepare_experts
+
+        if not isinstance(weights, LatentMoEWeights):
+            raise TypeError(f"WideLayer: weights must be LatentMoEWeights, got {type(weights).__name__}")
+        c = weights.config
+        check_ranks(c, ranks)
+        low = c.front_max + 1
+        max_rows = c.wide_rows if max_rows is None else max_rows
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) \
+                or not low <= max_rows <= c.wide_rows:
+            raise ValueError(f"WideLayer: max_rows must be an int in [{low}, wide_rows="
+                             f"{c.wide_rows}] (the wide layer's bucket), got {max_rows!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+                or not 0 < timeout_s <= 600:
+            raise ValueError(f"WideLayer: timeout_s must be a number of seconds in (0, 600], "
+                             f"got {timeout_s!r}")
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"WideLayer: device must be a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        ok, why = backend.device_supported()
+        if not ok:
+            raise RuntimeError(f"WideLayer: the fast kernels cannot run here: {why}")
+        self.config, self.ranks, self.max_rows, self.device = c, ranks, max_rows, device
+        self.timeout_s = float(timeout_s)
+        self.arch = backend.device_arch(device)
+        n, on = ranks, dict(device=device)
+        e_n, l_n, s_n, h_n = c.experts // n, c.latent // n, c.shared_intermediate // n, c.hidden // n
+        s = c.shared_intermediate
+        self.columns = h_n
+
+        def slice_to_device(t):
+            return t.to(**on).contiguous()
+
+        gate, down, gu = weights.gate, weights.latent_down, weights.shared_gate_up
+        self.front_weights = [slice_to_device(torch.cat([gate[r * e_n:(r + 1) * e_n],
+                                                         down[r * l_n:(r + 1) * l_n]]))
+                              for r in range(n)]
+        self.shared_gate_up = [slice_to_device(torch.cat([gu[r * s_n:(r + 1) * s_n],
+                                                          gu[s + r * s_n:s + (r + 1) * s_n]]))
+                               for r in range(n)]
+        self.shared_down = [slice_to_device(weights.shared_down[:, r * s_n:(r + 1) * s_n])
+                            for r in range(n)]
+        self.up = [slice_to_device(weights.up[r * h_n:(r + 1) * h_n]) for r in range(n)]
+        self.bias = slice_to_device(weights.bias)
+        self.latent_norm = slice_to_device(weights.latent_norm)
+        self.engines = [ExpertsEngine(prepare_experts(weights, device, shard=(r, n)),
+                                      max_rows=max_rows) for r in range(n)]
+        rows, k, L, E, H = max_rows, c.top_k, c.latent, c.experts, c.hidden
+        self.mailboxes = [torch.empty(MAILBOX_BUFFERS, rows, L + 2 * E, dtype=torch.int16, **on)
+                          for _ in range(n)]
+        self._buffers = [dict(
+            logits=torch.empty(rows, E, dtype=torch.float32, **on),
+            latent=torch.empty(rows, L, dtype=torch.bfloat16, **on),
+            weights=torch.empty(rows, k, dtype=torch.float32, **on),
+            ids=torch.empty(rows, k, dtype=torch.int32, **on),
+            rows=torch.empty(rows * k, L, dtype=torch.bfloat16, **on),
+            partial=torch.empty(rows, L, dtype=torch.bfloat16, **on),
+            routed=torch.empty(rows, L, dtype=torch.bfloat16, **on),
+            normed=torch.empty(rows, L, dtype=torch.bfloat16, **on),
+            gate_up=torch.empty(rows, 2 * s_n, dtype=torch.bfloat16, **on),
+            act=torch.empty(rows, s_n, dtype=torch.bfloat16, **on),
+            shared=torch.empty(rows, H, dtype=torch.bfloat16, **on),
+            up=torch.empty(rows, h_n, dtype=torch.bfloat16, **on),
+            out=torch.empty(rows, H, dtype=torch.bfloat16, **on),
+        ) for _ in range(n)]
+
+        def table(tensors):
+            return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64, device=device)
+
+        self.mailbox_table = table(self.mailboxes)
+        self.partial_table = table([b["partial"] for b in self._buffers])
+        self.shared_table = table([b["shared"] for b in self._buffers])
+        self.up_table = table([b["up"] for b in self._buffers])
+        from fast.schedules.wide_kernels import ERROR_WORDS
+
+        self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
+        self._side = torch.cuda.Stream(device)
+        self._fn = {kind: _compiled(kind, self.arch, p) for kind, p in kernel_params(c, n).items()}
+        # this call's per-rank temporaries (the front, the plan rows, the side stream's event)
+        self._front = [None] * n
+        self._plan = [None] * n
+        self._shared_ready = [None] * n
+        self.calls = 0
+        self.reset()
+
+    # -- state ----------------------------------------------------------------------------
+
+    @property
+    def mailbox_index(self) -> int:
+        """The rotating mailbox buffer the next call (or stage) uses: ``calls % 2``."""
+        return self.calls % MAILBOX_BUFFERS
+
+    def reset(self) -> None:
+        """Arm every mailbox buffer of every rank (latent words ``0x8000``, logit words
+        ``0x80000000``) and clear the error record; synchronizes the device. Needed only
+        after a :class:`MailboxTimeout` (a timed-out poll leaves its slots as they were)."""
+        from fast.schedules.wide_kernels import SENTINEL_LATENT_WORD, SENTINEL_LOGIT_WORD
+
+        half = self.config.latent // 2
+        for box in self.mailboxes:
+            words = box.view(torch.int32)  # [2, rows, L/2 + E]
+            words[..., :half] = _as_int32(SENTINEL_LATENT_WORD)
+            words[..., half:] = _as_int32(SENTINEL_LOGIT_WORD)
+        self.error.zero_()
+        torch.cuda.synchronize(self.device)
+
+    def check(self) -> None:
+        """Raise :class:`MailboxTimeout` if a poll timed out since the last check (naming
+        the reader's rank, the buffer, the token, the first empty 16-bit column and the
+        rank that should have written it), then the first engine error (``EngineError``);
+        synchronizes the device and clears the errors it reports."""
+        from fast.schedules.wide_kernels import ERROR_FIELDS
+
+        torch.cuda.synchronize(self.device)  # stages may have run on other streams
+        record = dict(zip(ERROR_FIELDS, self.error.tolist()))
+        if record["flag"]:
+            self.error.zero_()
+            c, n = self.config, self.ranks
+            column = record["column"]
+            if column < c.latent:
+                region, writer = "latent", column // (c.latent // n)
+            else:
+                region, writer = "logit", (column - c.latent) // (2 * c.experts // n)
+            raise MailboxTimeout(
+                f"WideLayer: rank {record['rank']} timed out polling mailbox buffer "
+                f"{record['buffer']}: token {record['token']}, column {column} (16-bit word, "
+                f"{region} region written by rank {writer}) still empty after "
+                f"{self.timeout_s} s; {record['granules']} 16-byte granules timed out. The "
+                "mailboxes are left as they were: call reset() before the next call.")
+        for engine in self.engines:
+            engine.check()
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def _check_inputs(self, xs) -> tuple[list[torch.Tensor], int]:
+        c, n = self.config, self.ranks
+        if isinstance(xs, torch.Tensor):
+            xs = [xs] * n
+        if not isinstance(xs, (list, tuple)) or len(xs) != n:
+            got = f"a list of {len(xs)}" if isinstance(xs, (list, tuple)) else type(xs).__name__
+            raise ValueError(f"WideLayer: xs must be one BF16 [T, H] tensor (every rank's "
+                             f"tokens) or a list of {n} (one per rank), got {got}")
+        tokens = None
+        for r, x in enumerate(xs):
+            if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
+                    or x.shape[1] != c.hidden:
+                got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"WideLayer: xs[{r}] must be BF16 [T, H={c.hidden}], got {got}")
+            if x.device != self.device or not x.is_contiguous():
+                raise ValueError(f"WideLayer: xs[{r}] must be contiguous on {self.device}, "
+                                 f"got {x.device}")
+            tokens = x.shape[0] if tokens is None else tokens
+            if x.shape[0] != tokens:
+                raise ValueError(f"WideLayer: every rank holds the same T tokens; xs[0] has "
+                                 f"{tokens} rows, xs[{r}] has {x.shape[0]}")
+        low = c.front_max + 1
+        if tokens < low:
+            raise ValueError(f"WideLayer: T={tokens} rows is below the wide layer's bucket "
+                             f"[{low}, {self.max_rows}]: batches of 1..front_max={c.front_max} "
+                             "rows belong to the DEP layer (fast.schedules.dep)")
+        if tokens > self.max_rows:
+            raise ValueError(f"WideLayer: T={tokens} rows > max_rows={self.max_rows} the layer "
+                             f"was built for (the bucket ends at wide_rows={c.wide_rows})")
+        return list(xs), tokens
+
+    # -- the call ---------------------------------------------------------------------------
+
+    def __call__(self, xs, *, check: bool = True, order: str = "side",
+                 side_delay_cycles: int = 0) -> list[WideRankOutputs]:
+        """One layer step of every rank.
+
+        Args:
+            xs: BF16 ``[T, H]`` (every rank's tokens) or a list of ``N`` such tensors (one
+                per rank, one ``T``), contiguous on the layer's device.
+            check: call :meth:`check` after the launches (one synchronization); pass False
+                inside a CUDA-graph capture and call :meth:`check` after.
+            order: ``"side"``: the shared expert on a side stream beside everything up to
+                each rank's up-projection (the schedule's streams); ``"serial"``:
+                everything on the current stream. The bits are the same.
+            side_delay_cycles: a spin of this many clock cycles at the start of each
+                side-stream segment (``torch.cuda._sleep``), so that a missing wait
+                between the streams shows as wrong data.
+
+        Returns each rank's :class:`WideRankOutputs` (``.out`` is its layer output, the
+        same bits on every rank)."""
+        if order not in ("side", "serial"):
+            raise ValueError(f"WideLayer: order must be 'side' or 'serial', got {order!r}")
+        xs, tokens = self._check_inputs(xs)
+        n = self.ranks
+        for r in range(n):
+            self.shared_stage(r, xs[r], order=order, side_delay_cycles=side_delay_cycles)
+        for r in range(n):
+            self.publish_stage(r, self.front_stage(r, xs[r]), tokens)
+        for r in range(n):
+            self.route_stage(r, tokens)
+            self.experts_stage(r, tokens)
+            self.finalize_stage(r, tokens)
+        for r in range(n):
+            self.latent_stage(r, tokens)
+        for r in range(n):
+            self.hidden_stage(r, tokens)
+        outputs = [self.outputs(r, tokens) for r in range(n)]
+        self.calls += 1
+        if check:
+            self.check()
+        return outputs
+
+    # -- one rank's stages (a call runs each for every rank; a benchmark times one rank's
+    # own work by replaying its stages after a full call filled the peers' buffers) ---------
+
+    def front_stage(self, r: int, x: torch.Tensor) -> torch.Tensor:
+        """Rank ``r``'s FP32-out GEMM ``x @ [gate_r; down_r]^T`` (cuBLAS): FP32 ``[T, E/N +
+        L/N]``, kept for this call's publish."""
+        self._front[r] = stock.mm_fp32_out(x, self.front_weights[r])
+        return self._front[r]
+
+    def shared_stage(self, r: int, x: torch.Tensor, *, order: str = "side",
+                     side_delay_cycles: int = 0):
+        """Rank ``r``'s shared-expert partial into its ``shared`` buffer: ``h = x @
+        gate_up_r^T``, ``act = situ_and_mul(h)``, ``act @ down_r^T`` (BF16 at each). With
+        ``order="side"`` on the side stream (it waits for the current stream first).
+        Returns the event :meth:`latent_stage` waits on (None when serial)."""
+        c, tokens = self.config, x.shape[0]
+        main = torch.cuda.current_stream(self.device)
+        side = self._side if order == "side" else main
+        if side is not main:
+            side.wait_stream(main)
+        with torch.cuda.stream(side):
+            if side is not main and side_delay_cycles:
+                torch.cuda._sleep(int(side_delay_cycles))
+            b = self._buffers[r]
+            h = b["gate_up"][:tokens]
+            _mm_bf16_into(x, self.shared_gate_up[r], h)
+            act = activation.situ_and_mul(h, beta=c.situ_beta, linear_beta=c.situ_linear_beta,
+                                          out=b["act"][:tokens])
+            _mm_bf16_into(act, self.shared_down[r], b["shared"][:tokens])
+        self._shared_ready[r] = side.record_event() if side is not main else None
+        return self._shared_ready[r]
+
+    def publish_stage(self, r: int, front: torch.Tensor, tokens: int) -> None:
+        """``WidePublish``: rank ``r``'s front rows into every rank's current mailbox
+        buffer (``PublishKernel``). ``front``: FP32 ``[T, E/N + L/N]`` contiguous."""
+        from cutlass import Int32, Int64
+
+        c, n = self.config, self.ranks
+        width = c.experts // n + c.latent // n
+        if front.dtype != torch.float32 or tuple(front.shape) != (tokens, width) \
+                or not front.is_contiguous() or front.device != self.device \
+                or front.data_ptr() % 16:
+            raise ValueError(f"WideLayer.publish_stage: front must be contiguous 16-byte aligned "
+                             f"FP32 [{tokens}, {width}] on {self.device}")
+        self._fn["publish"](Int64(front.data_ptr()), Int64(self.mailbox_table.data_ptr()),
+                            Int32(r), Int32(self.mailbox_index), Int32(self.max_rows),
+                            Int32(tokens), backend.stream(self.device))
+
+    def route_stage(self, r: int, tokens: int) -> None:
+        """Rank ``r``'s poll of its mailbox (``PollKernel``: logits and latent out, slots
+        re-armed), the router (``fast.router``) and the plan rows (``fast.mx``)."""
+        from cutlass import Int32, Int64
+
+        c, b = self.config, self._buffers[r]
+        self._fn["poll"](Int64(self.mailboxes[r].data_ptr()), Int64(b["logits"].data_ptr()),
+                         Int64(b["latent"].data_ptr()), Int64(self.error.data_ptr()),
+                         Int64(int(self.timeout_s * 1e9)), Int32(r), Int32(self.mailbox_index),
+                         Int32(self.max_rows), Int32(tokens), backend.stream(self.device))
+        router.route(b["logits"][:tokens], self.bias, top_k=c.top_k, renormalize=c.renormalize,
+                     scale=c.routed_scaling_factor, out=(b["weights"][:tokens], b["ids"][:tokens]))
+        self._plan[r] = mx.quantize_mxfp8(b["latent"][:tokens])
+
+    def experts_stage(self, r: int, tokens: int) -> None:
+        """Rank ``r``'s listed engine (every expert's TP slice) over the plan rows:
+        this rank's partial expert rows ``[T K, L]``."""
+        b, k = self._buffers[r], self.config.top_k
+        codes, scales = self._plan[r]
+        self.engines[r](codes, scales, b["ids"][:tokens], out=b["rows"][: tokens * k],
+                        validate=False)
+
+    def finalize_stage(self, r: int, tokens: int) -> None:
+        """Rank ``r``'s Finalize of its partial rows: its BF16 partial of the routed latent."""
+        b, k = self._buffers[r], self.config.top_k
+        finalize.finalize(b["rows"][: tokens * k], b["weights"][:tokens],
+                          out=b["partial"][:tokens])
+
+    def latent_stage(self, r: int, tokens: int) -> None:
+        """Rank ``r``'s latent all-reduce fused with the RMSNorm
+        (``LatentAllReduceNormKernel``, every rank's partial in rank order), then (after
+        the shared expert) its up-projection columns ``shared_r[:, cols_r] + normed @
+        up_r^T`` (cuBLAS addmm) into its ``up`` buffer."""
+        from cutlass import Float32, Int32, Int64
+
+        c, b = self.config, self._buffers[r]
+        self._fn["latent_all_reduce"](
+            Int64(self.partial_table.data_ptr()), Int64(b["routed"].data_ptr()),
+            Int64(self.latent_norm.data_ptr()), Int64(b["normed"].data_ptr()),
+            Float32(c.rms_eps), Int32(tokens), backend.stream(self.device))
+        if self._shared_ready[r] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._shared_ready[r])
+        cols = slice(r * self.columns, (r + 1) * self.columns)
+        _addmm_bf16_into(b["shared"][:tokens, cols], b["normed"][:tokens], self.up[r],
+                         b["up"][:tokens])
+
+    def hidden_stage(self, r: int, tokens: int) -> None:
+        """Rank ``r``'s all-reduce of the hidden partials (``HiddenAllReduceKernel``) into
+        its ``out`` buffer."""
+        from cutlass import Int32, Int64
+
+        self._fn["hidden_all_reduce"](
+            Int64(self.shared_table.data_ptr()), Int64(self.up_table.data_ptr()),
+            Int64(self._buffers[r]["out"].data_ptr()), Int32(tokens), backend.stream(self.device))
+
+    def outputs(self, r: int, tokens: int) -> WideRankOutputs:
+        """Rank ``r``'s :class:`WideRankOutputs` of the stages run last with ``tokens``
+        rows (views into the layer's buffers; ``front`` and the plan rows are the last
+        ones the rank's stages made)."""
+        b, engine, k = self._buffers[r], self.engines[r], self.config.top_k
+        counts_at = engine.layout.count
+        codes, scales = self._plan[r]
+        return WideRankOutputs(
+            front=self._front[r], logits=b["logits"][:tokens], latent=b["latent"][:tokens],
+            weights=b["weights"][:tokens], ids=b["ids"][:tokens], codes=codes, scales=scales,
+            lists=engine.lists, counts=engine.work[counts_at:counts_at + self.config.experts],
+            rows=b["rows"][: tokens * k], routed_partial=b["partial"][:tokens],
+            routed=b["routed"][:tokens], normed=b["normed"][:tokens],
+            shared_gate_up=b["gate_up"][:tokens], shared_act=b["act"][:tokens],
+            shared=b["shared"][:tokens],
+            up_columns=b["up"][:tokens], out=b["out"][:tokens], mailbox_index=self.mailbox_index)
+
+    def graph(self, xs, *, order: str = "side"):
+        """Capture one call on the static inputs ``xs`` in CUDA graphs, one per mailbox
+        buffer (both streams, forked from and joined back into the capture stream);
+        returns ``(replay, outputs)``: ``replay()`` reruns the whole layer on whatever
+        ``xs`` then hold, alternating the graphs as eager calls alternate the buffers
+        (eager calls and replays may be interleaved), and returns that graph's outputs.
+        The stage outputs that live in the layer's buffers are the same tensors for both
+        graphs; ``front``, ``codes`` and ``scales`` are each graph's own."""
+        self(xs, order=order)  # compile and warm every kernel outside the capture
+        torch.cuda.synchronize(self.device)
+        first = self.calls
+        captured = []
+        capture = torch.cuda.Stream(self.device)
+        for _ in range(MAILBOX_BUFFERS):
+            graph = torch.cuda.CUDAGraph()
+            capture.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(capture):
+                with torch.cuda.graph(graph, stream=capture):
+                    outputs = self(xs, check=False, order=order)
+            torch.cuda.current_stream(self.device).wait_stream(capture)
+            captured.append((graph, outputs))
+        torch.cuda.synchronize(self.device)
+        self.calls = first  # capturing ran nothing: the next call is still call `first`
+
+        def replay():
+            graph, outputs = captured[(self.calls - first) % MAILBOX_BUFFERS]
+            graph.replay()
+            self.calls += 1
+            return outputs
+
+        return replay, captured[0][1]
+
+
+def _as_int32(word: int) -> int:
+    """A 32-bit pattern as the signed value an int32 tensor holds."""
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+def _mm_bf16_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a @ b^T`` in BF16 (cuBLAS, FP32 accumulation, one rounding: the call of
+    ``fast.stock.mm_bf16`` writing into a given buffer)."""
+    with stock.fp32_reduction():
+        torch.mm(a, b.t(), out=out)
+
+
+def _addmm_bf16_into(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = c + a @ b^T`` in BF16 (cuBLAS ``addmm``: ``fast.stock.addmm_bf16`` writing
+    into a given buffer; ``c`` may be a column slice)."""
+    with stock.fp32_reduction():
+        torch.addmm(c, a, b.t(), out=out)

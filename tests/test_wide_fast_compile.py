@@ -1,0 +1,96 @@
+"""The fast wide layer on the CPU: its own kernels (``fast.schedules.wide_kernels``) compile
+for every target at every rank count the real layer splits into and at the small configs'
+(no GPU needed; the H200 runs them in ``verify/test_wide_fast.py``), its rank rule agrees
+with the reference's, and bad arguments are refused before anything touches a device."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from fast import backend
+from reference.config import LatentMoEConfig
+from reference.schedules.wide import check_wide_ranks
+
+_cute_error = backend.cute_import_error()
+needs_cute = pytest.mark.skipif(_cute_error is not None,
+                                reason=f"CuTe DSL not importable: {_cute_error}")
+
+#: small with the routed intermediate widened so that 8 and 16 TP ranks keep the engine's
+#: 64-wide slices (``verify/test_wide_fast.py`` runs 8 and 16 virtual ranks on it).
+WIDE16 = dataclasses.replace(LatentMoEConfig.small(), intermediate=1024)
+CONFIGS = {"kimi_k3": LatentMoEConfig.kimi_k3(), "small": LatentMoEConfig.small(),
+           "small_i1024": WIDE16}
+COMPILE_CASES = [("kimi_k3", n) for n in (1, 2, 4, 8, 16)] + [("small", n) for n in (1, 2, 4)] \
+    + [("small_i1024", n) for n in (8, 16)]
+
+
+@needs_cute
+@pytest.mark.parametrize("arch", backend.TARGETS)
+@pytest.mark.parametrize("config,ranks", COMPILE_CASES)
+def test_wide_kernels_compile(arch, config, ranks):
+    from fast.schedules.wide import compile_all, kernel_params
+
+    compiled = compile_all(CONFIGS[config], ranks, arch)
+    assert len(compiled) == len(kernel_params(CONFIGS[config], ranks)) == 4
+    assert all(fn is not None for fn in compiled)
+
+
+def _accepts(check, config, ranks) -> bool:
+    try:
+        check(config, ranks)
+    except ValueError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_wide_fast_ranks_within_the_reference_rule(config):
+    """Every rank count the fast layer takes is one the reference's split rule takes (the
+    fast rule only adds the kernels' granules); the real layer runs TP 1, 2, 4, 8, 16."""
+    from fast.schedules.wide import check_ranks
+
+    cfg = CONFIGS[config]
+    fast = [n for n in range(1, 65) if _accepts(check_ranks, cfg, n)]
+    extra = [n for n in fast if not _accepts(check_wide_ranks, cfg, n)]
+    assert not extra, f"{config}: the fast layer takes {extra}, which the reference refuses"
+    want = {"kimi_k3": [1, 2, 4, 8, 16], "small": [1, 2, 4], "small_i1024": [1, 2, 4, 8, 16]}
+    assert fast == want[config]
+
+
+def test_wide_fast_rank_errors_name_the_reason():
+    from fast.schedules.wide import check_ranks
+
+    with pytest.raises(ValueError, match=r"3 ranks cannot split this layer: experts 896 % 3"):
+        check_ranks(CONFIGS["kimi_k3"], 3)
+    with pytest.raises(ValueError, match=r"intermediate/N = 32 % 64"):
+        check_ranks(CONFIGS["small"], 8)
+    wide32 = dataclasses.replace(LatentMoEConfig.small(), experts=1024, intermediate=2048)
+    check_wide_ranks(wide32, 32)  # the reference splits it; the tail kernels stop at 16
+    with pytest.raises(ValueError, match=r"wide layer: 32 ranks cannot split this layer: "
+                                         r"32 ranks > 16$"):
+        check_ranks(wide32, 32)
+    for bad in (0, -2, 2.0, True, "8"):
+        with pytest.raises(ValueError, match="ranks must be a positive int"):
+            check_ranks(CONFIGS["kimi_k3"], bad)
+
+
+def test_wide_layer_refuses_bad_arguments_before_any_device_work():
+    """Bad ranks, a bucket outside 65..wide_rows, a CPU device, a bad timeout: a clear
+    error naming the argument, before a weight is copied or a kernel compiled."""
+    from fast.schedules.wide import WideLayer
+    from verify import cases
+
+    w = cases.weights("small")
+    with pytest.raises(ValueError, match="3 ranks cannot split"):
+        WideLayer(w, ranks=3)
+    with pytest.raises(ValueError, match=r"max_rows must be an int in \[65, wide_rows=1024\]"):
+        WideLayer(w, ranks=2, max_rows=64)
+    with pytest.raises(ValueError, match=r"max_rows must be an int in \[65, wide_rows=1024\]"):
+        WideLayer(w, ranks=2, max_rows=1025)
+    with pytest.raises(ValueError, match="timeout_s"):
+        WideLayer(w, ranks=2, max_rows=128, timeout_s=0)
+    with pytest.raises(ValueError, match="device must be a CUDA device"):
+        WideLayer(w, ranks=2, max_rows=128, device="cpu")
+    with pytest.raises(TypeError, match="weights must be LatentMoEWeights"):
+        WideLayer({"gate": torch.zeros(1)}, ranks=2)
