@@ -1,0 +1,353 @@
+"""Contracts of the fast S2 layer (``fast.schedules.wide.WideLayer``) over virtual ranks on
+one GPU: each stage of every rank against the reference stage on *that rank's own inputs*
+(``reference.schedules.wide`` defines what a rank computes and in which order).
+
+| stage | contract |
+|---|---|
+| front (FP32 out), shared gate/up, shared partial | within the FP32-accumulated GEMM bound of the exact product (cuBLAS's order) |
+| shared SiTU | bitwise = the activation kernel's emulation on own gate/up |
+| mailbox (after the publishes) | every rank's words bitwise = each writer's own front: logits' FP32 bits, the latent's RNE BF16, ``-0`` stored as ``+0`` (``reference.schedules.mailbox.sanitize_negative_zero``); rows at and beyond T and the other buffer armed |
+| polled logits, latent | bitwise = those words (every writer's shard in its columns) |
+| ids, weights | bitwise = the router's emulation on own polled logits |
+| plan rows (MXFP8) | bitwise = ``reference.mx.quantize_mxfp8(own polled latent)`` |
+| routing lists | counts bitwise = the histogram of own ids; each expert's list, sorted, bitwise = ``reference.schedules.wide.routing_lists`` (the engine's slot claims are atomics: their order is free and changes no bit) |
+| expert rows | bitwise = the rank's engine run alone on its own plan rows (the engine's own bounds are ``test_experts.py``'s) |
+| routed partial | bitwise = ``reference.finalize.finalize(own rows, own weights)`` |
+| latent all-reduce | bitwise = ``ordered_sum_bf16`` of every rank's partial (FP32, rank order, one BF16 rounding) |
+| normed | bitwise = the RMSNorm kernel's emulation on own routed |
+| up columns | within the two-rounding bound of cuBLAS's BF16 ``addmm`` on own shared columns and normed |
+| out | bitwise = ``ordered_sum_bf16`` of every rank's hidden partial (own shared with own up columns), the same on every rank |
+| mailbox after a call | every word of both buffers of every rank armed again |
+| state | two consecutive calls on other inputs through the same buffers (the second with every output buffer poisoned first), a third equal to the first bit for bit |
+| late writer | polls launched before the publishes (another stream, behind a spin) wait and return the writers' words |
+| timeout | a reader whose writer never arrives records the error and ends; ``check`` raises naming the rank, buffer, token, column and the writer |
+| CUDA graph, stream orders | replays (both mailbox buffers, interleaved with eager calls) and the side stream (plain, delayed by a spin) bitwise equal to the serialized eager call |
+| bad input | rows outside 65..max_rows, a rank count that does not match, a wrong dtype: a clear error before any launch |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+
+import pytest
+import torch
+
+from reference.config import LatentMoEConfig
+from reference.schedules.mailbox import SENTINEL_BF16, SENTINEL_F32
+from reference.weights import LatentMoEWeights
+from verify import cases
+from verify.wide_fast_checks import ROWS, check_armed, check_wide_fast, published_words
+
+pytestmark = [pytest.mark.gpu, pytest.mark.backends("fast")]
+
+#: ``small`` with the routed intermediate widened to 1024, so that 8 and 16 TP ranks keep
+#: the experts engine's 64-wide slices of it (``fast.schedules.wide.check_ranks``).
+SMALL_I1024 = dataclasses.replace(LatentMoEConfig.small(), intermediate=1024)
+
+
+@functools.cache
+def _weights(config_name: str) -> LatentMoEWeights:
+    if config_name == "small":
+        return cases.weights("small")
+    if config_name == "kimi_k3":  # the real layer from the GPU generator
+        return cases.device_weights("kimi_k3")
+    if config_name == "small_i1024":
+        return _device_weights(SMALL_I1024)
+    raise KeyError(config_name)
+
+
+def _device_weights(cfg: LatentMoEConfig, seed: int = 11) -> LatentMoEWeights:
+    """``verify.cases.device_weights``' generator for a config that is not in
+    ``cases.CONFIGS``: N(0, 1/fan_in) BF16 dense weights, router gate doubled, bias
+    normal(0, 0.01), norm weight ``1 + normal(0, 0.1)``, MXFP4 experts of
+    ``cases.mxfp4_expert_codes``, all drawn on the GPU."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def normal(rows, cols, scale=1.0):
+        return (torch.randn(rows, cols, generator=g, device="cuda") * scale / cols**0.5).bfloat16()
+
+    gate = normal(cfg.experts, cfg.hidden, 2.0)
+    front = normal(cfg.front_rows, cfg.hidden)
+    shared_down = normal(cfg.hidden, cfg.shared_intermediate)
+    up = normal(cfg.hidden, cfg.latent)
+    bias = torch.randn(cfg.experts, generator=g, device="cuda") * 0.01
+    latent_norm = (1 + 0.1 * torch.randn(cfg.latent, generator=g, device="cuda")).bfloat16()
+    return LatentMoEWeights(gate=gate, bias=bias, front=front, shared_down=shared_down,
+                            latent_norm=latent_norm, up=up, **cases.mxfp4_expert_codes(cfg, g),
+                            config=cfg)
+
+
+def _layer(config_name: str, ranks: int, max_rows: int, **kwargs):
+    from fast.schedules.wide import WideLayer
+
+    return WideLayer(_weights(config_name), ranks=ranks, max_rows=max_rows, device="cuda",
+                     **kwargs)
+
+
+def _inputs(cfg: LatentMoEConfig, tokens: int, seed: int) -> torch.Tensor:
+    return cases.hidden_rows(cfg, tokens, seed).cuda()
+
+
+#: (config, ranks, tokens): every rank count the fast layer runs, the bucket's first row
+#: count and a few inside it.
+GRID = [("small", 1, 65), ("small", 2, 100), ("small", 4, 65), ("small", 4, 256),
+        ("small_i1024", 8, 65), ("small_i1024", 16, 80)]
+
+
+@pytest.mark.parametrize("config_name,ranks,tokens", GRID)
+def test_wide_fast_stages(backend, config_name, ranks, tokens, seed, contract):
+    layer = _layer(config_name, ranks, max(tokens, 128))
+    x = _inputs(layer.config, tokens, seed)
+    check_wide_fast(contract, layer, layer(x), x)
+    check_armed(contract, layer, "after the call")
+
+
+@pytest.mark.config("small")
+def test_wide_fast_mailbox(backend, seed, contract):
+    """The publish and the poll alone, on fronts holding the sentinels' values: FP32 -0
+    logits, BF16 -0 latent values and negative FP32 values that round to BF16 -0. After
+    every rank published, each mailbox holds every writer's words (``-0`` as ``+0``) in
+    rows ``[0, T)`` of the call's buffer and nothing else; the polls return exactly those
+    words and re-arm every slot they read."""
+    ranks, tokens = 4, 70
+    layer = _layer("small", ranks, 96)
+    c = layer.config
+    width = c.experts // ranks + c.latent // ranks
+    g = torch.Generator().manual_seed(seed)
+    fronts = []
+    for r in range(ranks):
+        f = torch.randn(tokens, width, generator=g)
+        f[::3, r] = -0.0                       # a logit -0
+        f[1::3, -1 - r] = -0.0                 # a latent -0
+        f[2::3, -2] = -1e-41                   # rounds to BF16 -0
+        f[2::3, 1] = -1e-41                    # a tiny logit stays itself
+        fronts.append(f)
+    index = layer.mailbox_index
+    for r in range(ranks):
+        layer.publish_stage(r, fronts[r].cuda(), tokens)
+    want_latent, want_logits = published_words(layer, fronts)
+    assert not bool((want_latent == SENTINEL_BF16).any()) and \
+        not bool((want_logits == SENTINEL_F32).any())
+    for r, box in enumerate(layer.mailboxes):
+        box = box.cpu()
+        current = box[index]
+        contract.bitwise(current[:tokens, :c.latent], want_latent,
+                         what=f"rank {r} mailbox latent words", index_names=ROWS)
+        contract.bitwise(current[:tokens, c.latent:].contiguous().view(torch.int32), want_logits,
+                         what=f"rank {r} mailbox logit words", index_names=ROWS)
+        rest = current[tokens:]
+        contract.bitwise(rest[:, :c.latent], torch.full_like(rest[:, :c.latent], SENTINEL_BF16),
+                         what=f"rank {r} rows >= T armed (latent)", index_names=ROWS)
+        rest_logits = rest[:, c.latent:].contiguous().view(torch.int32)
+        contract.bitwise(rest_logits, torch.full_like(rest_logits, SENTINEL_F32),
+                         what=f"rank {r} rows >= T armed (logits)", index_names=ROWS)
+        other = box[1 - index]
+        contract.bitwise(other[:, :c.latent], torch.full_like(other[:, :c.latent], SENTINEL_BF16),
+                         what=f"rank {r} other buffer armed", index_names=ROWS)
+    for r in range(ranks):
+        layer.route_stage(r, tokens)
+    layer.check()
+    for r in range(ranks):
+        polled = layer.outputs(r, tokens)
+        contract.bitwise(polled.logits.cpu().view(torch.int32), want_logits,
+                         what=f"rank {r} polled logits", index_names=ROWS)
+        contract.bitwise(polled.latent.cpu().view(torch.int16), want_latent,
+                         what=f"rank {r} polled latent", index_names=ROWS)
+    check_armed(contract, layer, "after the polls")
+    x = _inputs(c, tokens, seed)  # the layer is whole again: a full call passes
+    check_wide_fast(contract, layer, layer(x), x)
+
+
+@pytest.mark.config("small")
+def test_wide_fast_late_writer(backend, seed, contract):
+    """The poll waits for its writers: every rank's poll is launched on one stream while
+    the publishes wait behind a spin of about 25 ms on another, so the polls start on
+    empty slots (on one stream a poll always finds its row complete). The polled rows must
+    be every writer's words, the slots re-armed, no error recorded."""
+    ranks, tokens = 2, 65
+    layer = _layer("small", ranks, 96)
+    x = _inputs(layer.config, tokens, seed)
+    layer(x)  # every kernel compiled: the launches below follow each other closely
+    fronts = [layer.front_stage(r, x) for r in range(ranks)]
+    torch.cuda.synchronize()
+    reader, writer = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(writer):
+        torch.cuda._sleep(50_000_000)
+    with torch.cuda.stream(reader):
+        for r in range(ranks):
+            layer.route_stage(r, tokens)
+    with torch.cuda.stream(writer):
+        for r in range(ranks):
+            layer.publish_stage(r, fronts[r], tokens)
+    torch.cuda.synchronize()
+    layer.check()
+    want_latent, want_logits = published_words(layer, [f.cpu() for f in fronts])
+    for r in range(ranks):
+        polled = layer.outputs(r, tokens)
+        contract.bitwise(polled.logits.cpu().view(torch.int32), want_logits,
+                         what=f"rank {r} polled logits of late writers", index_names=ROWS)
+        contract.bitwise(polled.latent.cpu().view(torch.int16), want_latent,
+                         what=f"rank {r} polled latent of late writers", index_names=ROWS)
+    check_armed(contract, layer, "after the late writers")
+
+
+@pytest.mark.config("small")
+def test_wide_fast_two_calls(backend, seed, contract):
+    """State across calls: call 1 on ``x1`` (100 rows), call 2 on ``x2`` (70 rows) with
+    every output buffer of call 1 poisoned with NaN first (a stage that skipped a row would
+    leave the poison), call 3 on ``x1`` again; each call checked stage by stage, the
+    rotating buffers used 0, 1, 0 and re-armed after each call, call 3's output equal to
+    call 1's bit for bit."""
+    layer = _layer("small", 2, 128)
+    x1, x2 = _inputs(layer.config, 100, seed), _inputs(layer.config, 70, seed + 1)
+    first = layer(x1)
+    assert [o.mailbox_index for o in first] == [0, 0]
+    check_wide_fast(contract, layer, first, x1)
+    check_armed(contract, layer, "after call 1")
+    kept = [o.out.clone() for o in first]
+    for o in first:
+        for name in ("logits", "latent", "weights", "rows", "routed_partial", "routed",
+                     "normed", "shared_gate_up", "shared_act", "shared", "up_columns", "out"):
+            getattr(o, name).fill_(float("nan"))
+        o.ids.fill_(-1)
+    second = layer(x2)
+    assert [o.mailbox_index for o in second] == [1, 1]
+    check_wide_fast(contract, layer, second, x2)
+    check_armed(contract, layer, "after call 2")
+    third = layer(x1)
+    assert [o.mailbox_index for o in third] == [0, 0]
+    for r, o in enumerate(third):
+        contract.bitwise(o.out, kept[r], what=f"rank {r} call 3 = call 1", index_names=ROWS)
+
+
+@pytest.mark.config("small")
+def test_wide_fast_poll_timeout(backend, seed, contract):
+    """A reader whose writer never arrives: the poll gives up after the layer's timeout
+    (50 ms here), the kernel ends, ``check`` raises naming the reader's rank, the buffer,
+    the token and the missing writer; after ``reset`` the layer runs a call that passes
+    every contract."""
+    from fast.schedules.wide import MailboxTimeout
+
+    tokens = 65
+    layer = _layer("small", 2, 96, timeout_s=0.05)
+    x = _inputs(layer.config, tokens, seed)
+    started = time.monotonic()
+    layer.route_stage(0, tokens)  # nobody published
+    with pytest.raises(MailboxTimeout, match=r"rank 0 timed out polling mailbox buffer 0: "
+                                             r"token \d+, column \d+ .*written by rank [01]"):
+        layer.check()
+    elapsed = time.monotonic() - started
+    assert elapsed < 30, f"a 50 ms poll timeout took {elapsed:.1f} s to surface"
+    layer.reset()
+    layer.publish_stage(0, layer.front_stage(0, x), tokens)  # rank 1 never publishes
+    layer.route_stage(1, tokens)
+    with pytest.raises(MailboxTimeout, match=r"rank 1 timed out polling mailbox buffer 0: .*"
+                                             r"(latent|logit) region written by rank 1\)"):
+        layer.check()
+    layer.reset()
+    layer.check()  # the error record is cleared
+    check_wide_fast(contract, layer, layer(x), x)
+    check_armed(contract, layer, "after recovering")
+
+
+@pytest.mark.config("small")
+@pytest.mark.parametrize("ranks", (1, 4))
+def test_wide_fast_graph_replay(backend, ranks, seed, contract):
+    """Two CUDA graphs (one per mailbox buffer): four replays on new inputs, with an eager
+    call between the second and the third (so the graphs swap buffers), each bitwise equal
+    to an eager call on those inputs; the last replay passes every stage contract and
+    leaves every mailbox armed."""
+    tokens = 72
+    layer = _layer("small", ranks, 96)
+    static = _inputs(layer.config, tokens, seed)
+    replay, _ = layer.graph(static)
+    for i in range(1, 5):
+        fresh = _inputs(layer.config, tokens, seed + 100 * i)
+        static.copy_(fresh)
+        outs = replay()
+        torch.cuda.synchronize()
+        layer.check()
+        got = [o.out.clone() for o in outs]
+        eager = layer(fresh.clone())
+        for r in range(ranks):
+            contract.bitwise(got[r], eager[r].out, what=f"replay {i} rank {r} out = eager",
+                             index_names=ROWS)
+        if i == 2:
+            layer(fresh.clone())  # one more eager call: the next replay uses the other graph
+    outs = replay()
+    layer.check()
+    check_wide_fast(contract, layer, outs, static)
+    check_armed(contract, layer, "after the replays")
+
+
+@pytest.mark.config("small")
+def test_wide_fast_stream_orders(backend, seed, contract):
+    """The side stream changes no bit: the shared expert serialized on one stream, on the
+    side stream, the same delayed by a spin (a missing wait would let the up-projection or
+    the hidden all-reduce read the previous call's shared rows: each run follows one on
+    other inputs), and a graph replay of the side-stream order."""
+    ranks, tokens = 4, 80
+    layer = _layer("small", ranks, 96)
+    x = _inputs(layer.config, tokens, seed)
+    other = _inputs(layer.config, tokens, seed + 999)
+    serial = [o.out.clone() for o in layer(x, order="serial")]
+    runs = {}
+    layer(other)
+    runs["side, delayed"] = [o.out.clone() for o in layer(x, side_delay_cycles=2_000_000)]
+    layer(other)
+    runs["side"] = [o.out.clone() for o in layer(x)]
+    static = other.clone()
+    replay, _ = layer.graph(static)
+    static.copy_(x)
+    runs["graph replay"] = [o.out.clone() for o in replay()]
+    layer.check()
+    for name, got in runs.items():
+        for r in range(ranks):
+            contract.bitwise(got[r], serial[r], what=f"{name}: rank {r} out = serialized",
+                             index_names=ROWS)
+
+
+@functools.cache
+def _real_tp8():
+    return _layer("kimi_k3", 8, 1024)
+
+
+@pytest.mark.config("kimi_k3")
+@pytest.mark.parametrize("tokens", (65, 256, 1024))
+def test_wide_fast_real_tp8(backend, tokens, seed, contract):
+    """The real layer over 8 virtual TP ranks (every expert's 384-wide slice per rank),
+    every stage of every rank, at the bucket's first row count, a middle one and its last."""
+    layer = _real_tp8()
+    x = _inputs(layer.config, tokens, seed)
+    check_wide_fast(contract, layer, layer(x), x)
+    check_armed(contract, layer, "after the call")
+
+
+@pytest.mark.config("small")
+def test_wide_fast_bad_input(backend, contract):
+    """Refused with a clear error before any launch: the layer's call counter, error record
+    and mailboxes are untouched."""
+    layer = _layer("small", 2, 96)
+    cfg = layer.config
+    x = _inputs(cfg, 70, 0)
+    with pytest.raises(ValueError, match=r"T=64 rows is below the wide layer's bucket \[65, 96\]"):
+        layer(_inputs(cfg, 64, 0))
+    with pytest.raises(ValueError, match=r"T=97 rows > max_rows=96"):
+        layer(_inputs(cfg, 97, 0))
+    with pytest.raises(ValueError, match="a list of 2 \\(one per rank\\), got a list of 3"):
+        layer([x, x, x])
+    with pytest.raises(ValueError, match="same T tokens"):
+        layer([x, x[:66].contiguous()])
+    with pytest.raises(ValueError, match=r"xs\[1\] must be BF16"):
+        layer([x, x.float()])
+    with pytest.raises(ValueError, match=r"xs\[0\] must be contiguous on cuda"):
+        layer(x.cpu())
+    with pytest.raises(ValueError, match="order must be"):
+        layer(x, order="beside")
+    assert layer.calls == 0, "a refused call advanced the mailbox rotation"
+    assert not bool(layer.error.any()), "a refused call launched a poll"
+    check_armed(contract, layer, "after the refused calls")
+    with pytest.raises(ValueError, match="cannot split"):
+        _layer("small", 8, 96)
