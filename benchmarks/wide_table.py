@@ -1,0 +1,258 @@
+"""One wide (TP) rank's layer time on one GPU, stage by stage, against the stock composition
+and the byte limit (GPU node):
+
+    PYTHONPATH=.gpu/peers:. python3 -m benchmarks.wide_table --out results.json
+
+The layer is ``fast.schedules.wide.WideLayer`` over ``--ranks`` virtual ranks (default 8,
+TP8: every expert's 384-wide slice of the intermediate per rank). A full call fills every
+rank's buffers; then rank 0's own work is timed: its shared expert (side stream), its front
+GEMM, its publish into every mailbox, its poll + router + plan rows, its experts, its
+Finalize, its latent all-reduce + RMSNorm + up columns (reading the other ranks' partials
+from the full call) and its hidden all-reduce, and the whole rank's step with the shared
+expert beside it. Each is captured in a CUDA graph; before every replay the L2 is flushed
+(``benchmarks.experts_table``) and, for the stages that poll, rank 0's mailbox is restored
+to the state after every rank published (a snapshot: the peers' publishes are not rank 0's
+work, and a poll re-arms what it read).
+
+The stock composition of the same rank, one graph: cuBLAS front (FP32 out) and shared
+GEMMs; the gather of every rank's logits and latent shard as one copy each (what an
+all-gather delivers); PyTorch sigmoid top-k and SiTU; triton_kernels ``matmul_ogs`` experts
+over the rank's TP slice of every expert (best of ``num_warps`` 4 and 8, as vLLM runs MXFP4
+MoE on Hopper; its scatter-combine is the Finalize); the two all-reduces as FP32 sums of the
+ranks' partial rows (the reads a one-shot all-reduce makes); PyTorch RMSNorm; cuBLAS addmm.
+
+The byte limit: rank 0's dense weight slices (router rows and latent-down rows, shared
+gate/up and down slices, up-projection rows) plus the TP slices of the touched experts, at
+the read bandwidth measured in the same run (the mailbox and all-reduce traffic, a few MB,
+is left out and shows in the fraction).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+
+import torch
+
+from benchmarks.experts_table import copy_bandwidth_gbs, l2_flush, read_bandwidth_gbs
+
+STAGES = ("shared", "front", "publish", "route", "experts", "finalize", "latent", "hidden",
+          "rank")
+#: the stages whose graph polls rank 0's mailbox (its snapshot is restored before a replay)
+POLLING = ("route", "rank")
+
+
+def timed_replays(fn, *, reps: int, before) -> list[float]:
+    """Per-replay device times (us) of ``fn`` captured once in a CUDA graph; ``before()``
+    runs ahead of every replay, outside the timed events (the L2 flush, a mailbox restore).
+    The warm-up call runs after ``before()`` too."""
+    before()
+    fn()  # warm-up (compiles, allocates)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        before()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return times
+
+
+def fast_stages(layer, x, tokens: int) -> dict:
+    """Callables of rank 0's stages (the peers' buffers from a full call) and of its whole
+    step (the shared expert on the side stream, joined before the up columns)."""
+    front = layer.front_stage(0, x)
+
+    def shared():
+        torch.cuda.current_stream().wait_event(layer.shared_stage(0, x, order="side"))
+
+    def rank():
+        layer.shared_stage(0, x, order="side")
+        layer.publish_stage(0, layer.front_stage(0, x), tokens)
+        layer.route_stage(0, tokens)
+        layer.experts_stage(0, tokens)
+        layer.finalize_stage(0, tokens)
+        layer.latent_stage(0, tokens)
+        layer.hidden_stage(0, tokens)
+
+    return {
+        "shared": shared,
+        "front": lambda: layer.front_stage(0, x),
+        "publish": lambda: layer.publish_stage(0, front, tokens),
+        "route": lambda: layer.route_stage(0, tokens),
+        "experts": lambda: layer.experts_stage(0, tokens),
+        "finalize": lambda: layer.finalize_stage(0, tokens),
+        "latent": lambda: layer.latent_stage(0, tokens),
+        "hidden": lambda: layer.hidden_stage(0, tokens),
+        "rank": rank,
+    }
+
+
+class StockRank:
+    """Rank 0 of the stock composition (module docstring) for ``tokens`` rows."""
+
+    def __init__(self, layer, moe, tokens: int):
+        c, n, dev = layer.config, layer.ranks, layer.device
+        self.layer, self.moe, self.tokens = layer, moe, tokens
+        e_n, l_n = c.experts // n, c.latent // n
+        self.logits = torch.empty(tokens, c.experts, device=dev)
+        self.latent = torch.empty(tokens, c.latent, dtype=torch.bfloat16, device=dev)
+        self.peer_logits = torch.randn(n, tokens, e_n, device=dev)
+        self.peer_latent = torch.randn(n, tokens, l_n, device=dev).bfloat16()
+        self.peer_routed = torch.randn(n, tokens, c.latent, device=dev).bfloat16()
+        self.peer_hidden = torch.randn(n, tokens, c.hidden, device=dev).bfloat16()
+
+    def __call__(self, x):
+        from fast import stock
+
+        lay, c, t, n = self.layer, self.layer.config, self.tokens, self.layer.ranks
+        e_n = c.experts // n
+        front = stock.mm_fp32_out(x, lay.front_weights[0])
+        self.peer_logits[0].copy_(front[:, :e_n])
+        self.peer_latent[0].copy_(front[:, e_n:])
+        self.logits.copy_(self.peer_logits.permute(1, 0, 2).reshape(t, c.experts))
+        self.latent.copy_(self.peer_latent.permute(1, 0, 2).reshape(t, c.latent))
+        w, ids = stock.route(self.logits, lay.bias, top_k=c.top_k, renormalize=c.renormalize,
+                             scale=c.routed_scaling_factor)
+        self.peer_routed[0] = self.moe(self.latent, ids, w)
+        routed = self.peer_routed.float().sum(0).bfloat16()
+        normed = stock.rms_norm(routed, lay.latent_norm, c.rms_eps)
+        h = stock.mm_bf16(x, lay.shared_gate_up[0])
+        shared = stock.mm_bf16(stock.situ_and_mul(h, beta=c.situ_beta,
+                                                  linear_beta=c.situ_linear_beta),
+                               lay.shared_down[0])
+        cols = slice(0, lay.columns)
+        shared[:, cols] = stock.addmm_bf16(shared[:, cols].contiguous(), normed, lay.up[0])
+        self.peer_hidden[0] = shared
+        return self.peer_hidden.float().sum(0).bfloat16()
+
+
+def render(result: dict) -> str:
+    """Markdown: per T, each stage's median (us), the rank's step and its fraction of the
+    byte limit, the best stock composition and the speed-up."""
+    lines = [f"Device {result['device']}, torch {result['torch']}; {result['ranks']} virtual "
+             f"TP ranks, rank 0 timed; read bandwidth {result['read_gbs']:.0f} GB/s (this "
+             "run); fraction = byte limit / time.", "",
+             "| T | touched | limit us | " + " | ".join(STAGES[:-1]) +
+             " | rank us (frac) | stock us (frac) | speed-up |",
+             "|" + "---|" * (len(STAGES) + 5)]
+    for c in result["cases"]:
+        med, lim = c["median_us"], c["limit_us"]
+        stock = min((v for k, v in med.items() if k.startswith("stock")), default=None)
+        cells = " | ".join(f"{med[s]:.1f}" for s in STAGES[:-1])
+        st = f"{stock:.1f} ({lim / stock:.2f})" if stock else "-"
+        up = f"{stock / med['rank']:.2f}x" if stock else "-"
+        lines.append(f"| {c['tokens']} | {c['touched']} | {lim:.1f} | {cells} | "
+                     f"{med['rank']:.1f} ({lim / med['rank']:.2f}) | {st} | {up} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--render", help="print the markdown table of a result JSON and exit")
+    ap.add_argument("--out", default="wide_table.json")
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--tokens", default="65,128,256,512,1024")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--peers", default="triton")
+    args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            print(render(json.load(f)), end="")
+        return
+
+    from fast.schedules.wide import WideLayer
+    from verify import cases
+
+    torch.manual_seed(0)
+    tokens_list = [int(t) for t in args.tokens.split(",")]
+    flush = l2_flush()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "python": platform.python_version(), "ranks": args.ranks, "cases": []}
+    result["read_gbs"] = read_bandwidth_gbs()
+    result["copy_gbs"] = copy_bandwidth_gbs()
+    print(f"read {result['read_gbs']:.0f} GB/s, copy {result['copy_gbs']:.0f} GB/s", flush=True)
+    w = cases.device_weights("kimi_k3")
+    c = w.config
+    layer = WideLayer(w, ranks=args.ranks, max_rows=max(tokens_list))
+    dense_bytes = sum(t.numel() * t.element_size() for t in (
+        layer.front_weights[0], layer.shared_gate_up[0], layer.shared_down[0], layer.up[0]))
+    expert_bytes = layer.engines[0].prepared.expert_bytes()
+    peers = {}
+    if "triton" in args.peers:
+        from benchmarks.peers import triton_moe
+
+        ok, why = triton_moe.available()
+        if not ok:
+            print("triton_kernels unavailable:", why)
+            result["triton_error"] = why
+        else:
+            inter, lo = c.intermediate // args.ranks, 0  # rank 0's slice of I
+            w13 = torch.cat([w.w13[:, lo:lo + inter], w.w13[:, c.intermediate + lo:
+                                                           c.intermediate + lo + inter]], 1)
+            w13_s = torch.cat([w.w13_scales[:, lo:lo + inter],
+                               w.w13_scales[:, c.intermediate + lo:c.intermediate + lo + inter]], 1)
+            w2 = w.w2[:, :, lo // 2:(lo + inter) // 2]
+            w2_s = w.w2_scales[:, :, lo // 32:(lo + inter) // 32]
+            for nw in (4, 8):
+                peers[f"stock_triton_w{nw}"] = triton_moe.TritonMoE(
+                    w13, w13_s, w2.contiguous(), w2_s.contiguous(), num_warps=nw,
+                    n_experts_total=c.experts, device="cuda")
+    for tokens in tokens_list:
+        x = torch.randn(tokens, c.hidden, device="cuda").bfloat16()
+        outputs = layer(x)
+        touched = int(torch.unique(outputs[0].ids).numel())
+        nbytes = dense_bytes + touched * expert_bytes
+        case = {"tokens": tokens, "touched": touched, "bytes": nbytes,
+                "limit_us": nbytes / (result["read_gbs"] * 1e9) * 1e6, "times": {}}
+        # rank 0's mailbox as every rank's publish leaves it (the polls' starting state)
+        for r in range(layer.ranks):
+            layer.publish_stage(r, layer.front_stage(r, x), tokens)
+        index = layer.mailbox_index
+        snapshot = layer.mailboxes[0][index].clone()
+
+        def restore_and_flush():
+            layer.mailboxes[0][index].copy_(snapshot)
+            flush()
+
+        for name, fn in fast_stages(layer, x, tokens).items():
+            before = restore_and_flush if name in POLLING else flush
+            case["times"][name] = timed_replays(fn, reps=args.reps, before=before)
+        # rank 0's last poll re-armed its mailbox; the other ranks' still hold every
+        # publish of this case: poll them empty, so the next case starts armed
+        for r in range(1, layer.ranks):
+            layer.route_stage(r, tokens)
+        layer.check()
+        for name, moe in peers.items():
+            try:
+                stock_rank = StockRank(layer, moe, tokens)
+                case["times"][name] = timed_replays(lambda: stock_rank(x), reps=args.reps,
+                                                    before=flush)
+            except Exception as error:  # reported in the JSON, not hidden
+                print(f"{name} at T={tokens} failed: {error!r}", flush=True)
+                case.setdefault("errors", {})[name] = repr(error)
+        case["median_us"] = {k: statistics.median(v) for k, v in case["times"].items()}
+        med = case["median_us"]
+        print(f"T {tokens:4d} touched {touched:3d} limit {case['limit_us']:.1f}us | " +
+              " | ".join(f"{k} {v:.1f}" for k, v in med.items()), flush=True)
+        result["cases"].append(case)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(render(result), end="")
+
+
+if __name__ == "__main__":
+    main()
