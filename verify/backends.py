@@ -8,7 +8,7 @@ Every backend implements :class:`verify.interface.Backend`, the built-in ones in
 | ``reference`` | the reference stages (``reference/``) | CPU | every stage bitwise (checked against the oracles) |
 | ``reference-cuda`` | the same code on CUDA tensors (PyTorch's CUDA ops) | any CUDA GPU | MX and Finalize bitwise; router, SiTU, RMSNorm within the bound (CUDA's libm) |
 | ``stock`` | the stock PyTorch / torchao ops the fast paths replace (``fast.stock``) and the S0 layer built from them | CUDA where present, else CPU | MX bitwise (torchao's ``to_mx``); the rest within the bound |
-| ``fast`` | the project's CuTe DSL kernels (``fast/``) and its S1 layer (``fast.schedules.dep``) | SM90 / SM100 GPUs | MX and Finalize bitwise; router, SiTU, RMSNorm in their own order (``reference.emulation``); expert rows within the bound, stage by stage; the S1 layer within the bound |
+| ``fast`` | the project's CuTe DSL kernels (``fast/``) and its S1 and S2 layers (``fast.schedules.dep``, ``fast.schedules.wide``) | SM90 / SM100 GPUs | MX and Finalize bitwise; router, SiTU, RMSNorm in their own order (``reference.emulation``); expert rows within the bound, stage by stage; the S1 and S2 layers within the bound |
 
 The reference's schedule emulations (``reference.schedules``) are what a whole layer is
 compared with, so the ``reference`` backend claims no ``layer_*`` stage; they are checked
@@ -240,9 +240,12 @@ class FastBackend(interface.Backend):
             "rms_norm": own_order(emulation.rms_norm_tree),
             "expert_rows": Claim("bound", tanh=emulation.tanh_rn, sigmoid=emulation.sigmoid_rn),
             "layer_dep": Claim("bound", sigmoid_abs_error=tolerances.SIGMOID_RN_ABS_ERROR),
+            "layer_wide": Claim("bound", sigmoid_abs_error=tolerances.SIGMOID_RN_ABS_ERROR),
         }
 
-    layer_ranks = {"layer_dep": (1, 2, 4, 8, 16)}
+    #: the small config's routed intermediate (256) splits into the experts engine's
+    #: 64-wide slices over at most 4 TP ranks (``fast.schedules.wide.check_ranks``)
+    layer_ranks = {"layer_dep": (1, 2, 4, 8, 16), "layer_wide": (1, 2, 4)}
 
     @property
     def version(self) -> str:
@@ -302,9 +305,12 @@ class FastBackend(interface.Backend):
 
     def layer(self, schedule, xs, weights):
         """S1 over ``len(xs)`` virtual ranks on one GPU (``fast.schedules.dep.DepLayer``,
-        built once per weights and rank count, for up to 64 tokens per rank)."""
+        built once per weights and rank count, for up to 64 tokens per rank), or S2
+        (:meth:`wide_layer`)."""
         from fast.schedules.dep import DepLayer
 
+        if schedule == "wide":
+            return self.wide_layer(xs, weights)
         tokens = xs[0].shape[0]
         key = ("dep", id(weights), len(xs))
         held = self._engines.get(key)
@@ -313,6 +319,27 @@ class FastBackend(interface.Backend):
                                       device="cuda"))
             self._engines[key] = held
         return [LayerOutput(o.out, o.ids) for o in held[1](xs)]
+
+    def wide_layer(self, xs, weights):
+        """S2 over ``len(xs)`` virtual TP ranks on one GPU (``fast.schedules.wide.WideLayer``,
+        built once per weights and rank count for up to 128 rows). The layer serves 65
+        rows and more; a smaller batch runs padded with zero rows to 65 and its own rows
+        are taken back: no stage mixes tokens (the router, the plan rows, each pair's
+        expert row, the Finalize, the norm and each GEMM row are per token), so the padding
+        rows reach no other row; the layer contract's bounds cover the GEMMs' order."""
+        from fast.schedules.wide import WideLayer
+
+        c, tokens = weights.config, xs[0].shape[0]
+        rows = max(tokens, c.front_max + 1)
+        key = ("wide", id(weights), len(xs))
+        held = self._engines.get(key)
+        if held is None or held[1].max_rows < rows:
+            held = (weights, WideLayer(weights, ranks=len(xs), max_rows=max(rows, 128),
+                                       device="cuda"))
+            self._engines[key] = held
+        if rows > tokens:
+            xs = [torch.cat([x, x.new_zeros(rows - tokens, x.shape[1])]) for x in xs]
+        return [LayerOutput(o.out[:tokens], o.ids[:tokens]) for o in held[1](xs)]
 
     def expert_rows(self, codes, scales, ids, weights, *, experts, shard, intermediates):
         engine = self.engine(weights, tuple(experts), tuple(shard), codes.shape[0])

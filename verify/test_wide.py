@@ -315,7 +315,7 @@ def test_mailbox_sentinel(ranks, seed, contract):
         assert armed, f"rank {r}: the slots it read were not re-armed"
 
 
-@pytest.mark.backends(external=True)
+@pytest.mark.backends("fast", external=True)
 @pytest.mark.config("small")
 @pytest.mark.parametrize("ranks,tokens", [(n, 65) for n in (1, 2, 4, 8)] + [(1, 3)])
 def test_layer_wide(backend, ranks, tokens, seed, contract):
