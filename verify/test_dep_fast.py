@@ -1,9 +1,23 @@
 """Contracts of the fast S1 layer (``fast.schedules.dep.DepLayer``) over virtual ranks on one
 GPU: each stage of every rank against the reference stage on *that rank's own inputs*.
 
+The dense GEMMs run on the backend the layer chose for the batch (``DepLayer(dense_gemm=...)``,
+``fast.schedules.dense.DenseFront.plan``); each is held to the bound of that backend:
+
+* cuBLAS: ``verify.bounds.matmul_fp32_out_bound`` / ``matmul_bf16_out_bound`` (FP32
+  accumulation in any order, one rounding; ``addmm`` rounds the product, then the sum);
+* fast.gemm: ``verify.bounds.mma_matmul_bound`` at the tactic's ``splits`` (the tensor-core
+  model of its split-K order, ``verify/test_gemm_fast.py``; ``up`` adds ``shared`` before
+  its one rounding), and bitwise equal to the same ``DenseGemm`` run alone on the same
+  operands (the kernel really ran, and neither the other stream's GEMM nor the layer's
+  launch order moved a bit).
+
+The small config runs every case with all four GEMMs on cuBLAS and on fast.gemm; the real
+layer (DEP16) runs ``"auto"``, which mixes the two (``DENSE_BACKENDS``).
+
 | stage | contract |
 |---|---|
-| router logits, front, shared | within the FP32-accumulated GEMM bound of the exact product (cuBLAS's order) |
+| router logits, front, shared | within the bound of the backend that ran (above) |
 | ids, weights | bitwise = the router's emulation on own logits |
 | SiTU feeding shared | the shared GEMM's bound is taken around the emulated SiTU of own front |
 | MXFP8 latent | bitwise = ``quantize_mxfp8(own latent)`` |
@@ -12,7 +26,7 @@ GPU: each stage of every rank against the reference stage on *that rank's own in
 | owner partial | bitwise = ``reference.schedules.dep.local_finalize`` (an FMA chain over the owner's local slots in k order, one BF16 rounding) |
 | combine | bitwise = ``reference.schedules.dep.ordered_combine`` (the present partials summed in FP32 in owner order, one BF16 rounding) |
 | normed | bitwise = the RMSNorm kernel's emulation on own routed |
-| out | within the two-rounding bound of cuBLAS's BF16 ``addmm`` |
+| out | cuBLAS: within the two-rounding bound of its BF16 ``addmm``; fast.gemm: as the other GEMMs, ``shared`` the addend |
 | CUDA graph | replays on new inputs bitwise equal to eager calls on those inputs (no stale scratch) |
 | stream orders | serialized, side stream, side stream delayed by a spin, graph replay: bitwise equal |
 """
@@ -34,24 +48,54 @@ pytestmark = [pytest.mark.gpu, pytest.mark.backends("fast")]
 
 ROWS = ("token", "column")
 GEMM_BOUND = "gamma_K(2^-24)|A||B| + final half-ULP (any FP32 summation order)"
+MMA_BOUND = ("verify.bounds.mma_matmul_bound: gamma_{c+c/16+splits-1(+1)}(2^-23) sum|a w| "
+             "(+|addend|) (+ BF16 half-ULP): fast.gemm's tensor-core split-K order")
+#: The dense backends the small-config cases run (every GEMM forced onto one of them).
+DENSE_GEMMS = ("cublas", "fast")
 
 
-def _layer(config_name: str, ranks: int, max_tokens: int):
+def _layer(config_name: str, ranks: int, max_tokens: int, dense_gemm: str):
     from fast.schedules.dep import DepLayer
 
     # the real layer from the GPU generator (the CPU one takes minutes at that size)
     w = cases.device_weights(config_name) if config_name == "kimi_k3" else cases.weights(config_name)
-    return DepLayer(w, ranks=ranks, max_tokens=max_tokens, device="cuda")
+    return DepLayer(w, ranks=ranks, max_tokens=max_tokens, device="cuda", dense_gemm=dense_gemm)
 
 
 def _inputs(cfg, ranks: int, tokens: int, seed: int) -> list[torch.Tensor]:
     return [cases.hidden_rows(cfg, tokens, seed + r).cuda() for r in range(ranks)]
 
 
-def _gemm(contract, got, a, b, out_dtype, what):
+def _gemm(contract, layer, name, got, a, b, out_dtype, what, addend=None):
+    """One dense GEMM of one rank (CPU copies ``got``, operands ``a [T, K]``, ``b [N, K]``,
+    optional BF16 ``addend [T, N]``) within the bound of the backend the layer ran at
+    ``T``; for fast.gemm also bitwise equal to the layer's ``DenseGemm`` run alone on the
+    same operands (its default tactic at ``T``, the one the layer ran)."""
+    dense = layer.dense
+    choice = dense.plan(a.shape[0])[name]
+    assert dense.gemm == "auto" or choice.backend == dense.gemm, (
+        f"{what}: the layer was built with dense_gemm={dense.gemm!r} but ran {choice.backend}")
+    if choice.backend == "fast":
+        ref, bound = bounds.mma_matmul_bound(a, b, splits=choice.tactic.splits, addend=addend,
+                                             out_dtype=out_dtype)
+        contract.bounded(got, ref, bound, what=f"{what} (fast.gemm {choice.tactic.label()})",
+                         bound_name=MMA_BOUND, index_names=ROWS)
+        on = layer.device
+        alone = dense.fast_gemms[name](a.contiguous().to(on), out_dtype=out_dtype,
+                                       addend=None if addend is None else addend.to(on))
+        contract.bitwise(got, alone.cpu(), what=f"{what} = fast.gemm alone on the same operands",
+                         index_names=ROWS)
+        return
+    if addend is not None:  # cuBLAS addmm: the product rounded to BF16, then the sum
+        exact = bounds.reference_matmul(a, b) + addend.double()
+        product = bounds.matmul_bf16_out_bound(a, b)
+        contract.bounded(got, exact, bounds.final_rounding_bound(exact, product, torch.bfloat16),
+                         what=f"{what} (cuBLAS)", index_names=ROWS,
+                         bound_name=GEMM_BOUND + ", then the BF16 add (cuBLAS addmm rounds twice)")
+        return
     make = bounds.matmul_fp32_out_bound if out_dtype == torch.float32 else \
         bounds.matmul_bf16_out_bound
-    contract.bounded(got, bounds.reference_matmul(a, b), make(a, b), what=what,
+    contract.bounded(got, bounds.reference_matmul(a, b), make(a, b), what=f"{what} (cuBLAS)",
                      bound_name=GEMM_BOUND, index_names=ROWS)
 
 
@@ -71,16 +115,19 @@ def check_dep_fast(contract, layer, outs, xs) -> None:
         t.cpu() for t in (layer.dense.gate, layer.dense.bias, layer.dense.front_w,
                           layer.dense.shared_down, layer.dense.up, layer.dense.latent_norm))
     for r, (o, x) in enumerate(zip(outs, xs)):
-        _gemm(contract, o.logits, x, gate, torch.float32, f"rank {r} router logits")
+        _gemm(contract, layer, "router", o.logits, x, gate, torch.float32,
+              f"rank {r} router logits")
         emu_w, emu_ids = emulation.route(o.logits, bias, top_k=k,
                                          renormalize=c.renormalize,
                                          scale=c.routed_scaling_factor)
         contract.bitwise(o.ids, emu_ids, what=f"rank {r} ids = route(own logits)")
         contract.bitwise(o.weights, emu_w, what=f"rank {r} weights = route(own logits)")
-        _gemm(contract, o.front, x, front_w, torch.bfloat16, f"rank {r} front")
+        _gemm(contract, layer, "front", o.front, x, front_w, torch.bfloat16, f"rank {r} front")
         act = emulation.situ_and_mul(o.front[:, :s2], beta=c.situ_beta,
                                      linear_beta=c.situ_linear_beta)
-        _gemm(contract, o.shared, act, shared_down, torch.bfloat16, f"rank {r} shared")
+        # on the emulated SiTU of own front (bitwise = the SiTU kernel, test_activation.py)
+        _gemm(contract, layer, "shared_down", o.shared, act, shared_down, torch.bfloat16,
+              f"rank {r} shared")
         codes, scales = quantize_mxfp8(o.front[:, s2:].contiguous())
         contract.bitwise(o.codes, codes, what=f"rank {r} MXFP8 codes", index_names=ROWS)
         contract.bitwise(o.scales, scales, what=f"rank {r} MXFP8 scales", index_names=ROWS)
@@ -127,12 +174,8 @@ def check_dep_fast(contract, layer, outs, xs) -> None:
                          what=f"rank {h} combine (owner order)", index_names=ROWS)
         contract.bitwise(home.normed, emulation.rms_norm_tree(home.routed, latent_norm, c.rms_eps),
                          what=f"rank {h} normed", index_names=ROWS)
-        exact = bounds.reference_matmul(home.normed, up) + home.shared.double()
-        product = bounds.matmul_bf16_out_bound(home.normed, up)
-        contract.bounded(home.out, exact, bounds.final_rounding_bound(exact, product, torch.bfloat16),
-                         what=f"rank {h} out = shared + normed @ up^T",
-                         bound_name=GEMM_BOUND + ", then the BF16 add (cuBLAS addmm rounds twice)",
-                         index_names=ROWS)
+        _gemm(contract, layer, "up", home.out, home.normed, up, torch.bfloat16,
+              f"rank {h} out = shared + normed @ up^T", addend=home.shared)
 
 
 #: (ranks, tokens per rank) on the small config: every rank count, batches around the
@@ -141,22 +184,26 @@ GRID = [(1, 1), (1, 64), (2, 7), (4, 16), (8, 3), (16, 2), (16, 16)]
 
 
 @pytest.mark.config("small")
+@pytest.mark.parametrize("dense_gemm", DENSE_GEMMS)
 @pytest.mark.parametrize("ranks,tokens", GRID)
-def test_dep_fast_stages(backend, ranks, tokens, seed, contract):
+def test_dep_fast_stages(backend, ranks, tokens, dense_gemm, seed, contract):
     cfg = cases.config("small")
-    layer = _layer("small", ranks, tokens)
+    layer = _layer("small", ranks, tokens, dense_gemm)
     xs = _inputs(cfg, ranks, tokens, seed)
     check_dep_fast(contract, layer, layer(xs), xs)
 
 
 @pytest.mark.config("small")
+@pytest.mark.parametrize("dense_gemm", DENSE_GEMMS)
 @pytest.mark.parametrize("ranks", (1, 4))
-def test_dep_fast_graph_replay(backend, ranks, seed, contract):
+def test_dep_fast_graph_replay(backend, ranks, dense_gemm, seed, contract):
     """One CUDA graph per batch: three replays on new inputs, each bitwise equal to an
-    eager call on those inputs, and the replayed call passes every stage contract."""
+    eager call on those inputs, and the replayed call passes every stage contract (with
+    fast.gemm: its launches, programmatic dependent launch included, captured on both
+    streams)."""
     cfg = cases.config("small")
     tokens = 7
-    layer = _layer("small", ranks, 16)
+    layer = _layer("small", ranks, 16, dense_gemm)
     static = _inputs(cfg, ranks, tokens, seed)
     replay, graph_outs = layer.graph(static)
     for i in range(1, 4):
@@ -176,7 +223,8 @@ def test_dep_fast_graph_replay(backend, ranks, seed, contract):
 
 
 @pytest.mark.config("small")
-def test_dep_fast_stream_orders(backend, seed, contract):
+@pytest.mark.parametrize("dense_gemm", DENSE_GEMMS)
+def test_dep_fast_stream_orders(backend, dense_gemm, seed, contract):
     """The side stream changes no bit: everything serialized on one stream, the router and
     the shared expert on the side stream, the same with each side segment delayed by a
     spin (a missing wait would let the dispatch or the up-projection read another call's
@@ -184,7 +232,7 @@ def test_dep_fast_stream_orders(backend, seed, contract):
     and a CUDA-graph replay of the side-stream order."""
     cfg = cases.config("small")
     ranks, tokens = 4, 7
-    layer = _layer("small", ranks, 8)
+    layer = _layer("small", ranks, 8, dense_gemm)
     xs = _inputs(cfg, ranks, tokens, seed)
     other = _inputs(cfg, ranks, tokens, seed + 999)
     serial = [o.out.clone() for o in layer(xs, order="serial")]
@@ -212,7 +260,10 @@ def test_dep_fast_stream_orders(backend, seed, contract):
 @pytest.mark.config("kimi_k3")
 @pytest.mark.parametrize("tokens", (1, 4))
 def test_dep_fast_real_dep16(backend, tokens, seed, contract):
-    """The real layer over 16 virtual ranks (56 experts each), every stage of every rank."""
+    """The real layer over 16 virtual ranks (56 experts each), every stage of every rank,
+    the dense GEMMs as ``dense_gemm="auto"`` picks them (``DENSE_BACKENDS``: at T = 1 the
+    front, shared down and up on fast.gemm, the router on cuBLAS; at T = 4 the front too on
+    cuBLAS)."""
     cfg = cases.config("kimi_k3")
     layer = _real_dep16()
     xs = _inputs(cfg, 16, tokens, seed)
@@ -221,13 +272,13 @@ def test_dep_fast_real_dep16(backend, tokens, seed, contract):
 
 @functools.cache
 def _real_dep16():
-    return _layer("kimi_k3", 16, 4)
+    return _layer("kimi_k3", 16, 4, "auto")
 
 
 @pytest.mark.config("small")
 def test_dep_fast_bad_input(backend):
     cfg = cases.config("small")
-    layer = _layer("small", 2, 4)
+    layer = _layer("small", 2, 4, "cublas")
     xs = _inputs(cfg, 2, 4, 0)
     with pytest.raises(ValueError, match="max_tokens=4"):
         layer(_inputs(cfg, 2, 5, 0))
@@ -238,4 +289,8 @@ def test_dep_fast_bad_input(backend):
     with pytest.raises(ValueError, match="list of 2 tensors"):
         layer(xs[:1])
     with pytest.raises(ValueError, match="dividing"):
-        _layer("small", 3, 4)
+        _layer("small", 3, 4, "cublas")
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        _layer("small", 2, 4, "cuBLAS")
+    with pytest.raises(ValueError, match="serves at most 64 tokens, but max_tokens=65"):
+        _layer("small", 2, 65, "fast")

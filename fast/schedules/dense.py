@@ -10,11 +10,37 @@ What runs, for one rank's BF16 tokens ``x [T, H]`` (the order of ``reference.sch
                                                   act = fast.activation.situ_and_mul(front[:, :2S])
                                                   shared = act @ shared_down^T
     ... the routed part (dispatch waits for the router) ...
-    out = shared + normed @ up^T   (waits for the shared expert; cuBLAS addmm, BF16)
+    out = shared + normed @ up^T   (waits for the shared expert)
 
-The GEMMs are cuBLAS (``fast.stock``); every other step is a fast kernel whose bits equal
-its reference on its own inputs. ``order="serial"`` runs the side-stream steps on the
-current stream; the bits are the same.
+The four GEMMs (``GEMMS``: ``router``, ``front``, ``shared_down``, ``up``) each run on one
+of two backends, chosen per GEMM and per batch size ``T``:
+
+* ``"cublas"`` (``fast.stock``): FP32 accumulation in the library's order; router FP32 out,
+  front and shared BF16 (one rounding), ``up`` through ``torch.addmm``, which rounds the
+  product to BF16 and then the sum with ``shared`` (two roundings);
+* ``"fast"`` (``fast.gemm.DenseGemm``, the project's split-K swap-AB GEMM, at its default
+  tactic ``fast.gemm.choose_tactic``): per K split an ``mma.sync`` chain in k order, the
+  splits' FP32 partials added in split order, one rounding to the output type; ``up`` adds
+  ``shared`` to the FP32 sum before its one BF16 rounding (``reference.gemm.addmm``'s
+  definition). Only the tactic's ``splits`` moves bits; a token's row never depends on its
+  batch-mates.
+
+``DenseFront(gemm="auto")`` (the default) takes each GEMM's backend at ``T`` from
+``DENSE_BACKENDS`` (measured on the H200), ``"cublas"`` / ``"fast"`` force one backend for
+all four (the contracts and the benchmark run both). ``DenseFront.plan(T)`` says what a call
+of ``T`` tokens runs. A GEMM whose chosen backend is ``"fast"`` never falls back to cuBLAS:
+input it cannot take raises.
+
+The fast GEMMs are built once per weight at construction (``DenseGemm`` objects: each holds
+its own split-K workspace and tile counters, so the router's on the side stream and the
+front's on the main stream never share one) and every kernel they may launch is compiled
+then, so a call only launches (and a CUDA-graph capture never compiles). Calls of
+``T <= fast.gemm.host.PDL_MAX_TOKENS`` launch with programmatic dependent launch: a kernel
+streams its first weight stages before it waits (``griddepcontrol.wait``) for the stream's
+previous work; cross-stream event waits stay full dependencies.
+
+Every other step is a fast kernel whose bits equal its reference on its own inputs.
+``order="serial"`` runs the side-stream steps on the current stream; the bits are the same.
 """
 
 from __future__ import annotations
@@ -24,9 +50,117 @@ import typing
 import torch
 
 from fast import activation, mx, router, stock
+from fast.gemm.layout import MAX_TOKENS as FAST_MAX_TOKENS
+from fast.gemm.layout import Tactic, windows_for
+from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
 
-__all__ = ["DenseFront", "DenseOutputs"]
+__all__ = ["DenseFront", "DenseOutputs", "GemmChoice", "GEMMS", "GEMM_MODES", "DENSE_BACKENDS",
+           "DENSE_BACKENDS_SOURCE", "FAST_MAX_TOKENS", "gemm_shapes", "choose_backend",
+           "fast_tactics", "fast_kernel_params"]
+
+#: The dense GEMMs of a DEP rank, by name (weight ``[N, K]``, output):
+#: ``router`` gate ``[E, H]`` FP32; ``front`` ``[2S + L, H]`` BF16; ``shared_down``
+#: ``[H, S]`` BF16; ``up`` ``[H, L]`` BF16 plus ``shared``.
+GEMMS = ("router", "front", "shared_down", "up")
+
+#: ``DenseFront(gemm=...)``: ``"auto"`` per GEMM and batch from ``DENSE_BACKENDS``;
+#: ``"cublas"`` / ``"fast"`` that backend for all four GEMMs at every batch.
+GEMM_MODES = ("auto", "cublas", "fast")
+
+#: Where ``DENSE_BACKENDS`` comes from (``tests/test_dense_front.py`` re-derives it from them).
+DENSE_BACKENDS_SOURCE = ("benchmarks/results/dense/h200_2026-11-30_v2.json",
+                         "benchmarks/results/dense/h200_2026-11-30_v2_rerun.json")
+
+#: The backend of each dense GEMM of the real layer (``kimi_k3`` shapes ``(name, N, K)``)
+#: per batch bucket (largest T of the bucket -> backend): ``"fast"`` where fast.gemm at its
+#: default tactic (``fast.gemm.host.DEFAULT_TACTICS``) took less device time than cuBLAS at
+#: every measured batch of the bucket, in the per-GEMM figures of ``DENSE_BACKENDS_SOURCE``
+#: (each GEMM alone, medians of CUDA-graph replays after a 256 MiB read flush, the mean of
+#: the two runs; ``benchmarks/results/dense/h200_2026-11-30_v2.md``, "Each GEMM alone").
+#: Measured at T = 1, 2, 3, 4, 6, 8, 12, 16, 24, ..., 64; the unmeasured 9..11 go with 12.
+#:
+#: The per-GEMM figures, not the "four in one graph" ones, because in the layer the GEMMs
+#: are not back to back (the front beside the router on two streams, the shared down after
+#: SiTU, the up-projection after the combine): the one-graph chain, where the kernel's
+#: programmatic dependent launch hides the gaps between four GEMMs, favours fast.gemm at
+#: every T <= 8 (106.8-109.7 us against cuBLAS 111.1-113.3), which the layer cannot use.
+#: ``benchmarks/dep_table.py --dense-gemm auto|fast|cublas`` measures the choice in the layer.
+#: A GEMM not listed, or a batch above its last bucket, takes cuBLAS.
+DENSE_BACKENDS: dict[tuple[str, int, int], dict[int, str]] = {
+    # fast.gemm 58.8 us against cuBLAS 64.4 at T = 1 (cuBLAS picks another algorithm
+    # there); from T = 2 on cuBLAS 56.9-58.7 us against 58.9-82.0
+    ("front", 15872, 7168): {1: "fast", 64: "cublas"},
+    # cuBLAS 8.8-10.5 us against 10.1-16.9 at every T
+    ("router", 896, 7168): {64: "cublas"},
+    # fast.gemm 27.2-28.0 us against cuBLAS 28.8-29.2 at T <= 8; from T = 12 on cuBLAS
+    # 26.1-29.6 against 29.9-39.5
+    ("shared_down", 7168, 6144): {8: "fast", 64: "cublas"},
+    # (+ shared) fast.gemm 18.8-19.5 us against cuBLAS 21.2-21.7 at T <= 8; from T = 12 on
+    # cuBLAS 18.8-19.8 against 21.5-29.6
+    ("up", 7168, 3584): {8: "fast", 64: "cublas"},
+}
+
+
+def gemm_shapes(config: LatentMoEConfig) -> dict[str, tuple[int, int]]:
+    """The weight shape ``(N, K)`` of each dense GEMM of ``config`` (``GEMMS``)."""
+    c = config
+    return {"router": (c.experts, c.hidden), "front": (c.front_rows, c.hidden),
+            "shared_down": (c.hidden, c.shared_intermediate), "up": (c.hidden, c.latent)}
+
+
+def choose_backend(gemm: str, n: int, k: int, tokens: int, mode: str = "auto") -> str:
+    """``"fast"`` or ``"cublas"``: the backend of GEMM ``gemm`` (weight ``[N, K]``) at
+    ``tokens`` rows under ``mode`` (``GEMM_MODES``; ``"auto"``: ``DENSE_BACKENDS``)."""
+    if mode not in GEMM_MODES:
+        raise ValueError(f"dense GEMM mode must be one of {GEMM_MODES}, got {mode!r}")
+    if mode != "auto":
+        return mode
+    table = DENSE_BACKENDS.get((gemm, n, k), {})
+    for top in sorted(table):
+        if tokens <= top:
+            return table[top]
+    return "cublas"
+
+
+def fast_tactics(config: LatentMoEConfig, mode: str, max_tokens: int | None = None,
+                 sms: int = 132) -> dict[str, dict[int, Tactic]]:
+    """Per GEMM, the batches ``T`` (up to ``max_tokens``, at most ``FAST_MAX_TOKENS``) that
+    run fast.gemm under ``mode``, with the tactic each runs (``fast.gemm.choose_tactic`` on a
+    GPU of ``sms`` multiprocessors; 132: the H200). GEMMs that never run it are left out."""
+    from fast.gemm.host import choose_tactic
+
+    top = FAST_MAX_TOKENS if max_tokens is None else min(max_tokens, FAST_MAX_TOKENS)
+    plan = {}
+    for name, (n, k) in gemm_shapes(config).items():
+        chosen = {t: choose_tactic(n, k, t, sms) for t in range(1, top + 1)
+                  if choose_backend(name, n, k, t, mode) == "fast"}
+        if chosen:
+            plan[name] = chosen
+    return plan
+
+
+def fast_kernel_params(config: LatentMoEConfig, mode: str, max_tokens: int | None = None,
+                       sms: int = 132) -> list[dict]:
+    """The distinct fast.gemm kernel shapes (``Tactic.kernel_params``) a ``DenseFront`` of
+    ``config`` compiles under ``mode`` (what ``tests/test_dense_front.py`` checks against
+    the shapes ``tests/test_gemm_fast.py`` compiles)."""
+    seen = []
+    for per_t in fast_tactics(config, mode, max_tokens, sms).values():
+        for t, tactic in per_t.items():
+            params = tactic.kernel_params(windows_for(t))
+            if params not in seen:
+                seen.append(params)
+    return seen
+
+
+class GemmChoice(typing.NamedTuple):
+    """What one dense GEMM runs at a batch: ``backend`` ``"fast"`` or ``"cublas"``;
+    ``tactic`` the fast.gemm tactic (its ``splits`` fix the summation order), None for
+    cuBLAS."""
+
+    backend: str
+    tactic: Tactic | None
 
 
 class DenseOutputs(typing.NamedTuple):
@@ -47,12 +181,40 @@ class DenseOutputs(typing.NamedTuple):
 
 class DenseFront:
     """The dense weights of one layer on ``device`` (BF16 gate, FP32 bias, packed front,
-    shared down, latent-norm weight, up) and the side stream the router and the shared
-    expert run on."""
+    shared down, latent-norm weight, up), the side stream the router and the shared expert
+    run on, and the GEMM backend of each GEMM at each batch.
 
-    def __init__(self, weights: LatentMoEWeights, device: torch.device):
+    Args:
+        weights: the layer's weights (any device; the dense ones are copied to ``device``).
+        device: the CUDA device.
+        max_tokens: the most tokens a call may have; None: any (the fast GEMMs serve at most
+            ``FAST_MAX_TOKENS`` = 64, so above that only cuBLAS runs).
+        gemm: ``"auto"`` (``DENSE_BACKENDS``), ``"cublas"`` or ``"fast"`` (``GEMM_MODES``);
+            ``"fast"`` needs ``max_tokens <= 64`` (None is taken as 64).
+
+    Raises:
+        ValueError: a bad ``gemm`` or ``max_tokens``; from ``fast.gemm.DenseGemm``, a
+            weight the fast GEMM cannot take where it is chosen (N or K not a multiple of
+            64); RuntimeError: the fast kernels cannot run on this device where chosen.
+    """
+
+    def __init__(self, weights: LatentMoEWeights, device: torch.device, *,
+                 max_tokens: int | None = None, gemm: str = "auto"):
+        if gemm not in GEMM_MODES:
+            raise ValueError(f"DenseFront: gemm must be one of {GEMM_MODES}, got {gemm!r}")
+        if max_tokens is not None and (isinstance(max_tokens, bool)
+                                       or not isinstance(max_tokens, int) or max_tokens < 1):
+            raise ValueError(f"DenseFront: max_tokens must be None or a positive int, got "
+                             f"{max_tokens!r}")
+        if gemm == "fast":
+            if max_tokens is not None and max_tokens > FAST_MAX_TOKENS:
+                raise ValueError(f"DenseFront: gemm='fast' runs fast.gemm, which serves at most "
+                                 f"{FAST_MAX_TOKENS} tokens, but max_tokens={max_tokens} (gemm="
+                                 f"'auto' gives the batches above {FAST_MAX_TOKENS} to cuBLAS)")
+            max_tokens = FAST_MAX_TOKENS if max_tokens is None else max_tokens
         self.config = c = weights.config
-        self.device = device
+        self.device = device = torch.device(device)
+        self.gemm, self.max_tokens = gemm, max_tokens
         on = dict(device=device)
         self.gate = weights.gate.to(**on).contiguous()
         self.bias = weights.bias.to(**on).contiguous()
@@ -64,10 +226,74 @@ class DenseFront:
                                for t in (self.gate, self.front_w, self.shared_down, self.up))
         self._side = torch.cuda.Stream(device)
         self._s2 = 2 * c.shared_intermediate
+        self._weight = {"router": self.gate, "front": self.front_w,
+                        "shared_down": self.shared_down, "up": self.up}
+        self.fast_gemms = self._build_fast_gemms()
+
+    def _build_fast_gemms(self) -> dict:
+        """One ``fast.gemm.DenseGemm`` per GEMM that runs it at some batch, and every kernel
+        it may launch compiled now (none at call time, none inside a graph capture)."""
+        top = FAST_MAX_TOKENS if self.max_tokens is None else min(self.max_tokens, FAST_MAX_TOKENS)
+        names = [name for name, w in self._weight.items()
+                 if any(choose_backend(name, *w.shape, t, self.gemm) == "fast"
+                        for t in range(1, top + 1))]
+        if not names:
+            return {}
+        from fast.gemm import DenseGemm, compile_kernel
+
+        gemms = {name: DenseGemm(self._weight[name], max_tokens=top) for name in names}
+        for name, g in gemms.items():
+            for t in range(1, top + 1):
+                if self.backend(name, t) == "fast":
+                    compile_kernel(g.arch, **g.tactic(t).kernel_params(windows_for(t)))
+        return gemms
+
+    # -- which backend --------------------------------------------------------------------
+
+    def backend(self, gemm: str, tokens: int) -> str:
+        """``"fast"`` or ``"cublas"``: what GEMM ``gemm`` (``GEMMS``) runs at ``tokens``."""
+        n, k = self._weight[gemm].shape
+        return choose_backend(gemm, n, k, tokens, self.gemm)
+
+    def plan(self, tokens: int) -> dict[str, GemmChoice]:
+        """Each GEMM's backend and fast.gemm tactic at ``tokens`` rows (what a call runs)."""
+        plan = {}
+        for name in GEMMS:
+            if self.backend(name, tokens) == "fast":
+                plan[name] = GemmChoice("fast", self.fast_gemms[name].tactic(tokens))
+            else:
+                plan[name] = GemmChoice("cublas", None)
+        return plan
+
+    def _matmul(self, gemm: str, a: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """``a @ W^T`` of GEMM ``gemm`` on its backend at ``T = a.shape[0]``, rounded once to
+        ``out_dtype`` (FP32 or BF16)."""
+        if self.backend(gemm, a.shape[0]) == "fast":
+            return self.fast_gemms[gemm](a, out_dtype=out_dtype)
+        if out_dtype == torch.float32:
+            return stock.mm_fp32_out(a, self._weight[gemm])
+        return stock.mm_bf16(a, self._weight[gemm])
+
+    def _check(self, x: torch.Tensor) -> int:
+        c = self.config
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
+                or x.shape[1] != c.hidden:
+            got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"DenseFront: x must be BF16 [T, H={c.hidden}], got {got}")
+        if x.device != self.device or not x.is_contiguous():
+            raise ValueError(f"DenseFront: x must be contiguous on {self.device}, got {x.device}")
+        tokens = x.shape[0]
+        if tokens < 1 or (self.max_tokens is not None and tokens > self.max_tokens):
+            raise ValueError(f"DenseFront: T={tokens} tokens is outside [1, max_tokens="
+                             f"{self.max_tokens}] (gemm={self.gemm!r})")
+        return tokens
+
+    # -- the call -------------------------------------------------------------------------
 
     def __call__(self, x: torch.Tensor, *, order: str = "serial",
                  side_delay_cycles: int = 0) -> DenseOutputs:
-        """The dense part before the routed part, for BF16 ``x [T, H]`` on ``device``.
+        """The dense part before the routed part, for BF16 ``x [T, H]`` contiguous on
+        ``device``, each GEMM on its backend at ``T`` (:meth:`plan`).
 
         With ``order="side"`` the router and the shared expert run on the side stream; the
         current stream waits for the router before returning (the dispatch reads ids and
@@ -77,6 +303,7 @@ class DenseFront:
         """
         if order not in ("side", "serial"):
             raise ValueError(f"DenseFront: order must be 'side' or 'serial', got {order!r}")
+        self._check(x)
         c = self.config
         main = torch.cuda.current_stream(self.device)
         side = self._side if order == "side" else main
@@ -89,16 +316,16 @@ class DenseFront:
 
         segment()
         with torch.cuda.stream(side):
-            logits = stock.mm_fp32_out(x, self.gate)
+            logits = self._matmul("router", x, torch.float32)
             weights, ids = router.route(logits, self.bias, top_k=c.top_k,
                                         renormalize=c.renormalize, scale=c.routed_scaling_factor)
         route_ready = side.record_event() if side is not main else None
-        front = stock.mm_bf16(x, self.front_w)
+        front = self._matmul("front", x, torch.bfloat16)
         segment()
         with torch.cuda.stream(side):
             act = activation.situ_and_mul(front[:, :self._s2], beta=c.situ_beta,
                                           linear_beta=c.situ_linear_beta)
-            shared = stock.mm_bf16(act, self.shared_down)
+            shared = self._matmul("shared_down", act, torch.bfloat16)
         shared_ready = side.record_event() if side is not main else None
         codes, scales = mx.quantize_mxfp8(front[:, self._s2:].contiguous())
         if route_ready is not None:
@@ -106,8 +333,11 @@ class DenseFront:
         return DenseOutputs(logits, weights, ids, front, shared, codes, scales, shared_ready)
 
     def up_projection(self, dense: DenseOutputs, normed: torch.Tensor) -> torch.Tensor:
-        """``shared + normed @ up^T`` (BF16 ``[T, H]``; cuBLAS addmm rounds the product and
-        the sum), after the shared expert of ``dense`` is ready."""
+        """``shared + normed @ up^T`` (BF16 ``[T, H]``) for BF16 ``normed [T, L]``, after the
+        shared expert of ``dense`` is ready. fast.gemm adds ``shared`` to the FP32 sum before
+        its one rounding; cuBLAS's ``addmm`` rounds the product, then the sum."""
         if dense.shared_ready is not None:
             torch.cuda.current_stream(self.device).wait_event(dense.shared_ready)
+        if self.backend("up", normed.shape[0]) == "fast":
+            return self.fast_gemms["up"](normed, addend=dense.shared)
         return stock.addmm_bf16(dense.shared, normed, self.up)

@@ -3,22 +3,24 @@ virtual ranks whose buffers all live on one device.
 
 What runs, per rank ``r`` of ``N`` (the order of ``reference.schedules.dep``)::
 
-    dense  : fast.schedules.dense.DenseFront (router and shared expert on a side stream):
-             logits = x @ gate^T (cuBLAS, FP32 out) ; weights, ids = fast.router.route
-             front = x @ [shared gate_up | latent down]^T (cuBLAS, BF16)
-             act = fast.activation.situ_and_mul(front[:, :2S]) ; shared = act @ down^T (cuBLAS)
+    dense  : fast.schedules.dense.DenseFront (router and shared expert on a side stream;
+             each GEMM on cuBLAS or fast.gemm per batch, ``dense_gemm``):
+             logits = x @ gate^T (FP32 out) ; weights, ids = fast.router.route
+             front = x @ [shared gate_up | latent down]^T (BF16)
+             act = fast.activation.situ_and_mul(front[:, :2S]) ; shared = act @ down^T
              codes, scales = fast.mx.quantize_mxfp8(front[:, 2S:])
     routed : DispatchKernel  -> every owner's receive rows ``r*T + t`` (data or poison)
              owner o: fast.experts engine (DEP owner mode, empty rows allowed) over its
              N*T receive rows, OwnerFinalizeKernel -> BF16 partial per receive row
              home r : CombineKernel (owners in rank order, FP32) -> routed, fused with the
                       RMSNorm (fast.norm's exact tree) -> normed ; out = shared + normed @ up^T
-                      (cuBLAS addmm)
+                      (DenseFront.up_projection)
 
 Rounding points differ from the reference only where a GEMM's accumulation order does
-(cuBLAS's dense GEMMs and the experts engine's FC1/FC2: bounded by the contracts); the
-router, SiTU, MXFP8, dispatch, owner finalize, combine and RMSNorm are each bitwise equal
-to their reference (or to the emulation of the kernel's stated order) on their own inputs.
+(the dense GEMMs, cuBLAS or fast.gemm, and the experts engine's FC1/FC2: bounded by the
+contracts); the router, SiTU, MXFP8, dispatch, owner finalize, combine and RMSNorm are
+each bitwise equal to their reference (or to the emulation of the kernel's stated order)
+on their own inputs.
 
 Buffers are allocated once at ``max_tokens`` per rank and reused by every call; each call
 writes every receive row it reads, so no call sees a previous call's data. The layer
@@ -28,9 +30,10 @@ error words), so a call can be captured in a CUDA graph (``DepLayer.graph``).
 The router and the shared expert run on a side stream beside the front (``order="side"``,
 the default); ``order="serial"`` runs everything on one stream with the same bits.
 
-Not here yet: the split-K CuTe DSL front (the dense GEMMs are cuBLAS) and real ranks over
-symmetric memory (the kernels take address tables, so peers' buffers plug into the same
-launches).
+The dense GEMMs run on cuBLAS or on the project's split-K GEMM (``fast.gemm``), per GEMM
+and batch: ``DepLayer(dense_gemm="auto")`` takes ``fast.schedules.dense.DENSE_BACKENDS``
+(measured on the H200), ``"cublas"`` / ``"fast"`` force one backend. Real ranks over
+symmetric memory: ``fast.schedules.dep_peer``.
 """
 
 from __future__ import annotations
@@ -129,10 +132,13 @@ class DepLayer:
         ranks: ``N``; must divide ``E``.
         max_tokens: the most tokens per rank one call may have (buffers are sized for it).
         device: the CUDA device.
+        dense_gemm: the dense GEMMs' backend (``fast.schedules.dense.DenseFront``'s
+            ``gemm``): ``"auto"`` (per GEMM and batch, ``DENSE_BACKENDS``), ``"cublas"`` or
+            ``"fast"`` (fast.gemm, ``max_tokens <= 64``).
     """
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_tokens: int,
-                 device: str | torch.device = "cuda"):
+                 device: str | torch.device = "cuda", dense_gemm: str = "auto"):
         from fast.experts import ExpertsEngine, prepare_experts
 
         if not isinstance(weights, LatentMoEWeights):
@@ -155,7 +161,7 @@ class DepLayer:
         self.per = c.experts // ranks
         self.arch = backend.device_arch(device)
         on = dict(device=device)
-        self.dense = DenseFront(weights, device)
+        self.dense = DenseFront(weights, device, max_tokens=max_tokens, gemm=dense_gemm)
         rows = ranks * max_tokens
         self.engines = [
             ExpertsEngine(prepare_experts(weights, device, experts=(r * self.per, self.per)),

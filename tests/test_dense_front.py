@@ -1,0 +1,106 @@
+"""CPU checks of the DEP rank's dense part (``fast.schedules.dense``): the per-GEMM backend
+table is what the committed H200 measurements say, the modes choose what they promise, and
+every fast.gemm kernel a ``DenseFront`` may launch is one of the shapes
+``tests/test_gemm_fast.py`` compiles for sm_90a (so nothing it runs is compiled first on the
+GPU). The GPU contracts of the layer with each backend are ``verify/test_dep_fast.py``."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from fast.schedules import dense
+from reference.config import LatentMoEConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _measured() -> dict[tuple[str, int], tuple[float, float]]:
+    """(gemm, T) -> (cuBLAS us, fast.gemm us at its committed default tactic): the mean over
+    the runs of ``DENSE_BACKENDS_SOURCE`` of the per-GEMM medians ("each GEMM alone")."""
+    from fast.gemm.host import choose_tactic
+
+    runs = [json.loads((ROOT / path).read_text())["rows"] for path in dense.DENSE_BACKENDS_SOURCE]
+    shapes = dense.gemm_shapes(LatentMoEConfig.kimi_k3())
+    out = {}
+    for rows in zip(*runs):
+        tokens = rows[0]["tokens"]
+        assert all(r["tokens"] == tokens for r in rows)
+        for name in dense.GEMMS:
+            label = choose_tactic(*shapes[name], tokens).label()
+            med = [r["gemms"][name]["median_us"] for r in rows]
+            out[(name, tokens)] = (sum(m["cublas"] for m in med) / len(med),
+                                   sum(m[label] for m in med) / len(med))
+    return out
+
+
+def test_dense_backends_follow_the_committed_measurements():
+    """At every batch the H200 runs measured, ``DENSE_BACKENDS`` picks the backend that took
+    less time (a new measurement that flips one fails here until the table follows it);
+    the table covers the real layer's four GEMMs at their shapes, T = 1..64."""
+    shapes = dense.gemm_shapes(LatentMoEConfig.kimi_k3())
+    assert set(dense.DENSE_BACKENDS) == {(name, *shapes[name]) for name in dense.GEMMS}
+    for (name, n, k), table in dense.DENSE_BACKENDS.items():
+        assert max(table) == dense.FAST_MAX_TOKENS, name
+        assert set(table.values()) <= {"fast", "cublas"}, name
+    measured = _measured()
+    assert {t for _, t in measured} >= {1, 2, 4, 8, 16, 32, 64}
+    for (name, tokens), (cublas_us, fast_us) in measured.items():
+        want = "fast" if fast_us < cublas_us else "cublas"
+        got = dense.choose_backend(name, *shapes[name], tokens)
+        assert got == want, (f"{name} at T={tokens}: measured cuBLAS {cublas_us:.1f} us, "
+                             f"fast.gemm {fast_us:.1f} us, table says {got}")
+
+
+def test_choose_backend_modes():
+    """Forced modes choose their backend everywhere; ``auto`` gives cuBLAS to shapes the
+    table does not list and to batches above its buckets; a bad mode is refused."""
+    for name, (n, k) in dense.gemm_shapes(LatentMoEConfig.small()).items():
+        for tokens in (1, 8, 64):
+            assert dense.choose_backend(name, n, k, tokens, "fast") == "fast"
+            assert dense.choose_backend(name, n, k, tokens, "cublas") == "cublas"
+            assert dense.choose_backend(name, n, k, tokens, "auto") == "cublas"
+    assert dense.choose_backend("front", 15872, 7168, 1) == "fast"
+    assert dense.choose_backend("front", 15872, 7168, 65) == "cublas"
+    assert dense.choose_backend("up", 7168, 3584, 8) == "fast"
+    assert dense.choose_backend("up", 7168, 3584, 9) == "cublas"
+    with pytest.raises(ValueError, match="mode must be one of"):
+        dense.choose_backend("up", 7168, 3584, 1, "cuBLAS")
+
+
+@pytest.mark.parametrize("config_name", ["kimi_k3", "small"])  # the DEP contracts' configs
+@pytest.mark.parametrize("mode", ["auto", "fast"])
+def test_dense_front_kernels_are_compile_tested(config_name, mode):
+    """Every fast.gemm kernel shape a ``DenseFront`` of the config compiles at construction
+    (``max_tokens`` 64) is one that ``tests/test_gemm_fast.py::test_kernel_compiles`` compiles
+    for sm_90a: every kernel shape of every candidate tactic at every window count it
+    serves. Each batch's tactic serves the batch."""
+    from fast.gemm.host import CANDIDATES, kernel_shapes
+
+    cfg = getattr(LatentMoEConfig, config_name)()
+    compiled = kernel_shapes({dataclasses.replace(t, splits=1) for c in CANDIDATES.values()
+                              for t in c})
+    plan = dense.fast_tactics(cfg, mode, 64)
+    if mode == "fast":
+        assert set(plan) == set(dense.GEMMS)
+        assert all(sorted(per_t) == list(range(1, 65)) for per_t in plan.values())
+    for name, per_t in plan.items():
+        n, k = dense.gemm_shapes(cfg)[name]
+        for tokens, tactic in per_t.items():
+            assert tactic.serves(tokens), (name, tokens, tactic)
+            assert n % tactic.tile_rows == 0 and k % (tactic.splits * tactic.stage_k) == 0
+    for params in dense.fast_kernel_params(cfg, mode, 64):
+        assert params in compiled, f"{config_name} {mode}: kernel {params} is not compile-tested"
+
+
+def test_dense_front_refuses_bad_modes_before_touching_a_device():
+    """``gemm`` and ``max_tokens`` are checked before any weight is copied or stream made."""
+    with pytest.raises(ValueError, match="gemm must be one of"):
+        dense.DenseFront(None, "cpu", gemm="cuBLAS")
+    with pytest.raises(ValueError, match="serves at most 64 tokens, but max_tokens=65"):
+        dense.DenseFront(None, "cpu", max_tokens=65, gemm="fast")
+    with pytest.raises(ValueError, match="max_tokens must be None or a positive int"):
+        dense.DenseFront(None, "cpu", max_tokens=0)
