@@ -2,6 +2,7 @@
 the byte limit (GPU node):
 
     PYTHONPATH=.gpu/peers:. python3 -m benchmarks.dep_table --out results.json
+    PYTHONPATH=.gpu/peers:. python3 -m benchmarks.dep_table --dense-gemm fast --peers none
 
 The layer is ``fast.schedules.dep.DepLayer`` over ``--ranks`` virtual ranks (default 16,
 the real layer's 56 experts per rank). A full call fills every rank's buffers; then rank
@@ -10,6 +11,12 @@ dispatch, its experts over the ``N*T`` rows it
 received, its partial finalize, and its combine + RMSNorm + up-projection (reading the
 other owners' partials from the full call). Each stage and the whole rank run are
 captured in CUDA graphs, the L2 flushed before every replay (``benchmarks.experts_table``).
+
+The dense GEMMs (router, front, shared down in "dense"; the up-projection in "home") run on
+the backend ``--dense-gemm`` picks (``DepLayer(dense_gemm=...)``): ``auto`` (default) per
+GEMM and batch from ``fast.schedules.dense.DENSE_BACKENDS``, ``cublas`` or ``fast``
+(fast.gemm) for all four. The JSON records the mode and, per T, each GEMM's backend and
+fast.gemm tactic; the table states them.
 
 The stock composition of the same rank, one graph: cuBLAS router (FP32 out), front and
 shared GEMMs; PyTorch sigmoid top-k and SiTU; the dispatch as one copy of the token rows
@@ -99,22 +106,41 @@ class StockRank:
         return stock.addmm_bf16(shared, normed, lay.dense.up)
 
 
+def dense_plan(layer, tokens: int) -> dict[str, str]:
+    """Each dense GEMM's backend at ``tokens``: ``"cublas"`` or ``"fast <tactic>"``."""
+    return {name: "cublas" if choice.backend == "cublas" else f"fast {choice.tactic.label()}"
+            for name, choice in layer.dense.plan(tokens).items()}
+
+
+def _plan_cell(plan: dict[str, str]) -> str:
+    from fast.schedules.dense import GEMMS
+
+    return "/".join("cuBLAS" if plan[g] == "cublas" else "fast" for g in GEMMS)
+
+
 def render(result: dict) -> str:
     """Markdown: per T, each stage's median (us), the rank's total and its fraction of the
-    byte limit, the best stock composition and the speed-up."""
+    byte limit, the best stock composition and the speed-up; the dense GEMMs' backends
+    (runs made before ``--dense-gemm`` ran every dense GEMM on cuBLAS)."""
+    mode = result.get("dense_gemm")
+    dense = (f"dense GEMMs: --dense-gemm {mode} (per T: router/front/shared down/up)"
+             if mode else "dense GEMMs: cuBLAS (a run from before --dense-gemm)")
+    planned = all("dense_plan" in c for c in result["cases"]) and mode is not None
     lines = [f"Device {result['device']}, torch {result['torch']}; {result['ranks']} virtual "
              f"ranks; read bandwidth {result['read_gbs']:.0f} GB/s (this run); fraction = "
-             "byte limit / time.", "",
+             f"byte limit / time; {dense}.", "",
              "| T | limit us | dense | dispatch | experts | partial | home | rank us (frac) | "
-             "stock us (frac) | speed-up |", "|" + "---|" * 10]
+             "stock us (frac) | speed-up |" + (" dense GEMMs |" if planned else ""),
+             "|" + "---|" * (11 if planned else 10)]
     for c in result["cases"]:
         med, lim = c["median_us"], c["limit_us"]
         stock = min((v for k, v in med.items() if k.startswith("stock")), default=None)
         cells = " | ".join(f"{med[s]:.1f}" for s in STAGES[:-1])
         st = f"{stock:.1f} ({lim / stock:.2f})" if stock else "-"
         up = f"{stock / med['rank']:.2f}x" if stock else "-"
+        plan = f" {_plan_cell(c['dense_plan'])} |" if planned else ""
         lines.append(f"| {c['tokens']} | {lim:.1f} | {cells} | {med['rank']:.1f} "
-                     f"({lim / med['rank']:.2f}) | {st} | {up} |")
+                     f"({lim / med['rank']:.2f}) | {st} | {up} |{plan}")
     return "\n".join(lines) + "\n"
 
 
@@ -126,6 +152,8 @@ def main(argv=None):
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--peers", default="triton")
+    ap.add_argument("--dense-gemm", default="auto", choices=("auto", "cublas", "fast"),
+                    help="the dense GEMMs' backend (DepLayer(dense_gemm=...)); default auto")
     args = ap.parse_args(argv)
     if args.render:
         with open(args.render) as f:
@@ -139,13 +167,14 @@ def main(argv=None):
     tokens_list = [int(t) for t in args.tokens.split(",")]
     flush = l2_flush()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "python": platform.python_version(), "ranks": args.ranks, "cases": []}
+              "python": platform.python_version(), "ranks": args.ranks,
+              "dense_gemm": args.dense_gemm, "cases": []}
     result["read_gbs"] = read_bandwidth_gbs()
     result["copy_gbs"] = copy_bandwidth_gbs()
     print(f"read {result['read_gbs']:.0f} GB/s, copy {result['copy_gbs']:.0f} GB/s", flush=True)
     w = cases.device_weights("kimi_k3")
     c = w.config
-    layer = DepLayer(w, ranks=args.ranks, max_tokens=max(tokens_list))
+    layer = DepLayer(w, ranks=args.ranks, max_tokens=max(tokens_list), dense_gemm=args.dense_gemm)
     per = layer.per
     dense_bytes = layer.dense.dense_bytes
     expert_bytes = layer.engines[0].prepared.expert_bytes()
@@ -170,7 +199,8 @@ def main(argv=None):
         touched = int(torch.unique(local).numel())
         nbytes = dense_bytes + touched * expert_bytes
         case = {"tokens": tokens, "touched": touched, "bytes": nbytes,
-                "limit_us": nbytes / (result["read_gbs"] * 1e9) * 1e6, "times": {}}
+                "limit_us": nbytes / (result["read_gbs"] * 1e9) * 1e6,
+                "dense_plan": dense_plan(layer, tokens), "times": {}}
         for name, fn in fast_stages(layer, xs[0], tokens).items():
             case["times"][name] = device_time_us(fn, reps=args.reps, flush=flush)
         for name, moe in peers.items():
@@ -184,7 +214,8 @@ def main(argv=None):
         case["median_us"] = {k: statistics.median(v) for k, v in case["times"].items()}
         med = case["median_us"]
         print(f"T {tokens:3d} touched {touched:2d} limit {case['limit_us']:.1f}us | " +
-              " | ".join(f"{k} {v:.1f}" for k, v in med.items()), flush=True)
+              " | ".join(f"{k} {v:.1f}" for k, v in med.items()) +
+              f" | dense GEMMs {case['dense_plan']}", flush=True)
         result["cases"].append(case)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
