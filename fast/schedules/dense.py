@@ -213,7 +213,10 @@ class DenseFront:
                                  f"'auto' gives the batches above {FAST_MAX_TOKENS} to cuBLAS)")
             max_tokens = FAST_MAX_TOKENS if max_tokens is None else max_tokens
         self.config = c = weights.config
-        self.device = device = torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
         self.gemm, self.max_tokens = gemm, max_tokens
         on = dict(device=device)
         self.gate = weights.gate.to(**on).contiguous()
