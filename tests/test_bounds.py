@@ -354,3 +354,21 @@ def test_sum_bound_any_order_exact(gen):
     err = (acc.double() - torch.tensor([float(e) for e in exact], dtype=torch.float64)).abs()
     assert bool((err > bound).any())
     assert sum_bound(5.0, 1, torch.float32).item() == 0.0
+
+
+def test_gemm_accum_rounding_by_device():
+    """cuBLAS on a GPU accumulates on tensor cores (truncating adders): its any-order bound
+    uses ``u = 2^-23`` and is at least the round-to-nearest bound of a CPU GEMM."""
+    import torch
+
+    from verify import bounds
+
+    assert bounds.gemm_accum_rounding("cuda") == "toward_zero"
+    assert bounds.gemm_accum_rounding(torch.device("cuda", 1)) == "toward_zero"
+    assert bounds.gemm_accum_rounding("cpu") == "nearest"
+    g = torch.Generator().manual_seed(3)
+    a = torch.randn(4, 512, generator=g).bfloat16()
+    b = torch.randn(8, 512, generator=g).bfloat16()
+    near = bounds.matmul_fp32_out_bound(a, b)
+    trunc = bounds.matmul_fp32_out_bound(a, b, accum_rounding="toward_zero")
+    assert bool((trunc >= near).all()) and bool((trunc > 1.9 * near).any())

@@ -374,6 +374,18 @@ def _matmul_out_bound(a, b, n, addend, accum_rounding):
     return _inflate(acc + ref_err, 1), ref
 
 
+#: The bound name of a GEMM whose FP32 accumulation order is unknown (cuBLAS, PyTorch).
+ANY_ORDER_GEMM_BOUND = ("gamma_K(u)|A||B| + final half-ULP (any FP32 summation order; u = 2^-23 "
+                        "on a GPU: truncating tensor-core adders, 2^-24 on a CPU)")
+
+
+def gemm_accum_rounding(device) -> str:
+    """How a GEMM on ``device`` rounds its FP32 accumulation: ``"toward_zero"`` on a CUDA
+    device (cuBLAS's BF16 GEMMs run on tensor cores, whose FP32 adders truncate: the model
+    of :func:`mma_matmul_bound`), ``"nearest"`` on a CPU (IEEE adds)."""
+    return "toward_zero" if torch.device(device).type == "cuda" else "nearest"
+
+
 def matmul_fp32_out_bound(
     a: torch.Tensor,
     b: torch.Tensor,

@@ -82,7 +82,9 @@ def check_layer(contract, backend, schedule: str, ranks: int, tokens: int, seed:
         _, s0_ids = route(router_logits(x, w.gate), w.bias, top_k=cfg.top_k,
                           renormalize=cfg.renormalize, scale=cfg.routed_scaling_factor)
         exact_logits = bounds.reference_matmul(x, w.gate)
-        score_bound = biased_score_bound(bounds.matmul_fp32_out_bound(x, w.gate), w.bias,
+        logits_bound = bounds.matmul_fp32_out_bound(
+            x, w.gate, accum_rounding=bounds.gemm_accum_rounding(dev))
+        score_bound = biased_score_bound(logits_bound, w.bias,
                                          sigmoid_abs_error=sigmoid_error)
         contract.routing(compare_routing(ids, s0_ids,
                                          torch.sigmoid(exact_logits) + w.bias.double(),

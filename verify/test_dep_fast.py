@@ -5,7 +5,8 @@ The dense GEMMs run on the backend the layer chose for the batch (``DepLayer(den
 ``fast.schedules.dense.DenseFront.plan``); each is held to the bound of that backend:
 
 * cuBLAS: ``verify.bounds.matmul_fp32_out_bound`` / ``matmul_bf16_out_bound`` (FP32
-  accumulation in any order, one rounding; ``addmm`` rounds the product, then the sum);
+  accumulation in any order with truncating tensor-core adders, one rounding; ``addmm``
+  rounds the product, then the sum);
 * fast.gemm: ``verify.bounds.mma_matmul_bound`` at the tactic's ``splits`` (the tensor-core
   model of its split-K order, ``verify/test_gemm_fast.py``; ``up`` adds ``shared`` before
   its one rounding), and bitwise equal to the same ``DenseGemm`` run alone on the same
@@ -47,7 +48,9 @@ from verify import bounds, cases
 pytestmark = [pytest.mark.gpu, pytest.mark.backends("fast")]
 
 ROWS = ("token", "column")
-GEMM_BOUND = "gamma_K(2^-24)|A||B| + final half-ULP (any FP32 summation order)"
+GEMM_BOUND = bounds.ANY_ORDER_GEMM_BOUND
+#: cuBLAS ran on the GPU: truncating tensor-core adders
+CUBLAS = dict(accum_rounding=bounds.gemm_accum_rounding("cuda"))
 MMA_BOUND = ("verify.bounds.mma_matmul_bound: gamma_{c+c/16+splits-1(+1)}(2^-23) sum|a w| "
              "(+|addend|) (+ BF16 half-ULP): fast.gemm's tensor-core split-K order")
 #: The dense backends the small-config cases run (every GEMM forced onto one of them).
@@ -88,14 +91,14 @@ def _gemm(contract, layer, name, got, a, b, out_dtype, what, addend=None):
         return
     if addend is not None:  # cuBLAS addmm: the product rounded to BF16, then the sum
         exact = bounds.reference_matmul(a, b) + addend.double()
-        product = bounds.matmul_bf16_out_bound(a, b)
+        product = bounds.matmul_bf16_out_bound(a, b, **CUBLAS)
         contract.bounded(got, exact, bounds.final_rounding_bound(exact, product, torch.bfloat16),
                          what=f"{what} (cuBLAS)", index_names=ROWS,
                          bound_name=GEMM_BOUND + ", then the BF16 add (cuBLAS addmm rounds twice)")
         return
     make = bounds.matmul_fp32_out_bound if out_dtype == torch.float32 else \
         bounds.matmul_bf16_out_bound
-    contract.bounded(got, bounds.reference_matmul(a, b), make(a, b), what=f"{what} (cuBLAS)",
+    contract.bounded(got, bounds.reference_matmul(a, b), make(a, b, **CUBLAS), what=f"{what} (cuBLAS)",
                      bound_name=GEMM_BOUND, index_names=ROWS)
 
 
