@@ -159,13 +159,15 @@ class DepPeerLayer:
         timeout_s: how long a wait for the peers' rows may take before it gives up.
         scratch: the buffers of the model's layers (:class:`DepPeerScratch`, shared: pass
             the first layer's ``.scratch`` to the others); default: a new one.
+        dense_gemm: the dense GEMMs' backend (``fast.schedules.dense.DenseFront``'s
+            ``gemm``: ``"auto"`` per GEMM and batch, ``"cublas"`` or ``"fast"``).
 
     Construction of a scratch is collective (every rank of the group must construct it).
     """
 
     def __init__(self, weights: LatentMoEWeights, *, max_tokens: int | None = None, group=None,
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
-                 scratch: DepPeerScratch | None = None):
+                 scratch: DepPeerScratch | None = None, dense_gemm: str = "auto"):
         from fast.experts import ExpertsEngine, prepare_experts
         from fast.experts.engine import EngineScratch
 
@@ -194,7 +196,8 @@ class DepPeerLayer:
         self.timeout_s = float(timeout_s)
         self.per = c.experts // self.ranks
         self.arch = backend.device_arch(self.device)
-        self.dense = DenseFront(weights, self.device)
+        self.dense = DenseFront(weights, self.device, max_tokens=self.max_tokens,
+                                gemm=dense_gemm)
         prepared = prepare_experts(weights, self.device, experts=(self.rank * self.per, self.per))
         rows = self.ranks * self.max_tokens
         if scratch.engine is None:
