@@ -315,19 +315,6 @@ class DepLayer:
         forked from and joined back into the capture stream); returns ``(replay,
         outputs)``: ``replay()`` reruns the whole layer on whatever ``xs`` then hold,
         writing the same output tensors."""
-        self(xs, order=order)  # compile and warm every kernel outside the capture
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        capture = torch.cuda.Stream(self.device)
-        capture.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(capture):
-            with torch.cuda.graph(graph, stream=capture):
-                outputs = self(xs, check=False, order=order)
-        torch.cuda.current_stream(self.device).wait_stream(capture)
-        torch.cuda.synchronize(self.device)
+        from fast.schedules.graphs import capture_call
 
-        def replay():
-            graph.replay()
-            return outputs
-
-        return replay, outputs
+        return capture_call(lambda check: self(xs, check=check, order=order), self.device)

@@ -323,19 +323,6 @@ class DepPeerLayer:
         """Capture one call on the static input ``x`` in a CUDA graph (after an eager call
         of the same ``T``; every rank captures and then replays in step); returns
         ``(replay, outputs)`` as :meth:`fast.schedules.dep.DepLayer.graph`."""
-        self(x, order=order)
-        torch.cuda.synchronize(self.device)
-        graph = torch.cuda.CUDAGraph()
-        capture = torch.cuda.Stream(self.device)
-        capture.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(capture):
-            with torch.cuda.graph(graph, stream=capture):
-                outputs = self(x, check=False, order=order)
-        torch.cuda.current_stream(self.device).wait_stream(capture)
-        torch.cuda.synchronize(self.device)
+        from fast.schedules.graphs import capture_call
 
-        def replay():
-            graph.replay()
-            return outputs
-
-        return replay, outputs
+        return capture_call(lambda check: self(x, check=check, order=order), self.device)

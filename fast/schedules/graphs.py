@@ -12,10 +12,35 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["BUCKETS", "bucket_of", "BucketGraphs"]
+__all__ = ["BUCKETS", "bucket_of", "BucketGraphs", "capture_call"]
 
 #: The default batch buckets (tokens per rank) of the DEP front.
 BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def capture_call(call, device):
+    """One layer call in a CUDA graph: ``call(check)`` runs the call (``check``: whether
+    it may synchronize to read error words); it runs once eagerly (compiles and warms
+    every kernel outside the capture), then is captured on a side stream forked from and
+    joined back into the current one. Returns ``(replay, outputs)``: ``replay()`` reruns
+    the call on whatever its static inputs then hold, writing the same output tensors,
+    and returns them."""
+    call(True)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    capture = torch.cuda.Stream(device)
+    capture.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(capture):
+        with torch.cuda.graph(graph, stream=capture):
+            outputs = call(False)
+    torch.cuda.current_stream(device).wait_stream(capture)
+    torch.cuda.synchronize(device)
+
+    def replay():
+        graph.replay()
+        return outputs
+
+    return replay, outputs
 
 
 def bucket_of(tokens: int, buckets=BUCKETS) -> int:
