@@ -70,8 +70,9 @@ from fast import activation, backend, finalize, mx, router, stock
 from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
 
-__all__ = ["WideLayer", "WideRankOutputs", "MailboxTimeout", "check_ranks", "kernel_params",
-           "compile_all", "MAX_RANKS", "MAILBOX_BUFFERS"]
+__all__ = ["WideLayer", "WideStages", "WideRankOutputs", "MailboxTimeout", "check_ranks",
+           "kernel_params", "compile_all", "mailbox_timeout_message", "MAX_RANKS",
+           "MAILBOX_BUFFERS"]
 
 #: The tail kernels keep one 16-byte granule of every rank in registers.
 MAX_RANKS = 16
@@ -117,6 +118,23 @@ def check_ranks(config: LatentMoEConfig, ranks) -> None:
         raise ValueError(f"wide layer: {n} ranks cannot split this layer: " + ", ".join(bad))
 
 
+def mailbox_timeout_message(who: str, config: LatentMoEConfig, ranks: int, record: dict,
+                            timeout_s: float, advice: str) -> str:
+    """The message of a :class:`MailboxTimeout` from a poll's error record (``ERROR_FIELDS``
+    of ``fast.schedules.wide_kernels``): the reader's rank, the buffer, the token, the
+    first empty 16-bit column, its region and the rank that should have written it."""
+    c, n = config, ranks
+    column = record["column"]
+    if column < c.latent:
+        region, writer = "latent", column // (c.latent // n)
+    else:
+        region, writer = "logit", (column - c.latent) // (2 * c.experts // n)
+    return (f"{who}: rank {record['rank']} timed out polling mailbox buffer "
+            f"{record['buffer']}: token {record['token']}, column {column} (16-bit word, "
+            f"{region} region written by rank {writer}) still empty after "
+            f"{timeout_s} s; {record['granules']} 16-byte granules timed out. {advice}")
+
+
 @dataclasses.dataclass
 class WideRankOutputs:
     """One rank's stage outputs of one call (views into the layer's buffers, valid until
@@ -156,15 +174,21 @@ class WideRankOutputs:
     mailbox_index: int
 
 
-def kernel_params(config: LatentMoEConfig, ranks: int) -> dict[str, tuple]:
-    """The compile parameters of the wide layer's own kernels for ``ranks`` ranks."""
+def kernel_params(config: LatentMoEConfig, ranks: int, *, peers: bool = False) -> dict[str, tuple]:
+    """The compile parameters of the wide layer's own kernels for ``ranks`` ranks: virtual
+    ranks on one device, or real ranks (``peers``: also the arrival signal after the
+    partials and the up columns, and the wait of ``fast.schedules.dep_kernels``)."""
     c = config
-    return {
-        "publish": tuple(sorted(dict(latent=c.latent, experts=c.experts, ranks=ranks).items())),
-        "poll": tuple(sorted(dict(latent=c.latent, experts=c.experts).items())),
-        "latent_all_reduce": tuple(sorted(dict(latent=c.latent, ranks=ranks).items())),
-        "hidden_all_reduce": tuple(sorted(dict(hidden=c.hidden, ranks=ranks).items())),
+    params = {
+        "publish": dict(latent=c.latent, experts=c.experts, ranks=ranks),
+        "poll": dict(latent=c.latent, experts=c.experts),
+        "latent_all_reduce": dict(latent=c.latent, ranks=ranks),
+        "hidden_all_reduce": dict(hidden=c.hidden, ranks=ranks),
     }
+    if peers:
+        params["signal"] = dict(ranks=ranks)
+        params["wait"] = dict(ranks=ranks)
+    return {kind: tuple(sorted(p.items())) for kind, p in params.items()}
 
 
 @functools.lru_cache(maxsize=None)
@@ -179,6 +203,12 @@ def _compiled(kind: str, arch: str, params: tuple):
         obj, args = k.PublishKernel(**kw), [Int64(0)] * 2 + [Int32(0), Int32(0), Int32(1), Int32(1)]
     elif kind == "poll":
         obj, args = k.PollKernel(**kw), [Int64(0)] * 5 + [Int32(0), Int32(0), Int32(1), Int32(1)]
+    elif kind == "signal":
+        obj, args = k.ArrivalSignalKernel(**kw), [Int64(0)]
+    elif kind == "wait":
+        from fast.schedules.dep_kernels import ArrivalWaitKernel
+
+        obj, args = ArrivalWaitKernel(**kw), [Int64(0)] * 4 + [Int32(1), Int32(0), Int32(0)]
     elif kind == "latent_all_reduce":
         obj, args = k.LatentAllReduceNormKernel(**kw), [Int64(0)] * 4 + [Float32(1e-5), Int32(1)]
     else:
@@ -186,13 +216,195 @@ def _compiled(kind: str, arch: str, params: tuple):
     return cute.compile(obj, *args, backend._fake_stream(), options=f"--gpu-arch {arch}")
 
 
-def compile_all(config: LatentMoEConfig, ranks: int, arch: str):
-    """Compile the wide layer's own kernels for ``arch`` (no GPU needed)."""
+def compile_all(config: LatentMoEConfig, ranks: int, arch: str, *, peers: bool = False):
+    """Compile the wide layer's own kernels for ``arch`` (no GPU needed); ``peers``: the
+    real ranks' set (:func:`kernel_params`)."""
     check_ranks(config, ranks)
-    return [_compiled(kind, arch, params) for kind, params in kernel_params(config, ranks).items()]
+    return [_compiled(kind, arch, params)
+            for kind, params in kernel_params(config, ranks, peers=peers).items()]
 
 
-class WideLayer:
+class WideStages:
+    """The stages of one wide-layer rank, shared by the virtual layer (:class:`WideLayer`,
+    every rank in this process) and the real rank (``fast.schedules.wide_peer``, one rank
+    per process). Each stage takes the rank ``r`` and reads the per-rank containers
+    (indexed by rank: lists in the virtual layer, ``{rank: ...}`` in a real rank):
+    ``_buffers``, ``engines``, ``mailboxes``, ``front_weights``, ``shared_gate_up``,
+    ``shared_down``, ``up``, ``_front``, ``_plan``, ``_shared_ready``; the address tables
+    ``mailbox_table``, ``partial_table``, ``up_table`` and the shared partials through
+    :meth:`_shared` / :meth:`_shared_table` (one buffer in the virtual layer, one per
+    mailbox buffer in a real rank); and ``config``, ``ranks``, ``max_rows``, ``device``,
+    ``columns``, ``bias``, ``latent_norm``, ``error``, ``timeout_s``, ``calls``,
+    ``_side``, ``_fn``."""
+
+    @property
+    def mailbox_index(self) -> int:
+        """The rotating mailbox buffer the next call (or stage) uses: ``calls % 2``."""
+        return self.calls % MAILBOX_BUFFERS
+
+
+    def _shared(self, r: int) -> torch.Tensor:
+        """Rank ``r``'s shared-expert partial buffer BF16 ``[max_rows, H]`` this call writes."""
+        return self._buffers[r]["shared"]
+
+    def _shared_table(self) -> torch.Tensor:
+        """The int64 ``[N]`` table of every rank's :meth:`_shared` buffer for this call."""
+        return self.shared_table
+
+    # -- one rank's stages (a call runs each for every rank; a benchmark times one rank's
+    # own work by replaying its stages after a full call filled the peers' buffers) ---------
+
+    def front_stage(self, r: int, x: torch.Tensor) -> torch.Tensor:
+        """Rank ``r``'s FP32-out GEMM ``x @ [gate_r; down_r]^T`` (cuBLAS): FP32 ``[T, E/N +
+        L/N]``, kept for this call's publish."""
+        self._front[r] = stock.mm_fp32_out(x, self.front_weights[r])
+        return self._front[r]
+
+    def shared_stage(self, r: int, x: torch.Tensor, *, order: str = "side",
+                     side_delay_cycles: int = 0):
+        """Rank ``r``'s shared-expert partial into its ``shared`` buffer: ``h = x @
+        gate_up_r^T``, ``act = situ_and_mul(h)``, ``act @ down_r^T`` (BF16 at each). With
+        ``order="side"`` on the side stream (it waits for the current stream first).
+        Returns the event :meth:`latent_stage` waits on (None when serial)."""
+        c, tokens = self.config, x.shape[0]
+        main = torch.cuda.current_stream(self.device)
+        side = self._side if order == "side" else main
+        if side is not main:
+            side.wait_stream(main)
+        with torch.cuda.stream(side):
+            if side is not main and side_delay_cycles:
+                torch.cuda._sleep(int(side_delay_cycles))
+            b = self._buffers[r]
+            h = b["gate_up"][:tokens]
+            _mm_bf16_into(x, self.shared_gate_up[r], h)
+            act = activation.situ_and_mul(h, beta=c.situ_beta, linear_beta=c.situ_linear_beta,
+                                          out=b["act"][:tokens])
+            _mm_bf16_into(act, self.shared_down[r], self._shared(r)[:tokens])
+        self._shared_ready[r] = side.record_event() if side is not main else None
+        return self._shared_ready[r]
+
+    def publish_stage(self, r: int, front: torch.Tensor, tokens: int) -> None:
+        """``WidePublish``: rank ``r``'s front rows into every rank's current mailbox
+        buffer (``PublishKernel``). ``front``: FP32 ``[T, E/N + L/N]`` contiguous."""
+        from cutlass import Int32, Int64
+
+        c, n = self.config, self.ranks
+        width = c.experts // n + c.latent // n
+        if front.dtype != torch.float32 or tuple(front.shape) != (tokens, width) \
+                or not front.is_contiguous() or front.device != self.device \
+                or front.data_ptr() % 16:
+            raise ValueError(f"WideLayer.publish_stage: front must be contiguous 16-byte aligned "
+                             f"FP32 [{tokens}, {width}] on {self.device}")
+        self._fn["publish"](Int64(front.data_ptr()), Int64(self.mailbox_table.data_ptr()),
+                            Int32(r), Int32(self.mailbox_index), Int32(self.max_rows),
+                            Int32(tokens), backend.stream(self.device))
+
+    def route_stage(self, r: int, tokens: int) -> None:
+        """Rank ``r``'s poll of its mailbox (``PollKernel``: logits and latent out, slots
+        re-armed), the router (``fast.router``) and the plan rows (``fast.mx``)."""
+        from cutlass import Int32, Int64
+
+        c, b = self.config, self._buffers[r]
+        self._fn["poll"](Int64(self.mailboxes[r].data_ptr()), Int64(b["logits"].data_ptr()),
+                         Int64(b["latent"].data_ptr()), Int64(self.error.data_ptr()),
+                         Int64(int(self.timeout_s * 1e9)), Int32(r), Int32(self.mailbox_index),
+                         Int32(self.max_rows), Int32(tokens), backend.stream(self.device))
+        router.route(b["logits"][:tokens], self.bias, top_k=c.top_k, renormalize=c.renormalize,
+                     scale=c.routed_scaling_factor, out=(b["weights"][:tokens], b["ids"][:tokens]))
+        self._plan[r] = mx.quantize_mxfp8(b["latent"][:tokens])
+
+    def experts_stage(self, r: int, tokens: int) -> None:
+        """Rank ``r``'s listed engine (every expert's TP slice) over the plan rows:
+        this rank's partial expert rows ``[T K, L]``."""
+        b, k = self._buffers[r], self.config.top_k
+        codes, scales = self._plan[r]
+        self.engines[r](codes, scales, b["ids"][:tokens], out=b["rows"][: tokens * k],
+                        validate=False)
+
+    def finalize_stage(self, r: int, tokens: int) -> None:
+        """Rank ``r``'s Finalize of its partial rows: its BF16 partial of the routed latent."""
+        b, k = self._buffers[r], self.config.top_k
+        finalize.finalize(b["rows"][: tokens * k], b["weights"][:tokens],
+                          out=b["partial"][:tokens])
+
+    def latent_stage(self, r: int, tokens: int) -> None:
+        """Rank ``r``'s latent all-reduce fused with the RMSNorm
+        (``LatentAllReduceNormKernel``, every rank's partial in rank order), then (after
+        the shared expert) its up-projection columns ``shared_r[:, cols_r] + normed @
+        up_r^T`` (cuBLAS addmm) into its ``up`` buffer."""
+        from cutlass import Float32, Int32, Int64
+
+        c, b = self.config, self._buffers[r]
+        self._fn["latent_all_reduce"](
+            Int64(self.partial_table.data_ptr()), Int64(b["routed"].data_ptr()),
+            Int64(self.latent_norm.data_ptr()), Int64(b["normed"].data_ptr()),
+            Float32(c.rms_eps), Int32(tokens), backend.stream(self.device))
+        if self._shared_ready[r] is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._shared_ready[r])
+        cols = slice(r * self.columns, (r + 1) * self.columns)
+        _addmm_bf16_into(self._shared(r)[:tokens, cols], b["normed"][:tokens], self.up[r],
+                         b["up"][:tokens])
+
+    def hidden_stage(self, r: int, tokens: int) -> None:
+        """Rank ``r``'s all-reduce of the hidden partials (``HiddenAllReduceKernel``) into
+        its ``out`` buffer."""
+        from cutlass import Int32, Int64
+
+        self._fn["hidden_all_reduce"](
+            Int64(self._shared_table().data_ptr()), Int64(self.up_table.data_ptr()),
+            Int64(self._buffers[r]["out"].data_ptr()), Int32(tokens), backend.stream(self.device))
+
+    def outputs(self, r: int, tokens: int) -> WideRankOutputs:
+        """Rank ``r``'s :class:`WideRankOutputs` of the stages run last with ``tokens``
+        rows (views into the layer's buffers; ``front`` and the plan rows are the last
+        ones the rank's stages made)."""
+        b, engine, k = self._buffers[r], self.engines[r], self.config.top_k
+        counts_at = engine.layout.count
+        codes, scales = self._plan[r]
+        return WideRankOutputs(
+            front=self._front[r], logits=b["logits"][:tokens], latent=b["latent"][:tokens],
+            weights=b["weights"][:tokens], ids=b["ids"][:tokens], codes=codes, scales=scales,
+            lists=engine.lists, counts=engine.work[counts_at:counts_at + self.config.experts],
+            rows=b["rows"][: tokens * k], routed_partial=b["partial"][:tokens],
+            routed=b["routed"][:tokens], normed=b["normed"][:tokens],
+            shared_gate_up=b["gate_up"][:tokens], shared_act=b["act"][:tokens],
+            shared=self._shared(r)[:tokens],
+            up_columns=b["up"][:tokens], out=b["out"][:tokens], mailbox_index=self.mailbox_index)
+
+    def graph(self, xs, *, order: str = "side"):
+        """Capture one call on the static inputs ``xs`` in CUDA graphs, one per mailbox
+        buffer (both streams, forked from and joined back into the capture stream);
+        returns ``(replay, outputs)``: ``replay()`` reruns the whole layer on whatever
+        ``xs`` then hold, alternating the graphs as eager calls alternate the buffers
+        (eager calls and replays may be interleaved), and returns that graph's outputs.
+        The stage outputs that live in the layer's buffers are the same tensors for both
+        graphs; ``front``, ``codes`` and ``scales`` are each graph's own."""
+        self(xs, order=order)  # compile and warm every kernel outside the capture
+        torch.cuda.synchronize(self.device)
+        first = self.calls
+        captured = []
+        capture = torch.cuda.Stream(self.device)
+        for _ in range(MAILBOX_BUFFERS):
+            graph = torch.cuda.CUDAGraph()
+            capture.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(capture):
+                with torch.cuda.graph(graph, stream=capture):
+                    outputs = self(xs, check=False, order=order)
+            torch.cuda.current_stream(self.device).wait_stream(capture)
+            captured.append((graph, outputs))
+        torch.cuda.synchronize(self.device)
+        self.calls = first  # capturing ran nothing: the next call is still call `first`
+
+        def replay():
+            graph, outputs = captured[(self.calls - first) % MAILBOX_BUFFERS]
+            graph.replay()
+            self.calls += 1
+            return outputs
+
+        return replay, captured[0][1]
+
+
+class WideLayer(WideStages):
     """S2 over ``ranks`` virtual ranks on one CUDA device, reusable across calls.
 
     Args:
@@ -298,11 +510,6 @@ class WideLayer:
 
     # -- state ----------------------------------------------------------------------------
 
-    @property
-    def mailbox_index(self) -> int:
-        """The rotating mailbox buffer the next call (or stage) uses: ``calls % 2``."""
-        return self.calls % MAILBOX_BUFFERS
-
     def reset(self) -> None:
         """Arm every mailbox buffer of every rank (latent words ``0x8000``, logit words
         ``0x80000000``) and clear the error record; synchronizes the device. Needed only
@@ -328,18 +535,9 @@ class WideLayer:
         record = dict(zip(ERROR_FIELDS, self.error.tolist()))
         if record["flag"]:
             self.error.zero_()
-            c, n = self.config, self.ranks
-            column = record["column"]
-            if column < c.latent:
-                region, writer = "latent", column // (c.latent // n)
-            else:
-                region, writer = "logit", (column - c.latent) // (2 * c.experts // n)
-            raise MailboxTimeout(
-                f"WideLayer: rank {record['rank']} timed out polling mailbox buffer "
-                f"{record['buffer']}: token {record['token']}, column {column} (16-bit word, "
-                f"{region} region written by rank {writer}) still empty after "
-                f"{self.timeout_s} s; {record['granules']} 16-byte granules timed out. The "
-                "mailboxes are left as they were: call reset() before the next call.")
+            raise MailboxTimeout(mailbox_timeout_message(
+                "WideLayer", self.config, self.ranks, record, self.timeout_s,
+                "The mailboxes are left as they were: call reset() before the next call."))
         for engine in self.engines:
             engine.check()
 
@@ -417,159 +615,6 @@ class WideLayer:
         if check:
             self.check()
         return outputs
-
-    # -- one rank's stages (a call runs each for every rank; a benchmark times one rank's
-    # own work by replaying its stages after a full call filled the peers' buffers) ---------
-
-    def front_stage(self, r: int, x: torch.Tensor) -> torch.Tensor:
-        """Rank ``r``'s FP32-out GEMM ``x @ [gate_r; down_r]^T`` (cuBLAS): FP32 ``[T, E/N +
-        L/N]``, kept for this call's publish."""
-        self._front[r] = stock.mm_fp32_out(x, self.front_weights[r])
-        return self._front[r]
-
-    def shared_stage(self, r: int, x: torch.Tensor, *, order: str = "side",
-                     side_delay_cycles: int = 0):
-        """Rank ``r``'s shared-expert partial into its ``shared`` buffer: ``h = x @
-        gate_up_r^T``, ``act = situ_and_mul(h)``, ``act @ down_r^T`` (BF16 at each). With
-        ``order="side"`` on the side stream (it waits for the current stream first).
-        Returns the event :meth:`latent_stage` waits on (None when serial)."""
-        c, tokens = self.config, x.shape[0]
-        main = torch.cuda.current_stream(self.device)
-        side = self._side if order == "side" else main
-        if side is not main:
-            side.wait_stream(main)
-        with torch.cuda.stream(side):
-            if side is not main and side_delay_cycles:
-                torch.cuda._sleep(int(side_delay_cycles))
-            b = self._buffers[r]
-            h = b["gate_up"][:tokens]
-            _mm_bf16_into(x, self.shared_gate_up[r], h)
-            act = activation.situ_and_mul(h, beta=c.situ_beta, linear_beta=c.situ_linear_beta,
-                                          out=b["act"][:tokens])
-            _mm_bf16_into(act, self.shared_down[r], b["shared"][:tokens])
-        self._shared_ready[r] = side.record_event() if side is not main else None
-        return self._shared_ready[r]
-
-    def publish_stage(self, r: int, front: torch.Tensor, tokens: int) -> None:
-        """``WidePublish``: rank ``r``'s front rows into every rank's current mailbox
-        buffer (``PublishKernel``). ``front``: FP32 ``[T, E/N + L/N]`` contiguous."""
-        from cutlass import Int32, Int64
-
-        c, n = self.config, self.ranks
-        width = c.experts // n + c.latent // n
-        if front.dtype != torch.float32 or tuple(front.shape) != (tokens, width) \
-                or not front.is_contiguous() or front.device != self.device \
-                or front.data_ptr() % 16:
-            raise ValueError(f"WideLayer.publish_stage: front must be contiguous 16-byte aligned "
-                             f"FP32 [{tokens}, {width}] on {self.device}")
-        self._fn["publish"](Int64(front.data_ptr()), Int64(self.mailbox_table.data_ptr()),
-                            Int32(r), Int32(self.mailbox_index), Int32(self.max_rows),
-                            Int32(tokens), backend.stream(self.device))
-
-    def route_stage(self, r: int, tokens: int) -> None:
-        """Rank ``r``'s poll of its mailbox (``PollKernel``: logits and latent out, slots
-        re-armed), the router (``fast.router``) and the plan rows (``fast.mx``)."""
-        from cutlass import Int32, Int64
-
-        c, b = self.config, self._buffers[r]
-        self._fn["poll"](Int64(self.mailboxes[r].data_ptr()), Int64(b["logits"].data_ptr()),
-                         Int64(b["latent"].data_ptr()), Int64(self.error.data_ptr()),
-                         Int64(int(self.timeout_s * 1e9)), Int32(r), Int32(self.mailbox_index),
-                         Int32(self.max_rows), Int32(tokens), backend.stream(self.device))
-        router.route(b["logits"][:tokens], self.bias, top_k=c.top_k, renormalize=c.renormalize,
-                     scale=c.routed_scaling_factor, out=(b["weights"][:tokens], b["ids"][:tokens]))
-        self._plan[r] = mx.quantize_mxfp8(b["latent"][:tokens])
-
-    def experts_stage(self, r: int, tokens: int) -> None:
-        """Rank ``r``'s listed engine (every expert's TP slice) over the plan rows:
-        this rank's partial expert rows ``[T K, L]``."""
-        b, k = self._buffers[r], self.config.top_k
-        codes, scales = self._plan[r]
-        self.engines[r](codes, scales, b["ids"][:tokens], out=b["rows"][: tokens * k],
-                        validate=False)
-
-    def finalize_stage(self, r: int, tokens: int) -> None:
-        """Rank ``r``'s Finalize of its partial rows: its BF16 partial of the routed latent."""
-        b, k = self._buffers[r], self.config.top_k
-        finalize.finalize(b["rows"][: tokens * k], b["weights"][:tokens],
-                          out=b["partial"][:tokens])
-
-    def latent_stage(self, r: int, tokens: int) -> None:
-        """Rank ``r``'s latent all-reduce fused with the RMSNorm
-        (``LatentAllReduceNormKernel``, every rank's partial in rank order), then (after
-        the shared expert) its up-projection columns ``shared_r[:, cols_r] + normed @
-        up_r^T`` (cuBLAS addmm) into its ``up`` buffer."""
-        from cutlass import Float32, Int32, Int64
-
-        c, b = self.config, self._buffers[r]
-        self._fn["latent_all_reduce"](
-            Int64(self.partial_table.data_ptr()), Int64(b["routed"].data_ptr()),
-            Int64(self.latent_norm.data_ptr()), Int64(b["normed"].data_ptr()),
-            Float32(c.rms_eps), Int32(tokens), backend.stream(self.device))
-        if self._shared_ready[r] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._shared_ready[r])
-        cols = slice(r * self.columns, (r + 1) * self.columns)
-        _addmm_bf16_into(b["shared"][:tokens, cols], b["normed"][:tokens], self.up[r],
-                         b["up"][:tokens])
-
-    def hidden_stage(self, r: int, tokens: int) -> None:
-        """Rank ``r``'s all-reduce of the hidden partials (``HiddenAllReduceKernel``) into
-        its ``out`` buffer."""
-        from cutlass import Int32, Int64
-
-        self._fn["hidden_all_reduce"](
-            Int64(self.shared_table.data_ptr()), Int64(self.up_table.data_ptr()),
-            Int64(self._buffers[r]["out"].data_ptr()), Int32(tokens), backend.stream(self.device))
-
-    def outputs(self, r: int, tokens: int) -> WideRankOutputs:
-        """Rank ``r``'s :class:`WideRankOutputs` of the stages run last with ``tokens``
-        rows (views into the layer's buffers; ``front`` and the plan rows are the last
-        ones the rank's stages made)."""
-        b, engine, k = self._buffers[r], self.engines[r], self.config.top_k
-        counts_at = engine.layout.count
-        codes, scales = self._plan[r]
-        return WideRankOutputs(
-            front=self._front[r], logits=b["logits"][:tokens], latent=b["latent"][:tokens],
-            weights=b["weights"][:tokens], ids=b["ids"][:tokens], codes=codes, scales=scales,
-            lists=engine.lists, counts=engine.work[counts_at:counts_at + self.config.experts],
-            rows=b["rows"][: tokens * k], routed_partial=b["partial"][:tokens],
-            routed=b["routed"][:tokens], normed=b["normed"][:tokens],
-            shared_gate_up=b["gate_up"][:tokens], shared_act=b["act"][:tokens],
-            shared=b["shared"][:tokens],
-            up_columns=b["up"][:tokens], out=b["out"][:tokens], mailbox_index=self.mailbox_index)
-
-    def graph(self, xs, *, order: str = "side"):
-        """Capture one call on the static inputs ``xs`` in CUDA graphs, one per mailbox
-        buffer (both streams, forked from and joined back into the capture stream);
-        returns ``(replay, outputs)``: ``replay()`` reruns the whole layer on whatever
-        ``xs`` then hold, alternating the graphs as eager calls alternate the buffers
-        (eager calls and replays may be interleaved), and returns that graph's outputs.
-        The stage outputs that live in the layer's buffers are the same tensors for both
-        graphs; ``front``, ``codes`` and ``scales`` are each graph's own."""
-        self(xs, order=order)  # compile and warm every kernel outside the capture
-        torch.cuda.synchronize(self.device)
-        first = self.calls
-        captured = []
-        capture = torch.cuda.Stream(self.device)
-        for _ in range(MAILBOX_BUFFERS):
-            graph = torch.cuda.CUDAGraph()
-            capture.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(capture):
-                with torch.cuda.graph(graph, stream=capture):
-                    outputs = self(xs, check=False, order=order)
-            torch.cuda.current_stream(self.device).wait_stream(capture)
-            captured.append((graph, outputs))
-        torch.cuda.synchronize(self.device)
-        self.calls = first  # capturing ran nothing: the next call is still call `first`
-
-        def replay():
-            graph, outputs = captured[(self.calls - first) % MAILBOX_BUFFERS]
-            graph.replay()
-            self.calls += 1
-            return outputs
-
-        return replay, captured[0][1]
-
 
 def _as_int32(word: int) -> int:
     """A 32-bit pattern as the signed value an int32 tensor holds."""

@@ -1,0 +1,391 @@
+"""S2, the wide layer, over real ranks: one process per GPU (one TP rank each), every buffer
+a peer writes or reads in one torch symmetric-memory buffer per rank, reached by unicast
+peer stores and loads (never a multicast object).
+
+Each rank runs the stages of the virtual layer's rank (``fast.schedules.wide.WideStages``,
+the same code and kernels as :class:`fast.schedules.wide.WideLayer`); only the address
+tables differ (peer addresses from the symmetric-memory handle), and two signal/wait pairs
+join the ranks where a kernel reads what a peer wrote with kernels that cannot signal
+(cuBLAS, ``fast.finalize``)::
+
+    side : shared_stage   shared partial -> shared[c % 2] (symmetric) ─────────────┐
+    main : front_stage, publish_stage   my front -> every rank's mailbox c % 2      │
+                          (Lamport words: self-synchronizing, no signal)           │
+           route_stage    poll my mailbox (sentinel + %globaltimer timeout), re-arm │
+           experts_stage, finalize_stage -> partial (symmetric)                     │
+           signal 0       ArrivalSignalKernel: +1 on my counter at every rank       │
+           wait 0         ArrivalWaitKernel: every rank's counter 0 here grew by 1  │
+           latent_stage   LatentAllReduceNormKernel over every rank's partial;      │
+                          (wait side) up = shared[:, cols] + normed @ up^T ◄────────┘
+                          -> up (symmetric)
+           signal 1, wait 1   the same for the hidden partials (shared[c % 2] and up)
+           hidden_stage   HiddenAllReduceKernel over every rank's shared and up -> out
+
+Shapes, dtypes and rounding points are the virtual layer's (``fast.schedules.wide``), and
+so are the bits: every output of a real rank equals the virtual layer's same rank on the
+same inputs (``verify/test_wide_peer.py`` compares them), so the stage contracts of
+``verify/test_wide_fast.py`` carry over.
+
+Buffer reuse across calls (call ``c`` of every rank; ``A -> B``: B is after A in one
+rank's stream order, or B acquired a count A released; both order memory at system
+scope). Every overwrite below is after the last read of the previous contents:
+
+* mailbox buffer ``c % 2`` of rank ``d`` (written by every writer ``w`` in call ``c + 2``;
+  read and re-armed by ``d``'s poll in call ``c``): ``d``'s poll ``c`` -> ``d``'s signal 0
+  of call ``c + 1`` -> ``w``'s wait 0 of call ``c + 1`` -> ``w``'s publish ``c + 2``. The
+  re-arm stores are before that release, so the sentinels land before the new words
+  (with one buffer the chain through signal 1 of call ``c`` would do as well; the two
+  rotating buffers are the virtual layer's, kept so both run the same stages);
+* partial of rank ``r`` (read by every rank ``o``'s latent all-reduce of call ``c``,
+  rewritten by ``r``'s finalize of call ``c + 1``): ``o``'s latent stage ``c`` -> ``o``'s
+  signal 1 of call ``c`` -> ``r``'s wait 1 of call ``c`` -> ``r``'s finalize ``c + 1``;
+* up of rank ``r`` (read by ``o``'s hidden all-reduce of call ``c``, rewritten by ``r``'s
+  addmm of call ``c + 1``): ``o``'s hidden stage ``c`` -> ``o``'s signal 0 of call ``c +
+  1`` -> ``r``'s wait 0 of call ``c + 1`` -> ``r``'s addmm ``c + 1``;
+* shared of rank ``r``: the shared expert runs on the side stream from the *start* of the
+  call, before any wait, so one buffer would race with a slower peer's hidden all-reduce
+  of the previous call. It rotates with the mailbox: buffer ``c % 2``, rewritten in call
+  ``c + 2`` after ``r``'s wait 0 of call ``c + 1`` (the side stream waits for the main
+  stream at the start of each call), which follows ``o``'s hidden stage ``c`` as above.
+* the counters only grow (by 1 per call, per wait and per peer; the wait keeps its
+  target in ``expected``), so they need no re-arm, and a CUDA graph replays the same
+  launches.
+
+The signal kernel runs after its writers in stream order (a kernel boundary: their
+stores are complete), then fences at system scope and adds with ``red.release.sys``; the
+wait loads with ``ld.acquire.sys``; the all-reduces then load peers' rows with
+``ld.global.nc`` in a later kernel (their rows do not change while it runs: the reuse
+analysis above).
+
+Every rank must call the layer with the same ``T`` (the wide bucket's contract: every
+rank holds the same tokens). A poll or a wait that gives up after ``timeout_s`` records
+who and what; :meth:`WidePeerLayer.check` raises (:class:`MailboxTimeout` for the
+mailbox, :class:`WidePeerTimeout` for a wait), and the layer must then be rebuilt on
+every rank (its mailboxes and counters are out of step with its peers').
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fast import activation, backend, finalize, mx, router, stock
+from fast.schedules.wide import (MAILBOX_BUFFERS, MailboxTimeout, WideRankOutputs, WideStages,
+                                 _as_int32, _compiled, _mm_bf16_into, check_ranks,
+                                 kernel_params, mailbox_timeout_message)
+from reference.weights import LatentMoEWeights
+
+__all__ = ["WidePeerLayer", "WidePeerTimeout", "symmetric_layout", "WAITS"]
+
+#: What each of a call's two waits waits for, by index (``ArrivalWaitKernel``'s ``what``).
+WAITS = ("routed partials", "hidden partials")
+_ALIGN = 256
+
+
+class WidePeerTimeout(TimeoutError):
+    """A rank's wait for its peers' partials passed its timeout."""
+
+
+def symmetric_layout(config, ranks: int, max_rows: int) -> tuple[dict, int]:
+    """Byte offsets, shapes and dtypes of one rank's symmetric buffer, and its size:
+
+    * ``mailbox`` int16 ``[2, max_rows, L + 2E]`` (``fast.schedules.wide_kernels``' layout);
+    * ``partial`` BF16 ``[max_rows, L]`` (the rank's routed partial);
+    * ``shared`` BF16 ``[2, max_rows, H]`` (the shared-expert partial, one per mailbox
+      buffer: the module docstring says why);
+    * ``up`` BF16 ``[max_rows, H/N]`` (the rank's up-projection columns);
+    * ``arrivals`` int32 (uint32 counters) ``[len(WAITS), N]``: word ``[w, s]`` counts
+      rank ``s``'s signals for wait ``w``.
+
+    Every field starts on a 256-byte boundary."""
+    c, rows = config, max_rows
+    fields = {
+        "mailbox": ((MAILBOX_BUFFERS, rows, c.latent + 2 * c.experts), torch.int16),
+        "partial": ((rows, c.latent), torch.bfloat16),
+        "shared": ((MAILBOX_BUFFERS, rows, c.hidden), torch.bfloat16),
+        "up": ((rows, c.hidden // ranks), torch.bfloat16),
+        "arrivals": ((len(WAITS), ranks), torch.int32),
+    }
+    layout, at = {}, 0
+    for name, (shape, dtype) in fields.items():
+        layout[name] = (at, shape, dtype)
+        at += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+    return layout, at
+
+
+class WidePeerLayer(WideStages):
+    """One real TP rank of S2 (this process, this GPU), reusable across calls.
+
+    Args:
+        weights: the layer's weights (any device); this rank's slices (front rows, shared
+            expert slice, up columns, every expert's TP slice ``shard=(rank, N)``) are
+            copied to ``device``.
+        max_rows: the most tokens one call may have, in ``[front_max + 1, wide_rows]``
+            (default ``wide_rows``); the same on every rank.
+        group: the process group of the TP ranks (default the world); ``N`` is its size
+            (:func:`fast.schedules.wide.check_ranks`).
+        device: the CUDA device (default the current one).
+        timeout_s: how long a poll or a wait may wait for a peer before it gives up.
+
+    Construction is collective over ``group`` (the symmetric buffer's rendezvous), and so
+    is the first call of each ``T`` (:meth:`_prepare`).
+    """
+
+    def __init__(self, weights: LatentMoEWeights, *, max_rows: int | None = None, group=None,
+                 device: str | torch.device | None = None, timeout_s: float = 10.0):
+        import torch.distributed as dist
+        import torch.distributed._symmetric_memory as symm_mem
+
+        from fast.experts import ExpertsEngine, prepare_experts
+        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
+        from fast.schedules.wide_kernels import ERROR_WORDS
+
+        if not isinstance(weights, LatentMoEWeights):
+            raise TypeError(f"WidePeerLayer: weights must be LatentMoEWeights, got "
+                            f"{type(weights).__name__}")
+        c = weights.config
+        low = c.front_max + 1
+        max_rows = c.wide_rows if max_rows is None else max_rows
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) \
+                or not low <= max_rows <= c.wide_rows:
+            raise ValueError(f"WidePeerLayer: max_rows must be an int in [{low}, wide_rows="
+                             f"{c.wide_rows}] (the wide layer's bucket), got {max_rows!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+                or not 0 < timeout_s <= 600:
+            raise ValueError(f"WidePeerLayer: timeout_s must be a number of seconds in (0, 600], "
+                             f"got {timeout_s!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("WidePeerLayer: torch.distributed is not initialised (launch with "
+                               "torchrun and call init_process_group('nccl'))")
+        group = group if group is not None else dist.group.WORLD
+        rank, n = dist.get_rank(group), dist.get_world_size(group)
+        check_ranks(c, n)
+        device = torch.device(device if device is not None else "cuda")
+        if device.type != "cuda":
+            raise ValueError(f"WidePeerLayer: device must be a CUDA device, got {device}")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        ok, why = backend.device_supported()
+        if not ok:
+            raise RuntimeError(f"WidePeerLayer: the fast kernels cannot run here: {why}")
+        seen = [None] * n
+        dist.all_gather_object(seen, (max_rows, c), group=group)
+        if any(s != seen[0] for s in seen):
+            raise ValueError("WidePeerLayer: every rank must build the layer with the same "
+                             f"config and max_rows; got max_rows {[s[0] for s in seen]}")
+        self.config, self.group, self.rank, self.ranks = c, group, rank, n
+        self.max_rows, self.device, self.timeout_s = max_rows, device, float(timeout_s)
+        self.arch = backend.device_arch(device)
+        e_n, l_n, s_n, h_n = c.experts // n, c.latent // n, c.shared_intermediate // n, c.hidden // n
+        s, r, on = c.shared_intermediate, rank, dict(device=device)
+        self.columns = h_n
+
+        def to_device(t):
+            return t.to(**on).contiguous()
+
+        # this rank's slices, in {rank: ...} containers (the stages index them by rank)
+        gate, down, gu = weights.gate, weights.latent_down, weights.shared_gate_up
+        self.front_weights = {r: to_device(torch.cat([gate[r * e_n:(r + 1) * e_n],
+                                                      down[r * l_n:(r + 1) * l_n]]))}
+        self.shared_gate_up = {r: to_device(torch.cat([gu[r * s_n:(r + 1) * s_n],
+                                                       gu[s + r * s_n:s + (r + 1) * s_n]]))}
+        self.shared_down = {r: to_device(weights.shared_down[:, r * s_n:(r + 1) * s_n])}
+        self.up = {r: to_device(weights.up[r * h_n:(r + 1) * h_n])}
+        self.bias = to_device(weights.bias)
+        self.latent_norm = to_device(weights.latent_norm)
+        self.engine = ExpertsEngine(prepare_experts(weights, device, shard=(r, n)),
+                                    max_rows=max_rows)
+        self.engines = {r: self.engine}
+
+        # the symmetric buffer: everything a peer writes or reads
+        self.layout, size = symmetric_layout(c, n, max_rows)
+        self._symmetric = symm_mem.empty(size, dtype=torch.uint8, device=device)
+        self._symmetric.zero_()
+        handle = symm_mem.rendezvous(self._symmetric, group.group_name)
+        peers = [int(p) for p in handle.buffer_ptrs]
+        self.symmetric = {
+            name: self._symmetric[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+            for name, (at, shape, dtype) in self.layout.items()}
+        sym = self.symmetric
+        self.mailboxes = {r: sym["mailbox"]}
+        rows, k, L, E, H = max_rows, c.top_k, c.latent, c.experts, c.hidden
+        self._buffers = {r: dict(
+            logits=torch.empty(rows, E, dtype=torch.float32, **on),
+            latent=torch.empty(rows, L, dtype=torch.bfloat16, **on),
+            weights=torch.empty(rows, k, dtype=torch.float32, **on),
+            ids=torch.empty(rows, k, dtype=torch.int32, **on),
+            rows=torch.empty(rows * k, L, dtype=torch.bfloat16, **on),
+            partial=sym["partial"],
+            routed=torch.empty(rows, L, dtype=torch.bfloat16, **on),
+            normed=torch.empty(rows, L, dtype=torch.bfloat16, **on),
+            gate_up=torch.empty(rows, 2 * s_n, dtype=torch.bfloat16, **on),
+            act=torch.empty(rows, s_n, dtype=torch.bfloat16, **on),
+            up=sym["up"],
+            out=torch.empty(rows, H, dtype=torch.bfloat16, **on),
+        )}
+
+        def table(name, index=0):
+            return torch.tensor([peers[o] + self.layout[name][0] + index for o in range(n)],
+                                dtype=torch.int64, device=device)
+
+        shared_bytes = rows * H * 2
+        self.mailbox_table = table("mailbox")
+        self.partial_table = table("partial")
+        self.up_table = table("up")
+        self.shared_tables = [table("shared", i * shared_bytes) for i in range(MAILBOX_BUFFERS)]
+        # my counter word at every rank, per wait
+        self.arrival_tables = [table("arrivals", 4 * (w * n + r)) for w in range(len(WAITS))]
+        self.expected = torch.zeros(len(WAITS), dtype=torch.int32, **on)
+        self.wait_error = torch.zeros(len(WAIT_ERROR_FIELDS), dtype=torch.int32, **on)
+        self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, **on)
+        self._side = torch.cuda.Stream(device)
+        self._fn = {kind: _compiled(kind, self.arch, p)
+                    for kind, p in kernel_params(c, n, peers=True).items()}
+        self._front, self._plan, self._shared_ready = {r: None}, {r: None}, {r: None}
+        self.calls = 0
+        self._prepared: set[int] = set()
+        self._arm()
+        torch.cuda.synchronize(device)
+        dist.barrier(group)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def _arm(self) -> None:
+        """Arm both buffers of this rank's mailbox (latent words ``0x8000``, logit words
+        ``0x80000000``). Only at construction: afterwards the polls re-arm what they read,
+        and peers may be writing."""
+        from fast.schedules.wide_kernels import SENTINEL_LATENT_WORD, SENTINEL_LOGIT_WORD
+
+        words = self.symmetric["mailbox"].view(torch.int32)  # [2, rows, L/2 + E]
+        half = self.config.latent // 2
+        words[..., :half] = _as_int32(SENTINEL_LATENT_WORD)
+        words[..., half:] = _as_int32(SENTINEL_LOGIT_WORD)
+
+    def _shared(self, r: int) -> torch.Tensor:
+        """This rank's shared-expert partial of the current call: buffer ``calls % 2``."""
+        return self.symmetric["shared"][self.mailbox_index]
+
+    def _shared_table(self) -> torch.Tensor:
+        return self.shared_tables[self.mailbox_index]
+
+    def _prepare(self, tokens: int) -> None:
+        """Before the first call of ``tokens`` rows: compile the engine's kernels for it
+        and run every library kernel and GEMM of the local stages once on temporaries
+        (they compile on first use), then meet the peers (a collective barrier), so no
+        rank's poll or wait times out while another compiles. Touches no buffer a peer
+        reads (the engine's lists and work words are this rank's own)."""
+        import torch.distributed as dist
+
+        c, r, on = self.config, self.rank, dict(device=self.device)
+        self.engine.compile_for(tokens)
+        x = torch.zeros(tokens, c.hidden, dtype=torch.bfloat16, **on)
+        stock.mm_fp32_out(x, self.front_weights[r])
+        h = torch.empty(tokens, self.shared_gate_up[r].shape[0], dtype=torch.bfloat16, **on)
+        _mm_bf16_into(x, self.shared_gate_up[r], h)
+        act = activation.situ_and_mul(h, beta=c.situ_beta, linear_beta=c.situ_linear_beta)
+        _mm_bf16_into(act, self.shared_down[r], torch.empty_like(x))
+        weights, ids = router.route(torch.zeros(tokens, c.experts, dtype=torch.float32, **on),
+                                    self.bias, top_k=c.top_k, renormalize=c.renormalize,
+                                    scale=c.routed_scaling_factor)
+        codes, scales = mx.quantize_mxfp8(torch.zeros(tokens, c.latent, dtype=torch.bfloat16, **on))
+        rows = torch.empty(tokens * c.top_k, c.latent, dtype=torch.bfloat16, **on)
+        self.engine(codes, scales, ids, out=rows, validate=False)
+        finalize.finalize(rows, weights)
+        torch.cuda.synchronize(self.device)
+        self.engine.check()
+        dist.barrier(self.group)
+        self._prepared.add(tokens)
+
+    # -- checks -----------------------------------------------------------------------------
+
+    def _check_input(self, x) -> int:
+        c = self.config
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
+                or x.shape[1] != c.hidden:
+            got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"WidePeerLayer: x must be BF16 [T, H={c.hidden}], got {got}")
+        if x.device != self.device or not x.is_contiguous():
+            raise ValueError(f"WidePeerLayer: x must be contiguous on {self.device}, "
+                             f"got {x.device}")
+        low = c.front_max + 1
+        if not low <= x.shape[0] <= self.max_rows:
+            raise ValueError(f"WidePeerLayer: T={x.shape[0]} rows is outside the layer's bucket "
+                             f"[{low}, max_rows={self.max_rows}]")
+        return x.shape[0]
+
+    def check(self) -> None:
+        """Raise the first error recorded since the last check: a poll that timed out
+        (:class:`MailboxTimeout`: this rank, the buffer, token, column and the writer that
+        never published; that record is then cleared), a wait that timed out
+        (:class:`WidePeerTimeout`: this rank, the peer and what it waited for), or an
+        engine error (``EngineError``). After a timeout the layer must be rebuilt on every
+        rank. Synchronizes the device."""
+        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
+        from fast.schedules.wide_kernels import ERROR_FIELDS
+
+        torch.cuda.synchronize(self.device)
+        record = dict(zip(ERROR_FIELDS, self.error.tolist()))
+        if record["flag"]:
+            self.error.zero_()
+            raise MailboxTimeout(mailbox_timeout_message(
+                f"WidePeerLayer (TP {self.ranks})", self.config, self.ranks, record,
+                self.timeout_s, "Every rank must call the layer with the same T; the "
+                "mailboxes and counters are now out of step: rebuild the layer on every rank."))
+        wait = dict(zip(WAIT_ERROR_FIELDS, (int(v) for v in self.wait_error.tolist())))
+        if wait["code"]:
+            raise WidePeerTimeout(
+                f"wide rank {wait['rank']} of {self.ranks}: the {WAITS[wait['what']]} of rank "
+                f"{wait['peer']} did not arrive within {self.timeout_s:g} s (its counter here "
+                f"read {wait['seen']}, the call needed {wait['target']}); every rank must call "
+                "the layer with the same T. The counters are now out of step with the peers': "
+                "rebuild the layer on every rank.")
+        self.engine.check()
+
+    # -- the call ---------------------------------------------------------------------------
+
+    def __call__(self, x: torch.Tensor, *, check: bool = True, order: str = "side",
+                 side_delay_cycles: int = 0) -> WideRankOutputs:
+        """One layer step of this rank on the BF16 tokens ``x [T, H]`` (every rank passes
+        the same ``T``; in the model every rank holds the same tokens). ``check``,
+        ``order`` and ``side_delay_cycles`` as :meth:`fast.schedules.wide.WideLayer.__call__`.
+        The first call of each ``T`` is collective on the host (:meth:`_prepare`); later
+        ones launch without host synchronization (until ``check``). Returns this rank's
+        :class:`WideRankOutputs` (views into the layer's buffers, valid until the next
+        call)."""
+        if order not in ("side", "serial"):
+            raise ValueError(f"WidePeerLayer: order must be 'side' or 'serial', got {order!r}")
+        tokens = self._check_input(x)
+        if tokens not in self._prepared:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"WidePeerLayer: T={tokens} is captured before an eager call "
+                                   "of that T (use WidePeerLayer.graph)")
+            self._prepare(tokens)
+        r = self.rank
+        self.shared_stage(r, x, order=order, side_delay_cycles=side_delay_cycles)
+        self.publish_stage(r, self.front_stage(r, x), tokens)
+        self.route_stage(r, tokens)
+        self.experts_stage(r, tokens)
+        self.finalize_stage(r, tokens)
+        self._signal_and_wait(0)
+        self.latent_stage(r, tokens)
+        self._signal_and_wait(1)
+        self.hidden_stage(r, tokens)
+        outputs = self.outputs(r, tokens)
+        self.calls += 1
+        if check:
+            self.check()
+        return outputs
+
+    def _signal_and_wait(self, what: int) -> None:
+        """``ArrivalSignalKernel`` (+1 on this rank's counter ``what`` at every rank) and
+        ``ArrivalWaitKernel`` (every rank's counter ``what`` here at ``expected + 1``) on
+        the current stream."""
+        from cutlass import Int32, Int64
+
+        stream = backend.stream(self.device)
+        self._fn["signal"](Int64(self.arrival_tables[what].data_ptr()), stream)
+        counters = self.symmetric["arrivals"][what]
+        self._fn["wait"](Int64(counters.data_ptr()), Int64(self.expected[what:].data_ptr()),
+                         Int64(self.wait_error.data_ptr()), Int64(int(self.timeout_s * 1e9)),
+                         Int32(1), Int32(self.rank), Int32(what), stream)
