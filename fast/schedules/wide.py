@@ -53,10 +53,8 @@ mailbox buffer, replayed alternately).
 
 Not here yet: the polled routing fused into the poll (routing and plan CTAs appending to
 the lists: the poll, the router, the quantizer and the engine's list kernel are four
-launches today), the shared expert's front / tail placements, real ranks over symmetric
-memory (the kernels take address tables; the tails' peer reads then need a flag or a
-Lamport exchange, which one stream orders on virtual ranks), and FlashInfer's fused
-all-reduce + RMSNorm as a second tail.
+launches today), the shared expert's front / tail placements, and FlashInfer's fused
+all-reduce + RMSNorm as a second tail. Real ranks: ``fast.schedules.wide_peer``.
 """
 
 from __future__ import annotations
