@@ -12,8 +12,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 __all__ = [
-    "ldg_stream_v4", "ldg_u32", "ldg_u16", "ldg_u8", "ldg_i32", "ldg_v2",
-    "stg_u16", "stg_u8", "stg_f32", "stg_i32", "stg_v4",
+    "ldg_stream_v4", "ldg_u32", "ldg_u16", "ldg_u8", "ldg_i32", "ldg_v2", "ldg_u64",
+    "stg_u16", "stg_u8", "stg_f32", "stg_i32", "stg_u32", "stg_v4", "atomic_cas", "ld_acquire_sys",
     "cp_async_16", "cp_async_4", "lds_u16", "lds_u8", "lds_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
     "mma_bf16", "rotr", "prmt", "mul_bf16x2", "atomic_add", "atomic_max", "shfl_xor", "shfl_up",
     "e4m3x2_to_f32", "f32x2_to_e4m3x2", "f32_to_bf16_bits",
@@ -41,6 +41,16 @@ def ldg_v2(address):
 
 def ldg_u32(address):
     return _asm("ld.global.nc.u32 {$w0}, [{$r0}];", [Uint32], [Int64(address)])
+
+
+def ldg_u64(address):
+    """A 64-bit global load of an entry of an address table (``ld.global.nc.u64``)."""
+    return _asm("ld.global.nc.u64 {$w0}, [{$r0}];", [Int64], [Int64(address)])
+
+
+def ld_acquire_sys(address):
+    """``ld.acquire.sys.global.u32``: a counter another GPU adds to."""
+    return _asm("ld.acquire.sys.global.u32 {$w0}, [{$r0}];", [Uint32], [Int64(address)])
 
 
 def ldg_u16(address):
@@ -77,6 +87,10 @@ def stg_i32(address, value):
     _asm("st.global.s32 [{$r0}], {$r1};", [], [Int64(address), Int32(value)])
 
 
+def stg_u32(address, value):
+    _asm("st.global.u32 [{$r0}], {$r1};", [], [Int64(address), Uint32(value)])
+
+
 def stg_v4(address, words):
     _asm("st.global.v4.u32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };", [],
          [Int64(address)] + [Uint32(w) for w in words])
@@ -85,6 +99,12 @@ def stg_v4(address, words):
 def atomic_add(address, value):
     """``atom.global.add.s32``: the old value."""
     return _asm("atom.global.add.s32 {$w0}, [{$r0}], {$r1};", [Int32], [Int64(address), Int32(value)])
+
+
+def atomic_cas(address, compare, value):
+    """``atom.global.cas.b32``: the old value."""
+    return _asm("atom.global.cas.b32 {$w0}, [{$r0}], {$r1}, {$r2};", [Int32],
+                [Int64(address), Int32(compare), Int32(value)])
 
 
 def atomic_max(address, value):

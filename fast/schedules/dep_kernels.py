@@ -36,17 +36,6 @@ POISON_WORDS = {"codes": 0x7F7F7F7F, "scales": 0xFFFFFFFF, "ids": 0xFFFFFFFF,
 _THREADS = 128
 
 
-def _ldg_u64(address):
-    """A 64-bit global load (an address from a table): ``ld.global.nc.u64``."""
-    return cute.arch.inline_ptx("ld.global.nc.u64 {$w0}, [{$r0}];", write_only_types=[Int64],
-                                read_only_args=[Int64(address)])
-
-
-def _stg_u32(address, value):
-    cute.arch.inline_ptx("st.global.u32 [{$r0}], {$r1};", write_only_types=[],
-                         read_only_args=[Int64(address), Uint32(value)])
-
-
 def _signal_arrival(counter: Int64, tid):
     """End of a CTA whose stores another rank will read: every thread fences at system
     scope (``fence.acq_rel.sys``: its stores, peer stores over NVLink included, are
@@ -58,18 +47,6 @@ def _signal_arrival(counter: Int64, tid):
     cute.arch.inline_ptx("{ .reg .pred first; setp.eq.s32 first, {$r1}, 0; "
                          "@first red.release.sys.global.add.u32 [{$r0}], 1; }",
                          write_only_types=[], read_only_args=[Int64(counter), Int32(tid)])
-
-
-def _ld_acquire_sys(address):
-    """``ld.acquire.sys.global.u32``: a counter another GPU adds to."""
-    return cute.arch.inline_ptx("ld.acquire.sys.global.u32 {$w0}, [{$r0}];",
-                                write_only_types=[Uint32], read_only_args=[Int64(address)])
-
-
-def _atomic_cas(address, compare, value):
-    return cute.arch.inline_ptx("atom.global.cas.b32 {$w0}, [{$r0}], {$r1}, {$r2};",
-                                write_only_types=[Int32],
-                                read_only_args=[Int64(address), Int32(compare), Int32(value)])
 
 
 def _owner_of_any(ids_row: Int64, top_k: int, lo, hi):
@@ -122,7 +99,7 @@ class DispatchKernel:
         present = _owner_of_any(ids + Int64(t) * (top_k * 4), top_k, o * self.per,
                                 (o + 1) * self.per)
         row = Int64(source) * Int64(tokens) + Int64(t)
-        dst = [_ldg_u64(table + Int64(o) * 32 + 8 * i) for i in range(4)]
+        dst = [p.ldg_u64(table + Int64(o) * 32 + 8 * i) for i in range(4)]
         keep = present != 0
         granules: cutlass.Constexpr = latent // 16
         for i in cutlass.range_constexpr((granules + _THREADS - 1) // _THREADS):
@@ -140,9 +117,9 @@ class DispatchKernel:
                 g = tid + _THREADS * i
                 if g < width:
                     word = p.ldg_u32(src + (Int64(t) * width + g) * 4)
-                    _stg_u32(dst[field] + (row * width + g) * 4, cutlass.select_(keep, word, poison))
+                    p.stg_u32(dst[field] + (row * width + g) * 4, cutlass.select_(keep, word, poison))
         if cutlass.const_expr(self.signal):
-            _signal_arrival(_ldg_u64(arrivals + Int64(o) * 8), tid)
+            _signal_arrival(p.ldg_u64(arrivals + Int64(o) * 8), tid)
 
 
 class OwnerFinalizeKernel:
@@ -196,7 +173,7 @@ class OwnerFinalizeKernel:
         packed = [h.pack_bf16x2(acc[2 * i], acc[2 * i + 1]) for i in range(4)]
         p.stg_v4(out + (Int64(r) * latent + tid * 8) * 2, packed)
         if cutlass.const_expr(self.signal):
-            _signal_arrival(_ldg_u64(ready + Int64(r // tokens) * 8), tid)
+            _signal_arrival(p.ldg_u64(ready + Int64(r // tokens) * 8), tid)
 
 
 class CombineKernel:
@@ -249,7 +226,7 @@ class CombineKernel:
             for i in cutlass.range_constexpr(4):
                 words[o * 4 + i] = Uint32(0)
             if present[o] != 0:  # the same for the whole CTA: no divergence
-                got = p.ldg_stream_v4(_ldg_u64(table + 8 * o) + (row * latent + tid * 8) * 2)
+                got = p.ldg_stream_v4(p.ldg_u64(table + 8 * o) + (row * latent + tid * 8) * 2)
                 for i in cutlass.range_constexpr(4):
                     words[o * 4 + i] = got[i]
         acc = cute.make_rmem_tensor((8,), Float32)
@@ -318,14 +295,14 @@ class ArrivalWaitKernel:
         target = p.ldg_i32(expected) + increment
         if tid < self.ranks:
             start = cute.arch.globaltimer()
-            seen = Int32(_ld_acquire_sys(counters + Int64(tid) * 4))
+            seen = Int32(p.ld_acquire_sys(counters + Int64(tid) * 4))
             late = Int32(0)
             while ((seen - target) < 0) & (late == 0):
-                seen = Int32(_ld_acquire_sys(counters + Int64(tid) * 4))
+                seen = Int32(p.ld_acquire_sys(counters + Int64(tid) * 4))
                 late = cutlass.select_(cute.arch.globaltimer() - start > timeout_ns,
                                        Int32(1), Int32(0))
             if ((seen - target) < 0) & (late != 0):
-                if _atomic_cas(error, 0, WAIT_TIMEOUT) == 0:
+                if p.atomic_cas(error, 0, WAIT_TIMEOUT) == 0:
                     record = [rank, what, tid, seen, target]
                     for i in cutlass.range_constexpr(len(record)):
                         p.stg_i32(error + 4 * (i + 1), record[i])

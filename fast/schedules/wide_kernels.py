@@ -56,12 +56,6 @@ _THREADS = 128
 # --- PTX helpers this file needs beyond fast.experts._ptx ------------------------------
 
 
-def _ldg_u64(address):
-    """A 64-bit global load of an entry of an address table (``ld.global.nc.u64``)."""
-    return cute.arch.inline_ptx("ld.global.nc.u64 {$w0}, [{$r0}];", write_only_types=[Int64],
-                                read_only_args=[Int64(address)])
-
-
 def _ld_volatile_v4(address, now):
     """Four words from a 16-byte aligned global address, re-read from memory on every
     call (``ld.volatile.global.v4.u32``): a poll sees a peer's store as soon as it lands.
@@ -79,13 +73,6 @@ def _st_volatile_v4(address, words):
     cute.arch.inline_ptx("st.volatile.global.v4.u32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
                          write_only_types=[], read_only_args=[Int64(address)]
                          + [Uint32(w) for w in words])
-
-
-def _atomic_cas(address, compare, value):
-    """``atom.global.cas.b32``: the old value."""
-    return cute.arch.inline_ptx("atom.global.cas.b32 {$w0}, [{$r0}], {$r1}, {$r2};",
-                                write_only_types=[Int32],
-                                read_only_args=[Int64(address), Int32(compare), Int32(value)])
 
 
 def _sanitize_logit(word):
@@ -164,7 +151,7 @@ class PublishKernel:
         t, d, _ = cute.arch.block_idx()
         logit_granules: cutlass.Constexpr = self.logit_granules
         granules: cutlass.Constexpr = self.logit_granules + self.latent_granules
-        box = _ldg_u64(table + Int64(d) * 8)
+        box = p.ldg_u64(table + Int64(d) * 8)
         row = box + (Int64(buffer) * Int64(rows) + Int64(t)) * self.row_bytes
         src = front + Int64(t) * self.front_row_bytes
         logit_dst = row + 2 * self.latent + Int64(rank) * (4 * self.expert_shard)
@@ -260,7 +247,7 @@ class PollKernel:
                                             Uint32(SENTINEL_LOGIT_WORD))
                     p.stg_v4(at, [armed] * 4)
                 else:
-                    if _atomic_cas(error, 0, ERROR_TIMEOUT) == 0:
+                    if p.atomic_cas(error, 0, ERROR_TIMEOUT) == 0:
                         p.stg_i32(error + 4, rank)
                         p.stg_i32(error + 8, buffer)
                         p.stg_i32(error + 12, t)
@@ -321,7 +308,7 @@ class LatentAllReduceNormKernel:
         offset = (Int64(t) * self.latent + tid * 8) * 2
         words = cute.make_rmem_tensor((ranks * 4,), Uint32)
         for o in cutlass.range_constexpr(ranks):
-            got = p.ldg_stream_v4(_ldg_u64(table + 8 * o) + offset)
+            got = p.ldg_stream_v4(p.ldg_u64(table + 8 * o) + offset)
             for i in cutlass.range_constexpr(4):
                 words[4 * o + i] = got[i]
         packed = _sum_rank_order(words, ranks)
@@ -368,8 +355,8 @@ class HiddenAllReduceKernel:
             owner = (g * 8) // columns
             words = cute.make_rmem_tensor((ranks * 4,), Uint32)
             for o in cutlass.range_constexpr(ranks):
-                shared_at = _ldg_u64(shared_table + 8 * o) + (Int64(t) * self.hidden + g * 8) * 2
-                up_at = _ldg_u64(up_table + 8 * o) + (Int64(t) * columns + g * 8 - o * columns) * 2
+                shared_at = p.ldg_u64(shared_table + 8 * o) + (Int64(t) * self.hidden + g * 8) * 2
+                up_at = p.ldg_u64(up_table + 8 * o) + (Int64(t) * columns + g * 8 - o * columns) * 2
                 got = p.ldg_stream_v4(cutlass.select_(owner == o, up_at, shared_at))
                 for i in cutlass.range_constexpr(4):
                     words[4 * o + i] = got[i]
@@ -406,4 +393,4 @@ class ArrivalSignalKernel:
 
         tid = cute.arch.thread_idx()[0]
         d = cute.arch.block_idx()[0]
-        _signal_arrival(_ldg_u64(table + Int64(d) * 8), tid)
+        _signal_arrival(p.ldg_u64(table + Int64(d) * 8), tid)
