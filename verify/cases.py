@@ -130,6 +130,20 @@ def mxfp4_expert_codes(cfg: LatentMoEConfig, g: torch.Generator) -> dict[str, to
 
 
 @functools.cache
+def rank_rows(cfg: LatentMoEConfig, ranks: int, tokens: int, seed: int,
+              device: str = "cpu") -> list[torch.Tensor]:
+    """One BF16 ``[tokens, H]`` batch per DEP rank: rank ``r``'s rows are
+    :func:`hidden_rows` of seed ``seed + r`` (every rank's own tokens differ)."""
+    return [hidden_rows(cfg, tokens, seed + r, device) for r in range(ranks)]
+
+
+def layer_weights(name: str) -> LatentMoEWeights:
+    """A config's weights from the generator that suits its size: :func:`device_weights`
+    on the GPU for ``kimi_k3`` (the CPU generator takes minutes there), :func:`weights`
+    otherwise."""
+    return device_weights(name) if name == "kimi_k3" else weights(name)
+
+
 def device_weights(name: str, seed: int = 11) -> LatentMoEWeights:
     """A whole layer on the GPU in seconds (``weights``' CPU generator takes far longer at
     the real size): :func:`dense_weights` on CUDA, router bias normal(0, 0.01), latent-norm

@@ -40,7 +40,7 @@ def layer_inputs(schedule: str, ranks: int, tokens: int, seed: int) -> list[torc
     the wide ranks all hold one batch, S0 has one rank."""
     cfg = cases.config("small")
     if schedule == "dep":
-        return [cases.hidden_rows(cfg, tokens, seed + r) for r in range(ranks)]
+        return cases.rank_rows(cfg, ranks, tokens, seed)
     return [cases.hidden_rows(cfg, tokens, seed)] * ranks
 
 

@@ -217,10 +217,6 @@ def check_dep_step(contract, traces, xs, w, cfg, requested: dict) -> None:
                          what=f"rank {h} out", index_names=ROWS)
 
 
-def _inputs(cfg, ranks: int, tokens: int, seed: int) -> list[torch.Tensor]:
-    return [cases.hidden_rows(cfg, tokens, seed + r) for r in range(ranks)]
-
-
 #: (ranks, tokens, tactic): the default and unsplit tactics on the whole grid; the split
 #: front on a few rank counts and batches, and above ``front_max`` (where it is ignored).
 CASES = [(n, t, tactic) for tactic in ("default", "unsplit") for n, t in GRID]
@@ -230,7 +226,7 @@ CASES += [(n, t, "front_split") for n in (1, 2, 4) for t in (1, 7, 64)] + [(1, 6
 @pytest.mark.parametrize("ranks,tokens,tactic", CASES)
 def test_dep_stages(ranks, tokens, tactic, seed, contract):
     cfg, w = cases.config("small"), cases.weights("small")
-    xs = _inputs(cfg, ranks, tokens, seed)
+    xs = cases.rank_rows(cfg, ranks, tokens, seed)
     traces = dep_layer_virtual(xs, w, cfg, **TACTICS[tactic])
     check_dep_step(contract, traces, xs, w, cfg, TACTICS[tactic])
 
@@ -245,7 +241,7 @@ def test_dep_bucket_edges(ranks, tokens, seed, contract):
     edge, ``front_max`` / ``front_max + 1`` = 64 / 65 tokens, is in ``test_dep_stages``'s
     grid, whose check asserts the path and tactic of every case the same way.)"""
     cfg, w = cases.config("small"), cases.weights("small")
-    xs = _inputs(cfg, ranks, tokens, seed)
+    xs = cases.rank_rows(cfg, ranks, tokens, seed)
     traces = dep_layer_virtual(xs, w, cfg)
     check_dep_step(contract, traces, xs, w, cfg, {})
     _, _, splits = expected_path(tokens, cfg, {})
@@ -261,8 +257,8 @@ def test_dep_two_layers_one_world(ranks, seed, contract):
     """State across calls: two consecutive layers (other inputs, other weights, another
     batch size) run by the same ranks of one world; each is checked stage by stage."""
     cfg = cases.config("small")
-    layers = [(cases.weights("small"), _inputs(cfg, ranks, 7, seed)),
-              (cases.other_weights("small"), _inputs(cfg, ranks, 5, seed + 50))]
+    layers = [(cases.weights("small"), cases.rank_rows(cfg, ranks, 7, seed)),
+              (cases.other_weights("small"), cases.rank_rows(cfg, ranks, 5, seed + 50))]
 
     def body(group):
         return [dep_rank(group, xs[group.rank], w, cfg) for w, xs in layers]
@@ -276,7 +272,7 @@ def test_dep_two_layers_one_world(ranks, seed, contract):
 def test_dep_single_rank_is_stock(tokens, seed, contract):
     """S1 on one rank with unsplit GEMMs is S0, bit for bit, end to end."""
     cfg, w = cases.config("small"), cases.weights("small")
-    xs = _inputs(cfg, 1, tokens, seed)
+    xs = cases.rank_rows(cfg, 1, tokens, seed)
     traces = dep_layer_virtual(xs, w, cfg, **TACTICS["unsplit"])
     s0 = layer.stock_order_trace(xs[0], w, cfg)
     contract.bitwise(traces[0].ids, s0.ids, what="ids")
@@ -339,7 +335,7 @@ def test_dep_designed_orders(ranks, seed, contract, monkeypatch):
 
     monkeypatch.setattr(dep, "route", routing)
     monkeypatch.setattr(dep, "pair_rows_fp32", experts)
-    traces = dep_layer_virtual(_inputs(cfg, ranks, 2, seed), w, cfg)
+    traces = dep_layer_virtual(cases.rank_rows(cfg, ranks, 2, seed), w, cfg)
     rows = v[torch.tensor(ids)].repeat(2, 1)  # [T*k, L], pair order t*k + j
     want = oracle.finalize(rows, torch.ones(2, k))
     designed = [0] + list(range(2, k))

@@ -61,12 +61,8 @@ def _layer(config_name: str, ranks: int, max_tokens: int, dense_gemm: str):
     from fast.schedules.dep import DepLayer
 
     # the real layer from the GPU generator (the CPU one takes minutes at that size)
-    w = cases.device_weights(config_name) if config_name == "kimi_k3" else cases.weights(config_name)
+    w = cases.layer_weights(config_name)
     return DepLayer(w, ranks=ranks, max_tokens=max_tokens, device="cuda", dense_gemm=dense_gemm)
-
-
-def _inputs(cfg, ranks: int, tokens: int, seed: int) -> list[torch.Tensor]:
-    return [cases.hidden_rows(cfg, tokens, seed + r).cuda() for r in range(ranks)]
 
 
 def _gemm(contract, layer, name, got, a, b, out_dtype, what, addend=None):
@@ -192,7 +188,7 @@ GRID = [(1, 1), (1, 64), (2, 7), (4, 16), (8, 3), (16, 2), (16, 16)]
 def test_dep_fast_stages(backend, ranks, tokens, dense_gemm, seed, contract):
     cfg = cases.config("small")
     layer = _layer("small", ranks, tokens, dense_gemm)
-    xs = _inputs(cfg, ranks, tokens, seed)
+    xs = cases.rank_rows(cfg, ranks, tokens, seed, "cuda")
     check_dep_fast(contract, layer, layer(xs), xs)
 
 
@@ -207,10 +203,10 @@ def test_dep_fast_graph_replay(backend, ranks, dense_gemm, seed, contract):
     cfg = cases.config("small")
     tokens = 7
     layer = _layer("small", ranks, 16, dense_gemm)
-    static = _inputs(cfg, ranks, tokens, seed)
+    static = cases.rank_rows(cfg, ranks, tokens, seed, "cuda")
     replay, graph_outs = layer.graph(static)
     for i in range(1, 4):
-        fresh = _inputs(cfg, ranks, tokens, seed + 100 * i)
+        fresh = cases.rank_rows(cfg, ranks, tokens, seed + 100 * i, "cuda")
         for s, f in zip(static, fresh):
             s.copy_(f)
         replay()
@@ -236,8 +232,8 @@ def test_dep_fast_stream_orders(backend, dense_gemm, seed, contract):
     cfg = cases.config("small")
     ranks, tokens = 4, 7
     layer = _layer("small", ranks, 8, dense_gemm)
-    xs = _inputs(cfg, ranks, tokens, seed)
-    other = _inputs(cfg, ranks, tokens, seed + 999)
+    xs = cases.rank_rows(cfg, ranks, tokens, seed, "cuda")
+    other = cases.rank_rows(cfg, ranks, tokens, seed + 999, "cuda")
     serial = [o.out.clone() for o in layer(xs, order="serial")]
     runs = {}
     # each side-stream run follows one on the other inputs, so the side stream's freed
@@ -269,7 +265,7 @@ def test_dep_fast_real_dep16(backend, tokens, seed, contract):
     cuBLAS)."""
     cfg = cases.config("kimi_k3")
     layer = _real_dep16()
-    xs = _inputs(cfg, 16, tokens, seed)
+    xs = cases.rank_rows(cfg, 16, tokens, seed, "cuda")
     check_dep_fast(contract, layer, layer(xs), xs)
 
 
@@ -282,9 +278,9 @@ def _real_dep16():
 def test_dep_fast_bad_input(backend):
     cfg = cases.config("small")
     layer = _layer("small", 2, 4, "cublas")
-    xs = _inputs(cfg, 2, 4, 0)
+    xs = cases.rank_rows(cfg, 2, 4, 0, "cuda")
     with pytest.raises(ValueError, match="max_tokens=4"):
-        layer(_inputs(cfg, 2, 5, 0))
+        layer(cases.rank_rows(cfg, 2, 5, 0, "cuda"))
     with pytest.raises(ValueError, match="one padded T"):
         layer([xs[0], xs[1][:3]])
     with pytest.raises(ValueError, match=r"xs\[1\] must be BF16"):

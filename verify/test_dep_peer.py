@@ -33,15 +33,6 @@ ROWS = ("token", "column")
 _RETIRED = []
 
 
-def _inputs(cfg, ranks: int, tokens: int, seed: int) -> list[torch.Tensor]:
-    return [cases.hidden_rows(cfg, tokens, seed + r).cuda() for r in range(ranks)]
-
-
-def _weights(config_name: str):
-    return cases.device_weights(config_name) if config_name == "kimi_k3" else \
-        cases.weights(config_name)
-
-
 @functools.cache
 def _layers(config_name: str, max_tokens: int):
     """The real rank's layer and the virtual layer of all ranks, on this process's GPU."""
@@ -50,7 +41,7 @@ def _layers(config_name: str, max_tokens: int):
     from fast.schedules.dep import DepLayer
     from fast.schedules.dep_peer import DepPeerLayer
 
-    w = _weights(config_name)
+    w = cases.layer_weights(config_name)
     real = DepPeerLayer(w, max_tokens=max_tokens)
     virtual = DepLayer(w, ranks=dist.get_world_size(), max_tokens=max_tokens, device="cuda")
     return real, virtual
@@ -85,7 +76,7 @@ def test_dep_peer_equals_virtual(backend, process_group, tokens, seed, contract)
     real, virtual = _layers("small", 16)
     rank, n = dist.get_rank(), dist.get_world_size()
     for call in range(2):
-        xs = _inputs(cfg, n, tokens, seed + 1000 * call)
+        xs = cases.rank_rows(cfg, n, tokens, seed + 1000 * call, "cuda")
         got = real(xs[rank])
         want = virtual(xs)[rank]
         compare_with_virtual(contract, got, want, rank, real.per,
@@ -103,8 +94,8 @@ def test_dep_peer_stream_orders_and_graph(backend, process_group, seed, contract
     cfg, tokens = cases.config("small"), 7
     real, virtual = _layers("small", 16)
     rank, n = dist.get_rank(), dist.get_world_size()
-    xs = _inputs(cfg, n, tokens, seed)
-    other = _inputs(cfg, n, tokens, seed + 999)
+    xs = cases.rank_rows(cfg, n, tokens, seed, "cuda")
+    other = cases.rank_rows(cfg, n, tokens, seed + 999, "cuda")
     want = virtual(xs)[rank].out.clone()
     runs = {"serial": real(xs[rank], order="serial").out.clone()}
     real(other[rank])
@@ -114,7 +105,7 @@ def test_dep_peer_stream_orders_and_graph(backend, process_group, seed, contract
     static = other[rank].clone()
     replay, outs = real.graph(static)
     for i in range(3):
-        fresh = _inputs(cfg, n, tokens, seed + 100 * (i + 1))
+        fresh = cases.rank_rows(cfg, n, tokens, seed + 100 * (i + 1), "cuda")
         static.copy_(fresh[rank])
         replay()
         torch.cuda.synchronize()
@@ -144,7 +135,7 @@ def test_dep_peer_real_dims(backend, process_group, tokens, seed, contract):
     cfg = cases.config("kimi_k3")
     real, virtual = _layers("kimi_k3", 4)
     rank, n = dist.get_rank(), dist.get_world_size()
-    xs = _inputs(cfg, n, tokens, seed)
+    xs = cases.rank_rows(cfg, n, tokens, seed, "cuda")
     compare_with_virtual(contract, real(xs[rank]), virtual(xs)[rank], rank, real.per,
                          f"kimi_k3 rank {rank}/{n} T={tokens}")
 
@@ -162,7 +153,7 @@ def test_dep_peer_missing_peer_times_out(backend, process_group):
     layer = DepPeerLayer(cases.weights("small"), max_tokens=4, timeout_s=0.2)
     _RETIRED.append(layer)
     rank, n = dist.get_rank(), dist.get_world_size()
-    xs = _inputs(cfg, n, 3, 0)
+    xs = cases.rank_rows(cfg, n, 3, 0, "cuda")
     layer(xs[rank])  # every rank once: the first call of a T meets the peers
     dist.barrier()
     if rank == 0:
@@ -226,7 +217,7 @@ def test_dep_peer_layers_share_scratch(backend, process_group, seed, contract):
     _RETIRED.extend(layers)
     virtual = [DepLayer(w, ranks=n, max_tokens=8, device="cuda") for w in weights]
     for call, which in enumerate((0, 1, 0, 1)):
-        xs = _inputs(cfg, n, 6, seed + 10 * call)
+        xs = cases.rank_rows(cfg, n, 6, seed + 10 * call, "cuda")
         compare_with_virtual(contract, layers[which](xs[rank]), virtual[which](xs)[rank], rank,
                              first.per, f"rank {rank} call {call} (layer {which})")
 
@@ -245,7 +236,7 @@ def test_dep_peer_bucket_graphs(backend, process_group, seed, contract):
     real, _ = _layers("small", 16)
     rank, n = dist.get_rank(), dist.get_world_size()
     graphs = BucketGraphs(real, buckets=(1, 8, 16))
-    x7 = _inputs(cfg, n, 7, seed)[rank]
+    x7 = cases.rank_rows(cfg, n, 7, seed, "cuda")[rank]
     x5 = x7[:5].clone()
     out7 = graphs(x7).clone()
     out5 = graphs(x5).clone()
@@ -267,7 +258,7 @@ def test_dep_virtual_bucket_graphs(backend, seed, contract):
     cfg, ranks = cases.config("small"), 4
     layer = DepLayer(cases.weights("small"), ranks=ranks, max_tokens=16, device="cuda")
     graphs = BucketGraphs(layer, buckets=(4, 16))
-    xs = _inputs(cfg, ranks, 13, seed)
+    xs = cases.rank_rows(cfg, ranks, 13, seed, "cuda")
     out13 = [o.clone() for o in graphs(xs)]
     out9 = [o.clone() for o in graphs([x[:9].clone() for x in xs])]
     padded = [torch.cat([x, torch.zeros(3, cfg.hidden, dtype=x.dtype, device=x.device)])
@@ -279,4 +270,4 @@ def test_dep_virtual_bucket_graphs(backend, seed, contract):
         contract.bitwise(out13[r], eager[r].out[:13], what=f"rank {r}: graph = eager on padded",
                          index_names=ROWS)
     with pytest.raises(ValueError, match="above the largest bucket 16"):
-        graphs(_inputs(cfg, ranks, 17, seed))
+        graphs(cases.rank_rows(cfg, ranks, 17, seed, "cuda"))

@@ -40,7 +40,7 @@ def test_batch_invariance_dep(ranks, tokens, seed, contract):
     """S1 (split-K tactic fixed): a rank's token gives the same bits whatever the other
     tokens of its batch and of the other ranks."""
     cfg, w = cases.config("small"), cases.weights("small")
-    xs = [cases.hidden_rows(cfg, tokens, seed + r) for r in range(ranks)]
+    xs = cases.rank_rows(cfg, ranks, tokens, seed)
     base = dep_layer_virtual(xs, w, cfg, front_splits=1, router_splits=2)
     others = [cases.hidden_rows(cfg, tokens, seed + 100 + r) for r in range(ranks)]
     others[0] = torch.cat([xs[0][:1], others[0][1:]])

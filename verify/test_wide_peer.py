@@ -34,15 +34,6 @@ ROWS = ("token", "column")
 _RETIRED = []
 
 
-def _inputs(cfg, ranks: int, tokens: int, seed: int) -> list[torch.Tensor]:
-    return [cases.hidden_rows(cfg, tokens, seed + r).cuda() for r in range(ranks)]
-
-
-def _weights(config_name: str):
-    return cases.device_weights(config_name) if config_name == "kimi_k3" else \
-        cases.weights(config_name)
-
-
 @functools.cache
 def _layers(config_name: str, max_rows: int):
     """The real rank's layer and the virtual layer of all ranks, on this process's GPU."""
@@ -51,7 +42,7 @@ def _layers(config_name: str, max_rows: int):
     from fast.schedules.wide import WideLayer
     from fast.schedules.wide_peer import WidePeerLayer
 
-    w = _weights(config_name)
+    w = cases.layer_weights(config_name)
     real = WidePeerLayer(w, max_rows=max_rows)
     virtual = WideLayer(w, ranks=dist.get_world_size(), max_rows=max_rows, device="cuda")
     return real, virtual
@@ -104,7 +95,7 @@ def test_wide_peer_equals_virtual(backend, process_group, tokens, seed, contract
     real, virtual = _layers("small", 128)
     rank, n = dist.get_rank(), dist.get_world_size()
     for call in range(2):
-        xs = _inputs(cfg, n, tokens, seed + 1000 * call)
+        xs = cases.rank_rows(cfg, n, tokens, seed + 1000 * call, "cuda")
         index = real.mailbox_index
         got = real(xs[rank])
         assert got.mailbox_index == index
@@ -128,8 +119,8 @@ def test_wide_peer_stream_orders_and_graph(backend, process_group, seed, contrac
     cfg, tokens = cases.config("small"), 80
     real, virtual = _layers("small", 128)
     rank, n = dist.get_rank(), dist.get_world_size()
-    xs = _inputs(cfg, n, tokens, seed)
-    other = _inputs(cfg, n, tokens, seed + 999)
+    xs = cases.rank_rows(cfg, n, tokens, seed, "cuda")
+    other = cases.rank_rows(cfg, n, tokens, seed + 999, "cuda")
     want = virtual(xs)[rank].out.clone()
     runs = {"serial": real(xs[rank], order="serial").out.clone()}
     real(other[rank])
@@ -139,7 +130,7 @@ def test_wide_peer_stream_orders_and_graph(backend, process_group, seed, contrac
     static = other[rank].clone()
     replay, _ = real.graph(static)
     for i in range(4):  # both graphs, twice
-        fresh = _inputs(cfg, n, tokens, seed + 100 * (i + 1))
+        fresh = cases.rank_rows(cfg, n, tokens, seed + 100 * (i + 1), "cuda")
         static.copy_(fresh[rank])
         outs = replay()
         real.check()
@@ -170,7 +161,7 @@ def test_wide_peer_real_dims(backend, process_group, seed, contract):
     real, virtual = _layers("kimi_k3", 96)
     rank, n = dist.get_rank(), dist.get_world_size()
     for call in range(2):
-        xs = _inputs(cfg, n, 65 + 30 * call, seed + call)
+        xs = cases.rank_rows(cfg, n, 65 + 30 * call, seed + call, "cuda")
         compare_with_virtual(contract, real(xs[rank]), virtual(xs)[rank], rank,
                              f"kimi_k3 rank {rank}/{n} call {call}")
 
@@ -193,7 +184,7 @@ def test_wide_peer_missing_peer_times_out(backend, process_group):
     layer = WidePeerLayer(cases.weights("small"), max_rows=96, timeout_s=0.2)
     _RETIRED.append(layer)
     rank, n = dist.get_rank(), dist.get_world_size()
-    xs = _inputs(cfg, n, 70, 0)
+    xs = cases.rank_rows(cfg, n, 70, 0, "cuda")
     layer(xs[rank])  # every rank once: the first call of a T meets the peers
     dist.barrier()
     if rank == 0:
