@@ -33,40 +33,18 @@ import statistics
 
 import torch
 
-from benchmarks.experts_table import copy_bandwidth_gbs, l2_flush, read_bandwidth_gbs
+from benchmarks.experts_table import capture_graph, copy_bandwidth_gbs, l2_flush, \
+    read_bandwidth_gbs, replay_times_us
 
 
-def replay_times_us(replay, *, reps: int, flush) -> list[float]:
-    """Device times (us) of ``reps`` replays after a barrier, the L2 flushed before each."""
+def replay_times_us_in_step(replay, *, reps: int, flush) -> list[float]:
+    """``benchmarks.experts_table.replay_times_us`` after a barrier: every rank starts its
+    replays together."""
     import torch.distributed as dist
 
     torch.cuda.synchronize()
     dist.barrier()
-    times = []
-    for _ in range(reps):
-        flush()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return times
-
-
-def capture(fn):
-    """``fn`` captured in a CUDA graph (after two eager warm-up calls)."""
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    return graph.replay
+    return replay_times_us(replay, reps=reps, flush=flush)
 
 
 class StockPeerRank:
@@ -118,7 +96,7 @@ def peer_bandwidth_gbs(nbytes: int = 256 << 20, reps: int = 20) -> dict:
     out = {}
     for name, fn in (("write", lambda: peer.copy_(local)), ("read", lambda: local.copy_(peer))):
         fn()
-        times = replay_times_us(fn, reps=reps, flush=lambda: None)
+        times = replay_times_us_in_step(fn, reps=reps, flush=lambda: None)
         out[name] = nbytes / (statistics.median(times) * 1e-6) / 1e9
     dist.barrier()
     return out
@@ -203,11 +181,11 @@ def main(argv=None):
         case = {"tokens": tokens, "touched": touched, "bytes": nbytes,
                 "limit_us": nbytes / (result["read_gbs"] * 1e9) * 1e6, "times": {}}
         replay, _ = layer.graph(x)
-        case["times"]["fast"] = replay_times_us(replay, reps=args.reps, flush=flush)
+        case["times"]["fast"] = replay_times_us_in_step(replay, reps=args.reps, flush=flush)
         layer.check()
         for name, moe in stocks.items():
             stock_rank = StockPeerRank(layer.dense, moe, ranks, tokens)
-            case["times"][name] = replay_times_us(capture(lambda: stock_rank(x)),
+            case["times"][name] = replay_times_us_in_step(capture_graph(lambda: stock_rank(x)),
                                                   reps=args.reps, flush=flush)
         case["median_us"] = {k: statistics.median(v) for k, v in case["times"].items()}
         gathered = [None] * ranks

@@ -48,30 +48,46 @@ def l2_flush():
     return lambda: readbw.read(buf, out)
 
 
-def device_time_us(fn, *, reps: int, flush) -> list[float]:
-    """Per-replay device times (us) of ``fn`` (captured once in a CUDA graph), L2 flushed
-    before each replay."""
+def capture_graph(fn, before=lambda: None):
+    """``fn`` captured once in a CUDA graph; returns the graph's ``replay``. ``fn`` runs
+    eagerly first (compiles, allocates), then once more on the capture stream (its
+    per-stream workspaces, e.g. cuBLAS's), each after ``before()`` (what a replay
+    needs in place: a polled mailbox restored)."""
+    before()
     fn()  # warm-up (compiles, allocates)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
+        before()
         fn()
         with torch.cuda.graph(graph, stream=stream):
             fn()
     torch.cuda.current_stream().wait_stream(stream)
     torch.cuda.synchronize()
+    return graph.replay
+
+
+def replay_times_us(replay, *, reps: int, flush) -> list[float]:
+    """Device times (us) of ``reps`` calls of ``replay``, ``flush()`` (the L2 flush, a
+    mailbox restore) run ahead of each outside the timed events."""
     times = []
     for _ in range(reps):
         flush()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        replay()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return times
+
+
+def device_time_us(fn, *, reps: int, flush) -> list[float]:
+    """Per-replay device times (us) of ``fn`` (captured once in a CUDA graph), ``flush()``
+    ahead of the warm-up calls and of each replay."""
+    return replay_times_us(capture_graph(fn, flush), reps=reps, flush=flush)
 
 
 def read_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 20) -> float:

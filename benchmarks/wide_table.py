@@ -36,39 +36,13 @@ import statistics
 
 import torch
 
-from benchmarks.experts_table import copy_bandwidth_gbs, l2_flush, read_bandwidth_gbs
+from benchmarks.experts_table import copy_bandwidth_gbs, device_time_us, l2_flush, \
+    read_bandwidth_gbs
 
 STAGES = ("shared", "front", "publish", "route", "experts", "finalize", "latent", "hidden",
           "rank")
 #: the stages whose graph polls rank 0's mailbox (its snapshot is restored before a replay)
 POLLING = ("route", "rank")
-
-
-def timed_replays(fn, *, reps: int, before) -> list[float]:
-    """Per-replay device times (us) of ``fn`` captured once in a CUDA graph; ``before()``
-    runs ahead of every replay, outside the timed events (the L2 flush, a mailbox restore).
-    The warm-up call runs after ``before()`` too."""
-    before()
-    fn()  # warm-up (compiles, allocates)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        with torch.cuda.graph(graph, stream=stream):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        before()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return times
 
 
 def fast_stages(layer, x, tokens: int) -> dict:
@@ -236,7 +210,7 @@ def main(argv=None):
 
         for name, fn in fast_stages(layer, x, tokens).items():
             before = restore_and_flush if name in POLLING else flush
-            case["times"][name] = timed_replays(fn, reps=args.reps, before=before)
+            case["times"][name] = device_time_us(fn, reps=args.reps, flush=before)
         # rank 0's last poll re-armed its mailbox; the other ranks' still hold every
         # publish of this case: poll them empty, so the next case starts armed
         for r in range(1, layer.ranks):
@@ -245,8 +219,8 @@ def main(argv=None):
         for name, moe in peers.items():
             try:
                 stock_rank = StockRank(layer, moe, tokens)
-                case["times"][name] = timed_replays(lambda: stock_rank(x), reps=args.reps,
-                                                    before=flush)
+                case["times"][name] = device_time_us(lambda: stock_rank(x), reps=args.reps,
+                                                    flush=flush)
             except Exception as error:  # reported in the JSON, not hidden
                 print(f"{name} at T={tokens} failed: {error!r}", flush=True)
                 case.setdefault("errors", {})[name] = repr(error)
