@@ -19,11 +19,26 @@ those runs; the threshold is the largest spread of any case, rounded up to a who
 (pytest-benchmark's ``--benchmark-compare-fail`` takes whole percents). The check
 recomputes it from the listed runs, so the figure cannot drift from its measurement.
 
-**Regression.** For each case, its newest result is compared on the statistic with the
-newest result of an earlier commit (runs of one commit, ``-dirty`` counting as another,
-are repeated measurements and are not compared with each other, so committing several
-runs of a slower commit cannot hide its slowdown); a slowdown beyond the threshold fails
-unless ``accepted.json`` has an entry for that run and case with a reason.
+**Regression.** A slowdown is ``100 * current / baseline - 100`` percent of the statistic,
+pytest-benchmark's ``PercentageRegressionCheck``; beyond the threshold means strictly more
+than it. A case the baseline lacks is not compared.
+
+* *A run being made* (``python -m benchmarks.run``, ``check`` and ``record``) is compared
+  with the newest committed run of its machine, and a case counts as a regression only
+  when it is slower beyond the threshold in each of ``CONFIRM_RUNS`` (3) separate pytest
+  runs: the whole suite once, then only the cases still slower, rerun by their node ids,
+  stopping as soon as none is left (``confirm_slower``). Interference on a shared machine
+  only adds time, so a real slowdown repeats and a noise spike rarely does three times in
+  a row. On the ``min`` statistic (CPU) this is the same as "the fastest round of all the
+  runs is still beyond the threshold"; on the ``median`` (GPU) it is "slower in every
+  run". A case a rerun does not measure (it failed or was skipped) stays counted as
+  slower.
+* *The committed history* (``check_machine``, in ``make test``): for each case, its
+  newest result is compared with the newest result of an earlier commit (runs of one
+  commit, ``-dirty`` counting as another, are repeated measurements and are not compared
+  with each other, so committing several runs of a slower commit cannot hide its
+  slowdown); a slowdown beyond the threshold fails unless ``accepted.json`` has an entry
+  for that run and case with a reason.
 """
 
 from __future__ import annotations
@@ -59,6 +74,11 @@ __all__ = [
     "load_accepted",
     "newest_changes",
     "check_machine",
+    "CONFIRM_RUNS",
+    "percent_slower",
+    "slower_cases",
+    "Confirmation",
+    "confirm_slower",
 ]
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -66,6 +86,9 @@ RESULTS = Path(__file__).resolve().parent / "results"
 STATISTICS = {"gpu": "median", "cpu": "min"}
 NOISE_FILE = "noise.json"
 ACCEPTED_FILE = "accepted.json"
+#: Separate pytest runs in which a case must be slower beyond the threshold to count as a
+#: regression (see the module docstring).
+CONFIRM_RUNS = 3
 #: Files a machine directory may hold besides its runs.
 OTHER_FILES = (NOISE_FILE, ACCEPTED_FILE, "README.md")
 RUN_NAME = re.compile(
@@ -448,3 +471,102 @@ def check_machine(machine_dir: Path) -> MachineCheck:
     stale = [a for a in accepted if a.run not in names]
     return MachineCheck(machine=machine_dir.name, noise=noise, changes=changes,
                         slower=slower, accepted=passed, stale=stale)
+
+
+def percent_slower(baseline_s: float, current_s: float) -> float:
+    """``100 * current / baseline - 100``, as pytest-benchmark's ``PercentageRegressionCheck``
+    computes it (infinite for a zero baseline)."""
+    return math.inf if not baseline_s else current_s / baseline_s * 100 - 100
+
+
+def slower_cases(baseline: Run, current: dict, statistic: str,
+                 threshold_percent: float) -> dict[str, tuple[float, float]]:
+    """The cases of ``current`` (pytest-benchmark's JSON) slower than in ``baseline`` by
+    more than ``threshold_percent`` on ``statistic``: fullname -> (baseline seconds,
+    current seconds). A case that ``baseline`` lacks is not compared; one exactly at the
+    threshold is not slower."""
+    base = baseline.cases
+    slower = {}
+    for bench in current.get("benchmarks", []):
+        case = bench["fullname"]
+        if case not in base:
+            continue
+        old = float(base[case]["stats"][statistic])
+        new = float(bench["stats"][statistic])
+        if percent_slower(old, new) > threshold_percent:
+            slower[case] = (old, new)
+    return slower
+
+
+@dataclasses.dataclass(frozen=True)
+class Confirmation:
+    """The outcome of ``confirm_slower``: every case slower in the first run, its baseline
+    figure and its figure in each run it was asked for (None: that run did not measure
+    it), and those slower in every one of ``runs`` runs."""
+
+    baseline: str                                        # the baseline run's file name
+    statistic: str
+    threshold_percent: float
+    runs: int                                            # CONFIRM_RUNS
+    figures: dict[str, tuple[float, list[float | None]]]
+    confirmed: tuple[str, ...]
+
+    @property
+    def unconfirmed(self) -> list[str]:
+        """Slower in the first run, not in a later one: noise."""
+        return [case for case in self.figures if case not in self.confirmed]
+
+    @property
+    def ok(self) -> bool:
+        return not self.confirmed
+
+    def _figures(self, case: str) -> str:
+        old, news = self.figures[case]
+        shown = [f"{new * 1e6:.4g} us ({percent_slower(old, new):+.1f}%)" if new is not None
+                 else "not measured" for new in news]
+        return (f"{case}: {self.statistic} {old * 1e6:.4g} us ({self.baseline}) -> "
+                + ", ".join(f"run {i}: {text}" for i, text in enumerate(shown, 1)))
+
+    def report(self) -> list[str]:
+        """One line per confirmed regression (``SLOWER``: the baseline figure, each run's
+        figure and percent, the least of them) and one per unconfirmed case (``noise``)."""
+        lines = []
+        for case in self.confirmed:
+            old, news = self.figures[case]
+            measured = [new for new in news if new is not None]
+            least = (f"; at least {percent_slower(old, min(measured)):+.1f}%" if measured
+                     else "")
+            lines.append(f"SLOWER  {self._figures(case)}{least}: beyond "
+                         f"{self.threshold_percent}% in each of {self.runs} runs")
+        for case in self.unconfirmed:
+            slow = sum(1 for new in self.figures[case][1] if new is not None and
+                       percent_slower(self.figures[case][0], new) > self.threshold_percent)
+            lines.append(f"noise   {self._figures(case)}: beyond {self.threshold_percent}% "
+                         f"in {slow} of {len(self.figures[case][1])} runs, not confirmed "
+                         "(not a regression)")
+        return lines
+
+
+def confirm_slower(baseline: Run, first: dict, statistic: str, threshold_percent: float,
+                   rerun, runs: int = CONFIRM_RUNS) -> Confirmation:
+    """Apply the confirmation rule (module docstring) to ``first``, the pytest-benchmark
+    JSON of a run of the whole suite: ``rerun(node_ids)`` makes one more separate pytest
+    run of only those cases (their fullnames) and returns its JSON (None when nothing
+    ran); it is called with the cases still slower, at most ``runs - 1`` times, and not
+    once none is left."""
+    slow = slower_cases(baseline, first, statistic, threshold_percent)
+    figures = {case: (old, [new]) for case, (old, new) in sorted(slow.items())}
+    still = sorted(slow)
+    for _ in range(runs - 1):
+        if not still:
+            break
+        data = rerun(list(still)) or {}
+        measured = {bench["fullname"]: float(bench["stats"][statistic])
+                    for bench in data.get("benchmarks", [])}
+        slow = slower_cases(baseline, data, statistic, threshold_percent)
+        for case in still:
+            figures[case][1].append(measured.get(case))
+        still = [case for case in still if case in slow or case not in measured]
+    return Confirmation(baseline=baseline.name, statistic=statistic,
+                        threshold_percent=threshold_percent, runs=runs, figures=figures,
+                        confirmed=tuple(still))

@@ -127,6 +127,99 @@ def test_runs_of_one_commit_only_have_nothing_to_compare(tmp_path):
     assert check.ok and check.changes == []
 
 
+def _current(seconds_by_case, statistic="min"):
+    """pytest-benchmark JSON of a run being made (only what the comparison reads)."""
+    return {"benchmarks": [{"fullname": case, "stats": {statistic: s}}
+                           for case, s in seconds_by_case.items()]}
+
+
+# Dyadic seconds, so that the percentages are exact: 2**-16 s -> +50% is 1.5 * 2**-16 s.
+BASE_S = 2.0 ** -16
+CASE_C = "benchmarks/bench_x.py::test_x[c]"
+
+
+@pytest.fixture
+def baseline(tmp_path):
+    return history.load_run(write_run(tmp_path / "cpu-x", 0, "a" * 40,
+                                      {CASE_A: BASE_S, CASE_B: BASE_S}))
+
+
+def test_slower_cases_is_strictly_beyond_the_threshold_and_skips_new_cases(baseline):
+    current = _current({CASE_A: 1.5 * BASE_S,                # exactly +50%: passes
+                        CASE_B: 1.5 * BASE_S + 2.0 ** -40,   # just above: slower
+                        CASE_C: 100 * BASE_S})               # not in the baseline
+    assert history.percent_slower(BASE_S, 1.5 * BASE_S) == 50.0
+    assert history.slower_cases(baseline, current, "min", 50) == {
+        CASE_B: (BASE_S, 1.5 * BASE_S + 2.0 ** -40)}
+    assert history.slower_cases(baseline, current, "min", 49) == {
+        CASE_A: (BASE_S, 1.5 * BASE_S), CASE_B: (BASE_S, 1.5 * BASE_S + 2.0 ** -40)}
+    assert history.slower_cases(baseline, _current({CASE_A: 0.5 * BASE_S}), "min", 0) == {}
+
+
+class _FakeRuns:
+    """A per-run runner for ``confirm_slower``: the i-th rerun returns ``reruns[i]``
+    (seconds by case, restricted to the cases asked for); records what each rerun asked."""
+
+    def __init__(self, *reruns):
+        self.reruns = list(reruns)
+        self.asked = []
+
+    def __call__(self, cases):
+        self.asked.append(list(cases))
+        seconds = self.reruns[len(self.asked) - 1]
+        return _current({case: seconds[case] for case in cases if case in seconds})
+
+
+SLOW, FAST = 3 * BASE_S, 1.1 * BASE_S   # +200%, +10% against a threshold of 89%
+
+
+def test_a_case_slow_once_then_fast_is_noise_and_passes(baseline):
+    runs = _FakeRuns({CASE_A: FAST})
+    outcome = history.confirm_slower(baseline, _current({CASE_A: SLOW, CASE_B: FAST}),
+                                     "min", 89, runs)
+    assert outcome.ok and outcome.confirmed == () and outcome.unconfirmed == [CASE_A]
+    assert runs.asked == [[CASE_A]]   # stopped as soon as no case was left
+    (line,) = outcome.report()
+    assert line.startswith(f"noise   {CASE_A}") and "+200.0%" in line and "+10.0%" in line
+    assert "in 1 of 2 runs" in line
+
+
+def test_a_case_slow_in_every_run_is_a_regression(baseline):
+    runs = _FakeRuns({CASE_A: SLOW, CASE_B: FAST}, {CASE_A: 2 * BASE_S})
+    outcome = history.confirm_slower(baseline, _current({CASE_A: SLOW, CASE_B: SLOW}),
+                                     "min", 89, runs)
+    assert not outcome.ok and outcome.confirmed == (CASE_A,)
+    assert outcome.unconfirmed == [CASE_B]
+    # reruns ask only for the cases still slower, by their node ids (fullnames)
+    assert runs.asked == [[CASE_A, CASE_B], [CASE_A]]
+    assert outcome.figures[CASE_A] == (BASE_S, [SLOW, SLOW, 2 * BASE_S])
+    slower, noise = outcome.report()
+    assert slower.startswith(f"SLOWER  {CASE_A}: min") and "run 3: " in slower
+    assert "at least +100.0%" in slower and "each of 3 runs" in slower
+    assert noise.startswith(f"noise   {CASE_B}")
+
+
+def test_a_case_fast_in_the_last_run_only_passes(baseline):
+    outcome = history.confirm_slower(baseline, _current({CASE_A: SLOW}), "min", 89,
+                                     _FakeRuns({CASE_A: SLOW}, {CASE_A: FAST}))
+    assert outcome.ok and outcome.figures[CASE_A][1] == [SLOW, SLOW, FAST]
+
+
+def test_no_rerun_when_nothing_is_slower(baseline):
+    runs = _FakeRuns()
+    outcome = history.confirm_slower(baseline, _current({CASE_A: FAST, CASE_C: SLOW}),
+                                     "min", 89, runs)
+    assert outcome.ok and runs.asked == [] and outcome.report() == []
+
+
+def test_a_case_a_rerun_does_not_measure_stays_slower(baseline):
+    """A rerun in which the case failed or nothing ran cannot clear it."""
+    outcome = history.confirm_slower(baseline, _current({CASE_A: SLOW}), "min", 89,
+                                     lambda cases: None)
+    assert outcome.confirmed == (CASE_A,) and outcome.figures[CASE_A][1] == [SLOW, None, None]
+    assert "run 2: not measured" in outcome.report()[0]
+
+
 class _FakeEvent:
     """A CUDA event on a made-up device clock (seconds advance by the enqueued work)."""
 
