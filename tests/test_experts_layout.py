@@ -102,3 +102,22 @@ def test_engine_kernels_compile(arch, geometry, windows, capture):
     empty_rows = geometry == "dep16" and windows != 1
     assert all(compile_all(g, c, windows=windows, arch=arch, capture=capture, strict=capture,
                            empty_rows=empty_rows))
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+@pytest.mark.parametrize("geometry,windows,tactic", [
+    ("dep16", 1, dict(wgmma=1, warps=4, mtiles=1)), ("dep16", 2, dict(wgmma=1)),
+    ("dep16", 4, dict(wgmma=1)), ("tp8", 1, dict(wgmma=1, warps=8, mtiles=1))])
+def test_engine_wgmma_kernels_compile(geometry, windows, tactic):
+    """The warpgroup-MMA tactic compiles for sm_90a and is refused, by name, for the
+    Blackwell targets (which have no wgmma)."""
+    from fast.experts.engine import compile_all
+    from fast.experts.layout import Geometry
+
+    c = LatentMoEConfig.kimi_k3()
+    g = {"dep16": Geometry(c.latent, c.intermediate, 56, 56, (0, 1)),
+         "tp8": Geometry(c.latent, c.intermediate // 8, 0, c.experts, (0, 8))}[geometry]
+    assert all(compile_all(g, c, windows=windows, arch="sm_90a", tactic=tactic))
+    for arch in ("sm_100a", "sm_103a"):
+        with pytest.raises(ValueError, match="wgmma needs sm_90a"):
+            compile_all(g, c, windows=windows, arch=arch, tactic=tactic)

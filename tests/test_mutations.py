@@ -205,6 +205,11 @@ MUTATIONS = [
          "                    if (token < ntok) & (token % 8 != 7):\n"
          "                        row = p.lds_i32(",
          ["verify/test_experts.py::test_experts_stages_every_window_count"], needs_gpu=True),
+    _one("fast experts engine (wgmma): the B descriptor skips the second 8 k of each step",
+         "fast/experts/kernels.py",
+         "p.smem_matrix_descriptor(slot + (cc * 8 + 2 * j) * 128, 128, SC * 8 * 128)",
+         "p.smem_matrix_descriptor(slot + (cc * 8 + 2 * j) * 128, 256, SC * 8 * 128)",
+         ["verify/test_experts.py::test_experts_stages"], needs_gpu=True),
     _one("fast experts engine: prepared gate and up rows swapped", "fast/experts/layout.py",
          "fc1 = torch.stack((gate.view(inter // 8, 8, -1), up.view(inter // 8, 8, -1)), 1)",
          "fc1 = torch.stack((up.view(inter // 8, 8, -1), gate.view(inter // 8, 8, -1)), 1)",

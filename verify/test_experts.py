@@ -275,7 +275,14 @@ def test_experts_stages_every_window_count(backend, windows, seed, contract):
 
 
 TACTICS = [dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
-           dict(ring=2), dict(ring=6), dict(chains=2), dict(chains=4), dict(occupancy=1)]
+           dict(ring=2), dict(ring=6), dict(chains=2), dict(chains=4), dict(occupancy=1),
+           dict(wgmma=1), dict(wgmma=1, warps=4, mtiles=1), dict(wgmma=1, warps=8, mtiles=1),
+           dict(wgmma=1, ring=6)]
+
+
+def _skip_unless_wgmma(tactic: dict, arch: str) -> None:
+    if tactic.get("wgmma") and arch != "sm_90a":
+        pytest.skip(f"wgmma is an sm_90a instruction; this GPU is {arch}")
 
 
 @pytest.mark.gpu
@@ -284,6 +291,9 @@ TACTICS = [dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtile
 @pytest.mark.parametrize("tactic", TACTICS, ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()))
 def test_experts_stages_every_tactic(backend, tactic, seed, contract):
     """Every FC kernel shape the engine can be asked for, stage by stage."""
+    from fast.backend import gpu_arch
+
+    _skip_unless_wgmma(tactic, gpu_arch())
     _run_stages(backend, contract, "small", 0, 64, (0, 1), 96, 1.0, seed, tactic=tactic)
 
 
@@ -297,13 +307,21 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
     codes, scales = latent_rows(engine.config, 96, seed)
     ids = cases.routing(engine.config, 96, seed, skew=1.0)
     args = (codes.cuda(), scales.cuda(), ids.cuda())
-    for windows in (1, 2):
-        base = engine(*args, windows=windows)
-        for tactic in (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
-                       dict(ring=2), dict(ring=6, occupancy=1)):
-            contract.bitwise(_bits(engine(*args, windows=windows, tactic=tactic)), _bits(base),
-                             what=f"tactic {tactic} vs the default shape, windows {windows}",
-                             index_names=("pair", "column"))
+    # mma.sync (the default) and, on sm_90a, wgmma, each against itself over the shapes
+    # that run it
+    shapes = {True: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(ring=2),
+                     dict(ring=6, occupancy=1)),
+              False: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
+                      dict(ring=2), dict(ring=6, occupancy=1))}
+    kinds = (False, True) if engine.arch == "sm_90a" else (False,)
+    for wgmma in kinds:
+        for windows in (1, 2, 4):
+            base = engine(*args, windows=windows, tactic=dict(wgmma=wgmma))
+            for tactic in shapes[wgmma]:
+                tactic = dict(tactic, wgmma=wgmma)
+                contract.bitwise(_bits(engine(*args, windows=windows, tactic=tactic)),
+                                 _bits(base), what=f"tactic {tactic} vs the default shape, "
+                                 f"windows {windows}", index_names=("pair", "column"))
 
 
 # --- invariances ------------------------------------------------------------------------
@@ -342,6 +360,41 @@ def test_experts_batch_invariant_and_order_free(backend, seed, contract):
     back = shuffled.view(256, k, -1)[torch.argsort(perm)].reshape(256 * k, -1)
     contract.bitwise(_bits(back), _bits(full), what="rows permuted (list order)",
                      index_names=("pair", "column"))
+
+
+@pytest.mark.gpu
+@pytest.mark.backends("fast")
+@pytest.mark.config("small")
+def test_experts_wgmma_batch_invariant_order_free_deterministic(backend, seed, contract):
+    """The wgmma tactic on its own (sm_90a): a pair's row has the same bits alone (one
+    window: m64n8k16), in a window of 8 rows and in a batch of 256 (up to four windows:
+    m64n32k16), with the rows permuted, and over 20 reruns."""
+    from fast.backend import gpu_arch
+
+    _skip_unless_wgmma(dict(wgmma=1), gpu_arch())
+    engine = engine_for("small", 0, 64, (0, 1), 256)
+    cfg, k = engine.config, engine.config.top_k
+    codes, scales = latent_rows(cfg, 256, seed)
+    ids = cases.routing(cfg, 256, seed, skew=0.8)
+    tactic = dict(wgmma=1)
+
+    def rows_of(sel):
+        return engine(codes[sel].cuda(), scales[sel].cuda(), ids[sel].cuda(),
+                      tactic=tactic).cpu()
+
+    full = rows_of(slice(0, 256))
+    for sel in (slice(0, 1), slice(0, 8), slice(100, 101)):
+        contract.bitwise(_bits(rows_of(sel)), _bits(full[sel.start * k:sel.stop * k]),
+                         what=f"wgmma: rows {sel.start}:{sel.stop} alone vs in a batch of 256",
+                         index_names=("pair", "column"))
+    perm = torch.randperm(256, generator=torch.Generator().manual_seed(seed))
+    shuffled = rows_of(perm)
+    back = shuffled.view(256, k, -1)[torch.argsort(perm)].reshape(256 * k, -1)
+    contract.bitwise(_bits(back), _bits(full), what="wgmma: rows permuted (list order)",
+                     index_names=("pair", "column"))
+    for _ in range(20):
+        contract.bitwise(_bits(rows_of(slice(0, 256))), _bits(full), what="wgmma: rerun",
+                         index_names=("pair", "column"))
 
 
 @pytest.mark.backends("fast", external=True)

@@ -17,6 +17,7 @@ __all__ = [
     "cp_async_16", "cp_async_4", "lds_u16", "lds_u8", "lds_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
     "mma_bf16", "rotr", "prmt", "mul_bf16x2", "atomic_add", "atomic_max", "shfl_xor", "shfl_up",
     "e4m3x2_to_f32", "f32x2_to_e4m3x2", "f32_to_bf16_bits",
+    "smem_matrix_descriptor", "wgmma_bf16", "wgmma_settle",
 ]
 
 
@@ -222,3 +223,67 @@ def f32_to_bf16_bits(value):
 def shfl_up(value, delta: int):
     """The value of lane ``lane - delta`` (own value for lanes below ``delta``)."""
     return _asm(f"shfl.sync.up.b32 {{$w0}}, {{$r0}}, {delta}, 0, -1;", [Uint32], [Uint32(value)])
+
+
+# --- warpgroup MMA (sm_90a only) ----------------------------------------------------
+
+
+def smem_matrix_descriptor(address, leading: int, stride: int):
+    """The 64-bit shared-memory matrix descriptor of ``wgmma`` for a K-major operand
+    without swizzle: core matrices of 8 rows x 16 bytes stored as 128 contiguous bytes,
+    ``leading`` bytes between core matrices adjacent in K, ``stride`` bytes between core
+    matrices adjacent in M/N; ``address`` (Int32 shared-window address) 16-byte aligned.
+    Bits 0-13 address >> 4, 16-29 leading >> 4, 32-45 stride >> 4, 62-63 layout 0."""
+    if leading % 16 or stride % 16 or not (0 < leading < 1 << 18) or not (0 < stride < 1 << 18):
+        raise ValueError(f"descriptor offsets must be positive multiples of 16 below 256 KiB, "
+                         f"got leading={leading}, stride={stride}")
+    high = Int64((stride >> 4) << 32)
+    low = Int64(((Int32(address) >> 4) & Int32(0x3FFF)) | Int32((leading >> 4) << 16))
+    return high | low
+
+
+def _ir(value):
+    return value.ir_value()
+
+
+def wgmma_bf16(acc, a, descriptor, n: int):
+    """``wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16``: ``acc`` (``n / 2`` FP32
+    accumulators of this thread) += A (this warp's 16 rows, 4 registers in the
+    ``mma.m16n8k16`` A-fragment order) x B (``n`` x 16, K-major, from ``descriptor``).
+    Asynchronous: the caller brackets it with ``warpgroup.fence`` / ``commit_group`` /
+    ``wait_group`` and reads the accumulators only through ``wgmma_settle`` after the wait.
+    Returns the accumulators (the same registers: tied operands)."""
+    from cutlass._mlir import ir
+    from cutlass._mlir.dialects import llvm
+
+    count = n // 2
+    if n % 8 or not 8 <= n <= 256 or len(acc) != count or len(a) != 4:
+        raise ValueError(f"wgmma m64n{n}k16 takes {n // 2} accumulators and 4 A registers")
+    outs = ", ".join(f"${i}" for i in range(count))
+    ins = ", ".join(f"${count + i}" for i in range(4))
+    code = (f"{{ .reg .pred p; setp.ne.b32 p, ${count + 5}, 0; "
+            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, {{{ins}}}, "
+            f"${count + 4}, p, 1, 1, 0; }}")
+    constraints = ",".join(["=f"] * count + ["r"] * 4 + ["l", "r"] + [str(i) for i in range(count)])
+    f32 = ir.F32Type.get()
+    struct = llvm.StructType.get_literal([f32] * count)
+    operands = ([_ir(Uint32(x)) for x in a] + [_ir(Int64(descriptor)), _ir(Int32(1))]
+                + [_ir(Float32(x)) for x in acc])
+    result = llvm.inline_asm(struct, operands, code, constraints, has_side_effects=True)
+    return [Float32(llvm.extractvalue(f32, result, [i])) for i in range(count)]
+
+
+def wgmma_settle(values):
+    """The accumulators after ``wgmma.wait_group``: one empty volatile statement that takes
+    and returns them, ordered after the wait (volatile statements keep their order), so
+    no read of an accumulator is scheduled before the MMAs that write it are complete."""
+    from cutlass._mlir import ir
+    from cutlass._mlir.dialects import llvm
+
+    count = len(values)
+    f32 = ir.F32Type.get()
+    struct = llvm.StructType.get_literal([f32] * count)
+    constraints = ",".join(["=f"] * count + [str(i) for i in range(count)])
+    result = llvm.inline_asm(struct, [_ir(Float32(x)) for x in values], "", constraints,
+                             has_side_effects=True)
+    return [Float32(llvm.extractvalue(f32, result, [i])) for i in range(count)]

@@ -13,7 +13,7 @@ from fast import backend
 from fast.experts.layout import PreparedExperts
 
 __all__ = ["ExpertsEngine", "EngineScratch", "Capture", "EngineError", "choose_windows",
-           "choose_tactic"]
+           "choose_tactic", "complete_tactic"]
 
 _TOP_K = 16
 
@@ -56,6 +56,19 @@ def choose_tactic(rows: int, top_k: int, experts: int, local: int) -> dict:
     return dict(warps=4, mtiles=1) if pairs <= 24 else {}
 
 
+def complete_tactic(tactic: dict, arch: str) -> dict:
+    """``tactic`` with the MMA instruction filled in where the caller left it out:
+    ``mma.sync`` (``wgmma`` False). Warpgroup MMA (``wgmma=1``: A from registers, B from
+    the ring, sm_90a only, whole warpgroups and one accumulator chain) is a tactic to ask
+    for: it compiles for sm_90a and its contracts are in ``verify/test_experts.py``, but
+    it has not yet run on a GPU, so it is not the default. ``arch`` is checked for it."""
+    tactic = {"wgmma": False, **tactic}
+    if tactic["wgmma"] and arch != "sm_90a":
+        raise ValueError(f"ExpertsEngine: tactic wgmma needs sm_90a (warpgroup MMA is Hopper's), "
+                         f"the target is {arch}")
+    return tactic
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled(kind: str, arch: str, params: tuple):
     import cutlass.cute as cute
@@ -85,11 +98,12 @@ def _occupancy(params: tuple) -> int:
 
 
 def compile_all(prepared_geometry, config, *, windows: int, arch: str, capture: bool = False,
-                strict: bool = False, empty_rows: bool = False):
-    """Compile the four kernels of one geometry for ``arch`` (no GPU needed)."""
+                strict: bool = False, empty_rows: bool = False, tactic: dict | None = None):
+    """Compile the four kernels of one geometry for ``arch`` (no GPU needed), with the
+    default FC shape or ``tactic``."""
     return [_compiled(kind, arch, params) for kind, params in
             _kernel_params(prepared_geometry, config, windows, capture, strict,
-                           empty_rows=empty_rows).items()]
+                           complete_tactic(tactic or {}, arch), empty_rows=empty_rows).items()]
 
 
 def _kernel_params(g, config, windows: int, capture: bool, strict: bool,
@@ -249,13 +263,16 @@ class ExpertsEngine:
                 capture and call ``check()`` later.
             capture: also return the intermediates (``Capture``; for verification).
             tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
-                "occupancy", "pdl"}`` (defaults: ``choose_tactic``'s tile, a ring of 4 stages
-                for one window and 3 for more, one accumulator chain, CTAs per
+                "occupancy", "pdl", "wgmma"}`` (defaults: ``choose_tactic``'s tile, a ring
+                of 4 stages for one window and 3 for more, one accumulator chain, CTAs per
                 multiprocessor from the shared memory, ``pdl`` on: FC1 lets FC2 launch
                 early, and FC2 streams its first weights before it waits for FC1's hidden
-                rows). Warps, m-tiles, ring, occupancy and pdl never change a bit; ``chains`` changes the summation order (within the same bound), so a
-                call with a non-default ``chains`` is not batch invariant with the default.
-                Every tactic is covered by ``verify/test_experts.py``.
+                rows; ``wgmma`` as ``complete_tactic`` fills it in). Warps, m-tiles, ring,
+                occupancy and pdl never change a bit; ``chains`` changes the summation
+                order (within the same bound), so a call with a non-default ``chains`` is
+                not batch invariant with the default; ``wgmma`` changes the instruction
+                (the contracts hold each MMA kind batch invariant on its own). Every tactic
+                is covered by ``verify/test_experts.py``.
 
         Returns:
             ``out``, or ``(out, Capture)`` with ``capture``.
@@ -272,6 +289,7 @@ class ExpertsEngine:
             raise ValueError(f"ExpertsEngine: windows must be 1, 2 or 4, got {windows}")
         if tactic is None:
             tactic = choose_tactic(rows, c.top_k, c.experts, g.count)
+        tactic = complete_tactic(tactic, self.arch)
         params = _kernel_params(g, c, windows, capture, self.strict, tactic, self.empty_rows)
         fn = {kind: _compiled(kind, self.arch, p) for kind, p in params.items()}
         cap = self._capture_buffers(rows) if capture else None
@@ -300,7 +318,8 @@ class ExpertsEngine:
         peers wait for its rows with a timeout)."""
         c, g = self.config, self.geometry
         params = _kernel_params(g, c, choose_windows(rows, c.top_k, c.experts), False,
-                                self.strict, choose_tactic(rows, c.top_k, c.experts, g.count),
+                                self.strict, complete_tactic(
+                                    choose_tactic(rows, c.top_k, c.experts, g.count), self.arch),
                                 self.empty_rows)
         for kind, p in params.items():
             _compiled(kind, self.arch, p)

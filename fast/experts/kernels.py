@@ -12,6 +12,7 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
+from cutlass.cute.nvgpu import warpgroup
 
 from fast import _cute as h
 from fast.experts import _ptx as p
@@ -263,13 +264,17 @@ class ExpertsGemmKernel:
                  windows: int, top_k: int = 16, warps: int = 4, mtiles: int = 2,
                  ring: int | None = None, chains: int = 1, occupancy: int | None = None,
                  capture: bool = False, beta: float = 4.0, linear_beta: float = 25.0,
-                 pdl: bool = False):
+                 pdl: bool = False, wgmma: bool = False):
         # measured on the H200: a 4-stage ring for one window, 3 stages (one more CTA per
         # multiprocessor) for more; the ring depth never changes a bit
         ring = ring or (4 if windows == 1 else 3)
         if chains not in (1, 2, 4) or ring < 2:
             raise ValueError(f"chains must be 1, 2 or 4 and ring >= 2, got {chains}, {ring}")
         self.RING, self.chains = ring, chains
+        self.wgmma = bool(wgmma)
+        if self.wgmma and (warps % 4 or chains != 1):
+            raise ValueError(f"wgmma needs whole warpgroups (warps % 4 == 0) and one accumulator "
+                             f"chain, got warps={warps}, chains={chains}")
         self.fc1, self.rows, self.k, self.inter, self.latent = fc1, rows, k, inter, latent
         self.count, self.windows, self.top_k = count, windows, top_k
         self.warps, self.mtiles, self.capture = warps, mtiles, capture
@@ -424,7 +429,12 @@ class ExpertsGemmKernel:
                 n = token % WINDOW
                 cc = gi // 8
                 kk = gi % 8
-                dst[i] = (((window * SC + cc) * 2 + kk % 2) * 32 + 4 * n + kk // 2) * 16
+                if cutlass.const_expr(self.wgmma):
+                    # core matrix (window, chunk, 8-k granule): 8 tokens x 16 bytes
+                    dst[i] = ((window * SC + cc) * 8 + kk) * 128 + n * 16
+                else:
+                    # the mma.m16n8k16 B fragments of lane 4n + kk // 2, in lane order
+                    dst[i] = (((window * SC + cc) * 2 + kk % 2) * 32 + 4 * n + kk // 2) * 16
                 row = Int32(0)
                 state = Int32(-1)  # -1: no copy (past the stage's granules), 0: zero-fill
                 if g < self.granules:
@@ -488,6 +498,9 @@ class ExpertsGemmKernel:
             self._prologue(src, dst, ok, wbase, sbase, ring, warp, lane)
         for s in cutlass.range(NS, unroll=1):
             cute.arch.cp_async_wait_group(RING - 2)
+            if cutlass.const_expr(self.wgmma):
+                # this thread's completed copies, visible to the wgmma reads (async proxy)
+                cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             ahead = s + RING - 1
             if ahead < NS:
@@ -630,16 +643,57 @@ class ExpertsGemmKernel:
                 r0 = self._decode(words[0]) + self._decode(words[1])
                 r1 = self._decode(words[2]) + self._decode(words[3])
                 frags.append(([p.mul_bf16x2(v, f0) for v in r0], [p.mul_bf16x2(v, f1) for v in r1]))
-            # B fragments of every live window, then the MMAs step-major so that the
-            # (m-tile, window) accumulator chains interleave (a chain's consecutive MMAs
-            # are not back to back); each chain still adds its steps in order 0..3.
-            bs = []
-            for w in cutlass.range_constexpr(live):
-                address = slot + (((w * SC + cc) * 2) * 32 + lane) * 16
-                bs.append(list(p.lds_v4(address)) + list(p.lds_v4(address + 512)))
-            for j in cutlass.range_constexpr(4):
+                if cutlass.const_expr(self.wgmma):
+                    self._wgmma_mtile(acc, frags[mt], slot, cc, mt, live)
+            if cutlass.const_expr(not self.wgmma):
+                # B fragments of every live window, then the MMAs step-major so that the
+                # (m-tile, window) accumulator chains interleave (a chain's consecutive
+                # MMAs are not back to back); each chain still adds its steps in order 0..3.
+                bs = []
                 for w in cutlass.range_constexpr(live):
-                    self._mma_step(acc, frags, bs[w], j, w)
+                    address = slot + (((w * SC + cc) * 2) * 32 + lane) * 16
+                    bs.append(list(p.lds_v4(address)) + list(p.lds_v4(address + 512)))
+                for j in cutlass.range_constexpr(4):
+                    for w in cutlass.range_constexpr(live):
+                        self._mma_step(acc, frags, bs[w], j, w)
+        if cutlass.const_expr(self.wgmma):
+            # the ring slot is refilled after the next barrier: every MMA reading it done
+            warpgroup.wait_group(0)
+            self._wgmma_settle(acc, live)
+
+    @cute.jit
+    def _wgmma_mtile(self, acc, frag, slot, cc: int, mt: int, live: int):
+        """M-tile ``mt`` of chunk ``cc`` as one group of warpgroup MMAs: per MMA step j (16
+        k) one ``wgmma m64n(8 live)k16`` whose 64 rows are m-tile ``mt`` of each of the
+        warpgroup's 4 warps (A: this warp's decoded fragment in registers) and whose B is
+        the live windows' tokens in the slot (core matrices: ``leading`` 128 bytes to the
+        next 8 k, ``stride`` one window). Each output adds the chunk's steps in order 0..3.
+        At most one group stays in flight (``wait_group(1)`` after the commit), so the
+        registers of one decoded fragment are free again when the next is decoded."""
+        SC: cutlass.Constexpr = self.stage_chunks
+        W: cutlass.Constexpr = self.windows
+        r0, r1 = frag
+        base = mt * W * 4
+        warpgroup.fence()  # this fragment and the accumulators were written by this thread
+        for j in cutlass.range_constexpr(4):
+            desc = p.smem_matrix_descriptor(slot + (cc * 8 + 2 * j) * 128, 128, SC * 8 * 128)
+            d = p.wgmma_bf16([acc[base + i] for i in range(4 * live)],
+                             (r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1]), desc, 8 * live)
+            for i in cutlass.range_constexpr(4 * live):
+                acc[base + i] = d[i]
+        warpgroup.commit_group()
+        warpgroup.wait_group(1)
+
+    @cute.jit
+    def _wgmma_settle(self, acc, live: int):
+        """The live accumulators, read back only after ``wgmma.wait_group``."""
+        MT: cutlass.Constexpr = self.mtiles
+        W: cutlass.Constexpr = self.windows
+        for mt in cutlass.range_constexpr(MT):
+            base = mt * W * 4
+            d = p.wgmma_settle([acc[base + i] for i in range(4 * live)])
+            for i in cutlass.range_constexpr(4 * live):
+                acc[base + i] = d[i]
 
     @cute.jit
     def _epilogue_fc1(self, acc, table, red, hidden: Int64, cap_fc1: Int64, cap_codes: Int64,
