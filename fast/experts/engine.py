@@ -61,8 +61,13 @@ def complete_tactic(tactic: dict, arch: str) -> dict:
     ``mma.sync`` (``wgmma`` False). Warpgroup MMA (``wgmma=1``: A from registers, B from
     the ring, sm_90a only, whole warpgroups and one accumulator chain) is a tactic to ask
     for: it compiles for sm_90a and its contracts are in ``verify/test_experts.py``, but
-    it has not yet run on a GPU, so it is not the default. ``arch`` is checked for it."""
-    tactic = {"wgmma": False, **tactic}
+    it has not yet run on a GPU, so it is not the default. ``arch`` is checked for it.
+    ``pdl_chain`` (default False, likewise not yet run on a GPU): the plan kernel and FC1
+    launched with programmatic dependent launch too (the list kernel lets the plan kernel
+    be scheduled at once; the plan kernel waits for it, then lets FC1 be scheduled; FC1
+    waits for the plan before its first claim), so the two launch gaps of a call overlap
+    the kernels before them."""
+    tactic = {"wgmma": False, "pdl_chain": False, **tactic}
     if tactic["wgmma"] and arch != "sm_90a":
         raise ValueError(f"ExpertsEngine: tactic wgmma needs sm_90a (warpgroup MMA is Hopper's), "
                          f"the target is {arch}")
@@ -111,13 +116,14 @@ def _kernel_params(g, config, windows: int, capture: bool, strict: bool,
     common = dict(inter=g.inter, latent=g.latent, count=g.count, windows=windows,
                   top_k=config.top_k, capture=capture, pdl=True)
     common.update(tactic or {})
+    chain = bool(common.pop("pdl_chain", False))
     return {
         "lists": tuple(sorted(dict(latent=g.latent, top_k=config.top_k, experts=config.experts,
                                    first=g.first, count=g.count, strict=strict,
-                                   empty_rows=empty_rows).items())),
-        "plan": tuple(sorted(dict(count=g.count, windows=windows).items())),
+                                   empty_rows=empty_rows, pdl_chain=chain).items())),
+        "plan": tuple(sorted(dict(count=g.count, windows=windows, pdl_chain=chain).items())),
         "fc1": tuple(sorted(dict(common, fc1=True, rows=2 * g.inter, k=g.latent,
-                                 beta=float(config.situ_beta),
+                                 beta=float(config.situ_beta), pdl_chain=chain,
                                  linear_beta=float(config.situ_linear_beta)).items())),
         "fc2": tuple(sorted(dict(common, fc1=False, rows=g.latent, k=g.inter,
                                  capture=False).items())),
@@ -263,12 +269,12 @@ class ExpertsEngine:
                 capture and call ``check()`` later.
             capture: also return the intermediates (``Capture``; for verification).
             tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
-                "occupancy", "pdl", "wgmma"}`` (defaults: ``choose_tactic``'s tile, a ring
+                "occupancy", "pdl", "wgmma", "pdl_chain"}`` (defaults: ``choose_tactic``'s tile, a ring
                 of 4 stages for one window and 3 for more, one accumulator chain, CTAs per
                 multiprocessor from the shared memory, ``pdl`` on: FC1 lets FC2 launch
                 early, and FC2 streams its first weights before it waits for FC1's hidden
-                rows; ``wgmma`` as ``complete_tactic`` fills it in). Warps, m-tiles, ring,
-                occupancy and pdl never change a bit; ``chains`` changes the summation
+                rows; ``wgmma`` and ``pdl_chain`` as ``complete_tactic`` fills them in).
+                Warps, m-tiles, ring, occupancy, pdl and pdl_chain never change a bit; ``chains`` changes the summation
                 order (within the same bound), so a call with a non-default ``chains`` is
                 not batch invariant with the default; ``wgmma`` changes the instruction
                 (the contracts hold each MMA kind batch invariant on its own). Every tactic

@@ -80,10 +80,13 @@ class RoutingListsKernel:
     """
 
     def __init__(self, latent: int, top_k: int, experts: int, first: int, count: int,
-                 strict: bool, empty_rows: bool = False):
+                 strict: bool, empty_rows: bool = False, pdl_chain: bool = False):
         self.latent, self.top_k, self.experts = latent, top_k, experts
         self.first, self.count, self.strict = first, count, strict
         self.empty_rows = empty_rows
+        #: let the plan kernel (launched with programmatic dependent launch) be scheduled
+        #: at once; it reads nothing of this grid before its griddepcontrol.wait
+        self.pdl_chain = bool(pdl_chain)
         self.ws = Workspace(count)
 
     @cute.jit
@@ -99,7 +102,8 @@ class RoutingListsKernel:
         row = cute.arch.block_idx()[0]
         top_k: cutlass.Constexpr = self.top_k
         latent: cutlass.Constexpr = self.latent
-        ws = self.ws
+        if cutlass.const_expr(self.pdl_chain):
+            cute.arch.griddepcontrol_launch_dependents()
         if tid < top_k:
             pair = row * top_k + tid
             expert = p.ldg_i32(ids + Int64(pair) * 4)
@@ -162,14 +166,18 @@ class PlanKernel:
     Constraint: at most 1024 local experts.
     """
 
-    def __init__(self, count: int, windows: int):
+    def __init__(self, count: int, windows: int, pdl_chain: bool = False):
         self.count, self.windows = count, windows
         self.threads = max(32, (count + 31) // 32 * 32)
+        #: launched with programmatic dependent launch after the list kernel: wait for it,
+        #: then let FC1 be scheduled (FC1 waits for this grid before its first claim)
+        self.pdl_chain = bool(pdl_chain)
         self.ws = Workspace(count)
 
     @cute.jit
     def __call__(self, work: Int64, stream):
-        self.kernel(work).launch(grid=(1, 1, 1), block=(self.threads, 1, 1), stream=stream)
+        self.kernel(work).launch(grid=(1, 1, 1), block=(self.threads, 1, 1), stream=stream,
+                                 use_pdl=self.pdl_chain)
 
     @cute.kernel
     def kernel(self, work: Int64):
@@ -180,6 +188,11 @@ class PlanKernel:
         per_group: cutlass.Constexpr = WINDOW * self.windows
         nwarps: cutlass.Constexpr = self.threads // 32
         smem = cute.arch.alloc_smem(Int32, 2 * 32, alignment=16).toint()
+        if cutlass.const_expr(self.pdl_chain):
+            # after the wait, not before: FC1's CTAs, once scheduled, may fill the
+            # multiprocessors, and the list kernel's CTAs must all have been placed by then
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
         c = Int32(0)
         if tid < self.count:
             c = p.ldg_i32(work + Int64(ws.live + tid) * 4)
@@ -264,7 +277,7 @@ class ExpertsGemmKernel:
                  windows: int, top_k: int = 16, warps: int = 4, mtiles: int = 2,
                  ring: int | None = None, chains: int = 1, occupancy: int | None = None,
                  capture: bool = False, beta: float = 4.0, linear_beta: float = 25.0,
-                 pdl: bool = False, wgmma: bool = False):
+                 pdl: bool = False, wgmma: bool = False, pdl_chain: bool = False):
         # measured on the H200: a 4-stage ring for one window, 3 stages (one more CTA per
         # multiprocessor) for more; the ring depth never changes a bit
         ring = ring or (4 if windows == 1 else 3)
@@ -280,6 +293,9 @@ class ExpertsGemmKernel:
         self.warps, self.mtiles, self.capture = warps, mtiles, capture
         self.beta, self.linear_beta = beta, linear_beta
         self.pdl = bool(pdl)
+        #: FC1 launched with programmatic dependent launch after the plan kernel (waits
+        #: for it before the first claim)
+        self.pdl_chain = bool(pdl_chain) and fc1
         self.threads = 32 * warps
         self.tile_rows = 16 * warps * mtiles
         if rows % self.tile_rows:
@@ -313,7 +329,7 @@ class ExpertsGemmKernel:
                     capacity).launch(grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream,
                                      smem=self.smem_bytes, min_blocks_per_mp=self.occupancy,
                                      preferred_smem_carveout=100,
-                                     use_pdl=self.pdl and not self.fc1)
+                                     use_pdl=(self.pdl and not self.fc1) or self.pdl_chain)
 
     # -- pieces -----------------------------------------------------------------------
 
@@ -391,6 +407,9 @@ class ExpertsGemmKernel:
         dst = cute.make_rmem_tensor((copies,), Int32)
         ok = cute.make_rmem_tensor((copies,), Int32)
 
+        if cutlass.const_expr(self.pdl_chain):
+            # the plan kernel's items and counters (and the list kernel's rows) visible
+            cute.arch.griddepcontrol_wait()
         if cutlass.const_expr(self.pdl and self.fc1):
             # FC2 may be scheduled now: its CTAs take the multiprocessors this grid's CTAs
             # leave, and read nothing this grid writes before griddepcontrol.wait
