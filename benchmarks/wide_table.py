@@ -81,8 +81,38 @@ def fast_stages(layer, x, tokens: int) -> dict:
     }
 
 
+def stock_step(layer, r: int, moe, x, comm):
+    """Rank ``r`` of the stock composition (module docstring) on the tokens ``x``: its front
+    GEMM, the gather of every rank's logits and latent shard, the router, ``moe`` over its
+    TP slice, the latent all-reduce, RMSNorm, its shared-expert slice, its up-projection
+    columns and the hidden all-reduce. ``layer`` holds the rank's weights (a ``WideLayer``
+    or a ``fast.schedules.wide_peer.WidePeerLayer``: ``front_weights[r]``, ...); ``comm``
+    moves the rows between ranks: ``gather(logits_shard, latent_shard) -> (logits [T, E]
+    FP32, latent [T, L] BF16)``, ``reduce_routed(partial [T, L])`` and
+    ``reduce_hidden(partial [T, H])`` (BF16 sums over the ranks). :class:`StockRank` does it
+    on one GPU, ``benchmarks.wide_peer_table.StockPeerRank`` over NCCL."""
+    from fast import stock
+
+    c = layer.config
+    e_n = c.experts // layer.ranks
+    front = stock.mm_fp32_out(x, layer.front_weights[r])
+    logits, latent = comm.gather(front[:, :e_n], front[:, e_n:])
+    w, ids = stock.route(logits, layer.bias, top_k=c.top_k, renormalize=c.renormalize,
+                         scale=c.routed_scaling_factor)
+    routed = comm.reduce_routed(moe(latent, ids, w))
+    normed = stock.rms_norm(routed, layer.latent_norm, c.rms_eps)
+    h = stock.mm_bf16(x, layer.shared_gate_up[r])
+    shared = stock.mm_bf16(stock.situ_and_mul(h, beta=c.situ_beta,
+                                              linear_beta=c.situ_linear_beta),
+                           layer.shared_down[r])
+    cols = slice(r * layer.columns, (r + 1) * layer.columns)
+    shared[:, cols] = stock.addmm_bf16(shared[:, cols].contiguous(), normed, layer.up[r])
+    return comm.reduce_hidden(shared)
+
+
 class StockRank:
-    """Rank 0 of the stock composition (module docstring) for ``tokens`` rows."""
+    """Rank 0 of the stock composition (module docstring) for ``tokens`` rows: the
+    collectives as one-copy gathers and FP32 sums over the other ranks' rows (random)."""
 
     def __init__(self, layer, moe, tokens: int):
         c, n, dev = layer.config, layer.ranks, layer.device
@@ -95,29 +125,58 @@ class StockRank:
         self.peer_routed = torch.randn(n, tokens, c.latent, device=dev).bfloat16()
         self.peer_hidden = torch.randn(n, tokens, c.hidden, device=dev).bfloat16()
 
-    def __call__(self, x):
-        from fast import stock
-
-        lay, c, t, n = self.layer, self.layer.config, self.tokens, self.layer.ranks
-        e_n = c.experts // n
-        front = stock.mm_fp32_out(x, lay.front_weights[0])
-        self.peer_logits[0].copy_(front[:, :e_n])
-        self.peer_latent[0].copy_(front[:, e_n:])
+    def gather(self, logits_shard, latent_shard):
+        c, t = self.layer.config, self.tokens
+        self.peer_logits[0].copy_(logits_shard)
+        self.peer_latent[0].copy_(latent_shard)
         self.logits.copy_(self.peer_logits.permute(1, 0, 2).reshape(t, c.experts))
         self.latent.copy_(self.peer_latent.permute(1, 0, 2).reshape(t, c.latent))
-        w, ids = stock.route(self.logits, lay.bias, top_k=c.top_k, renormalize=c.renormalize,
-                             scale=c.routed_scaling_factor)
-        self.peer_routed[0] = self.moe(self.latent, ids, w)
-        routed = self.peer_routed.float().sum(0).bfloat16()
-        normed = stock.rms_norm(routed, lay.latent_norm, c.rms_eps)
-        h = stock.mm_bf16(x, lay.shared_gate_up[0])
-        shared = stock.mm_bf16(stock.situ_and_mul(h, beta=c.situ_beta,
-                                                  linear_beta=c.situ_linear_beta),
-                               lay.shared_down[0])
-        cols = slice(0, lay.columns)
-        shared[:, cols] = stock.addmm_bf16(shared[:, cols].contiguous(), normed, lay.up[0])
-        self.peer_hidden[0] = shared
+        return self.logits, self.latent
+
+    def reduce_routed(self, partial):
+        self.peer_routed[0] = partial
+        return self.peer_routed.float().sum(0).bfloat16()
+
+    def reduce_hidden(self, partial):
+        self.peer_hidden[0] = partial
         return self.peer_hidden.float().sum(0).bfloat16()
+
+    def __call__(self, x):
+        return stock_step(self.layer, 0, self.moe, x, self)
+
+
+def triton_slice_moes(w, rank: int, ranks: int) -> tuple[dict, str]:
+    """triton_kernels ``matmul_ogs`` experts over rank ``rank``'s TP slice of the
+    intermediate of every expert (of ``ranks``), ``num_warps`` 4 and 8, named
+    ``stock_triton_w4`` / ``stock_triton_w8``; ``({}, why)`` where triton_kernels cannot
+    run, else ``(moes, "")``."""
+    from benchmarks.peers import triton_moe
+
+    ok, why = triton_moe.available()
+    if not ok:
+        return {}, why
+    c = w.config
+    inter = c.intermediate // ranks
+    lo = rank * inter  # the rank's slice of I
+    w13 = torch.cat([w.w13[:, lo:lo + inter], w.w13[:, c.intermediate + lo:
+                                                   c.intermediate + lo + inter]], 1)
+    w13_s = torch.cat([w.w13_scales[:, lo:lo + inter],
+                       w.w13_scales[:, c.intermediate + lo:c.intermediate + lo + inter]], 1)
+    w2 = w.w2[:, :, lo // 2:(lo + inter) // 2]
+    w2_s = w.w2_scales[:, :, lo // 32:(lo + inter) // 32]
+    moes = {}
+    for nw in (4, 8):
+        moes[f"stock_triton_w{nw}"] = triton_moe.TritonMoE(
+            w13, w13_s, w2.contiguous(), w2_s.contiguous(), num_warps=nw,
+            n_experts_total=c.experts, device="cuda")
+    return moes, ""
+
+
+def rank_dense_bytes(layer, r: int) -> int:
+    """Bytes of rank ``r``'s dense weight slices: router + latent-down rows, shared gate/up
+    and down slices, up-projection rows (the byte limit's dense part)."""
+    return sum(t.numel() * t.element_size() for t in (
+        layer.front_weights[r], layer.shared_gate_up[r], layer.shared_down[r], layer.up[r]))
 
 
 def render(result: dict) -> str:
@@ -168,29 +227,14 @@ def main(argv=None):
     w = cases.device_weights("kimi_k3")
     c = w.config
     layer = WideLayer(w, ranks=args.ranks, max_rows=max(tokens_list))
-    dense_bytes = sum(t.numel() * t.element_size() for t in (
-        layer.front_weights[0], layer.shared_gate_up[0], layer.shared_down[0], layer.up[0]))
+    dense_bytes = rank_dense_bytes(layer, 0)
     expert_bytes = layer.engines[0].prepared.expert_bytes()
     peers = {}
     if "triton" in args.peers:
-        from benchmarks.peers import triton_moe
-
-        ok, why = triton_moe.available()
-        if not ok:
+        peers, why = triton_slice_moes(w, 0, args.ranks)  # rank 0's slice of I
+        if why:
             print("triton_kernels unavailable:", why)
             result["triton_error"] = why
-        else:
-            inter, lo = c.intermediate // args.ranks, 0  # rank 0's slice of I
-            w13 = torch.cat([w.w13[:, lo:lo + inter], w.w13[:, c.intermediate + lo:
-                                                           c.intermediate + lo + inter]], 1)
-            w13_s = torch.cat([w.w13_scales[:, lo:lo + inter],
-                               w.w13_scales[:, c.intermediate + lo:c.intermediate + lo + inter]], 1)
-            w2 = w.w2[:, :, lo // 2:(lo + inter) // 2]
-            w2_s = w.w2_scales[:, :, lo // 32:(lo + inter) // 32]
-            for nw in (4, 8):
-                peers[f"stock_triton_w{nw}"] = triton_moe.TritonMoE(
-                    w13, w13_s, w2.contiguous(), w2_s.contiguous(), num_warps=nw,
-                    n_experts_total=c.experts, device="cuda")
     for tokens in tokens_list:
         x = torch.randn(tokens, c.hidden, device="cuda").bfloat16()
         outputs = layer(x)
