@@ -105,12 +105,16 @@ def test_engine_kernels_compile(arch, geometry, windows, capture):
     if windows == 2:  # the launch chain (programmatic dependent launch of plan and FC1)
         assert all(compile_all(g, c, windows=windows, arch=arch, tactic=dict(pdl_chain=1),
                                empty_rows=empty_rows))
+    if geometry in ("dep16", "tp8") and windows in (1, 4):  # FC1 + FC2 in one grid
+        assert all(compile_all(g, c, windows=windows, arch=arch, capture=capture,
+                               tactic=dict(fused=1), empty_rows=empty_rows))
 
 
 @pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
 @pytest.mark.parametrize("geometry,windows,tactic", [
     ("dep16", 1, dict(wgmma=1, warps=4, mtiles=1)), ("dep16", 2, dict(wgmma=1)),
-    ("dep16", 4, dict(wgmma=1, pdl_chain=1)), ("tp8", 1, dict(wgmma=1, warps=8, mtiles=1))])
+    ("dep16", 4, dict(wgmma=1, pdl_chain=1)), ("tp8", 1, dict(wgmma=1, warps=8, mtiles=1)),
+    ("dep16", 4, dict(wgmma=1, fused=1))])
 def test_engine_wgmma_kernels_compile(geometry, windows, tactic):
     """The warpgroup-MMA tactic (with the launch chain at 4 windows) compiles for sm_90a
     and is refused, by name, for the Blackwell targets (which have no wgmma)."""

@@ -277,7 +277,9 @@ def test_experts_stages_every_window_count(backend, windows, seed, contract):
 TACTICS = [dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
            dict(ring=2), dict(ring=6), dict(chains=2), dict(chains=4), dict(occupancy=1),
            dict(wgmma=1), dict(wgmma=1, warps=4, mtiles=1), dict(wgmma=1, warps=8, mtiles=1),
-           dict(wgmma=1, ring=6), dict(pdl_chain=1), dict(pdl_chain=1, wgmma=1)]
+           dict(wgmma=1, ring=6), dict(pdl_chain=1), dict(pdl_chain=1, wgmma=1),
+           dict(fused=1), dict(fused=1, warps=4, mtiles=1), dict(fused=1, wgmma=1),
+           dict(fused=1, pdl_chain=1)]
 
 
 def _skip_unless_wgmma(tactic: dict, arch: str) -> None:
@@ -301,9 +303,9 @@ def test_experts_stages_every_tactic(backend, tactic, seed, contract):
 @pytest.mark.backends("fast")
 @pytest.mark.config("small")
 def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
-    """Tile shape, ring depth, occupancy and the launch chain never change a bit (the sum
-    order of each output is the chunk order); only the number of accumulator chains
-    does. Checked for each MMA kind against itself."""
+    """Tile shape, ring depth, occupancy, the launch chain and the fused grid never change
+    a bit (the sum order of each output is the chunk order); only the number of
+    accumulator chains does. Checked for each MMA kind against itself."""
     engine = engine_for("small", 0, 64, (0, 1), 256)
     codes, scales = latent_rows(engine.config, 96, seed)
     ids = cases.routing(engine.config, 96, seed, skew=1.0)
@@ -311,9 +313,10 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
     # mma.sync (the default) and, on sm_90a, wgmma, each against itself over the shapes
     # that run it
     shapes = {True: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(ring=2),
-                     dict(ring=6, occupancy=1), dict(pdl_chain=1)),
+                     dict(ring=6, occupancy=1), dict(pdl_chain=1), dict(fused=1)),
               False: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
-                      dict(ring=2), dict(ring=6, occupancy=1), dict(pdl_chain=1))}
+                      dict(ring=2), dict(ring=6, occupancy=1), dict(pdl_chain=1),
+                      dict(fused=1))}
     kinds = (False, True) if engine.arch == "sm_90a" else (False,)
     for wgmma in kinds:
         for windows in (1, 2, 4):

@@ -17,7 +17,8 @@ __all__ = [
     "cp_async_16", "cp_async_4", "lds_u16", "lds_u8", "lds_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
     "mma_bf16", "rotr", "prmt", "mul_bf16x2", "atomic_add", "atomic_max", "shfl_xor", "shfl_up",
     "e4m3x2_to_f32", "f32x2_to_e4m3x2", "f32_to_bf16_bits",
-    "smem_matrix_descriptor", "wgmma_bf16", "wgmma_settle",
+    "smem_matrix_descriptor", "wgmma_bf16", "wgmma_settle", "ld_acquire_gpu",
+    "red_release_gpu_add",
 ]
 
 
@@ -52,6 +53,19 @@ def ldg_u64(address):
 def ld_acquire_sys(address):
     """``ld.acquire.sys.global.u32``: a counter another GPU adds to."""
     return _asm("ld.acquire.sys.global.u32 {$w0}, [{$r0}];", [Uint32], [Int64(address)])
+
+
+def ld_acquire_gpu(address):
+    """A 32-bit load with GPU-scope acquire semantics (``ld.acquire.gpu``)."""
+    return _asm("ld.acquire.gpu.global.u32 {$w0}, [{$r0}];", [Uint32], [Int64(address)])
+
+
+def red_release_gpu_add(address, value):
+    """Add ``value`` to a 32-bit word with GPU-scope release semantics: ``fence.acq_rel.gpu``
+    then a relaxed reduction (cumulative over what this thread observed, e.g. its CTA's
+    stores before a barrier)."""
+    _asm("fence.acq_rel.gpu; red.relaxed.gpu.global.add.s32 [{$r0}], {$r1};", [],
+         [Int64(address), Int32(value)])
 
 
 def ldg_u16(address):

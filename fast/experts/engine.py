@@ -66,8 +66,10 @@ def complete_tactic(tactic: dict, arch: str) -> dict:
     launched with programmatic dependent launch too (the list kernel lets the plan kernel
     be scheduled at once; the plan kernel waits for it, then lets FC1 be scheduled; FC1
     waits for the plan before its first claim), so the two launch gaps of a call overlap
-    the kernels before them."""
-    tactic = {"wgmma": False, "pdl_chain": False, **tactic}
+    the kernels before them. ``fused`` (default False, likewise not yet run on a GPU): FC1
+    and FC2 in one persistent grid (``kernels.FusedExpertsKernel``), an FC2 item waiting
+    only for its own expert's FC1 items."""
+    tactic = {"wgmma": False, "pdl_chain": False, "fused": False, **tactic}
     if tactic["wgmma"] and arch != "sm_90a":
         raise ValueError(f"ExpertsEngine: tactic wgmma needs sm_90a (warpgroup MMA is Hopper's), "
                          f"the target is {arch}")
@@ -88,6 +90,10 @@ def _compiled(kind: str, arch: str, params: tuple):
     elif kind == "plan":
         obj = kernels.PlanKernel(**kw)
         args = [Int64(0)]
+    elif kind == "fused":
+        obj = kernels.FusedExpertsKernel(kernels.ExpertsGemmKernel(**dict(kw["fc1"])),
+                                         kernels.ExpertsGemmKernel(**dict(kw["fc2"])))
+        args = [Int64(0)] * 12 + [Int32(1), Int32(1)]
     else:
         obj = kernels.ExpertsGemmKernel(**kw)
         args = [Int64(0)] * 9 + [Int32(1), Int32(1)]
@@ -98,6 +104,10 @@ def _compiled(kind: str, arch: str, params: tuple):
 def _occupancy(params: tuple) -> int:
     """CTAs per multiprocessor an FC kernel is built for (the persistent grid's factor)."""
     from fast.experts import kernels
+
+    kw = dict(params)
+    if "fc1" in kw and "fc2" in kw:  # the fused kernel: the smaller of the two
+        return min(_occupancy(kw["fc1"]), _occupancy(kw["fc2"]))
 
     return kernels.ExpertsGemmKernel(**dict(params)).occupancy
 
@@ -117,17 +127,22 @@ def _kernel_params(g, config, windows: int, capture: bool, strict: bool,
                   top_k=config.top_k, capture=capture, pdl=True)
     common.update(tactic or {})
     chain = bool(common.pop("pdl_chain", False))
-    return {
+    fused = bool(common.pop("fused", False))
+    params = {
         "lists": tuple(sorted(dict(latent=g.latent, top_k=config.top_k, experts=config.experts,
                                    first=g.first, count=g.count, strict=strict,
                                    empty_rows=empty_rows, pdl_chain=chain).items())),
-        "plan": tuple(sorted(dict(count=g.count, windows=windows, pdl_chain=chain).items())),
+        "plan": tuple(sorted(dict(count=g.count, windows=windows, pdl_chain=chain,
+                                  fused=fused).items())),
         "fc1": tuple(sorted(dict(common, fc1=True, rows=2 * g.inter, k=g.latent,
                                  beta=float(config.situ_beta), pdl_chain=chain,
                                  linear_beta=float(config.situ_linear_beta)).items())),
         "fc2": tuple(sorted(dict(common, fc1=False, rows=g.latent, k=g.inter,
                                  capture=False).items())),
     }
+    if fused:  # one persistent grid for both GEMMs (kernels.FusedExpertsKernel)
+        params["fused"] = (("fc1", params.pop("fc1")), ("fc2", params.pop("fc2")))
+    return params
 
 
 class EngineScratch:
@@ -269,12 +284,13 @@ class ExpertsEngine:
                 capture and call ``check()`` later.
             capture: also return the intermediates (``Capture``; for verification).
             tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
-                "occupancy", "pdl", "wgmma", "pdl_chain"}`` (defaults: ``choose_tactic``'s tile, a ring
+                "occupancy", "pdl", "wgmma", "pdl_chain", "fused"}`` (defaults: ``choose_tactic``'s tile, a ring
                 of 4 stages for one window and 3 for more, one accumulator chain, CTAs per
                 multiprocessor from the shared memory, ``pdl`` on: FC1 lets FC2 launch
                 early, and FC2 streams its first weights before it waits for FC1's hidden
-                rows; ``wgmma`` and ``pdl_chain`` as ``complete_tactic`` fills them in).
-                Warps, m-tiles, ring, occupancy, pdl and pdl_chain never change a bit; ``chains`` changes the summation
+                rows; ``wgmma``, ``pdl_chain`` and ``fused`` as ``complete_tactic`` fills
+                them in). Warps, m-tiles, ring, occupancy, pdl, pdl_chain and fused never
+                change a bit; ``chains`` changes the summation
                 order (within the same bound), so a call with a non-default ``chains`` is
                 not batch invariant with the default; ``wgmma`` changes the instruction
                 (the contracts hold each MMA kind batch invariant on its own). Every tactic
@@ -305,12 +321,20 @@ class ExpertsEngine:
         fn["lists"](i64(ids), i64(codes), i64(scales), i64(self.plan), i64(self.lists), work,
                     i32(rows), i32(self.max_rows), stream)
         fn["plan"](work, stream)
-        grid = i32(self.sms * _occupancy(params["fc1"]))
         null = i64(self._null)
         p = self.prepared
+        caps = [i64(t) for t in ((cap.fc1, cap.codes, cap.scales) if cap else (self._null,) * 3)]
+        if "fused" in fn:
+            grid = i32(self.sms * _occupancy(params["fused"]))
+            fn["fused"](i64(p.w13), i64(p.s13), i64(self.plan), i64(self.lists), work,
+                        i64(self.hidden), i64(p.w2), i64(p.s2), i64(out), *caps,
+                        i32(self.max_rows), grid, stream)
+            if validate:
+                self.check()
+            return (out, cap) if capture else out
+        grid = i32(self.sms * _occupancy(params["fc1"]))
         fn["fc1"](i64(p.w13), i64(p.s13), i64(self.plan), i64(self.lists), work, i64(self.hidden),
-                  *(i64(t) for t in ((cap.fc1, cap.codes, cap.scales) if cap else (self._null,) * 3)),
-                  i32(self.max_rows), grid, stream)
+                  *caps, i32(self.max_rows), grid, stream)
         grid2 = i32(self.sms * _occupancy(params["fc2"]))
         fn["fc2"](i64(p.w2), i64(p.s2), i64(self.hidden), i64(self.lists), work, i64(out),
                   null, null, null, i32(self.max_rows), grid2, stream)
@@ -331,15 +355,21 @@ class ExpertsEngine:
             _compiled(kind, self.arch, p)
 
     def check(self) -> None:
-        """Raise ``EngineError`` if a call since the last check met a bad routing entry
-        (synchronizes the device), and clear the error."""
-        from fast.experts.kernels import ERROR_ID_RANGE, ERROR_LIST_OVERFLOW
+        """Raise ``EngineError`` if a call since the last check met a bad routing entry or
+        (tactic ``fused``) an FC2 item's wait for its expert timed out (synchronizes the
+        device), and clear the error."""
+        from fast.experts.kernels import (ERROR_GATE_TIMEOUT, ERROR_ID_RANGE,
+                                          ERROR_LIST_OVERFLOW, GATE_TIMEOUT_NS)
 
         at = self.layout.error
         code, pair, value = (int(v) for v in self.work[at:at + 3].tolist())
         if code == 0:
             return
         self.work[at:at + 3] = 0
+        if code == ERROR_GATE_TIMEOUT:
+            raise EngineError(f"ExpertsEngine (fused): an FC2 item of local expert {pair} waited "
+                              f"{GATE_TIMEOUT_NS / 1e9:g} s for its expert's FC1 items and saw "
+                              f"{value} finished; the call's rows are unspecified")
         k = self.config.top_k
         where = f"ids[{pair // k}, {pair % k}] = {value}"
         if code == ERROR_ID_RANGE:

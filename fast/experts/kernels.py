@@ -18,14 +18,19 @@ from fast import _cute as h
 from fast.experts import _ptx as p
 from fast.experts.layout import CHUNK, DECODE_MASK, PAIR3_GATHER, PAIR3_MULTIPLIER, chunks_per_stage
 
-__all__ = ["WINDOW", "EMPTY_ID", "Workspace", "RoutingListsKernel", "PlanKernel", "ExpertsGemmKernel"]
+__all__ = ["WINDOW", "EMPTY_ID", "Workspace", "RoutingListsKernel", "PlanKernel", "ExpertsGemmKernel",
+           "FusedExpertsKernel"]
 
 #: Tokens per window: the N of ``mma.m16n8k16``.
 WINDOW = 8
 #: The id of every slot of an empty receive row (engines built with ``empty_rows``).
 EMPTY_ID = -1
-#: Error codes the routing-lists kernel records (``Workspace.error``).
-ERROR_ID_RANGE, ERROR_LIST_OVERFLOW, ERROR_NOT_LOCAL = 1, 2, 3
+#: Error codes the kernels record (``Workspace.error``): the routing-lists kernel's three,
+#: and the fused kernel's FC2 wait for its expert's FC1 items timing out.
+ERROR_ID_RANGE, ERROR_LIST_OVERFLOW, ERROR_NOT_LOCAL, ERROR_GATE_TIMEOUT = 1, 2, 3, 4
+#: How long a fused FC2 item waits for its expert's FC1 items (claims are in order and
+#: an FC1 item never waits, so only a broken kernel reaches it).
+GATE_TIMEOUT_NS = 1_000_000_000
 
 
 class Workspace:
@@ -39,7 +44,9 @@ class Workspace:
     * ``claim``: the FC1 and FC2 work counters;
     * ``error``: code, pair index, value of a bad routing entry (0: none);
     * ``live``: ``experts`` counters the routing-lists kernel increments; the plan kernel
-      copies them into ``count`` and re-arms them to 0 for the next call.
+      copies them into ``count`` and re-arms them to 0 for the next call;
+    * ``ready``: ``experts`` counts of finished FC1 items (the fused kernel; its plan
+      kernel zeroes them).
     """
 
     def __init__(self, experts: int):
@@ -50,7 +57,8 @@ class Workspace:
         self.claim = 3 * experts + 2
         self.error = 3 * experts + 4
         self.live = 3 * experts + 8
-        self.words = 4 * experts + 8
+        self.ready = 4 * experts + 8
+        self.words = 5 * experts + 8
 
 
 def _pow2_bits(code):
@@ -166,8 +174,10 @@ class PlanKernel:
     Constraint: at most 1024 local experts.
     """
 
-    def __init__(self, count: int, windows: int, pdl_chain: bool = False):
+    def __init__(self, count: int, windows: int, pdl_chain: bool = False, fused: bool = False):
         self.count, self.windows = count, windows
+        #: the fused FC kernel follows: also zero its ``ready`` counts
+        self.fused = bool(fused)
         self.threads = max(32, (count + 31) // 32 * 32)
         #: launched with programmatic dependent launch after the list kernel: wait for it,
         #: then let FC1 be scheduled (FC1 waits for this grid before its first claim)
@@ -197,6 +207,8 @@ class PlanKernel:
         if tid < self.count:
             c = p.ldg_i32(work + Int64(ws.live + tid) * 4)
             p.stg_i32(work + Int64(ws.live + tid) * 4, 0)
+            if cutlass.const_expr(self.fused):
+                p.stg_i32(work + Int64(ws.ready + tid) * 4, 0)
         wg = (c + per_group - 1) // per_group
         sc, sw = c, wg
         for o in cutlass.range_constexpr(5):
@@ -296,6 +308,10 @@ class ExpertsGemmKernel:
         #: FC1 launched with programmatic dependent launch after the plan kernel (waits
         #: for it before the first claim)
         self.pdl_chain = bool(pdl_chain) and fc1
+        #: set by ``FusedExpertsKernel``: FC1 counts each finished item at its expert
+        #: (``signal``), FC2 waits for its expert's count before reading hidden rows
+        #: (``gate``; ``fc1_tiles``: FC1 tiles per window group)
+        self.signal, self.gate, self.fc1_tiles = False, False, 0
         self.threads = 32 * warps
         self.tile_rows = 16 * warps * mtiles
         if rows % self.tile_rows:
@@ -386,27 +402,8 @@ class ExpertsGemmKernel:
         tid = cute.arch.thread_idx()[0]
         lane = tid % 32
         warp = tid // 32
-        ws = self.ws
-        W: cutlass.Constexpr = self.windows
-        MT: cutlass.Constexpr = self.mtiles
-        SC: cutlass.Constexpr = self.stage_chunks
-        NS: cutlass.Constexpr = self.stages
-        RING: cutlass.Constexpr = self.RING
-        K: cutlass.Constexpr = self.k
-        TOK: cutlass.Constexpr = WINDOW * W
-        threads: cutlass.Constexpr = self.threads
-
-        ring = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=128).toint()
-        info = cute.arch.alloc_smem(Int32, 8, alignment=16).toint()
-        table = cute.arch.alloc_smem(Int32, 3 * TOK, alignment=16).toint()
-        red = cute.arch.alloc_smem(Float32, self.warps * MT * TOK, alignment=16).toint()
-
-        acc = cute.make_rmem_tensor((MT * W * 4 * self.chains,), Float32)
-        copies: cutlass.Constexpr = (self.granules + threads - 1) // threads
-        src = cute.make_rmem_tensor((copies,), Int64)
-        dst = cute.make_rmem_tensor((copies,), Int32)
-        ok = cute.make_rmem_tensor((copies,), Int32)
-
+        ring, info, table, red = self._shared()
+        acc, src, dst, ok = self._registers()
         if cutlass.const_expr(self.pdl_chain):
             # the plan kernel's items and counters (and the list kernel's rows) visible
             cute.arch.griddepcontrol_wait()
@@ -418,76 +415,115 @@ class ExpertsGemmKernel:
         first = Int32(1)
         item = self._claim(work, info, tid, tiles)
         while item >= 0:
-            expert = p.lds_i32(info + 4)
-            tile = p.lds_i32(info + 8)
-            group = p.lds_i32(info + 12)
-            ntok = p.lds_i32(info + 16)
-            # 1. token table: pair, B row, hidden row
-            if tid < TOK:
-                slot = group * TOK + tid
-                pair = Int32(-1)
-                brow = Int32(0)
-                hrow = Int32(0)
-                if tid < ntok:
-                    pair = p.ldg_i32(lists + (Int64(expert) * Int64(capacity) + Int64(slot)) * 4)
-                    hrow = p.ldg_i32(work + Int64(ws.offs + expert) * 4) + slot
-                    if cutlass.const_expr(self.fc1):
-                        brow = pair // self.top_k
-                    else:
-                        brow = hrow
-                p.sts_i32(table + tid * 4, pair)
-                p.sts_i32(table + (TOK + tid) * 4, brow)
-                p.sts_i32(table + (2 * TOK + tid) * 4, hrow)
-            cute.arch.sync_threads()
-            # this thread's B copies of every stage: source row address, shared offset
-            for i in cutlass.range_constexpr(copies):
-                g = tid + threads * i
-                token = g // (8 * SC)
-                gi = g % (8 * SC)
-                window = token // WINDOW
-                n = token % WINDOW
-                cc = gi // 8
-                kk = gi % 8
-                if cutlass.const_expr(self.wgmma):
-                    # core matrix (window, chunk, 8-k granule): 8 tokens x 16 bytes
-                    dst[i] = ((window * SC + cc) * 8 + kk) * 128 + n * 16
-                else:
-                    # the mma.m16n8k16 B fragments of lane 4n + kk // 2, in lane order
-                    dst[i] = (((window * SC + cc) * 2 + kk % 2) * 32 + 4 * n + kk // 2) * 16
-                row = Int32(0)
-                state = Int32(-1)  # -1: no copy (past the stage's granules), 0: zero-fill
-                if g < self.granules:
-                    state = Int32(0)
-                    if token < ntok:
-                        row = p.lds_i32(table + (TOK + token) * 4)
-                        state = Int32(1)
-                ok[i] = state
-                src[i] = act + (Int64(row) * K + gi * 8) * 2
-            # weights of this warp's m-tiles
-            mbase = tile * (self.warps * MT) + warp * MT
-            wbase = weights + (Int64(expert) * self.m_tiles + mbase) * (self.chunks * 512) + lane * 16
-            sbase = scales + (Int64(expert) * self.m_tiles + mbase) * (NS * 32 * SC) + lane * 4
-            for i in cutlass.range_constexpr(MT * W * 4 * self.chains):
-                acc[i] = Float32(0.0)
-            nwin = (ntok + WINDOW - 1) // WINDOW
-            # 2. main loop, one copy per count of live windows (chosen once per item, so
-            # no MMA or B load of the loop is predicated on its window)
-            for live in cutlass.range_constexpr(1, W + 1):
-                if nwin == live:
-                    self._main_loop(acc, src, dst, ok, wbase, sbase, ring, warp, lane, live,
-                                    first)
+            self._item(weights, scales, act, lists, work, out, cap_fc1, cap_codes, cap_scales,
+                       capacity, ring, info, table, red, acc, src, dst, ok, tid, lane, warp,
+                       first)
             first = Int32(0)
-            self._join_chains(acc)
-            # 3. epilogue
-            if cutlass.const_expr(self.fc1):
-                self._epilogue_fc1(acc, table, red, out, cap_fc1, cap_codes, cap_scales,
-                                   tid, lane, warp, tile, ntok)
-            else:
-                self._epilogue_fc2(acc, table, out, lane, warp, tile, ntok)
             item = self._claim(work, info, tid, tiles)
 
+    def _shared(self):
+        """(ring, info, table, red): the dynamic ring and the static per-item tables."""
+        TOK: cutlass.Constexpr = WINDOW * self.windows
+        ring = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=128).toint()
+        info = cute.arch.alloc_smem(Int32, 8, alignment=16).toint()
+        table = cute.arch.alloc_smem(Int32, 3 * TOK, alignment=16).toint()
+        red = cute.arch.alloc_smem(Float32, self.warps * self.mtiles * TOK, alignment=16).toint()
+        return ring, info, table, red
+
+    def _registers(self):
+        """(acc, src, dst, ok): the accumulators and this thread's B-copy plan."""
+        copies: cutlass.Constexpr = (self.granules + self.threads - 1) // self.threads
+        acc = cute.make_rmem_tensor((self.mtiles * self.windows * 4 * self.chains,), Float32)
+        src = cute.make_rmem_tensor((copies,), Int64)
+        dst = cute.make_rmem_tensor((copies,), Int32)
+        ok = cute.make_rmem_tensor((copies,), Int32)
+        return acc, src, dst, ok
+
     @cute.jit
-    def _main_loop(self, acc, src, dst, ok, wbase, sbase, ring, warp, lane, live: int, first):
+    def _item(self, weights: Int64, scales: Int64, act: Int64, lists: Int64, work: Int64,
+              out: Int64, cap_fc1: Int64, cap_codes: Int64, cap_scales: Int64, capacity,
+              ring, info, table, red, acc, src, dst, ok, tid, lane, warp, first):
+        """The work item ``info`` describes (``_claim``): token table, main loop, epilogue."""
+        ws = self.ws
+        W: cutlass.Constexpr = self.windows
+        MT: cutlass.Constexpr = self.mtiles
+        SC: cutlass.Constexpr = self.stage_chunks
+        NS: cutlass.Constexpr = self.stages
+        K: cutlass.Constexpr = self.k
+        TOK: cutlass.Constexpr = WINDOW * W
+        threads: cutlass.Constexpr = self.threads
+        copies: cutlass.Constexpr = (self.granules + threads - 1) // threads
+        expert = p.lds_i32(info + 4)
+        tile = p.lds_i32(info + 8)
+        group = p.lds_i32(info + 12)
+        ntok = p.lds_i32(info + 16)
+        # 1. token table: pair, B row, hidden row
+        if tid < TOK:
+            slot = group * TOK + tid
+            pair = Int32(-1)
+            brow = Int32(0)
+            hrow = Int32(0)
+            if tid < ntok:
+                pair = p.ldg_i32(lists + (Int64(expert) * Int64(capacity) + Int64(slot)) * 4)
+                hrow = p.ldg_i32(work + Int64(ws.offs + expert) * 4) + slot
+                if cutlass.const_expr(self.fc1):
+                    brow = pair // self.top_k
+                else:
+                    brow = hrow
+            p.sts_i32(table + tid * 4, pair)
+            p.sts_i32(table + (TOK + tid) * 4, brow)
+            p.sts_i32(table + (2 * TOK + tid) * 4, hrow)
+        cute.arch.sync_threads()
+        # this thread's B copies of every stage: source row address, shared offset
+        for i in cutlass.range_constexpr(copies):
+            g = tid + threads * i
+            token = g // (8 * SC)
+            gi = g % (8 * SC)
+            window = token // WINDOW
+            n = token % WINDOW
+            cc = gi // 8
+            kk = gi % 8
+            if cutlass.const_expr(self.wgmma):
+                # core matrix (window, chunk, 8-k granule): 8 tokens x 16 bytes
+                dst[i] = ((window * SC + cc) * 8 + kk) * 128 + n * 16
+            else:
+                # the mma.m16n8k16 B fragments of lane 4n + kk // 2, in lane order
+                dst[i] = (((window * SC + cc) * 2 + kk % 2) * 32 + 4 * n + kk // 2) * 16
+            row = Int32(0)
+            state = Int32(-1)  # -1: no copy (past the stage's granules), 0: zero-fill
+            if g < self.granules:
+                state = Int32(0)
+                if token < ntok:
+                    row = p.lds_i32(table + (TOK + token) * 4)
+                    state = Int32(1)
+            ok[i] = state
+            src[i] = act + (Int64(row) * K + gi * 8) * 2
+        # weights of this warp's m-tiles
+        mbase = tile * (self.warps * MT) + warp * MT
+        wbase = weights + (Int64(expert) * self.m_tiles + mbase) * (self.chunks * 512) + lane * 16
+        sbase = scales + (Int64(expert) * self.m_tiles + mbase) * (NS * 32 * SC) + lane * 4
+        for i in cutlass.range_constexpr(MT * W * 4 * self.chains):
+            acc[i] = Float32(0.0)
+        nwin = (ntok + WINDOW - 1) // WINDOW
+        # 2. main loop, one copy per count of live windows (chosen once per item, so
+        # no MMA or B load of the loop is predicated on its window)
+        for live in cutlass.range_constexpr(1, W + 1):
+            if nwin == live:
+                self._main_loop(acc, src, dst, ok, wbase, sbase, ring, warp, lane, live,
+                                first, work, info, tid)
+        self._join_chains(acc)
+        # 3. epilogue
+        if cutlass.const_expr(self.fc1):
+            self._epilogue_fc1(acc, table, red, out, cap_fc1, cap_codes, cap_scales,
+                               tid, lane, warp, tile, ntok)
+            if cutlass.const_expr(self.signal):
+                self._signal_ready(work, expert, tid)
+        else:
+            self._epilogue_fc2(acc, table, out, lane, warp, tile, ntok)
+
+    @cute.jit
+    def _main_loop(self, acc, src, dst, ok, wbase, sbase, ring, warp, lane, live: int, first,
+                   work: Int64, info, tid):
         """Every stage of one item through the ``RING``-slot ring: copies issued
         ``RING - 1`` stages ahead, then the stage's MMAs for the first ``live`` windows.
 
@@ -498,7 +534,21 @@ class ExpertsGemmKernel:
         others empty), so the ring's waits count groups as in the plain prologue."""
         NS: cutlass.Constexpr = self.stages
         RING: cutlass.Constexpr = self.RING
-        if cutlass.const_expr(self.pdl and not self.fc1):
+        if cutlass.const_expr(self.gate):
+            # fused FC2: this item's first weights requested, then the wait for every FC1
+            # item of its expert (the hidden rows), then those stages' hidden-row copies
+            for st in cutlass.range_constexpr(RING - 1):
+                if cutlass.const_expr(st < NS):
+                    self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
+                                warp, lane, operand_b=False)
+            self._wait_ready(work, info, tid)
+            for st in cutlass.range_constexpr(RING - 1):
+                if cutlass.const_expr(st < NS):
+                    self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
+                                warp, lane, weights=False)
+            for st in cutlass.range_constexpr(RING - 1):
+                cute.arch.cp_async_commit_group()
+        elif cutlass.const_expr(self.pdl and not self.fc1):
             if first != 0:
                 for st in cutlass.range_constexpr(RING - 1):
                     if cutlass.const_expr(st < NS):
@@ -552,31 +602,72 @@ class ExpertsGemmKernel:
             counter = ws.claim if cutlass.const_expr(self.fc1) else ws.claim + 1
             item = p.atomic_add(work + Int64(counter) * 4, 1)
             if item < total:
-                lo = Int32(0)
-                hi = Int32(self.count)
-                for _ in cutlass.range_constexpr(self.search_steps):
-                    if hi - lo > 1:
-                        mid = (lo + hi) // 2
-                        if p.ldg_i32(work + Int64(ws.wgp + mid) * 4) * tiles <= item:
-                            lo = mid
-                        else:
-                            hi = mid
-                start = p.ldg_i32(work + Int64(ws.wgp + lo) * 4)
-                groups_e = p.ldg_i32(work + Int64(ws.wgp + lo + 1) * 4) - start
-                local = item - start * tiles
-                tile = local // groups_e
-                group = local - tile * groups_e
-                count = p.ldg_i32(work + Int64(ws.count + lo) * 4)
-                ntok = cutlass.min(count - group * (WINDOW * self.windows), WINDOW * self.windows)
-                p.sts_i32(info, item)
-                p.sts_i32(info + 4, lo)
-                p.sts_i32(info + 8, tile)
-                p.sts_i32(info + 12, group)
-                p.sts_i32(info + 16, ntok)
+                self._locate(work, info, item, item, tiles)
             else:
                 p.sts_i32(info, -1)
         cute.arch.sync_threads()
         return p.lds_i32(info)
+
+    @cute.jit
+    def _locate(self, work: Int64, info, claimed, item, tiles):
+        """Thread 0: item ``item`` of this GEMM (``claimed``: the counter's value) as
+        ``info`` = (claimed, expert, tile, window group, tokens, the expert's groups)."""
+        ws = self.ws
+        lo = Int32(0)
+        hi = Int32(self.count)
+        for _ in cutlass.range_constexpr(self.search_steps):
+            if hi - lo > 1:
+                mid = (lo + hi) // 2
+                if p.ldg_i32(work + Int64(ws.wgp + mid) * 4) * tiles <= item:
+                    lo = mid
+                else:
+                    hi = mid
+        start = p.ldg_i32(work + Int64(ws.wgp + lo) * 4)
+        groups_e = p.ldg_i32(work + Int64(ws.wgp + lo + 1) * 4) - start
+        local = item - start * tiles
+        tile = local // groups_e
+        group = local - tile * groups_e
+        count = p.ldg_i32(work + Int64(ws.count + lo) * 4)
+        ntok = cutlass.min(count - group * (WINDOW * self.windows), WINDOW * self.windows)
+        p.sts_i32(info, claimed)
+        p.sts_i32(info + 4, lo)
+        p.sts_i32(info + 8, tile)
+        p.sts_i32(info + 12, group)
+        p.sts_i32(info + 16, ntok)
+        if cutlass.const_expr(self.gate):
+            p.sts_i32(info + 20, groups_e)
+
+    @cute.jit
+    def _signal_ready(self, work: Int64, expert, tid):
+        """Fused FC1: after every thread's hidden-row stores (the barrier), thread 0 counts
+        this item at its expert with a GPU-scope release."""
+        cute.arch.sync_threads()
+        if tid == 0:
+            p.red_release_gpu_add(work + Int64(self.ws.ready + expert) * 4, 1)
+
+    @cute.jit
+    def _wait_ready(self, work: Int64, info, tid):
+        """Fused FC2: thread 0 polls (GPU-scope acquire) until every FC1 item of the
+        item's expert (``fc1_tiles`` tiles x its window groups) has counted, or
+        ``GATE_TIMEOUT_NS`` pass (then error ``ERROR_GATE_TIMEOUT`` with the expert and the
+        count seen; the rows are unspecified and ``check()`` raises); then a barrier."""
+        ws = self.ws
+        if tid == 0:
+            expert = p.lds_i32(info + 4)
+            target = p.lds_i32(info + 20) * self.fc1_tiles
+            address = work + Int64(ws.ready + expert) * 4
+            start = cute.arch.globaltimer()
+            seen = Int32(p.ld_acquire_gpu(address))
+            late = Int32(0)
+            while (seen < target) & (late == 0):
+                seen = Int32(p.ld_acquire_gpu(address))
+                late = cutlass.select_(cute.arch.globaltimer() - start > GATE_TIMEOUT_NS,
+                                       Int32(1), Int32(0))
+            if seen < target:
+                p.atomic_max(work + ws.error * 4, ERROR_GATE_TIMEOUT)
+                p.stg_i32(work + (ws.error + 1) * 4, expert)
+                p.stg_i32(work + (ws.error + 2) * 4, seen)
+        cute.arch.sync_threads()
 
     @cute.jit
     def _issue(self, src, dst, ok, wbase, sbase, slot, stage, warp, lane,
@@ -637,8 +728,6 @@ class ExpertsGemmKernel:
         ``j % chains``."""
         SC: cutlass.Constexpr = self.stage_chunks
         MT: cutlass.Constexpr = self.mtiles
-        W: cutlass.Constexpr = self.windows
-        CH: cutlass.Constexpr = self.chains
         bits: cutlass.Constexpr = 8 * SC
         bias = Uint32(0x7E7E7E7E) if SC == 2 else Uint32(0x7E7E)
         wslot = slot + self.b_bytes + warp * (MT * SC * 512) + lane * 16
@@ -806,3 +895,96 @@ class ExpertsGemmKernel:
                         base = out + (Int64(pair) * self.latent + row0) * 2
                         p.stg_u16(base, p.f32_to_bf16_bits(acc[at + t]))
                         p.stg_u16(base + 16, p.f32_to_bf16_bits(acc[at + 2 + t]))
+
+
+class FusedExpertsKernel:
+    """FC1 and FC2 of one call in one persistent grid (tactic ``fused``).
+
+    One counter hands out the FC1 items (``(expert, tile, window group)`` as in
+    ``ExpertsGemmKernel``), then the FC2 items. A CTA runs each item with the GEMM's own
+    code (``fc1``, ``fc2``: the two ``ExpertsGemmKernel`` shapes, which share warps, windows
+    and m-tiles). After an FC1 item's hidden rows are stored, thread 0 counts it at its
+    expert (``Workspace.ready``, GPU-scope release after a barrier). An FC2 item requests
+    its first ``RING - 1`` stages of weights, then waits (GPU-scope acquire) until its
+    expert's count is ``fc1.tiles`` times the expert's window groups, then copies the
+    hidden rows. Items are claimed in order and an FC1 item never waits, so every FC2 wait
+    ends; a timeout records ``ERROR_GATE_TIMEOUT`` all the same. What this removes: the
+    FC1 grid's tail and the FC2 grid's ramp, where the multiprocessors that finished their
+    FC1 items idle until the last FC1 item ends.
+
+    Every output's sums are those of the two kernels (same chunk order, same epilogues):
+    the tactic changes no bit.
+    """
+
+    def __init__(self, fc1: ExpertsGemmKernel, fc2: ExpertsGemmKernel):
+        if not fc1.fc1 or fc2.fc1:
+            raise ValueError("FusedExpertsKernel takes an FC1 and an FC2 ExpertsGemmKernel")
+        same = ("warps", "mtiles", "windows", "chains", "wgmma", "count", "top_k")
+        differ = [a for a in same if getattr(fc1, a) != getattr(fc2, a)]
+        if differ:
+            raise ValueError(f"FusedExpertsKernel: FC1 and FC2 differ in {differ}")
+        fc1.signal = True
+        fc2.gate, fc2.fc1_tiles = True, fc1.tiles
+        fc1.pdl = fc2.pdl = False
+        self.fc1, self.fc2 = fc1, fc2
+        self.threads = fc1.threads
+        self.smem_bytes = max(fc1.smem_bytes, fc2.smem_bytes)
+        self.occupancy = min(fc1.occupancy, fc2.occupancy)
+        self.pdl_chain = fc1.pdl_chain
+        self.ws = fc1.ws
+
+    @cute.jit
+    def __call__(self, w13: Int64, s13: Int64, plan: Int64, lists: Int64, work: Int64,
+                 hidden: Int64, w2: Int64, s2: Int64, out: Int64, cap_fc1: Int64,
+                 cap_codes: Int64, cap_scales: Int64, capacity: Int32, grid: Int32, stream):
+        self.kernel(w13, s13, plan, lists, work, hidden, w2, s2, out, cap_fc1, cap_codes,
+                    cap_scales, capacity).launch(
+            grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream, smem=self.smem_bytes,
+            min_blocks_per_mp=self.occupancy, preferred_smem_carveout=100,
+            use_pdl=self.pdl_chain)
+
+    @cute.kernel
+    def kernel(self, w13: Int64, s13: Int64, plan: Int64, lists: Int64, work: Int64,
+               hidden: Int64, w2: Int64, s2: Int64, out: Int64, cap_fc1: Int64,
+               cap_codes: Int64, cap_scales: Int64, capacity: Int32):
+        tid = cute.arch.thread_idx()[0]
+        lane = tid % 32
+        warp = tid // 32
+        ring, info, table, red = self.fc1._shared()
+        acc1, src1, dst1, ok1 = self.fc1._registers()
+        acc2, src2, dst2, ok2 = self.fc2._registers()
+        null = Int64(0)
+        if cutlass.const_expr(self.pdl_chain):
+            cute.arch.griddepcontrol_wait()
+        first = Int32(1)
+        item = self._claim(work, info, tid)
+        while item >= 0:
+            if p.lds_i32(info + 24) == 0:
+                self.fc1._item(w13, s13, plan, lists, work, hidden, cap_fc1, cap_codes, cap_scales,
+                         capacity,
+                         ring, info, table, red, acc1, src1, dst1, ok1, tid, lane, warp, first)
+            else:
+                self.fc2._item(w2, s2, hidden, lists, work, out, null, null, null, capacity,
+                         ring, info, table, red, acc2, src2, dst2, ok2, tid, lane, warp, first)
+            first = Int32(0)
+            item = self._claim(work, info, tid)
+
+    @cute.jit
+    def _claim(self, work: Int64, info, tid):
+        """Thread 0 takes the next item: FC1's first, then FC2's; ``info + 24`` says which
+        GEMM (0, 1). Every thread returns the item (-1: none left) after a barrier."""
+        cute.arch.sync_threads()
+        if tid == 0:
+            groups = p.ldg_i32(work + Int64(self.ws.wgp + self.fc1.count) * 4)
+            total1 = groups * self.fc1.tiles
+            item = p.atomic_add(work + Int64(self.ws.claim) * 4, 1)
+            if item < total1:
+                self.fc1._locate(work, info, item, item, Int32(self.fc1.tiles))
+                p.sts_i32(info + 24, 0)
+            elif item < total1 + groups * self.fc2.tiles:
+                self.fc2._locate(work, info, item, item - total1, Int32(self.fc2.tiles))
+                p.sts_i32(info + 24, 1)
+            else:
+                p.sts_i32(info, -1)
+        cute.arch.sync_threads()
+        return p.lds_i32(info)
