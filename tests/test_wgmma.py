@@ -121,3 +121,81 @@ def test_wgmma_probe_exact_product(n):
     expected = a.float() @ b.float().T
     assert torch.equal(d, expected), (d - expected).abs().max()
 
+
+
+# --- the engine's B operand in a ring slot (pure index arithmetic, no CuTe DSL needed) ---
+
+
+@pytest.mark.parametrize("stage_chunks", (1, 2))
+@pytest.mark.parametrize("windows", (1, 2, 4))
+def test_engine_b_layouts_fill_the_slot_once(stage_chunks, windows):
+    """Both B layouts place every token piece of a window group in its own place of the
+    slot's ``windows * stage_chunks * 1024`` bytes: ``mma.sync`` 16-byte pieces, ``wgmma``
+    the pieces' four 4-byte words (no copy overwrites another)."""
+    from fast.experts.layout import WGMMA_WORD_STRIDE, WINDOW, b_offset_mma, b_offset_wgmma
+
+    size = windows * stage_chunks * 1024
+    every = [(w, n, cc, kk) for w in range(windows) for n in range(WINDOW)
+             for cc in range(stage_chunks) for kk in range(8)]
+    assert sorted(b_offset_mma(*x, stage_chunks) for x in every) == list(range(0, size, 16))
+    words = sorted(b_offset_wgmma(*x, stage_chunks) + m * WGMMA_WORD_STRIDE
+                   for x in every for m in range(4))
+    assert words == list(range(0, size, 4))
+
+
+def _copied_wgmma(n, cc, physical_k, stage_chunks):
+    """Where the kernel's copies put token n's chunk-k ``physical_k`` of chunk cc."""
+    from fast.experts.layout import WGMMA_WORD_STRIDE, WINDOW, b_offset_wgmma
+
+    kk, within = divmod(physical_k, 8)
+    m, e = divmod(within, 2)
+    return (b_offset_wgmma(n // WINDOW, n % WINDOW, cc, kk, stage_chunks)
+            + m * WGMMA_WORD_STRIDE + 2 * e)
+
+
+@pytest.mark.parametrize("stage_chunks", (1, 2))
+@pytest.mark.parametrize("live", (1, 2, 3, 4))
+def test_engine_wgmma_descriptor_reads_the_permuted_tokens(stage_chunks, live):
+    """Every element (token n, logical k) of MMA step j of chunk cc that ``wgmma`` reads
+    through the engine's descriptor (the PTX canonical K-major layout) is the element the
+    kernel copied for chunk k ``mma_physical_k(j, k)``: the k the decoded A fragment holds
+    at that logical k, so every product pairs a weight and a token of the same k."""
+    from fast.experts.layout import mma_physical_k, wgmma_b_descriptor, wgmma_b_reads
+
+    for cc in range(stage_chunks):
+        for j in range(4):
+            start, leading, stride = wgmma_b_descriptor(cc, j, stage_chunks)
+            for n in range(8 * live):
+                for k in range(16):
+                    assert (wgmma_b_reads(start, leading, stride, n, k)
+                            == _copied_wgmma(n, cc, mma_physical_k(j, k), stage_chunks)), (cc, j, n, k)
+
+
+def test_k_permutation_covers_each_chunk_k_once():
+    """``mma_physical_k`` over the 4 steps x 16 logical k is a permutation of 0..63."""
+    from fast.experts.layout import mma_physical_k
+
+    assert sorted(mma_physical_k(j, k) for j in range(4) for k in range(16)) == list(range(64))
+
+
+def test_engine_mma_fragments_follow_the_k_permutation():
+    """The ``mma.sync`` path (verified on the H200): lane l's two 16-byte loads of (window,
+    chunk) at ``((window SC + cc) 2 + h) 512 + 16 l`` hold pieces ``2 (l % 4) + h`` of token
+    ``l // 4``, and its B registers of step j (words 2j, 2j + 1 of the 8) are chunk k
+    ``mma_physical_k(j, 2q)`` and ``mma_physical_k(j, 2q + 8)``, q = l % 4: the map the
+    decoded A fragments follow, which the wgmma layout reproduces."""
+    from fast.experts.layout import WINDOW, b_offset_mma, mma_physical_k
+
+    for sc in (1, 2):
+        for w in range(2):
+            for cc in range(sc):
+                for lane in range(32):
+                    n, q = lane // 4, lane % 4
+                    for h in range(2):
+                        read = (((w * sc + cc) * 2 + h) * 32 + lane) * 16
+                        assert n < WINDOW and b_offset_mma(w, n, cc, 2 * q + h, sc) == read
+                    for j in range(4):
+                        for word, logical in ((2 * j, 2 * q), (2 * j + 1, 2 * q + 8)):
+                            piece, at = divmod(word, 4)  # word of the lane's 8 = 2 pieces
+                            physical = 8 * (2 * q + piece) + 2 * at
+                            assert physical == mma_physical_k(j, logical), (lane, j, word)

@@ -14,7 +14,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 __all__ = [
     "ldg_stream_v4", "ldg_u32", "ldg_u16", "ldg_u8", "ldg_i32", "ldg_v2", "ldg_u64",
     "stg_u16", "stg_u8", "stg_f32", "stg_i32", "stg_u32", "stg_v4", "atomic_cas", "ld_acquire_sys",
-    "cp_async_16", "cp_async_4", "lds_u16", "lds_u8", "lds_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
+    "cp_async_16", "cp_async_4", "cp_async_4z", "lds_u16", "lds_u8", "lds_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
     "mma_bf16", "rotr", "prmt", "mul_bf16x2", "atomic_add", "atomic_max", "shfl_xor", "shfl_up",
     "e4m3x2_to_f32", "f32x2_to_e4m3x2", "f32_to_bf16_bits",
     "smem_matrix_descriptor", "wgmma_bf16", "wgmma_settle", "ld_acquire_gpu",
@@ -146,6 +146,14 @@ def cp_async_4(smem_address, global_address):
     """Copy 4 bytes global -> shared (``cp.async.ca``, 4-byte aligned)."""
     _asm("cp.async.ca.shared.global [{$r0}], [{$r1}], 4;", [],
          [Int32(smem_address), Int64(global_address)])
+
+
+def cp_async_4z(smem_address, global_address, valid):
+    """Copy 4 bytes global -> shared (``cp.async.ca``); ``valid`` false fills them with
+    zeros and reads nothing."""
+    size = cutlass.select_(valid, Int32(4), Int32(0))
+    _asm("cp.async.ca.shared.global [{$r0}], [{$r1}], 4, {$r2};", [],
+         [Int32(smem_address), Int64(global_address), Int32(size)])
 
 
 def lds_u16(smem_address):

@@ -16,7 +16,9 @@ from cutlass.cute.nvgpu import warpgroup
 
 from fast import _cute as h
 from fast.experts import _ptx as p
-from fast.experts.layout import CHUNK, DECODE_MASK, PAIR3_GATHER, PAIR3_MULTIPLIER, chunks_per_stage
+from fast.experts.layout import (CHUNK, DECODE_MASK, PAIR3_GATHER, PAIR3_MULTIPLIER,
+                                 WGMMA_WORD_STRIDE, b_offset_mma, b_offset_wgmma,
+                                 chunks_per_stage, wgmma_b_descriptor)
 
 __all__ = ["WINDOW", "EMPTY_ID", "Workspace", "RoutingListsKernel", "PlanKernel", "ExpertsGemmKernel",
            "FusedExpertsKernel"]
@@ -484,11 +486,9 @@ class ExpertsGemmKernel:
             cc = gi // 8
             kk = gi % 8
             if cutlass.const_expr(self.wgmma):
-                # core matrix (window, chunk, 8-k granule): 8 tokens x 16 bytes
-                dst[i] = ((window * SC + cc) * 8 + kk) * 128 + n * 16
+                dst[i] = b_offset_wgmma(window, n, cc, kk, SC)
             else:
-                # the mma.m16n8k16 B fragments of lane 4n + kk // 2, in lane order
-                dst[i] = (((window * SC + cc) * 2 + kk % 2) * 32 + 4 * n + kk // 2) * 16
+                dst[i] = b_offset_mma(window, n, cc, kk, SC)
             row = Int32(0)
             state = Int32(-1)  # -1: no copy (past the stage's granules), 0: zero-fill
             if g < self.granules:
@@ -683,7 +683,13 @@ class ExpertsGemmKernel:
         if cutlass.const_expr(operand_b):
             for i in cutlass.range_constexpr(copies):
                 if ok[i] >= 0:
-                    p.cp_async_16(slot + dst[i], src[i] + offset, ok[i] != 0)
+                    if cutlass.const_expr(self.wgmma):
+                        # the piece's four words to four core matrices (b_offset_wgmma)
+                        for m in cutlass.range_constexpr(4):
+                            p.cp_async_4z(slot + dst[i] + m * WGMMA_WORD_STRIDE,
+                                          src[i] + offset + 4 * m, ok[i] != 0)
+                    else:
+                        p.cp_async_16(slot + dst[i], src[i] + offset, ok[i] != 0)
         if cutlass.const_expr(weights):
             wslot = slot + self.b_bytes + warp * (MT * SC * 512) + lane * 16
             for mt in cutlass.range_constexpr(MT):
@@ -784,7 +790,8 @@ class ExpertsGemmKernel:
         base = mt * W * 4
         warpgroup.fence()  # this fragment and the accumulators were written by this thread
         for j in cutlass.range_constexpr(4):
-            desc = p.smem_matrix_descriptor(slot + (cc * 8 + 2 * j) * 128, 128, SC * 8 * 128)
+            start, leading, stride = wgmma_b_descriptor(cc, j, SC)
+            desc = p.smem_matrix_descriptor(slot + start, leading, stride)
             d = p.wgmma_bf16([acc[base + i] for i in range(4 * live)],
                              (r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1]), desc, 8 * live)
             for i in cutlass.range_constexpr(4 * live):

@@ -82,6 +82,12 @@ __all__ = [
     "pack_tiles",
     "decode_tiles",
     "chunks_per_stage",
+    "mma_physical_k",
+    "b_offset_mma",
+    "b_offset_wgmma",
+    "WGMMA_WORD_STRIDE",
+    "wgmma_b_descriptor",
+    "wgmma_b_reads",
 ]
 
 #: Largest E8M0 scale code the decode keeps exact (the factor 2^(code-1) must be a BF16).
@@ -98,6 +104,63 @@ PAIR3_GATHER = 0x001B001B
 PAIR3_MULTIPLIER = 0x1084  # partial products << 2, << 7, << 12
 CHUNK = 64  # k per chunk
 TILE_ROWS = 16  # weight rows per m-tile
+
+
+#: Tokens per window (the N of one ``mma.m16n8k16``).
+WINDOW = 8
+
+
+def mma_physical_k(j: int, k: int) -> int:
+    """The engine's k permutation: logical k ``k`` (0..15) of MMA step ``j`` (0..3) of a
+    chunk is chunk k ``16 q + 4 j + 2 h + e`` for ``k = 8 h + 2 q + e``. The prepared
+    weights are decoded into this order (lane ``q``'s 16 bytes hold chunk k ``16 q ..
+    16 q + 15`` of its rows: one 32-k scale block per lane) and the ``mma.sync`` B
+    fragments are the lane's 16-byte token pieces read in the same order, so each MMA adds
+    products of matching k (a dot product does not depend on the names of its terms)."""
+    h, rest = divmod(k, 8)
+    q, e = divmod(rest, 2)
+    return 16 * q + 4 * j + 2 * h + e
+
+
+def b_offset_mma(window, n, cc, kk, stage_chunks: int):
+    """Byte offset in a ring slot of token ``n`` of ``window``'s 16-byte piece ``kk`` (chunk
+    k ``8 kk .. 8 kk + 7``) of chunk ``cc``, for ``mma.sync``: in each (window, chunk, piece
+    parity) block of 512 bytes, lane ``4 n + kk // 2``'s B fragment words in lane order
+    (one 16-byte shared load per lane). Takes plain ints or the kernel's ``Int32`` values."""
+    return (((window * stage_chunks + cc) * 2 + kk % 2) * 32 + 4 * n + kk // 2) * 16
+
+
+#: For ``wgmma`` a 16-byte token piece is copied as four 4-byte words, word ``m`` at
+#: ``b_offset_wgmma(...) + m * WGMMA_WORD_STRIDE``.
+WGMMA_WORD_STRIDE = 128
+
+
+def b_offset_wgmma(window, n, cc, kk, stage_chunks: int):
+    """The same piece for ``wgmma``, whose B the tensor cores read from K-major core
+    matrices (8 tokens x 16 bytes of 8 *logical* k): the slot holds one core matrix per
+    (window, chunk, MMA step j, half h) at ``(((window SC + cc) 4 + j) 2 + h) 128``, and
+    word ``m`` (chunk k ``8 kk + 2 m``, ``+1``) of the piece is, by ``mma_physical_k``,
+    logical k ``8 h + 2 q + e`` of step ``j = 2 (kk % 2) + m // 2`` with ``h = m % 2``,
+    ``q = kk // 2``: row ``n``, bytes ``4 q`` of core matrix ``... + m``. Returns word 0's
+    offset; word m is ``WGMMA_WORD_STRIDE * m`` further."""
+    return ((window * stage_chunks + cc) * 8 + 4 * (kk % 2)) * 128 + n * 16 + (kk // 2) * 4
+
+
+def wgmma_b_descriptor(cc: int, j: int, stage_chunks: int):
+    """(start offset in the slot, leading, stride) of the B descriptor of MMA step ``j``
+    (16 logical k) of chunk ``cc``: core matrix (window 0, chunk cc, step j, half 0); 128
+    bytes to half 1 (the next 8 logical k); one window (``stage_chunks * 8`` core
+    matrices) to the next 8 tokens."""
+    return (cc * 8 + 2 * j) * 128, 128, stage_chunks * 8 * 128
+
+
+def wgmma_b_reads(start: int, leading: int, stride: int, n: int, k: int) -> int:
+    """Byte offset the tensor cores read for element (token ``n``, logical k ``k`` in
+    0..15) of a K-major no-swizzle B operand described by (start, leading, stride): core
+    matrix ``(n // 8, k // 8)`` at ``start + (n // 8) stride + (k // 8) leading``, its row
+    ``n % 8`` at 16 bytes per row, the element at 2 bytes (the PTX ISA's canonical
+    layout)."""
+    return start + (n // 8) * stride + (k // 8) * leading + (n % 8) * 16 + (k % 8) * 2
 
 
 def chunks_per_stage(k: int) -> int:
