@@ -1,0 +1,61 @@
+"""CPU checks of ``benchmarks.experts_timeline``: profiler records cut into engine calls,
+their medians, the rendered table and the tactic syntax (the GPU part runs on a node)."""
+
+from __future__ import annotations
+
+import pytest
+
+from benchmarks import experts_timeline as tl
+
+LISTS = "kernel_cutlass_kernel_fastexpertskernelsRoutingListsKernel_object_at_0"
+PLAN = "kernel_cutlass_kernel_fastexpertskernelsPlanKernel_object_at_0"
+GEMM = "kernel_cutlass_kernel_fastexpertskernelsExpertsGemmKernel_object_at_0"
+FUSED = "kernel_cutlass_kernel_fastexpertskernelsFusedExpertsKernel_object_at_0"
+FLUSH = "read_kernel"
+
+
+def _call(t0, fused=False):
+    """One call's records starting at t0: lists 3 us, gap 2, plan 2, gap 1, FC1 40, FC2
+    starting 5 us before FC1 ends and ending 20 us after (or one fused grid of 60)."""
+    recs = [(FLUSH, t0 - 30, t0 - 5), (LISTS, t0, t0 + 3), (PLAN, t0 + 5, t0 + 7)]
+    if fused:
+        return recs + [(FUSED, t0 + 8, t0 + 68)]
+    return recs + [(GEMM, t0 + 8, t0 + 48), (GEMM, t0 + 43, t0 + 68)]
+
+
+def test_calls_cut_and_measured():
+    records = _call(100) + _call(300)
+    got = tl.calls_from_records(list(reversed(records)))  # any order
+    assert len(got) == 2
+    for c in got:
+        assert c == {"lists": 3, "gap_plan": 2, "plan": 2, "gap_fc1": 1, "fc1": 40, "fc2": 25,
+                     "fc2_after_fc1": 20, "call": 68, "fused": False}
+
+
+def test_fused_call_and_incomplete_calls():
+    records = _call(100, fused=True) + _call(300)[:-1]  # the second call lost its FC2
+    got = tl.calls_from_records(records)
+    assert len(got) == 1 and got[0]["fused"] and got[0]["fc1"] == 60 and got[0]["call"] == 68
+    assert got[0]["fc2"] == 0.0 and got[0]["fc2_after_fc1"] == 0.0
+
+
+def test_summary_and_render():
+    calls = tl.calls_from_records(_call(100) + _call(300) + _call(500))
+    m = tl.summarize(calls)
+    assert m["calls"] == 3 and m["call"] == 68 and m["gap_plan"] == 2
+    with pytest.raises(ValueError, match="no complete engine call"):
+        tl.summarize([])
+    result = {"device": "X", "torch": "t", "read_gbs": 4500.0, "reps": 3, "cases": [
+        {"mode": "dep16", "size": 1, "tactic": "", "limit_us": 60.0, "median_us": m},
+        {"mode": "dep16", "size": 1, "tactic": "fused=1", "limit_us": 60.0, "median_us": m,
+         "launch": "eager"}]}
+    text = tl.render(result)
+    assert "| dep16 | 1 | default | 60.0 | 3.0 | 2.0 | 2.0 | 1.0 | 40.0 | 25.0 | 20.0 | 68.0 | 8.0 |" in text
+    assert "fused=1 (eager)" in text
+
+
+def test_tactic_syntax():
+    assert tl.parse_tactic("") == {}
+    assert tl.parse_tactic("wgmma=1,fused=1") == {"wgmma": 1, "fused": 1}
+    with pytest.raises(ValueError, match="key=int"):
+        tl.parse_tactic("wgmma")
