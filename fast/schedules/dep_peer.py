@@ -35,20 +35,18 @@ counters only grow, so a call can be captured in a CUDA graph and replayed.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from fast import backend
 from fast.schedules.dense import DenseFront
 from fast.schedules.dep import DepRankOutputs, _compiled, kernel_params
+from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
 from reference.weights import LatentMoEWeights
 
 __all__ = ["DepPeerLayer", "DepPeerScratch", "DepPeerTimeout", "symmetric_layout", "WAITS"]
 
 #: What each of a call's two waits waits for, by index (``ArrivalWaitKernel``'s ``what``).
 WAITS = ("receive rows", "owner partials")
-_ALIGN = 256
 
 
 class DepPeerTimeout(RuntimeError):
@@ -60,21 +58,16 @@ def symmetric_layout(config, ranks: int, max_tokens: int) -> tuple[dict, int]:
     receive rows of ``N * max_tokens`` (E4M3 codes as uint8 ``[R, L]``, E8M0 scales
     ``[R, L/32]``, int32 ids and FP32 weights ``[R, K]``), the BF16 partials ``[R, L]``,
     and the arrival counters (uint32 ``[len(WAITS), N]``: one per wait and peer, as int32).
-    Every field starts on a 256-byte boundary."""
+    Every field starts on a 256-byte boundary (``fast.schedules.symmetric.pack``)."""
     rows, c = ranks * max_tokens, config
-    fields = {
+    return pack({
         "codes": ((rows, c.latent), torch.uint8),
         "scales": ((rows, c.latent // 32), torch.uint8),
         "ids": ((rows, c.top_k), torch.int32),
         "weights": ((rows, c.top_k), torch.float32),
         "partials": ((rows, c.latent), torch.bfloat16),
         "arrivals": ((len(WAITS), ranks), torch.int32),
-    }
-    layout, at = {}, 0
-    for name, (shape, dtype) in fields.items():
-        layout[name] = (at, shape, dtype)
-        at += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
-    return layout, at
+    })
 
 
 class DepPeerScratch:
@@ -96,48 +89,27 @@ class DepPeerScratch:
     """
 
     def __init__(self, config, *, max_tokens: int, group=None, device=None):
-        import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
-
         from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
 
-        if not dist.is_initialized():
-            raise RuntimeError("DepPeerScratch: torch.distributed is not initialised (launch with "
-                               "torchrun and call init_process_group('nccl'))")
-        group = group if group is not None else dist.group.WORLD
-        rank, ranks = dist.get_rank(group), dist.get_world_size(group)
+        group, rank, ranks = process_group("DepPeerScratch", group)
         if config.experts % ranks:
             raise ValueError(f"DepPeerScratch: {ranks} ranks must divide E={config.experts} "
                              "(each rank owns E/N experts)")
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"DepPeerScratch: max_tokens must be a positive int, got {max_tokens!r}")
-        device = torch.device(device if device is not None else "cuda")
-        if device.type != "cuda":
-            raise ValueError(f"DepPeerScratch: device must be a CUDA device, got {device}")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = cuda_device("DepPeerScratch", device)
         self.config, self.group, self.rank, self.ranks = config, group, rank, ranks
         self.max_tokens, self.device = max_tokens, device
         self.layout, size = symmetric_layout(config, ranks, max_tokens)
-        self._symmetric = symm_mem.empty(size, dtype=torch.uint8, device=device)
-        self._symmetric.zero_()
-        handle = symm_mem.rendezvous(self._symmetric, group.group_name)
-        peers = [int(p) for p in handle.buffer_ptrs]
-        self.buffers = {
-            name: self._symmetric[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-            for name, (at, shape, dtype) in self.layout.items()}
-
-        def at(peer, name, index=0):
-            return peers[peer] + self.layout[name][0] + index
-
-        on = dict(dtype=torch.int64, device=device)
+        symmetric = SymmetricBuffer(self.layout, size, group, device)
+        self._symmetric, self.buffers = symmetric.tensor, symmetric.views
         self.dispatch_table = torch.tensor(
-            [[at(o, f) for f in ("codes", "scales", "ids", "weights")] for o in range(ranks)], **on)
-        self.combine_table = torch.tensor([at(o, "partials") for o in range(ranks)], **on)
+            [[symmetric.address(o, f) for f in ("codes", "scales", "ids", "weights")]
+             for o in range(ranks)], dtype=torch.int64, device=device)
+        self.combine_table = symmetric.table("partials")
         # my counter word at each receiver: wait 0 (receive rows) at owners, wait 1
         # (owner partials) at homes
-        self.arrival_tables = [torch.tensor([at(o, "arrivals", 4 * (w * ranks + rank))
-                                             for o in range(ranks)], **on)
+        self.arrival_tables = [symmetric.table("arrivals", 4 * (w * ranks + rank))
                                for w in range(len(WAITS))]
         rows = ranks * max_tokens
         self.rows = torch.empty(rows * config.top_k, config.latent, dtype=torch.bfloat16,
@@ -145,8 +117,7 @@ class DepPeerScratch:
         self.expected = torch.zeros(len(WAITS), dtype=torch.int32, device=device)
         self.error = torch.zeros(len(WAIT_ERROR_FIELDS), dtype=torch.int32, device=device)
         self.engine = None
-        torch.cuda.synchronize(device)
-        dist.barrier(group)
+        meet(group, device)
 
 
 class DepPeerLayer:

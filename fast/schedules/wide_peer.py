@@ -66,21 +66,19 @@ every rank (its mailboxes and counters are out of step with its peers').
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from fast import activation, backend, finalize, mx, router, stock
 from fast.schedules.wide import (MAILBOX_BUFFERS, MailboxTimeout, WideRankOutputs, WideStages,
                                  _as_int32, _compiled, _mm_bf16_into, check_ranks,
                                  kernel_params, mailbox_timeout_message)
+from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
 from reference.weights import LatentMoEWeights
 
 __all__ = ["WidePeerLayer", "WidePeerTimeout", "symmetric_layout", "WAITS"]
 
 #: What each of a call's two waits waits for, by index (``ArrivalWaitKernel``'s ``what``).
 WAITS = ("routed partials", "hidden partials")
-_ALIGN = 256
 
 
 class WidePeerTimeout(TimeoutError):
@@ -98,20 +96,15 @@ def symmetric_layout(config, ranks: int, max_rows: int) -> tuple[dict, int]:
     * ``arrivals`` int32 (uint32 counters) ``[len(WAITS), N]``: word ``[w, s]`` counts
       rank ``s``'s signals for wait ``w``.
 
-    Every field starts on a 256-byte boundary."""
+    Every field starts on a 256-byte boundary (``fast.schedules.symmetric.pack``)."""
     c, rows = config, max_rows
-    fields = {
+    return pack({
         "mailbox": ((MAILBOX_BUFFERS, rows, c.latent + 2 * c.experts), torch.int16),
         "partial": ((rows, c.latent), torch.bfloat16),
         "shared": ((MAILBOX_BUFFERS, rows, c.hidden), torch.bfloat16),
         "up": ((rows, c.hidden // ranks), torch.bfloat16),
         "arrivals": ((len(WAITS), ranks), torch.int32),
-    }
-    layout, at = {}, 0
-    for name, (shape, dtype) in fields.items():
-        layout[name] = (at, shape, dtype)
-        at += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
-    return layout, at
+    })
 
 
 class WidePeerLayer(WideStages):
@@ -135,7 +128,6 @@ class WidePeerLayer(WideStages):
     def __init__(self, weights: LatentMoEWeights, *, max_rows: int | None = None, group=None,
                  device: str | torch.device | None = None, timeout_s: float = 10.0):
         import torch.distributed as dist
-        import torch.distributed._symmetric_memory as symm_mem
 
         from fast.experts import ExpertsEngine, prepare_experts
         from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
@@ -155,17 +147,9 @@ class WidePeerLayer(WideStages):
                 or not 0 < timeout_s <= 600:
             raise ValueError(f"WidePeerLayer: timeout_s must be a number of seconds in (0, 600], "
                              f"got {timeout_s!r}")
-        if not dist.is_initialized():
-            raise RuntimeError("WidePeerLayer: torch.distributed is not initialised (launch with "
-                               "torchrun and call init_process_group('nccl'))")
-        group = group if group is not None else dist.group.WORLD
-        rank, n = dist.get_rank(group), dist.get_world_size(group)
+        group, rank, n = process_group("WidePeerLayer", group)
         check_ranks(c, n)
-        device = torch.device(device if device is not None else "cuda")
-        if device.type != "cuda":
-            raise ValueError(f"WidePeerLayer: device must be a CUDA device, got {device}")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
+        device = cuda_device("WidePeerLayer", device)
         ok, why = backend.device_supported()
         if not ok:
             raise RuntimeError(f"WidePeerLayer: the fast kernels cannot run here: {why}")
@@ -200,13 +184,8 @@ class WidePeerLayer(WideStages):
 
         # the symmetric buffer: everything a peer writes or reads
         self.layout, size = symmetric_layout(c, n, max_rows)
-        self._symmetric = symm_mem.empty(size, dtype=torch.uint8, device=device)
-        self._symmetric.zero_()
-        handle = symm_mem.rendezvous(self._symmetric, group.group_name)
-        peers = [int(p) for p in handle.buffer_ptrs]
-        self.symmetric = {
-            name: self._symmetric[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-            for name, (at, shape, dtype) in self.layout.items()}
+        symmetric = SymmetricBuffer(self.layout, size, group, device)
+        self._symmetric, self.symmetric = symmetric.tensor, symmetric.views
         sym = self.symmetric
         self.mailboxes = {r: sym["mailbox"]}
         rows, k, L, E, H = max_rows, c.top_k, c.latent, c.experts, c.hidden
@@ -225,10 +204,7 @@ class WidePeerLayer(WideStages):
             out=torch.empty(rows, H, dtype=torch.bfloat16, **on),
         )}
 
-        def table(name, index=0):
-            return torch.tensor([peers[o] + self.layout[name][0] + index for o in range(n)],
-                                dtype=torch.int64, device=device)
-
+        table = symmetric.table
         shared_bytes = rows * H * 2
         self.mailbox_table = table("mailbox")
         self.partial_table = table("partial")
@@ -246,8 +222,7 @@ class WidePeerLayer(WideStages):
         self.calls = 0
         self._prepared: set[int] = set()
         self._arm()
-        torch.cuda.synchronize(device)
-        dist.barrier(group)
+        meet(group, device)
 
     # -- state ------------------------------------------------------------------------------
 
