@@ -39,6 +39,7 @@ every sample.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -171,6 +172,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--tokens", default=DEFAULT_TOKENS)
     ap.add_argument("--gemms", default=",".join(GEMMS))
+    ap.add_argument("--wgmma", action="store_true",
+                    help="also time the wgmma version of every candidate with 4 or 8 warps "
+                         "(sm_90a; labels end in ',wgmma'; not used for the best-tactic rows)")
     args = ap.parse_args(argv)
     if args.render:
         with open(args.render) as f:
@@ -199,7 +203,15 @@ def main(argv=None):
     w = cases.dense_weights("kimi_k3", "cuda")
     gemms = [g for g in args.gemms.split(",") if g]
     probe = _inputs(cfg, w, 1, 0)
-    engines = {g: DenseGemm(probe[g][0], tactics=CANDIDATES[tuple(probe[g][0].shape)]) for g in gemms}
+    def timed(shape):
+        """The candidates timed for a weight shape (with ``--wgmma`` their wgmma versions)."""
+        cands = list(CANDIDATES[shape])
+        if args.wgmma:
+            cands += [dataclasses.replace(t, wgmma=True) for t in CANDIDATES[shape]
+                      if t.warps in (4, 8)]
+        return cands
+
+    engines = {g: DenseGemm(probe[g][0], tactics=timed(tuple(probe[g][0].shape))) for g in gemms}
     for tokens in [int(v) for v in args.tokens.split(",")]:
         data = _inputs(cfg, w, tokens, 1000 + tokens)
         row = {"tokens": tokens, "gemms": {}}
@@ -213,19 +225,22 @@ def main(argv=None):
                     "times": {}}
             case["times"]["cublas"] = device_time_us(_cublas(g, weight, a, addend, out_dtype),
                                                      reps=args.reps, flush=flush)
-            for t in [None] + [c for c in CANDIDATES[tuple(weight.shape)] if c.serves(tokens)]:
+            for t in [None] + [c for c in timed(tuple(weight.shape)) if c.serves(tokens)]:
                 name = "default" if t is None else t.label()
                 case["times"][name] = device_time_us(
                     lambda: eng(a, out_dtype=out_dtype, addend=addend, out=out, tactic=t),
                     reps=args.reps, flush=flush)
             case["median_us"] = {k: statistics.median(v) for k, v in case["times"].items()}
             med = case["median_us"]
-            tact = {k: v for k, v in med.items() if k.startswith("r")}
+            tact = {k: v for k, v in med.items() if k.startswith("r") and not k.endswith("wgmma")}
             best = min(tact, key=tact.get)
+            wg = {k: v for k, v in med.items() if k.endswith("wgmma")}
+            wg_best = (f" | wgmma best {min(wg, key=wg.get)} {min(wg.values()):6.1f} "
+                       f"({limit / min(wg.values()):.2f})") if wg else ""
             print(f"T {tokens:3d} {g:11s} limit {limit:6.1f}us | cublas {med['cublas']:6.1f} "
                   f"({limit / med['cublas']:.2f}) | default {case['default']} {med['default']:6.1f} "
                   f"({limit / med['default']:.2f}) | best {best} {tact[best]:6.1f} "
-                  f"({limit / tact[best]:.2f})", flush=True)
+                  f"({limit / tact[best]:.2f}){wg_best}", flush=True)
             row["gemms"][g] = case
         if len(gemms) == len(GEMMS):
             best = {g: _best_tactic(row["gemms"][g]["median_us"], CANDIDATES[tuple(data[g][0].shape)])

@@ -262,3 +262,122 @@ def test_kernel_compiles(arch, params):
     from fast.gemm.host import compile_kernel
 
     assert compile_kernel(arch, **params) is not None
+
+
+# --- the wgmma tactic's data path replayed ------------------------------------------------
+
+
+def _descriptor_read(smem: torch.Tensor, start: int, leading: int, stride: int, rows: int):
+    """The ``rows`` x 16 matrix a K-major no-swizzle descriptor (start, leading, stride)
+    describes (PTX ISA canonical layout: element (r, k) at ``start + (r // 8) stride +
+    (k // 8) leading + (r % 8) 16 + (k % 8) 2``)."""
+    m = torch.empty(rows, 16, dtype=torch.float64)
+    for r in range(rows):
+        for k in range(16):
+            m[r, k] = smem[(start + (r // 8) * stride + (k // 8) * leading + (r % 8) * 16
+                            + (k % 8) * 2) // 2]
+    return m
+
+
+def replay_wgmma(w: torch.Tensor, x: torch.Tensor, tactic: Tactic, windows: int) -> torch.Tensor:
+    """The wgmma tactic's data path on the CPU (one split; the split-K reduction and the
+    output map are the ``mma.sync`` path's, replayed by ``replay``): the copies by
+    ``a_offset_wgmma`` / ``b_offset_wgmma`` into a NaN slot, per (warpgroup, m-tile, sub,
+    step) the descriptors' 64 x 16 and (8 windows) x 16 matrices multiplied, the product's
+    rows and columns handed to the warps' accumulators as the PTX D layout of m64nNk16 does
+    (warp w of the warpgroup: rows 16 w + g, + 8; columns 8 i + 2 q, + 1), and the
+    accumulators written out through ``c_map``."""
+    n, k = w.shape
+    t = x.shape[0]
+    p = tactic.kernel_params(windows)
+    warps, mt_n, stage_k = p["warps"], p["mtiles"], p["stage_k"]
+    subs, tile_rows = stage_k // lay.SUB_K, tactic.tile_rows
+    a_bytes = tile_rows * stage_k * 2
+    out = torch.full((t, n), float("nan"), dtype=torch.float64)
+    for tile in range(n // tile_rows):
+        acc = {(wp, m, wn, lane): [0.0] * 4 for wp in range(warps) for m in range(mt_n)
+               for wn in range(windows) for lane in range(32)}
+        for stage in range(k // stage_k):
+            k0 = stage * stage_k
+            smem = torch.full((lay.slot_bytes(tile_rows, windows, stage_k) // 2,), float("nan"),
+                              dtype=torch.float64)
+            for token, piece in itertools.product(range(8 * windows), range(stage_k // 8)):
+                e = lay.b_offset_wgmma(token, piece, subs, a_bytes) // 2
+                src = x[token, k0 + 8 * piece:k0 + 8 * piece + 8] if token < t else torch.zeros(8)
+                smem[e:e + 8] = src.double()
+            for wp, m, half, sub, lane in itertools.product(range(warps), range(mt_n), range(2),
+                                                            range(subs), range(32)):
+                row, kk = lay.a_source(wp, m, half, lane, mt_n)
+                e = lay.a_offset_wgmma(wp, m, sub, half, lane, mt_n, subs) // 2
+                col = k0 + sub * lay.SUB_K + kk
+                smem[e:e + 8] = w[tile * tile_rows + row, col:col + 8].double()
+            for wg, m, sub, j in itertools.product(range(warps // 4), range(mt_n), range(subs),
+                                                   range(2)):
+                (sa, la, ra), (sb, lb, rb) = lay.wgmma_descriptors(wg, m, sub, j, mt_n, subs, a_bytes)
+                d = _descriptor_read(smem, sa, la, ra, 64) @ _descriptor_read(smem, sb, lb, rb, 8 * windows).T
+                for wq, lane, wn, r in itertools.product(range(4), range(32), range(windows), range(4)):
+                    g, q = lane // 4, lane % 4
+                    acc[(4 * wg + wq, m, wn, lane)][r] += float(
+                        d[16 * wq + g + 8 * (r // 2), 8 * wn + 2 * q + r % 2])
+        for (wp, m, wn, lane), c in acc.items():
+            for r in range(4):
+                row, token = lay.c_map(wp, m, wn, lane, r, mt_n)
+                if token < t:
+                    assert torch.isnan(out[token, tile * tile_rows + row]), "output written twice"
+                    out[token, tile * tile_rows + row] = c[r]
+    return out
+
+
+@pytest.mark.parametrize("tactic,tokens", [
+    (Tactic(warps=4, mtiles=1, wgmma=True), 5),
+    (Tactic(warps=4, mtiles=2, stage_k=128, wgmma=True), 16),
+    (Tactic(warps=8, mtiles=1, wgmma=True), 17),
+], ids=lambda v: v.label() if isinstance(v, Tactic) else str(v))
+def test_wgmma_data_path_replay_is_exact(tactic, tokens):
+    """Integer data: the wgmma tactic's replayed data path equals the float64 product bit
+    for bit; NaN (a slot byte nothing copied) would show in any misplaced read."""
+    g = torch.Generator().manual_seed(tokens)
+    windows = lay.windows_for(tokens)
+    n, k = tactic.tile_rows, 2 * tactic.stage_k
+    w = torch.randint(-8, 9, (n, k), generator=g).to(torch.bfloat16)
+    x = torch.randint(-8, 9, (tokens, k), generator=g).to(torch.bfloat16)
+    assert torch.equal(replay_wgmma(w, x, tactic, windows), x.double() @ w.double().T)
+
+
+@pytest.mark.parametrize("windows", [1, 3, 8])
+@pytest.mark.parametrize("shape", [(4, 1, 64), (4, 2, 128), (8, 2, 64)])
+def test_wgmma_slot_map_tiles_a_slot(shape, windows):
+    """The wgmma tactic's weight and token pieces cover the ring slot exactly once."""
+    warps, mtiles, stage_k = shape
+    subs = stage_k // lay.SUB_K
+    tile_rows = 16 * warps * mtiles
+    a_bytes = tile_rows * stage_k * 2
+    offsets = [lay.a_offset_wgmma(wp, m, sub, half, lane, mtiles, subs)
+               for wp, m, sub, half, lane in itertools.product(
+                   range(warps), range(mtiles), range(subs), range(2), range(32))]
+    offsets += [lay.b_offset_wgmma(tok, piece, subs, a_bytes) for tok in range(8 * windows)
+                for piece in range(stage_k // 8)]
+    assert sorted(offsets) == list(range(0, lay.slot_bytes(tile_rows, windows, stage_k), 16))
+
+
+def test_wgmma_tactic_checks():
+    with pytest.raises(ValueError, match="whole warpgroups"):
+        Tactic(warps=2, wgmma=True)
+    t = Tactic(warps=4, mtiles=2, wgmma=True)
+    assert t.label() == "r128w4s1,wgmma" and t.kernel_params(2)["wgmma"] is True
+    assert "wgmma" not in Tactic(warps=4, mtiles=2).kernel_params(2)
+    from fast.gemm.host import compile_kernel
+
+    with pytest.raises(ValueError, match="wgmma needs sm_90a"):
+        compile_kernel("sm_100a", **t.kernel_params(2))
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+@pytest.mark.parametrize("windows", [1, 4, 8])
+@pytest.mark.parametrize("tactic", [Tactic(warps=4, mtiles=2, wgmma=True),
+                                    Tactic(warps=8, mtiles=2, wgmma=True)],
+                         ids=lambda t: t.label())
+def test_wgmma_kernel_compiles(tactic, windows):
+    from fast.gemm.host import compile_kernel
+
+    assert compile_kernel("sm_90a", **tactic.kernel_params(windows)) is not None

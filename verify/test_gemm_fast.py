@@ -114,12 +114,30 @@ def _tactics():
     return [(g, t) for g in GEMMS for t in CANDIDATES[dims[shapes[g]]]]
 
 
-@pytest.mark.parametrize("gemm,tactic", _tactics(),
+def _wgmma_tactics():
+    """The warpgroup-MMA versions (``Tactic.wgmma``, sm_90a) of each GEMM's candidates
+    that have whole warpgroups, at most three per GEMM."""
+    import dataclasses
+
+    out = []
+    for g in GEMMS:
+        mine = [dataclasses.replace(t, wgmma=True) for gg, t in _tactics()
+                if gg == g and t.warps in (4, 8)]
+        out += [(g, t) for t in mine[:3]]
+    return out
+
+
+@pytest.mark.parametrize("gemm,tactic", _tactics() + _wgmma_tactics(),
                          ids=lambda v: v if isinstance(v, str) else v.label())
 def test_gemm_fast_tactic(backend, gemm, tactic, contract):
     """One tactic of one GEMM at every batch it serves: within the bound, every batch a
     prefix of the largest one's result bit for bit, token 0 independent of its batch-mates,
     3 reruns equal."""
+    if tactic.wgmma:
+        from fast.backend import gpu_arch
+
+        if gpu_arch() != "sm_90a":
+            pytest.skip(f"wgmma is an sm_90a instruction; this GPU is {gpu_arch()}")
     weight, x, addend, out_dtype = case(gemm)
     ref, bound = reference(gemm, tactic.splits)
     batches = [t for t in BATCHES if tactic.serves(t)]

@@ -17,7 +17,7 @@ __all__ = [
     "cp_async_16", "cp_async_4", "cp_async_4z", "lds_u16", "lds_u8", "lds_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
     "mma_bf16", "rotr", "prmt", "mul_bf16x2", "atomic_add", "atomic_max", "shfl_xor", "shfl_up",
     "e4m3x2_to_f32", "f32x2_to_e4m3x2", "f32_to_bf16_bits",
-    "smem_matrix_descriptor", "wgmma_bf16", "wgmma_settle", "ld_acquire_gpu",
+    "smem_matrix_descriptor", "wgmma_bf16", "wgmma_bf16_ss", "wgmma_settle", "ld_acquire_gpu",
     "red_release_gpu_add",
 ]
 
@@ -290,6 +290,29 @@ def wgmma_bf16(acc, a, descriptor, n: int):
     f32 = ir.F32Type.get()
     struct = llvm.StructType.get_literal([f32] * count)
     operands = ([_ir(Uint32(x)) for x in a] + [_ir(Int64(descriptor)), _ir(Int32(1))]
+                + [_ir(Float32(x)) for x in acc])
+    result = llvm.inline_asm(struct, operands, code, constraints, has_side_effects=True)
+    return [Float32(llvm.extractvalue(f32, result, [i])) for i in range(count)]
+
+
+def wgmma_bf16_ss(acc, a_descriptor, b_descriptor, n: int):
+    """``wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16`` with both operands in
+    shared memory (K-major descriptors): ``acc`` (``n / 2`` FP32 accumulators of this
+    thread) += A (64 x 16) x B (``n`` x 16)^T. Asynchronous, as ``wgmma_bf16``."""
+    from cutlass._mlir import ir
+    from cutlass._mlir.dialects import llvm
+
+    count = n // 2
+    if n % 8 or not 8 <= n <= 256 or len(acc) != count:
+        raise ValueError(f"wgmma m64n{n}k16 takes {n // 2} accumulators")
+    outs = ", ".join(f"${i}" for i in range(count))
+    code = (f"{{ .reg .pred p; setp.ne.b32 p, ${count + 2}, 0; "
+            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, "
+            f"${count}, ${count + 1}, p, 1, 1, 0, 0; }}")
+    constraints = ",".join(["=f"] * count + ["l", "l", "r"] + [str(i) for i in range(count)])
+    f32 = ir.F32Type.get()
+    struct = llvm.StructType.get_literal([f32] * count)
+    operands = ([_ir(Int64(a_descriptor)), _ir(Int64(b_descriptor)), _ir(Int32(1))]
                 + [_ir(Float32(x)) for x in acc])
     result = llvm.inline_asm(struct, operands, code, constraints, has_side_effects=True)
     return [Float32(llvm.extractvalue(f32, result, [i])) for i in range(count)]

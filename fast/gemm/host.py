@@ -110,6 +110,9 @@ def compile_kernel(arch: str, **params):
     needed. Cached per (arch, shape)."""
     if arch not in backend.TARGETS:
         raise ValueError(f"arch must be one of {backend.TARGETS}, got {arch!r}")
+    if params.get("wgmma") and arch != "sm_90a":
+        raise ValueError(f"fast.gemm: tactic wgmma needs sm_90a (warpgroup MMA is Hopper's), "
+                         f"the target is {arch}")
     return _compiled(arch, tuple(sorted(params.items())))
 
 
@@ -193,6 +196,9 @@ class DenseGemm:
         if self.k % (t.splits * t.stage_k):
             raise ValueError(f"DenseGemm: K={self.k} is not a multiple of splits * stage_k = "
                              f"{t.splits} * {t.stage_k} ({t})")
+        if t.wgmma and self.arch != "sm_90a":
+            raise ValueError(f"DenseGemm: tactic {t.label()} uses wgmma, which needs sm_90a; "
+                             f"this GPU is {self.arch}")
 
     def _check(self, x, out, out_dtype, addend):
         n, dev = self.n, self.device

@@ -13,6 +13,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
+from cutlass.cute.nvgpu import warpgroup
 
 from fast import _cute as h
 from fast.experts import _ptx as p
@@ -118,12 +119,16 @@ class SplitKGemmKernel:
     """
 
     def __init__(self, *, warps: int = 4, mtiles: int = 2, windows: int = 1, ring: int = 4,
-                 stage_k: int = 64, occupancy: int = 2):
+                 stage_k: int = 64, occupancy: int = 2, wgmma: bool = False):
         if warps not in (1, 2, 4, 8) or mtiles not in (1, 2, 4) or not 1 <= windows <= lay.MAX_WINDOWS:
             raise ValueError(f"SplitKGemmKernel: warps {warps}, mtiles {mtiles}, windows "
                              f"{windows} not supported")
         if stage_k not in (64, 128) or not 2 <= ring <= 12:
             raise ValueError(f"SplitKGemmKernel: stage_k {stage_k} / ring {ring} not supported")
+        if wgmma and warps not in (4, 8):
+            raise ValueError(f"SplitKGemmKernel: wgmma needs warps 4 or 8, got {warps}")
+        #: warpgroup MMA with both operands in the slot (``layout.a_offset_wgmma``)
+        self.wgmma = bool(wgmma)
         self.warps, self.mtiles, self.windows = warps, mtiles, windows
         self.ring, self.stage_k, self.occupancy = ring, stage_k, occupancy
         self.threads = 32 * warps
@@ -186,7 +191,10 @@ class SplitKGemmKernel:
             gid = tid + threads * i
             token = gid // self.pieces
             piece = gid % self.pieces
-            dst[i] = lay.b_offset(token, piece, SUBS, self.a_bytes)
+            if cutlass.const_expr(self.wgmma):
+                dst[i] = lay.b_offset_wgmma(token, piece, SUBS, self.a_bytes)
+            else:
+                dst[i] = lay.b_offset(token, piece, SUBS, self.a_bytes)
             off = Int32(-2)
             if gid < self.granules:
                 off = Int32(-1)
@@ -214,12 +222,18 @@ class SplitKGemmKernel:
             cute.arch.cp_async_commit_group()
         for s in cutlass.range(stages, unroll=1):
             cute.arch.cp_async_wait_group(RING - 2)
+            if cutlass.const_expr(self.wgmma):
+                # this thread's completed copies, visible to the wgmma reads (async proxy)
+                cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
             ahead = s + RING - 1
             if ahead < stages:
                 self._issue(asrc, xbase, src, dst, ring + (ahead % RING) * SLOT, ahead, warp, lane)
             cute.arch.cp_async_commit_group()
-            self._compute(acc, ring + (s % RING) * SLOT, warp, lane)
+            if cutlass.const_expr(self.wgmma):
+                self._compute_wgmma(acc, ring + (s % RING) * SLOT, warp)
+            else:
+                self._compute(acc, ring + (s % RING) * SLOT, warp, lane)
         cute.arch.cp_async_wait_group(0)
 
         # 3. split-K: partials to the workspace, the last CTA of the tile reduces in order
@@ -289,8 +303,12 @@ class SplitKGemmKernel:
         for mt in cutlass.range_constexpr(MT):
             for half in cutlass.range_constexpr(2):
                 for sub in cutlass.range_constexpr(SUBS):
-                    p.cp_async_16(slot + lay.a_offset(warp, mt, sub, half, lane, MT, SUBS),
-                                  asrc[mt * 2 + half] + offset + sub * (lay.SUB_K * 2), True)
+                    if cutlass.const_expr(self.wgmma):
+                        at = lay.a_offset_wgmma(warp, mt, sub, half, lane, MT, SUBS)
+                    else:
+                        at = lay.a_offset(warp, mt, sub, half, lane, MT, SUBS)
+                    p.cp_async_16(slot + at, asrc[mt * 2 + half] + offset + sub * (lay.SUB_K * 2),
+                                  True)
 
     @cute.jit
     def _mma(self, acc, a_words, b_words, j: int, mt: int, wn: int):
@@ -330,6 +348,35 @@ class SplitKGemmKernel:
                     for mt in cutlass.range_constexpr(MT):
                         for wn in cutlass.range_constexpr(W):
                             self._mma(acc, a[mt], b[wn], j, mt, wn)
+
+    @cute.jit
+    def _compute_wgmma(self, acc, slot, warp):
+        """One stage from ``slot`` with warpgroup MMAs: per sub-chunk, MMA step j and m-tile,
+        one ``wgmma m64n(8 windows)k16`` of this warp's warpgroup, both operands read by
+        descriptor (``layout.wgmma_descriptors``), every output adding its steps in k
+        order; one commit group per stage, waited for before the slot is refilled, then
+        the accumulators are read back only after the wait."""
+        MT: cutlass.Constexpr = self.mtiles
+        W: cutlass.Constexpr = self.windows
+        SUBS: cutlass.Constexpr = self.subs
+        wg = warp // 4
+        warpgroup.fence()
+        for sub in cutlass.range_constexpr(SUBS):
+            for j in cutlass.range_constexpr(2):
+                for mt in cutlass.range_constexpr(MT):
+                    a, b = lay.wgmma_descriptors(wg, mt, sub, j, MT, SUBS, self.a_bytes)
+                    base = mt * W * 4
+                    d = p.wgmma_bf16_ss([acc[base + i] for i in range(4 * W)],
+                                        p.smem_matrix_descriptor(slot + a[0], a[1], a[2]),
+                                        p.smem_matrix_descriptor(slot + b[0], b[1], b[2]),
+                                        8 * W)
+                    for i in cutlass.range_constexpr(4 * W):
+                        acc[base + i] = d[i]
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        d = p.wgmma_settle([acc[i] for i in range(MT * W * 4)])
+        for i in cutlass.range_constexpr(MT * W * 4):
+            acc[i] = d[i]
 
     @cute.jit
     def _epilogue(self, acc, out: Int64, addend: Int64, n: Int32, tokens: Int32, flags: Int32,

@@ -39,6 +39,7 @@ import dataclasses
 __all__ = [
     "WINDOW", "MAX_TOKENS", "MAX_WINDOWS", "SUB_K", "PIECE", "BLOCK",
     "a_source", "a_offset", "b_offset", "b_read_offset", "mma_operands", "c_map", "ws_offset",
+    "a_offset_wgmma", "b_offset_wgmma", "wgmma_descriptors",
     "windows_for", "Tactic", "SMEM_PER_SM", "MAX_ACCUMULATORS", "slot_bytes", "ring_for",
 ]
 
@@ -84,6 +85,37 @@ def b_read_offset(window, sub, lane, subs: int, a_bytes: int):
     """Where lane ``lane`` reads its B fragment of ``window`` for sub-chunk ``sub``: the
     piece of token ``8 window + lane // 4``, k ``32 sub + 8 (lane % 4)``."""
     return a_bytes + ((window * subs + sub) * 32 + lane) * PIECE
+
+
+def a_offset_wgmma(warp, mt, sub, half, lane, mtiles: int, subs: int):
+    """Byte offset in a ring slot of the same lane's piece for the ``wgmma`` tactic: K-major
+    core matrices (8 rows x 16 bytes of 8 consecutive k), one per (warpgroup, m-tile, row
+    group, 8-k granule) at ``(((wg mtiles + mt) 8 + rg) 4 subs + kg) 128``; the 64 rows of
+    (warpgroup ``wg``, m-tile ``mt``) are row groups ``rg = 2 w + half`` of its warps ``w``
+    (tile rows ``((4 wg + w) mtiles + mt) 16 + 8 half + g``, the ``mma.sync`` rows of that
+    warp), so the accumulators keep ``c_map``'s rows. No k permutation: the tensor cores
+    read A and B in the same (natural) k order."""
+    wg, w = warp // 4, warp % 4
+    granules = 4 * subs
+    return ((((wg * mtiles + mt) * 8 + 2 * w + half) * granules + sub * 4 + lane % 4) * 128
+            + (lane // 4) * PIECE)
+
+
+def b_offset_wgmma(token, piece, subs: int, a_bytes: int):
+    """Byte offset of token ``token``'s piece ``piece`` for ``wgmma``: core matrix (window,
+    8-k granule ``piece``) at ``a_bytes + (window 4 subs + piece) 128``, row ``token % 8``."""
+    return a_bytes + ((token // WINDOW) * 4 * subs + piece) * 128 + (token % WINDOW) * PIECE
+
+
+def wgmma_descriptors(wg, mt, sub, j: int, mtiles: int, subs: int, a_bytes: int):
+    """((start, leading, stride) of A, (start, leading, stride) of B) of MMA step ``j``
+    (k ``32 sub + 16 j ..``) of (warpgroup ``wg``, m-tile ``mt``): 128 bytes to the next
+    8 k, one row group (A) or window (B) of ``4 subs`` core matrices to the next 8 rows."""
+    granules = 4 * subs
+    kg = sub * 4 + 2 * j
+    a = ((((wg * mtiles + mt) * 8) * granules + kg) * 128, 128, granules * 128)
+    b = (a_bytes + kg * 128, 128, granules * 128)
+    return a, b
 
 
 def mma_operands(a_lo, a_hi, b, j: int):
@@ -145,6 +177,11 @@ class Tactic:
         occupancy: CTAs per multiprocessor the kernel is built for (launch bounds and
             the ring's share of shared memory); default 2 for tiles up to 128 rows, else 1.
         ring: stages in the ``cp.async`` ring; default ``ring_for(...)``.
+        wgmma: warpgroup MMA (sm_90a; warps 4 or 8) with both operands read from the
+            ring slot by descriptor (``a_offset_wgmma``, ``b_offset_wgmma``), one
+            ``m64n(8 windows)k16`` per m-tile and 16 k, instead of ``mma.sync``; not yet
+            run on a GPU. It may change bits against ``mma.sync`` (another instruction),
+            never with the tile shape.
     """
 
     warps: int = 4
@@ -153,6 +190,7 @@ class Tactic:
     stage_k: int = 64
     occupancy: int | None = None
     ring: int | None = None
+    wgmma: bool = False
 
     def __post_init__(self):
         for name in ("warps", "mtiles", "splits"):
@@ -168,6 +206,9 @@ class Tactic:
             raise ValueError(f"Tactic.occupancy must be 1..4, got {self.occupancy!r}")
         if self.ring is not None and not 2 <= self.ring <= 12:
             raise ValueError(f"Tactic.ring must be 2..12, got {self.ring!r}")
+        if self.wgmma and self.warps not in (4, 8):
+            raise ValueError(f"Tactic.wgmma needs whole warpgroups (warps 4 or 8), got "
+                             f"warps={self.warps}")
 
     @property
     def tile_rows(self) -> int:
@@ -190,10 +231,14 @@ class Tactic:
             raise ValueError(f"Tactic {self}: {ring} ring stages of "
                              f"{slot_bytes(self.tile_rows, windows, self.stage_k)} bytes do not "
                              f"fit {occ} CTAs per multiprocessor at {windows} windows")
-        return dict(warps=self.warps, mtiles=self.mtiles, windows=windows, ring=ring,
-                    stage_k=self.stage_k, occupancy=occ)
+        params = dict(warps=self.warps, mtiles=self.mtiles, windows=windows, ring=ring,
+                      stage_k=self.stage_k, occupancy=occ)
+        if self.wgmma:  # only then: the mma.sync kernels' parameters stay as they were
+            params["wgmma"] = True
+        return params
 
     def label(self) -> str:
         extra = "".join(f",{k}{getattr(self, k)}" for k in ("stage_k", "occupancy", "ring")
                         if getattr(self, k) != Tactic.__dataclass_fields__[k].default)
+        extra += ",wgmma" if self.wgmma else ""
         return f"r{self.tile_rows}w{self.warps}s{self.splits}{extra}"
