@@ -59,15 +59,29 @@ class BucketGraphs:
     ``graph`` does; collective for real ranks). ``__call__`` returns the output rows of
     the ``T`` real tokens, BF16 ``[T, H]`` (a list per rank for ``DepLayer``): views of the
     graph's output, valid until the next call of the same bucket.
+
+    Any other layer (the wide layers included) is refused with a TypeError; ``virtual``
+    says which of the two kinds ``layer`` is.
     """
 
     def __init__(self, layer, buckets=BUCKETS):
+        from fast.schedules.dep import DepLayer
+        from fast.schedules.dep_peer import DepPeerLayer
+
+        if isinstance(layer, DepLayer):
+            virtual = True
+        elif isinstance(layer, DepPeerLayer):
+            virtual = False
+        else:
+            raise TypeError("BucketGraphs: layer must be a fast.schedules.dep.DepLayer (every "
+                            "virtual rank) or a fast.schedules.dep_peer.DepPeerLayer (one real "
+                            f"rank), got {type(layer).__name__}")
         buckets = tuple(sorted(set(buckets)))
         if not buckets or buckets[0] < 1 or buckets[-1] > layer.max_tokens:
             raise ValueError(f"BucketGraphs: buckets {buckets} must lie in [1, max_tokens="
                              f"{layer.max_tokens}]")
         self.layer, self.buckets = layer, buckets
-        self.virtual = not hasattr(layer, "scratch")
+        self.virtual = virtual
         self._graphs: dict[int, tuple] = {}
 
     def _static(self, bucket: int):
