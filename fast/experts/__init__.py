@@ -38,7 +38,7 @@ hidden rows are rounded to nearest BF16 (a block whose largest magnitude is belo
 from fast.experts.layout import Geometry, PreparedExperts, prepare_experts
 
 __all__ = ["prepare_experts", "PreparedExperts", "Geometry", "ExpertsEngine", "EngineError",
-           "Capture"]
+           "Capture", "prepare_blackwell_experts", "BlackwellExperts", "BlackwellExpertsEngine"]
 
 
 def __getattr__(name):
@@ -46,4 +46,13 @@ def __getattr__(name):
         from fast.experts import engine
 
         return getattr(engine, name)
+    # the Blackwell block-scaled variant (compiled for sm_100a/sm_103a, not yet run on a GPU)
+    if name in ("prepare_blackwell_experts", "BlackwellExperts"):
+        from fast.experts import blackwell_layout
+
+        return getattr(blackwell_layout, name)
+    if name == "BlackwellExpertsEngine":
+        from fast.experts import blackwell
+
+        return blackwell.BlackwellExpertsEngine
     raise AttributeError(name)
