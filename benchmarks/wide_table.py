@@ -8,7 +8,8 @@ TP8: every expert's 384-wide slice of the intermediate per rank). A full call fi
 rank's buffers; then rank 0's own work is timed: its shared expert (side stream), its front
 GEMM, its publish into every mailbox, its poll + router + plan rows, its experts, its
 Finalize, its latent all-reduce + RMSNorm + up columns (reading the other ranks' partials
-from the full call) and its hidden all-reduce, and the whole rank's step with the shared
+from the full call; without the wait for the shared expert, ``latent_stage(...,
+wait_shared=False)``) and its hidden all-reduce, and the whole rank's step with the shared
 expert beside it. Each is captured in a CUDA graph; before every replay the L2 is flushed
 (``benchmarks.experts_table``) and, for the stages that poll, rank 0's mailbox is restored
 to the state after every rank published (a snapshot: the peers' publishes are not rank 0's
@@ -56,8 +57,7 @@ def fast_stages(layer, x, tokens: int) -> dict:
     def latent():
         # timed alone: the shared expert (the event it would wait for was recorded in
         # another stage's capture) is not part of this stage
-        layer._shared_ready[0] = None
-        layer.latent_stage(0, tokens)
+        layer.latent_stage(0, tokens, wait_shared=False)
 
     def rank():
         layer.shared_stage(0, x, order="side")

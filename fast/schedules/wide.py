@@ -325,11 +325,18 @@ class WideStages:
         finalize.finalize(b["rows"][: tokens * k], b["weights"][:tokens],
                           out=b["partial"][:tokens])
 
-    def latent_stage(self, r: int, tokens: int) -> None:
+    def latent_stage(self, r: int, tokens: int, *, wait_shared: bool = True) -> None:
         """Rank ``r``'s latent all-reduce fused with the RMSNorm
         (``LatentAllReduceNormKernel``, every rank's partial in rank order), then (after
         the shared expert) its up-projection columns ``shared_r[:, cols_r] + normed @
-        up_r^T`` (cuBLAS addmm) into its ``up`` buffer."""
+        up_r^T`` (cuBLAS addmm) into its ``up`` buffer.
+
+        ``wait_shared``: before the addmm, the current stream waits for the event of the
+        last :meth:`shared_stage` on the side stream (none after a serial one). Pass
+        False to time this stage alone, without the shared expert: the addmm then reads
+        whatever the ``shared`` buffer holds (what an earlier shared stage left there),
+        and the event (which may belong to another graph's capture) is neither waited on
+        nor changed."""
         from cutlass import Float32, Int32, Int64
 
         c, b = self.config, self._buffers[r]
@@ -337,7 +344,7 @@ class WideStages:
             Int64(self.partial_table.data_ptr()), Int64(b["routed"].data_ptr()),
             Int64(self.latent_norm.data_ptr()), Int64(b["normed"].data_ptr()),
             Float32(c.rms_eps), Int32(tokens), backend.stream(self.device))
-        if self._shared_ready[r] is not None:
+        if wait_shared and self._shared_ready[r] is not None:
             torch.cuda.current_stream(self.device).wait_event(self._shared_ready[r])
         cols = slice(r * self.columns, (r + 1) * self.columns)
         _addmm_bf16_into(self._shared(r)[:tokens, cols], b["normed"][:tokens], self.up[r],
