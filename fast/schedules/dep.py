@@ -48,7 +48,7 @@ from fast.schedules.dense import DenseFront, DenseOutputs
 from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
 
-__all__ = ["DepLayer", "DepRankOutputs"]
+__all__ = ["DepLayer", "DepRankOutputs", "check_token_rows"]
 
 
 @dataclasses.dataclass
@@ -123,6 +123,33 @@ def compile_all(config: LatentMoEConfig, ranks: int, arch: str, *, peers: bool =
             for kind, params in kernel_params(config, ranks, peers=peers).items()]
 
 
+def check_token_rows(who: str, xs, names, *, config: LatentMoEConfig, device: torch.device,
+                     max_tokens: int, unit: str) -> int:
+    """The DEP layers' input check (:class:`DepLayer`: every virtual rank's tokens;
+    ``fast.schedules.dep_peer.DepPeerLayer``: one real rank's): each tensor of ``xs``
+    BF16 ``[T, H]``, contiguous on ``device``, one ``T`` for all, ``1 <= T <=
+    max_tokens``; returns ``T``. Each ValueError starts with ``who`` and names a tensor by
+    its entry of ``names`` (``"xs[r]"``, ``"x"``); ``unit`` is what ``T`` counts in the
+    range error (``"tokens per rank"``, ``"tokens"``). The tensors are checked in order,
+    the range last."""
+    tokens = None
+    for name, x in zip(names, xs):
+        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
+                or x.shape[1] != config.hidden:
+            got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{who}: {name} must be BF16 [T, H={config.hidden}], got {got}")
+        if x.device != device or not x.is_contiguous():
+            raise ValueError(f"{who}: {name} must be contiguous on {device}, got {x.device}")
+        tokens = x.shape[0] if tokens is None else tokens
+        if x.shape[0] != tokens:
+            raise ValueError(f"{who}: every rank runs one padded T; {names[0]} has {tokens} "
+                             f"rows, {name} has {x.shape[0]}")
+    if not 1 <= tokens <= max_tokens:
+        raise ValueError(f"{who}: T={tokens} {unit} is outside [1, max_tokens={max_tokens}] "
+                         "the layer was built for")
+    return tokens
+
+
 class DepLayer:
     """S1 over ``ranks`` virtual ranks on one CUDA device, reusable across calls.
 
@@ -188,25 +215,11 @@ class DepLayer:
     # -- checks -------------------------------------------------------------------------
 
     def _check_inputs(self, xs) -> int:
-        c = self.config
         if not isinstance(xs, (list, tuple)) or len(xs) != self.ranks:
             raise ValueError(f"DepLayer: xs must be a list of {self.ranks} tensors (one per rank)")
-        tokens = None
-        for r, x in enumerate(xs):
-            if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
-                    or x.shape[1] != c.hidden:
-                got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(f"DepLayer: xs[{r}] must be BF16 [T, H={c.hidden}], got {got}")
-            if x.device != self.device or not x.is_contiguous():
-                raise ValueError(f"DepLayer: xs[{r}] must be contiguous on {self.device}, got {x.device}")
-            tokens = x.shape[0] if tokens is None else tokens
-            if x.shape[0] != tokens:
-                raise ValueError(f"DepLayer: every rank runs one padded T; xs[0] has {tokens} "
-                                 f"rows, xs[{r}] has {x.shape[0]}")
-        if not 1 <= tokens <= self.max_tokens:
-            raise ValueError(f"DepLayer: T={tokens} tokens per rank is outside [1, "
-                             f"max_tokens={self.max_tokens}] the layer was built for")
-        return tokens
+        return check_token_rows("DepLayer", xs, [f"xs[{r}]" for r in range(len(xs))],
+                                config=self.config, device=self.device,
+                                max_tokens=self.max_tokens, unit="tokens per rank")
 
     # -- the call -------------------------------------------------------------------------
 

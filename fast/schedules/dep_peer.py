@@ -39,7 +39,7 @@ import torch
 
 from fast import backend
 from fast.schedules.dense import DenseFront
-from fast.schedules.dep import DepRankOutputs, _compiled, kernel_params
+from fast.schedules.dep import DepRankOutputs, _compiled, check_token_rows, kernel_params
 from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
 from reference.weights import LatentMoEWeights
 
@@ -186,17 +186,8 @@ class DepPeerLayer:
     # -- checks -------------------------------------------------------------------------
 
     def _check_input(self, x) -> int:
-        c = self.config
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
-                or x.shape[1] != c.hidden:
-            got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"DepPeerLayer: x must be BF16 [T, H={c.hidden}], got {got}")
-        if x.device != self.device or not x.is_contiguous():
-            raise ValueError(f"DepPeerLayer: x must be contiguous on {self.device}, got {x.device}")
-        if not 1 <= x.shape[0] <= self.max_tokens:
-            raise ValueError(f"DepPeerLayer: T={x.shape[0]} tokens is outside [1, "
-                             f"max_tokens={self.max_tokens}] the layer was built for")
-        return x.shape[0]
+        return check_token_rows("DepPeerLayer", [x], ["x"], config=self.config,
+                                device=self.device, max_tokens=self.max_tokens, unit="tokens")
 
     def _prepare(self, tokens: int) -> None:
         """Before the first call of ``tokens`` tokens: compile the engine's kernels for it
