@@ -54,7 +54,8 @@ mailbox buffer, replayed alternately).
 Not here yet: the polled routing fused into the poll (routing and plan CTAs appending to
 the lists: the poll, the router, the quantizer and the engine's list kernel are four
 launches today), the shared expert's front / tail placements, and FlashInfer's fused
-all-reduce + RMSNorm as a second tail. Real ranks: ``fast.schedules.wide_peer``.
+all-reduce + RMSNorm as a second tail (its contract, ``verify/test_flashinfer_allreduce.py``,
+is written and not yet run on two GPUs). Real ranks: ``fast.schedules.wide_peer``.
 """
 
 from __future__ import annotations
