@@ -42,8 +42,11 @@ from benchmarks.experts_table import copy_bandwidth_gbs, device_time_us, l2_flus
 
 STAGES = ("shared", "front", "publish", "route", "experts", "finalize", "latent", "hidden",
           "rank")
+#: rank 0's whole step with the shared expert forked at the other placements
+#: (``fast.schedules.wide.SHARED_PLACEMENTS``; ``rank`` is ``"front"``)
+PLACED = ("rank_beside", "rank_tail")
 #: the stages whose graph polls rank 0's mailbox (its snapshot is restored before a replay)
-POLLING = ("route", "rank")
+POLLING = ("route", "rank") + PLACED
 
 
 def fast_stages(layer, x, tokens: int) -> dict:
@@ -59,14 +62,21 @@ def fast_stages(layer, x, tokens: int) -> dict:
         # another stage's capture) is not part of this stage
         layer.latent_stage(0, tokens, wait_shared=False)
 
-    def rank():
-        layer.shared_stage(0, x, order="side")
-        layer.publish_stage(0, layer.front_stage(0, x), tokens)
-        layer.route_stage(0, tokens)
-        layer.experts_stage(0, tokens)
-        layer.finalize_stage(0, tokens)
-        layer.latent_stage(0, tokens)
-        layer.hidden_stage(0, tokens)
+    def step(shared_at):
+        def rank():
+            if shared_at == "front":
+                layer.shared_stage(0, x, order="side")
+            layer.publish_stage(0, layer.front_stage(0, x), tokens)
+            layer.route_stage(0, tokens)
+            if shared_at == "beside":
+                layer.shared_stage(0, x, order="side")
+            layer.experts_stage(0, tokens)
+            if shared_at == "tail":
+                layer.shared_stage(0, x, order="side")
+            layer.finalize_stage(0, tokens)
+            layer.latent_stage(0, tokens)
+            layer.hidden_stage(0, tokens)
+        return rank
 
     return {
         "shared": shared,
@@ -77,7 +87,9 @@ def fast_stages(layer, x, tokens: int) -> dict:
         "finalize": lambda: layer.finalize_stage(0, tokens),
         "latent": latent,
         "hidden": lambda: layer.hidden_stage(0, tokens),
-        "rank": rank,
+        "rank": step("front"),
+        "rank_beside": step("beside"),
+        "rank_tail": step("tail"),
     }
 
 
@@ -180,22 +192,25 @@ def rank_dense_bytes(layer, r: int) -> int:
 
 
 def render(result: dict) -> str:
-    """Markdown: per T, each stage's median (us), the rank's step and its fraction of the
-    byte limit, the best stock composition and the speed-up."""
+    """Markdown: per T, each stage's median (us), the rank's step (shared expert at the
+    front) and its fraction of the byte limit, the step with the shared expert beside the
+    experts and at the tail (runs before those placements existed show "-"), the best
+    stock composition and the speed-up."""
     lines = [f"Device {result['device']}, torch {result['torch']}; {result['ranks']} virtual "
              f"TP ranks, rank 0 timed; read bandwidth {result['read_gbs']:.0f} GB/s (this "
              "run); fraction = byte limit / time.", "",
              "| T | touched | limit us | " + " | ".join(STAGES[:-1]) +
-             " | rank us (frac) | stock us (frac) | speed-up |",
-             "|" + "---|" * (len(STAGES) + 5)]
+             " | rank us (frac) | shared beside / tail us | stock us (frac) | speed-up |",
+             "|" + "---|" * (len(STAGES) + 6)]
     for c in result["cases"]:
         med, lim = c["median_us"], c["limit_us"]
         stock = min((v for k, v in med.items() if k.startswith("stock")), default=None)
         cells = " | ".join(f"{med[s]:.1f}" for s in STAGES[:-1])
         st = f"{stock:.1f} ({lim / stock:.2f})" if stock else "-"
         up = f"{stock / med['rank']:.2f}x" if stock else "-"
+        placed = " / ".join(f"{med[p]:.1f}" if p in med else "-" for p in PLACED)
         lines.append(f"| {c['tokens']} | {c['touched']} | {lim:.1f} | {cells} | "
-                     f"{med['rank']:.1f} ({lim / med['rank']:.2f}) | {st} | {up} |")
+                     f"{med['rank']:.1f} ({lim / med['rank']:.2f}) | {placed} | {st} | {up} |")
     return "\n".join(lines) + "\n"
 
 

@@ -285,23 +285,32 @@ def test_wide_fast_graph_replay(backend, ranks, seed, contract):
 @pytest.mark.config("small")
 def test_wide_fast_stream_orders(backend, seed, contract):
     """The side stream changes no bit: the shared expert serialized on one stream, on the
-    side stream, the same delayed by a spin (a missing wait would let the up-projection or
-    the hidden all-reduce read the previous call's shared rows: each run follows one on
-    other inputs), and a graph replay of the side-stream order."""
+    side stream at each placement (front, beside the experts, at the tail), the same
+    delayed by a spin (a missing wait would let the up-projection or the hidden
+    all-reduce read the previous call's shared rows: each run follows one on other
+    inputs), and graph replays of the side-stream order at each placement."""
+    from fast.schedules.wide import SHARED_PLACEMENTS
+
     ranks, tokens = 4, 80
     layer = _layer("small", ranks, 96)
     x = _inputs(layer.config, tokens, seed)
     other = _inputs(layer.config, tokens, seed + 999)
     serial = [o.out.clone() for o in layer(x, order="serial")]
     runs = {}
-    layer(other)
-    runs["side, delayed"] = [o.out.clone() for o in layer(x, side_delay_cycles=2_000_000)]
-    layer(other)
-    runs["side"] = [o.out.clone() for o in layer(x)]
-    static = other.clone()
-    replay, _ = layer.graph(static)
-    static.copy_(x)
-    runs["graph replay"] = [o.out.clone() for o in replay()]
+    for shared in SHARED_PLACEMENTS:
+        layer(other)
+        runs[f"side {shared}, delayed"] = [o.out.clone() for o in layer(
+            x, shared=shared, side_delay_cycles=2_000_000)]
+        layer(other)
+        runs[f"side {shared}"] = [o.out.clone() for o in layer(x, shared=shared)]
+        layer(other)
+        runs[f"serial {shared}"] = [o.out.clone() for o in layer(x, order="serial",
+                                                                shared=shared)]
+    for shared in SHARED_PLACEMENTS:
+        static = other.clone()
+        replay, _ = layer.graph(static, shared=shared)
+        static.copy_(x)
+        runs[f"graph replay {shared}"] = [o.out.clone() for o in replay()]
     layer.check()
     for name, got in runs.items():
         for r in range(ranks):
@@ -346,6 +355,8 @@ def test_wide_fast_bad_input(backend, contract):
         layer(x.cpu())
     with pytest.raises(ValueError, match="order must be"):
         layer(x, order="beside")
+    with pytest.raises(ValueError, match="shared must be one of"):
+        layer(x, shared="middle")
     assert layer.calls == 0, "a refused call advanced the mailbox rotation"
     assert not bool(layer.error.any()), "a refused call launched a poll"
     check_armed(contract, layer, "after the refused calls")

@@ -110,8 +110,9 @@ def test_wide_peer_equals_virtual(backend, process_group, tokens, seed, contract
 @pytest.mark.multi_gpu(2)
 @pytest.mark.config("small")
 def test_wide_peer_stream_orders_and_graph(backend, process_group, seed, contract):
-    """Serialized, side stream, side stream delayed by a spin (each after a call on other
-    inputs, so stale buffers differ), graph replays on new inputs (both graphs, every
+    """Serialized, side stream at each shared-expert placement, the same delayed by a
+    spin (each after a call on other inputs, so stale buffers differ), graph replays on
+    new inputs (both graphs, every
     output field): all bitwise equal to the virtual layer; then 20 replays of one input
     give the same bits every time."""
     import torch.distributed as dist
@@ -123,10 +124,12 @@ def test_wide_peer_stream_orders_and_graph(backend, process_group, seed, contrac
     other = cases.rank_rows(cfg, n, tokens, seed + 999, "cuda")
     want = virtual(xs)[rank].out.clone()
     runs = {"serial": real(xs[rank], order="serial").out.clone()}
-    real(other[rank])
-    runs["side, delayed"] = real(xs[rank], side_delay_cycles=2_000_000).out.clone()
-    real(other[rank])
-    runs["side"] = real(xs[rank]).out.clone()
+    for shared in ("front", "beside", "tail"):  # fast.schedules.wide.SHARED_PLACEMENTS
+        real(other[rank])
+        runs[f"side {shared}, delayed"] = real(xs[rank], shared=shared,
+                                               side_delay_cycles=2_000_000).out.clone()
+        real(other[rank])
+        runs[f"side {shared}"] = real(xs[rank], shared=shared).out.clone()
     static = other[rank].clone()
     replay, _ = real.graph(static)
     for i in range(4):  # both graphs, twice

@@ -53,7 +53,7 @@ mailbox buffer, replayed alternately).
 
 Not here yet: the polled routing fused into the poll (routing and plan CTAs appending to
 the lists: the poll, the router, the quantizer and the engine's list kernel are four
-launches today), the shared expert's front / tail placements, and FlashInfer's fused
+launches today), and FlashInfer's fused
 all-reduce + RMSNorm as a second tail (its contract, ``verify/test_flashinfer_allreduce.py``,
 is written and not yet run on two GPUs). Real ranks: ``fast.schedules.wide_peer``.
 """
@@ -71,7 +71,7 @@ from reference.weights import LatentMoEWeights
 
 __all__ = ["WideLayer", "WideStages", "WideRankOutputs", "MailboxTimeout", "check_ranks",
            "kernel_params", "compile_all", "mailbox_timeout_message", "MAX_RANKS",
-           "MAILBOX_BUFFERS"]
+           "MAILBOX_BUFFERS", "SHARED_PLACEMENTS", "check_call_options"]
 
 #: The tail kernels keep one 16-byte granule of every rank in registers.
 MAX_RANKS = 16
@@ -221,6 +221,22 @@ def compile_all(config: LatentMoEConfig, ranks: int, arch: str, *, peers: bool =
     check_ranks(config, ranks)
     return [_compiled(kind, arch, params)
             for kind, params in kernel_params(config, ranks, peers=peers).items()]
+
+
+#: Where the shared expert's side-stream segment forks from the main stream (seed 001's
+#: placements): ``"front"`` at the start of the call, beside the front GEMM, the publish,
+#: the poll and the experts; ``"beside"`` after the rank's routing, beside its experts;
+#: ``"tail"`` after its experts, beside the Finalize and the latent all-reduce. The
+#: placement moves only when the side stream starts: no bit changes.
+SHARED_PLACEMENTS = ("front", "beside", "tail")
+
+
+def check_call_options(owner: str, order: str, shared: str) -> None:
+    """``order`` and ``shared`` of a wide layer call, refused by name before any launch."""
+    if order not in ("side", "serial"):
+        raise ValueError(f"{owner}: order must be 'side' or 'serial', got {order!r}")
+    if shared not in SHARED_PLACEMENTS:
+        raise ValueError(f"{owner}: shared must be one of {SHARED_PLACEMENTS}, got {shared!r}")
 
 
 class WideStages:
@@ -377,7 +393,7 @@ class WideStages:
             shared=self._shared(r)[:tokens],
             up_columns=b["up"][:tokens], out=b["out"][:tokens], mailbox_index=self.mailbox_index)
 
-    def graph(self, xs, *, order: str = "side"):
+    def graph(self, xs, *, order: str = "side", shared: str = "front"):
         """Capture one call on the static inputs ``xs`` in CUDA graphs, one per mailbox
         buffer (both streams, forked from and joined back into the capture stream);
         returns ``(replay, outputs)``: ``replay()`` reruns the whole layer on whatever
@@ -385,7 +401,7 @@ class WideStages:
         (eager calls and replays may be interleaved), and returns that graph's outputs.
         The stage outputs that live in the layer's buffers are the same tensors for both
         graphs; ``front``, ``codes`` and ``scales`` are each graph's own."""
-        self(xs, order=order)  # compile and warm every kernel outside the capture
+        self(xs, order=order, shared=shared)  # compile and warm every kernel outside the capture
         torch.cuda.synchronize(self.device)
         first = self.calls
         captured = []
@@ -395,7 +411,7 @@ class WideStages:
             capture.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(capture):
                 with torch.cuda.graph(graph, stream=capture):
-                    outputs = self(xs, check=False, order=order)
+                    outputs = self(xs, check=False, order=order, shared=shared)
             torch.cuda.current_stream(self.device).wait_stream(capture)
             captured.append((graph, outputs))
         torch.cuda.synchronize(self.device)
@@ -582,7 +598,7 @@ class WideLayer(WideStages):
 
     # -- the call ---------------------------------------------------------------------------
 
-    def __call__(self, xs, *, check: bool = True, order: str = "side",
+    def __call__(self, xs, *, check: bool = True, order: str = "side", shared: str = "front",
                  side_delay_cycles: int = 0) -> list[WideRankOutputs]:
         """One layer step of every rank.
 
@@ -594,23 +610,33 @@ class WideLayer(WideStages):
             order: ``"side"``: the shared expert on a side stream beside everything up to
                 each rank's up-projection (the schedule's streams); ``"serial"``:
                 everything on the current stream. The bits are the same.
+            shared: where each rank's shared-expert segment starts (``SHARED_PLACEMENTS``:
+                ``"front"``, ``"beside"``, ``"tail"``). The bits are the same.
             side_delay_cycles: a spin of this many clock cycles at the start of each
                 side-stream segment (``torch.cuda._sleep``), so that a missing wait
                 between the streams shows as wrong data.
 
         Returns each rank's :class:`WideRankOutputs` (``.out`` is its layer output, the
         same bits on every rank)."""
-        if order not in ("side", "serial"):
-            raise ValueError(f"WideLayer: order must be 'side' or 'serial', got {order!r}")
+        check_call_options("WideLayer", order, shared)
         xs, tokens = self._check_inputs(xs)
         n = self.ranks
-        for r in range(n):
+
+        def shared_expert(r):
             self.shared_stage(r, xs[r], order=order, side_delay_cycles=side_delay_cycles)
+
+        if shared == "front":
+            for r in range(n):
+                shared_expert(r)
         for r in range(n):
             self.publish_stage(r, self.front_stage(r, xs[r]), tokens)
         for r in range(n):
             self.route_stage(r, tokens)
+            if shared == "beside":
+                shared_expert(r)
             self.experts_stage(r, tokens)
+            if shared == "tail":
+                shared_expert(r)
             self.finalize_stage(r, tokens)
         for r in range(n):
             self.latent_stage(r, tokens)

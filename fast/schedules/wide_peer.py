@@ -70,7 +70,8 @@ import torch
 
 from fast import activation, backend, finalize, mx, router, stock
 from fast.schedules.wide import (MAILBOX_BUFFERS, MailboxTimeout, WideRankOutputs, WideStages,
-                                 _as_int32, _compiled, _mm_bf16_into, check_ranks,
+                                 _as_int32, _compiled, _mm_bf16_into, check_call_options,
+                                 check_ranks,
                                  kernel_params, mailbox_timeout_message)
 from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
 from reference.weights import LatentMoEWeights
@@ -320,16 +321,16 @@ class WidePeerLayer(WideStages):
     # -- the call ---------------------------------------------------------------------------
 
     def __call__(self, x: torch.Tensor, *, check: bool = True, order: str = "side",
-                 side_delay_cycles: int = 0) -> WideRankOutputs:
+                 shared: str = "front", side_delay_cycles: int = 0) -> WideRankOutputs:
         """One layer step of this rank on the BF16 tokens ``x [T, H]`` (every rank passes
         the same ``T``; in the model every rank holds the same tokens). ``check``,
-        ``order`` and ``side_delay_cycles`` as :meth:`fast.schedules.wide.WideLayer.__call__`.
+        ``order``, ``shared`` and ``side_delay_cycles`` as
+        :meth:`fast.schedules.wide.WideLayer.__call__`.
         The first call of each ``T`` is collective on the host (:meth:`_prepare`); later
         ones launch without host synchronization (until ``check``). Returns this rank's
         :class:`WideRankOutputs` (views into the layer's buffers, valid until the next
         call)."""
-        if order not in ("side", "serial"):
-            raise ValueError(f"WidePeerLayer: order must be 'side' or 'serial', got {order!r}")
+        check_call_options("WidePeerLayer", order, shared)
         tokens = self._check_input(x)
         if tokens not in self._prepared:
             if torch.cuda.is_current_stream_capturing():
@@ -337,10 +338,19 @@ class WidePeerLayer(WideStages):
                                    "of that T (use WidePeerLayer.graph)")
             self._prepare(tokens)
         r = self.rank
-        self.shared_stage(r, x, order=order, side_delay_cycles=side_delay_cycles)
+
+        def shared_expert():
+            self.shared_stage(r, x, order=order, side_delay_cycles=side_delay_cycles)
+
+        if shared == "front":
+            shared_expert()
         self.publish_stage(r, self.front_stage(r, x), tokens)
         self.route_stage(r, tokens)
+        if shared == "beside":
+            shared_expert()
         self.experts_stage(r, tokens)
+        if shared == "tail":
+            shared_expert()
         self.finalize_stage(r, tokens)
         self._signal_and_wait(0)
         self.latent_stage(r, tokens)
