@@ -35,6 +35,7 @@ import torch
 
 from benchmarks.experts_table import capture_graph, copy_bandwidth_gbs, l2_flush, \
     read_bandwidth_gbs, replay_times_us
+from benchmarks.experts_timeline import parse_tactic
 
 
 def replay_times_us_in_step(replay, *, reps: int, flush) -> list[float]:
@@ -130,6 +131,9 @@ def main(argv=None):
     ap.add_argument("--out", default="dep_peer_table.json")
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--experts-tactic", default="",
+                    help="the experts engine's tactic in the layer, e.g. 'wgmma=1,fused=1' "
+                         "(ExpertsEngine tactic; default the engine's)")
     ap.add_argument("--peers", default="triton")
     args = ap.parse_args(argv)
     if args.render:
@@ -157,7 +161,9 @@ def main(argv=None):
         print(f"read {result['read_gbs']:.0f} GB/s, peer {result['peer_gbs']}", flush=True)
     w = cases.device_weights("kimi_k3")
     c = w.config
-    layer = DepPeerLayer(w, max_tokens=max(tokens_list))
+    layer = DepPeerLayer(w, max_tokens=max(tokens_list),
+                         experts_tactic=parse_tactic(args.experts_tactic))
+    result["experts_tactic"] = args.experts_tactic or "default"
     per = layer.per
     expert_bytes = layer.engine.prepared.expert_bytes()
     stocks = {}

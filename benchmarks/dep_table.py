@@ -39,6 +39,7 @@ import torch
 
 from benchmarks.experts_table import copy_bandwidth_gbs, device_time_us, l2_flush, \
     read_bandwidth_gbs
+from benchmarks.experts_timeline import parse_tactic
 
 STAGES = ("dense", "dispatch", "experts", "partial", "home", "rank")
 
@@ -151,6 +152,9 @@ def main(argv=None):
     ap.add_argument("--ranks", type=int, default=16)
     ap.add_argument("--tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--experts-tactic", default="",
+                    help="the experts engine's tactic in the layer, e.g. 'wgmma=1,fused=1' "
+                         "(ExpertsEngine tactic; default the engine's)")
     ap.add_argument("--peers", default="triton")
     ap.add_argument("--dense-gemm", default="auto", choices=("auto", "cublas", "fast"),
                     help="the dense GEMMs' backend (DepLayer(dense_gemm=...)); default auto")
@@ -174,7 +178,9 @@ def main(argv=None):
     print(f"read {result['read_gbs']:.0f} GB/s, copy {result['copy_gbs']:.0f} GB/s", flush=True)
     w = cases.device_weights("kimi_k3")
     c = w.config
-    layer = DepLayer(w, ranks=args.ranks, max_tokens=max(tokens_list), dense_gemm=args.dense_gemm)
+    layer = DepLayer(w, ranks=args.ranks, max_tokens=max(tokens_list), dense_gemm=args.dense_gemm,
+                     experts_tactic=parse_tactic(args.experts_tactic))
+    result["experts_tactic"] = args.experts_tactic or "default"
     per = layer.per
     dense_bytes = layer.dense.dense_bytes
     expert_bytes = layer.engines[0].prepared.expert_bytes()

@@ -59,6 +59,7 @@ import torch
 from benchmarks.dep_peer_table import replay_times_us_in_step
 from benchmarks.experts_table import capture_graph, copy_bandwidth_gbs, l2_flush, \
     read_bandwidth_gbs
+from benchmarks.experts_timeline import parse_tactic
 from benchmarks.wide_table import rank_dense_bytes, stock_step, triton_slice_moes
 
 STAGES = ("shared", "front", "publish", "route", "experts", "finalize", "latent", "hidden")
@@ -128,6 +129,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tokens", type=_tokens, default=TOKENS,
                     help=f"row counts, comma-separated (default {TOKENS})")
     ap.add_argument("--reps", type=_positive_int, default=20, help="timed replays per figure")
+    ap.add_argument("--experts-tactic", default="",
+                    help="the experts engine's tactic in the layer, e.g. 'wgmma=1,fused=1' "
+                         "(ExpertsEngine tactic; default the engine's)")
     ap.add_argument("--peers", default="triton",
                     help="'triton': also time the stock composition; '' skips it")
     ap.add_argument("--timeout-s", type=_timeout, default=10.0,
@@ -474,7 +478,9 @@ def main(argv=None):
               "GB/s", flush=True)
     w = cases.device_weights("kimi_k3")  # the same weights on every rank (one seed)
     c = w.config
-    layer = WidePeerLayer(w, max_rows=max(args.tokens), timeout_s=args.timeout_s)
+    layer = WidePeerLayer(w, max_rows=max(args.tokens), timeout_s=args.timeout_s,
+                          experts_tactic=parse_tactic(args.experts_tactic))
+    result["experts_tactic"] = args.experts_tactic or "default"
     stocks = {}
     if "triton" in args.peers:
         stocks, why = triton_slice_moes(w, rank, n)  # this rank's slice of I

@@ -39,6 +39,7 @@ import torch
 
 from benchmarks.experts_table import copy_bandwidth_gbs, device_time_us, l2_flush, \
     read_bandwidth_gbs
+from benchmarks.experts_timeline import parse_tactic
 
 STAGES = ("shared", "front", "publish", "route", "experts", "finalize", "latent", "hidden",
           "rank")
@@ -221,6 +222,9 @@ def main(argv=None):
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--tokens", default="65,128,256,512,1024")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--experts-tactic", default="",
+                    help="the experts engine's tactic in the layer, e.g. 'wgmma=1,fused=1' "
+                         "(ExpertsEngine tactic; default the engine's)")
     ap.add_argument("--peers", default="triton")
     args = ap.parse_args(argv)
     if args.render:
@@ -241,7 +245,9 @@ def main(argv=None):
     print(f"read {result['read_gbs']:.0f} GB/s, copy {result['copy_gbs']:.0f} GB/s", flush=True)
     w = cases.device_weights("kimi_k3")
     c = w.config
-    layer = WideLayer(w, ranks=args.ranks, max_rows=max(tokens_list))
+    layer = WideLayer(w, ranks=args.ranks, max_rows=max(tokens_list),
+                      experts_tactic=parse_tactic(args.experts_tactic))
+    result["experts_tactic"] = args.experts_tactic or "default"
     dense_bytes = rank_dense_bytes(layer, 0)
     expert_bytes = layer.engines[0].prepared.expert_bytes()
     peers = {}

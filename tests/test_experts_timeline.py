@@ -59,3 +59,23 @@ def test_tactic_syntax():
     assert tl.parse_tactic("wgmma=1,fused=1") == {"wgmma": 1, "fused": 1}
     with pytest.raises(ValueError, match="key=int"):
         tl.parse_tactic("wgmma")
+
+
+def test_engine_tactic_checked_by_name():
+    """A layer's ``experts_tactic`` (``ExpertsEngine(tactic=...)``) is refused by name before
+    any kernel is built: unknown keys, non-int values, not a dict, wgmma off sm_90a; and
+    the tables' ``--experts-tactic`` syntax gives the dict the engine takes."""
+    from fast.experts.engine import TACTIC_KEYS, check_tactic
+
+    assert check_tactic(tl.parse_tactic("wgmma=1,fused=1,pdl_chain=1"), "sm_90a", "X") == \
+        {"wgmma": 1, "fused": 1, "pdl_chain": 1}
+    assert check_tactic({}, "sm_100a", "X") == {}
+    with pytest.raises(ValueError, match="X: unknown tactic keys \\['wgmm'\\]"):
+        check_tactic({"wgmm": 1}, "sm_90a", "X")
+    with pytest.raises(ValueError, match="tactic values must be ints"):
+        check_tactic({"ring": "4"}, "sm_90a", "X")
+    with pytest.raises(TypeError, match="tactic must be a dict"):
+        check_tactic("wgmma=1", "sm_90a", "X")
+    with pytest.raises(ValueError, match="wgmma needs sm_90a"):
+        check_tactic({"wgmma": 1}, "sm_100a", "X")
+    assert set(TACTIC_KEYS) >= {"wgmma", "fused", "pdl_chain", "warps", "mtiles"}

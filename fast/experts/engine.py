@@ -13,7 +13,7 @@ from fast import backend
 from fast.experts.layout import PreparedExperts
 
 __all__ = ["ExpertsEngine", "EngineScratch", "Capture", "EngineError", "choose_windows",
-           "choose_tactic", "complete_tactic"]
+           "choose_tactic", "complete_tactic", "check_tactic", "TACTIC_KEYS"]
 
 _TOP_K = 16
 
@@ -54,6 +54,27 @@ def choose_tactic(rows: int, top_k: int, experts: int, local: int) -> dict:
     (the contracts check it)."""
     pairs = rows * top_k * local / experts
     return dict(warps=4, mtiles=1) if pairs <= 24 else {}
+
+
+#: The keys of an FC kernel tactic (``ExpertsEngine.__call__``).
+TACTIC_KEYS = ("warps", "mtiles", "ring", "chains", "occupancy", "pdl", "wgmma", "pdl_chain",
+               "fused")
+
+
+def check_tactic(tactic, arch: str, owner: str) -> dict:
+    """A caller's tactic as a dict, refused by name when it is not one (unknown key,
+    non-int value, wgmma off sm_90a)."""
+    if not isinstance(tactic, dict):
+        raise TypeError(f"{owner}: tactic must be a dict of {TACTIC_KEYS}, got "
+                        f"{type(tactic).__name__}")
+    unknown = sorted(set(tactic) - set(TACTIC_KEYS))
+    if unknown:
+        raise ValueError(f"{owner}: unknown tactic keys {unknown}; the keys are {TACTIC_KEYS}")
+    bad = {k: v for k, v in tactic.items() if not isinstance(v, (int, bool))}
+    if bad:
+        raise ValueError(f"{owner}: tactic values must be ints, got {bad}")
+    complete_tactic(dict(tactic), arch)  # wgmma needs sm_90a
+    return dict(tactic)
 
 
 def complete_tactic(tactic: dict, arch: str) -> dict:
@@ -199,10 +220,14 @@ class ExpertsEngine:
         scratch: an ``EngineScratch`` to use instead of allocating one (engines of the
             same geometry sharing one stream, e.g. the layers of a model); its
             ``max_rows`` becomes the engine's.
+        tactic: FC kernel settings (``__call__``'s ``tactic`` keys) applied over
+            ``choose_tactic``'s tile in every call that passes no tactic of its own (and in
+            ``compile_for``): how a layer runs its engine with e.g. ``{"wgmma": 1}``.
     """
 
     def __init__(self, prepared: PreparedExperts, *, max_rows: int, strict: bool = False,
-                 empty_rows: bool = False, scratch: EngineScratch | None = None):
+                 empty_rows: bool = False, scratch: EngineScratch | None = None,
+                 tactic: dict | None = None):
         if not isinstance(prepared, PreparedExperts):
             raise TypeError(f"ExpertsEngine: prepared must be PreparedExperts, got {type(prepared).__name__}")
         if not prepared.device.type == "cuda":
@@ -229,6 +254,7 @@ class ExpertsEngine:
         self.plan, self.hidden = scratch.plan, scratch.hidden
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self._null = torch.zeros(16, dtype=torch.uint8, device=dev)
+        self.tactic = check_tactic(tactic or {}, self.arch, "ExpertsEngine")
 
     # -- checks -----------------------------------------------------------------------
 
@@ -310,7 +336,7 @@ class ExpertsEngine:
         if windows not in (1, 2, 4):
             raise ValueError(f"ExpertsEngine: windows must be 1, 2 or 4, got {windows}")
         if tactic is None:
-            tactic = choose_tactic(rows, c.top_k, c.experts, g.count)
+            tactic = {**choose_tactic(rows, c.top_k, c.experts, g.count), **self.tactic}
         tactic = complete_tactic(tactic, self.arch)
         params = _kernel_params(g, c, windows, capture, self.strict, tactic, self.empty_rows)
         fn = {kind: _compiled(kind, self.arch, p) for kind, p in params.items()}
@@ -349,7 +375,8 @@ class ExpertsEngine:
         c, g = self.config, self.geometry
         params = _kernel_params(g, c, choose_windows(rows, c.top_k, c.experts), False,
                                 self.strict, complete_tactic(
-                                    choose_tactic(rows, c.top_k, c.experts, g.count), self.arch),
+                                    {**choose_tactic(rows, c.top_k, c.experts, g.count),
+                                     **self.tactic}, self.arch),
                                 self.empty_rows)
         for kind, p in params.items():
             _compiled(kind, self.arch, p)

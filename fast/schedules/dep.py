@@ -162,10 +162,14 @@ class DepLayer:
         dense_gemm: the dense GEMMs' backend (``fast.schedules.dense.DenseFront``'s
             ``gemm``): ``"auto"`` (per GEMM and batch, ``DENSE_BACKENDS``), ``"cublas"`` or
             ``"fast"`` (fast.gemm, ``max_tokens <= 64``).
+        experts_tactic: the experts engine's FC kernel settings for every call
+            (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
+            the engine's defaults.
     """
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_tokens: int,
-                 device: str | torch.device = "cuda", dense_gemm: str = "auto"):
+                 device: str | torch.device = "cuda", dense_gemm: str = "auto",
+                 experts_tactic: dict | None = None):
         from fast.experts import ExpertsEngine, prepare_experts
 
         if not isinstance(weights, LatentMoEWeights):
@@ -192,7 +196,7 @@ class DepLayer:
         rows = ranks * max_tokens
         self.engines = [
             ExpertsEngine(prepare_experts(weights, device, experts=(r * self.per, self.per)),
-                          max_rows=rows, empty_rows=True)
+                          max_rows=rows, empty_rows=True, tactic=experts_tactic)
             for r in range(ranks)
         ]
         k, L = c.top_k, c.latent

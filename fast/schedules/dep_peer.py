@@ -132,13 +132,17 @@ class DepPeerLayer:
             the first layer's ``.scratch`` to the others); default: a new one.
         dense_gemm: the dense GEMMs' backend (``fast.schedules.dense.DenseFront``'s
             ``gemm``: ``"auto"`` per GEMM and batch, ``"cublas"`` or ``"fast"``).
+        experts_tactic: the experts engine's FC kernel settings for every call
+            (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
+            the engine's defaults.
 
     Construction of a scratch is collective (every rank of the group must construct it).
     """
 
     def __init__(self, weights: LatentMoEWeights, *, max_tokens: int | None = None, group=None,
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
-                 scratch: DepPeerScratch | None = None, dense_gemm: str = "auto"):
+                 scratch: DepPeerScratch | None = None, dense_gemm: str = "auto",
+                 experts_tactic: dict | None = None):
         from fast.experts import ExpertsEngine, prepare_experts
         from fast.experts.engine import EngineScratch
 
@@ -174,7 +178,7 @@ class DepPeerLayer:
         if scratch.engine is None:
             scratch.engine = EngineScratch(prepared.geometry, max_rows=rows, device=self.device)
         self.engine = ExpertsEngine(prepared, max_rows=rows, empty_rows=True,
-                                    scratch=scratch.engine)
+                                    scratch=scratch.engine, tactic=experts_tactic)
         self.buffers, self.rows = scratch.buffers, scratch.rows
         self.dispatch_table, self.combine_table = scratch.dispatch_table, scratch.combine_table
         self.arrival_tables = scratch.arrival_tables

@@ -439,10 +439,14 @@ class WideLayer(WideStages):
         device: the CUDA device.
         timeout_s: how long a poll waits for a mailbox word before it gives up and records
             the error :meth:`check` raises (:class:`MailboxTimeout`).
+        experts_tactic: the experts engine's FC kernel settings for every call
+            (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
+            the engine's defaults.
     """
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_rows: int | None = None,
-                 device: str | torch.device = "cuda", timeout_s: float = 10.0):
+                 device: str | torch.device = "cuda", timeout_s: float = 10.0,
+                 experts_tactic: dict | None = None):
         from fast.experts import ExpertsEngine, prepare_experts
 
         if not isinstance(weights, LatentMoEWeights):
@@ -491,7 +495,8 @@ class WideLayer(WideStages):
         self.bias = slice_to_device(weights.bias)
         self.latent_norm = slice_to_device(weights.latent_norm)
         self.engines = [ExpertsEngine(prepare_experts(weights, device, shard=(r, n)),
-                                      max_rows=max_rows) for r in range(n)]
+                                      max_rows=max_rows, tactic=experts_tactic)
+                        for r in range(n)]
         rows, k, L, E, H = max_rows, c.top_k, c.latent, c.experts, c.hidden
         self.mailboxes = [torch.empty(MAILBOX_BUFFERS, rows, L + 2 * E, dtype=torch.int16, **on)
                           for _ in range(n)]

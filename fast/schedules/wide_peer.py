@@ -121,13 +121,17 @@ class WidePeerLayer(WideStages):
             (:func:`fast.schedules.wide.check_ranks`).
         device: the CUDA device (default the current one).
         timeout_s: how long a poll or a wait may wait for a peer before it gives up.
+        experts_tactic: the experts engine's FC kernel settings for every call
+            (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
+            the engine's defaults.
 
     Construction is collective over ``group`` (the symmetric buffer's rendezvous), and so
     is the first call of each ``T`` (:meth:`_prepare`).
     """
 
     def __init__(self, weights: LatentMoEWeights, *, max_rows: int | None = None, group=None,
-                 device: str | torch.device | None = None, timeout_s: float = 10.0):
+                 device: str | torch.device | None = None, timeout_s: float = 10.0,
+                 experts_tactic: dict | None = None):
         import torch.distributed as dist
 
         from fast.experts import ExpertsEngine, prepare_experts
@@ -180,7 +184,7 @@ class WidePeerLayer(WideStages):
         self.bias = to_device(weights.bias)
         self.latent_norm = to_device(weights.latent_norm)
         self.engine = ExpertsEngine(prepare_experts(weights, device, shard=(r, n)),
-                                    max_rows=max_rows)
+                                    max_rows=max_rows, tactic=experts_tactic)
         self.engines = {r: self.engine}
 
         # the symmetric buffer: everything a peer writes or reads
