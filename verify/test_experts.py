@@ -418,10 +418,15 @@ def test_experts_deterministic(backend, seed, contract):
 @pytest.mark.gpu
 @pytest.mark.backends("fast")
 @pytest.mark.config("small")
-def test_experts_decode_range(backend, contract):
+@pytest.mark.parametrize("tactic", (None, dict(wgmma=1)), ids=("default", "wgmma"))
+def test_experts_decode_range(backend, contract, tactic):
     """Every E2M1 code under every supported scale code (0..128) decodes exactly: FC1 of
-    one-hot latent rows returns each weight itself (one exact product plus zeros)."""
+    one-hot latent rows returns each weight itself (one exact product plus zeros), with
+    each MMA kind (the BF16 subnormals of scale codes 0 and 1 must survive it)."""
+    from fast.backend import gpu_arch
     from fast.experts import ExpertsEngine, prepare_experts
+
+    _skip_unless_wgmma(tactic or {}, gpu_arch())
 
     cfg = LatentMoEConfig.small()
     w = code_weights("small", "cuda")
@@ -436,7 +441,7 @@ def test_experts_decode_range(backend, contract):
     x = torch.eye(cfg.latent, dtype=torch.bfloat16)  # row k: the unit vector e_k
     codes, scales = quantize_mxfp8(x)
     ids = torch.arange(16, dtype=torch.int32).expand(cfg.latent, 16).contiguous()
-    _, cap = engine(codes.cuda(), scales.cuda(), ids.cuda(), capture=True)
+    _, cap = engine(codes.cuda(), scales.cuda(), ids.cuda(), capture=True, tactic=tactic)
     fc1 = cap.fc1.view(cfg.latent, 16, -1)  # [k, expert, 2I]
     for e in range(16):
         w13 = dequantize_mxfp4(weights.w13[e], weights.w13_scales[e])  # [2I, L]
