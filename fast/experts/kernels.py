@@ -535,32 +535,13 @@ class ExpertsGemmKernel:
         NS: cutlass.Constexpr = self.stages
         RING: cutlass.Constexpr = self.RING
         if cutlass.const_expr(self.gate):
-            # fused FC2: this item's first weights requested, then the wait for every FC1
-            # item of its expert (the hidden rows), then those stages' hidden-row copies
-            for st in cutlass.range_constexpr(RING - 1):
-                if cutlass.const_expr(st < NS):
-                    self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
-                                warp, lane, operand_b=False)
-            self._wait_ready(work, info, tid)
-            for st in cutlass.range_constexpr(RING - 1):
-                if cutlass.const_expr(st < NS):
-                    self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
-                                warp, lane, weights=False)
-            for st in cutlass.range_constexpr(RING - 1):
-                cute.arch.cp_async_commit_group()
+            # fused FC2: the wait is for every FC1 item of this item's expert (its hidden rows)
+            self._prologue_weights_first(src, dst, ok, wbase, sbase, ring, warp, lane,
+                                         lambda: self._wait_ready(work, info, tid))
         elif cutlass.const_expr(self.pdl and not self.fc1):
             if first != 0:
-                for st in cutlass.range_constexpr(RING - 1):
-                    if cutlass.const_expr(st < NS):
-                        self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
-                                    warp, lane, operand_b=False)
-                cute.arch.griddepcontrol_wait()
-                for st in cutlass.range_constexpr(RING - 1):
-                    if cutlass.const_expr(st < NS):
-                        self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
-                                    warp, lane, weights=False)
-                for st in cutlass.range_constexpr(RING - 1):
-                    cute.arch.cp_async_commit_group()
+                self._prologue_weights_first(src, dst, ok, wbase, sbase, ring, warp, lane,
+                                             cute.arch.griddepcontrol_wait)
             else:
                 self._prologue(src, dst, ok, wbase, sbase, ring, warp, lane)
         else:
@@ -578,6 +559,24 @@ class ExpertsGemmKernel:
             cute.arch.cp_async_commit_group()
             self._compute(acc, ring + (s % RING) * self.slot_bytes, warp, lane, live)
         cute.arch.cp_async_wait_group(0)
+
+    def _prologue_weights_first(self, src, dst, ok, wbase, sbase, ring, warp, lane, wait):
+        """The ring's first ``RING - 1`` stages when the B operand must wait: their weights
+        requested, then ``wait()`` (traced here: a grid dependency or a ready count), then
+        their B copies, all in the first of ``RING - 1`` commit groups (the others empty),
+        so the main loop's waits count groups as after the plain prologue."""
+        # a plain method (its callable argument is traced where it is called): the loops
+        # and tests are Python's, over compile-time ints
+        stages = range(min(self.RING - 1, self.stages))
+        for st in stages:
+            self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
+                        warp, lane, operand_b=False)
+        wait()
+        for st in stages:
+            self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
+                        warp, lane, weights=False)
+        for _ in range(self.RING - 1):
+            cute.arch.cp_async_commit_group()
 
     @cute.jit
     def _prologue(self, src, dst, ok, wbase, sbase, ring, warp, lane):
