@@ -634,6 +634,7 @@ class BlackwellExpertsEngine:
     from fast.experts.engine import ExpertsEngine as _E
 
     _check = _E._check
+    _start = _E._start
     check = _E.check
     _capture_buffers = _E._capture_buffers
     del _E
@@ -644,23 +645,14 @@ class BlackwellExpertsEngine:
         local are left untouched; default a new NaN-filled tensor), or ``(out, Capture)``
         with ``capture`` (FC1's FP32 outputs, the E4M3 codes and E8M0 scales of the hidden
         rows, per pair). Arguments as ``fast.experts.ExpertsEngine.__call__``."""
-        import torch
-
         from fast import backend
-        from fast.experts.engine import choose_windows
 
-        rows = self._check(codes, scales, ids, out)
+        rows, out, windows = self._start(codes, scales, ids, out, windows)
         if scales.data_ptr() % 4:
             raise ValueError("BlackwellExpertsEngine: scales must be 4-byte aligned")
-        c, g = self.config, self.geometry
-        if out is None:
-            out = torch.full((rows * c.top_k, g.latent), float("nan"), dtype=torch.bfloat16,
-                             device=self.device)
         if rows == 0:
             return (out, self._capture_buffers(0)) if capture else out
-        windows = windows or choose_windows(rows, c.top_k, c.experts)
-        if windows not in (1, 2, 4):
-            raise ValueError(f"BlackwellExpertsEngine: windows must be 1, 2 or 4, got {windows}")
+        c, g = self.config, self.geometry
         params = {**_list_params(g, c, windows, self.strict, self.empty_rows),
                   **_fc_params(g, c, windows, capture)}
         fn = {kind: _compiled(kind, self.arch, p_) for kind, p_ in params.items()}

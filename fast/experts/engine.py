@@ -290,6 +290,19 @@ class ExpertsEngine:
                                  f"[{rows * c.top_k}, {g.latent}] on {dev}")
         return rows
 
+    def _start(self, codes, scales, ids, out, windows):
+        """A call's input checks, its output (default a new NaN-filled BF16 ``[R*K, L]``)
+        and its window count (default ``choose_windows``): ``(rows, out, windows)``."""
+        rows = self._check(codes, scales, ids, out)
+        c, g = self.config, self.geometry
+        if out is None:
+            out = torch.full((rows * c.top_k, g.latent), float("nan"), dtype=torch.bfloat16,
+                             device=self.device)
+        windows = windows or choose_windows(max(rows, 1), c.top_k, c.experts)
+        if windows not in (1, 2, 4):
+            raise ValueError(f"{type(self).__name__}: windows must be 1, 2 or 4, got {windows}")
+        return rows, out, windows
+
     # -- the call ---------------------------------------------------------------------
 
     def __call__(self, codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, *,
@@ -325,16 +338,10 @@ class ExpertsEngine:
         Returns:
             ``out``, or ``(out, Capture)`` with ``capture``.
         """
-        rows = self._check(codes, scales, ids, out)
-        c, g = self.config, self.geometry
-        if out is None:
-            out = torch.full((rows * c.top_k, g.latent), float("nan"), dtype=torch.bfloat16,
-                             device=self.device)
+        rows, out, windows = self._start(codes, scales, ids, out, windows)
         if rows == 0:
             return (out, self._capture_buffers(0)) if capture else out
-        windows = windows or choose_windows(rows, c.top_k, c.experts)
-        if windows not in (1, 2, 4):
-            raise ValueError(f"ExpertsEngine: windows must be 1, 2 or 4, got {windows}")
+        c, g = self.config, self.geometry
         if tactic is None:
             tactic = {**choose_tactic(rows, c.top_k, c.experts, g.count), **self.tactic}
         tactic = complete_tactic(tactic, self.arch)
