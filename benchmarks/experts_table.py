@@ -183,7 +183,8 @@ def main(argv=None):
     ap.add_argument("--peers", default="triton,grouped_mm")
     ap.add_argument("--windows", default="auto")
     ap.add_argument("--tactics", default="",
-                    help="extra engine tactics, e.g. 'ring=6;warps=8,mtiles=1;chains=4'")
+                    help="extra engine tactics, e.g. 'ring=6;warps=8,mtiles=1;wgmma=1,windows=8' "
+                         "(windows=N sets that variant's window count)")
     args = ap.parse_args(argv)
     if args.render:
         with open(args.render) as f:
@@ -276,11 +277,14 @@ def main(argv=None):
                     reps=args.reps, flush=flush)
                 for spec in [t for t in args.tactics.split(";") if t]:
                     tac = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in spec.split(",")}
+                    # a spec may set the windows too (8 needs wgmma): 'wgmma=1,windows=8'
+                    spec_win = tac.pop("windows", win)
                     # on top of the call's default tile (choose_tactic)
                     tac = {**choose_tactic(rows, K, E, engine.geometry.count), **tac}
+                    engine(codes, scales, ids, out=out, windows=spec_win, tactic=tac)  # validated
                     case["times"]["engine_" + spec.replace("=", "").replace(",", "_")] = device_time_us(
-                        lambda: engine(codes, scales, ids, out=out, windows=win, validate=False,
-                                       tactic=tac), reps=args.reps, flush=flush)
+                        lambda: engine(codes, scales, ids, out=out, windows=spec_win,
+                                       validate=False, tactic=tac), reps=args.reps, flush=flush)
                 for name, peer in peers_built.items():
                     try:
                         case["times"][name] = device_time_us(lambda: peer(x, ids, rw), reps=args.reps, flush=flush)

@@ -114,7 +114,8 @@ def test_engine_kernels_compile(arch, geometry, windows, capture):
 @pytest.mark.parametrize("geometry,windows,tactic", [
     ("dep16", 1, dict(wgmma=1, warps=4, mtiles=1)), ("dep16", 2, dict(wgmma=1)),
     ("dep16", 4, dict(wgmma=1, pdl_chain=1)), ("tp8", 1, dict(wgmma=1, warps=8, mtiles=1)),
-    ("dep16", 4, dict(wgmma=1, fused=1))])
+    ("dep16", 4, dict(wgmma=1, fused=1)), ("dep16", 8, dict(wgmma=1)),
+    ("tp8", 8, dict(wgmma=1, fused=1))])
 def test_engine_wgmma_kernels_compile(geometry, windows, tactic):
     """The warpgroup-MMA tactic (with the launch chain at 4 windows) compiles for sm_90a
     and is refused, by name, for the Blackwell targets (which have no wgmma)."""

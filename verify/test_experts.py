@@ -268,10 +268,23 @@ def _run_stages(backend, contract, name, first, count, shard, rows, skew, seed, 
 @pytest.mark.gpu
 @pytest.mark.backends("fast")
 @pytest.mark.config("small")
-@pytest.mark.parametrize("windows", (1, 2, 4))
-def test_experts_stages_every_window_count(backend, windows, seed, contract):
-    """Every compiled window count, on skewed routing (experts with several groups)."""
-    _run_stages(backend, contract, "small", 0, 64, (0, 1), 160, 1.0, seed, windows=windows)
+@pytest.mark.parametrize("windows,tactic", [(1, None), (2, None), (4, None),
+                                            (4, dict(wgmma=1)), (8, dict(wgmma=1))],
+                         ids=("w1", "w2", "w4", "w4-wgmma", "w8-wgmma"))
+def test_experts_stages_every_window_count(backend, windows, tactic, seed, contract):
+    """Every compiled window count, on skewed routing (experts with several groups); 8
+    windows only with wgmma (refused without it)."""
+    from fast.backend import gpu_arch
+
+    _skip_unless_wgmma(tactic or {}, gpu_arch())
+    _run_stages(backend, contract, "small", 0, 64, (0, 1), 160, 1.0, seed, windows=windows,
+                tactic=tactic)
+    if windows == 8:
+        engine = engine_for("small", 0, 64, (0, 1), 256)
+        codes, scales = latent_rows(engine.config, 8, seed)
+        ids = cases.routing(engine.config, 8, seed)
+        with pytest.raises(ValueError, match="windows=8 needs the wgmma tactic"):
+            engine(codes.cuda(), scales.cuda(), ids.cuda(), windows=8)
 
 
 TACTICS = [dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
@@ -319,7 +332,7 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
                       dict(fused=1))}
     kinds = (False, True) if engine.arch == "sm_90a" else (False,)
     for wgmma in kinds:
-        for windows in (1, 2, 4):
+        for windows in (1, 2, 4, 8) if wgmma else (1, 2, 4):
             base = engine(*args, windows=windows, tactic=dict(wgmma=wgmma))
             for tactic in shapes[wgmma]:
                 tactic = dict(tactic, wgmma=wgmma)

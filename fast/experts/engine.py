@@ -290,17 +290,19 @@ class ExpertsEngine:
                                  f"[{rows * c.top_k}, {g.latent}] on {dev}")
         return rows
 
-    def _start(self, codes, scales, ids, out, windows):
+    def _start(self, codes, scales, ids, out, windows, allowed=(1, 2, 4)):
         """A call's input checks, its output (default a new NaN-filled BF16 ``[R*K, L]``)
-        and its window count (default ``choose_windows``): ``(rows, out, windows)``."""
+        and its window count (default ``choose_windows``; one of ``allowed``):
+        ``(rows, out, windows)``."""
         rows = self._check(codes, scales, ids, out)
         c, g = self.config, self.geometry
         if out is None:
             out = torch.full((rows * c.top_k, g.latent), float("nan"), dtype=torch.bfloat16,
                              device=self.device)
         windows = windows or choose_windows(max(rows, 1), c.top_k, c.experts)
-        if windows not in (1, 2, 4):
-            raise ValueError(f"{type(self).__name__}: windows must be 1, 2 or 4, got {windows}")
+        if windows not in allowed:
+            raise ValueError(f"{type(self).__name__}: windows must be one of {allowed}, got "
+                             f"{windows}")
         return rows, out, windows
 
     # -- the call ---------------------------------------------------------------------
@@ -316,7 +318,9 @@ class ExpertsEngine:
             ids: int32 ``[R, top_k]`` global expert ids of each row's pairs.
             out: optional BF16 ``[R*K, L]`` output (rows of pairs that are not local are
                 left untouched); default a new NaN-filled tensor.
-            windows: windows of 8 tokens per work item (default ``choose_windows``).
+            windows: windows of 8 tokens per work item (default ``choose_windows``): 1, 2
+                or 4, and 8 with the ``wgmma`` tactic (one ``m64n64k16`` per step; fewer
+                passes over a popular expert's weights, at two CTAs per multiprocessor).
             validate: read the kernels' error word after the call (one synchronization)
                 and raise ``EngineError`` for an id outside ``[0, E)``, a routing list over
                 its capacity, or (strict) a non-local expert. Pass False inside CUDA-graph
@@ -338,13 +342,16 @@ class ExpertsEngine:
         Returns:
             ``out``, or ``(out, Capture)`` with ``capture``.
         """
-        rows, out, windows = self._start(codes, scales, ids, out, windows)
+        rows, out, windows = self._start(codes, scales, ids, out, windows, allowed=(1, 2, 4, 8))
         if rows == 0:
             return (out, self._capture_buffers(0)) if capture else out
         c, g = self.config, self.geometry
         if tactic is None:
             tactic = {**choose_tactic(rows, c.top_k, c.experts, g.count), **self.tactic}
         tactic = complete_tactic(tactic, self.arch)
+        if windows == 8 and not tactic["wgmma"]:
+            raise ValueError("ExpertsEngine: windows=8 needs the wgmma tactic (mma.sync's "
+                             "accumulators and B fragments of 8 windows do not fit the registers)")
         params = _kernel_params(g, c, windows, capture, self.strict, tactic, self.empty_rows)
         fn = {kind: _compiled(kind, self.arch, p) for kind, p in params.items()}
         cap = self._capture_buffers(rows) if capture else None
