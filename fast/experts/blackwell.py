@@ -159,6 +159,7 @@ class BlockScaledExpertsKernel:
     # the Hopper engine's claim and item location (same work table, same items)
     _claim = ExpertsGemmKernel._claim
     _locate = ExpertsGemmKernel._locate
+    _token_table = ExpertsGemmKernel._token_table
 
     def _tiled_mma(self):
         """The block-scaled MMA ``m128 n(8W) k32`` of kind ``mxf8f6f4``: A = E2M1 weights,
@@ -323,7 +324,7 @@ class BlockScaledExpertsKernel:
                 for j in cutlass.range_constexpr(min(RING, KT)):
                     self._load_stage(tma_a, tAgA, tAsA, tma_sfa, tAgSFA, tAsSFA, full, empty,
                                      tx, base + j, expert, tile, j)
-            self._tokens(lists, work, table, expert, group, ntok, capacity, tid)
+            self._token_table(lists, work, table, expert, group, ntok, capacity, tid)
             cute.arch.sync_threads()
             self._gather(act, act_scales, table, ntok, b_base, sfb_base, tid)
             cute.arch.cp_async_commit_group()
@@ -405,27 +406,6 @@ class BlockScaledExpertsKernel:
                                      tx, g - 1 + RING, expert, tile, kt - 1 + RING)
         with cute.arch.elect_one():
             tcgen05.commit(acc_bar)
-
-    @cute.jit
-    def _tokens(self, lists: Int64, work: Int64, table, expert, group, ntok, capacity, tid):
-        """Threads ``t < N``: token t's pair, B row (FC1: the pair's row of the call; FC2:
-        its hidden row) and hidden row ``offs[e] + slot`` into the token table."""
-        N: cutlass.Constexpr = self.tokens
-        if tid < N:
-            slot = group * N + tid
-            pair = Int32(-1)
-            brow = Int32(0)
-            hrow = Int32(0)
-            if tid < ntok:
-                pair = p.ldg_i32(lists + (Int64(expert) * Int64(capacity) + Int64(slot)) * 4)
-                hrow = p.ldg_i32(work + Int64(self.ws.offs + expert) * 4) + slot
-                if cutlass.const_expr(self.fc1):
-                    brow = pair // self.top_k
-                else:
-                    brow = hrow
-            p.sts_i32(table + tid * 4, pair)
-            p.sts_i32(table + (N + tid) * 4, brow)
-            p.sts_i32(table + (2 * N + tid) * 4, hrow)
 
     @cute.jit
     def _gather(self, act: Int64, act_scales: Int64, table, ntok, b_base, sfb_base, tid):

@@ -315,6 +315,7 @@ class ExpertsGemmKernel:
         #: (``gate``; ``fc1_tiles``: FC1 tiles per window group)
         self.signal, self.gate, self.fc1_tiles = False, False, 0
         self.threads = 32 * warps
+        self.tokens = WINDOW * windows  # token slots of a work item (the MMA's N)
         self.tile_rows = 16 * warps * mtiles
         if rows % self.tile_rows:
             raise ValueError(f"rows={rows} is not a multiple of the tile {self.tile_rows}")
@@ -446,7 +447,6 @@ class ExpertsGemmKernel:
               out: Int64, cap_fc1: Int64, cap_codes: Int64, cap_scales: Int64, capacity,
               ring, info, table, red, acc, src, dst, ok, tid, lane, warp, first):
         """The work item ``info`` describes (``_claim``): token table, main loop, epilogue."""
-        ws = self.ws
         W: cutlass.Constexpr = self.windows
         MT: cutlass.Constexpr = self.mtiles
         SC: cutlass.Constexpr = self.stage_chunks
@@ -460,21 +460,7 @@ class ExpertsGemmKernel:
         group = p.lds_i32(info + 12)
         ntok = p.lds_i32(info + 16)
         # 1. token table: pair, B row, hidden row
-        if tid < TOK:
-            slot = group * TOK + tid
-            pair = Int32(-1)
-            brow = Int32(0)
-            hrow = Int32(0)
-            if tid < ntok:
-                pair = p.ldg_i32(lists + (Int64(expert) * Int64(capacity) + Int64(slot)) * 4)
-                hrow = p.ldg_i32(work + Int64(ws.offs + expert) * 4) + slot
-                if cutlass.const_expr(self.fc1):
-                    brow = pair // self.top_k
-                else:
-                    brow = hrow
-            p.sts_i32(table + tid * 4, pair)
-            p.sts_i32(table + (TOK + tid) * 4, brow)
-            p.sts_i32(table + (2 * TOK + tid) * 4, hrow)
+        self._token_table(lists, work, table, expert, group, ntok, capacity, tid)
         cute.arch.sync_threads()
         # this thread's B copies of every stage: source row address, shared offset
         for i in cutlass.range_constexpr(copies):
@@ -520,6 +506,28 @@ class ExpertsGemmKernel:
                 self._signal_ready(work, expert, tid)
         else:
             self._epilogue_fc2(acc, table, out, lane, warp, tile, ntok)
+
+    @cute.jit
+    def _token_table(self, lists: Int64, work: Int64, table, expert, group, ntok, capacity, tid):
+        """Threads ``t < tokens``: token t of window group ``group`` of ``expert`` into the
+        item's token table: its pair (-1 past ``ntok``), its B row (FC1: the pair's row of
+        the call; FC2: its hidden row) and its hidden row ``offs[e] + slot``."""
+        N: cutlass.Constexpr = self.tokens
+        if tid < N:
+            slot = group * N + tid
+            pair = Int32(-1)
+            brow = Int32(0)
+            hrow = Int32(0)
+            if tid < ntok:
+                pair = p.ldg_i32(lists + (Int64(expert) * Int64(capacity) + Int64(slot)) * 4)
+                hrow = p.ldg_i32(work + Int64(self.ws.offs + expert) * 4) + slot
+                if cutlass.const_expr(self.fc1):
+                    brow = pair // self.top_k
+                else:
+                    brow = hrow
+            p.sts_i32(table + tid * 4, pair)
+            p.sts_i32(table + (N + tid) * 4, brow)
+            p.sts_i32(table + (2 * N + tid) * 4, hrow)
 
     @cute.jit
     def _main_loop(self, acc, src, dst, ok, wbase, sbase, ring, warp, lane, live: int, first,
