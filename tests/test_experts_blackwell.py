@@ -83,35 +83,6 @@ needs_sm100 = pytest.mark.skipif(_sm100_skip_reason() is not None,
 # --- weights and inputs -------------------------------------------------------------------
 
 
-@functools.cache
-def code_weights(name: str, device: str, seed: int = 7) -> LatentMoEWeights:
-    """A layer whose experts are uniformly random MXFP4 codes (``verify.cases.
-    mxfp4_expert_codes``) generated on ``device``; dense weights zero (never read here)."""
-    cfg = cases.config(name)
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def zeros(*shape, dtype=torch.bfloat16):
-        return torch.zeros(*shape, dtype=dtype, device=device)
-
-    return LatentMoEWeights(
-        gate=zeros(cfg.experts, cfg.hidden), bias=zeros(cfg.experts, dtype=torch.float32),
-        front=zeros(cfg.front_rows, cfg.hidden),
-        shared_down=zeros(cfg.hidden, cfg.shared_intermediate), latent_norm=zeros(cfg.latent),
-        up=zeros(cfg.hidden, cfg.latent), **cases.mxfp4_expert_codes(cfg, g), config=cfg)
-
-
-def _expert_slices(w: LatentMoEWeights, e: int, shard: tuple[int, int]):
-    """(w13 FP32 ``[2 I_s, L]`` as ``[gate; up]`` of the shard, w2 FP32 ``[L, I_s]``)."""
-    i = w.config.intermediate
-    rank, ranks = shard
-    inter = i // ranks
-    lo = rank * inter
-    w13 = dequantize_mxfp4(w.w13[e], w.w13_scales[e])
-    w13 = torch.cat([w13[lo:lo + inter], w13[i + lo:i + lo + inter]])
-    w2 = dequantize_mxfp4(w.w2[e], w.w2_scales[e])[:, lo:lo + inter].contiguous()
-    return w13, w2
-
-
 # --- the layout (CPU) ---------------------------------------------------------------------
 
 
@@ -137,14 +108,14 @@ def test_prepared_experts_are_the_checkpoint(experts, shard):
     """Every prepared expert dequantizes (scales un-tiled with ``unswizzle_scales_128x4``)
     to the checkpoint's values: FC1 rows in ``fc1_row_order`` of the shard's ``[gate; up]``,
     FC2 the shard's columns; nothing is re-encoded."""
-    w = code_weights("small", "cpu")
+    w = cases.expert_code_weights("small", "cpu")
     prep = prepare_blackwell_experts(w, "cpu", experts=experts, shard=shard)
     g, cfg = prep.geometry, w.config
     assert isinstance(prep, BlackwellExperts)
     assert (g.first, g.count, g.inter, g.shard) == (*experts, cfg.intermediate // shard[1], shard)
     order = fc1_row_order(g.inter)
     for local, e in enumerate(range(experts[0], experts[0] + experts[1])):
-        w13, w2 = _expert_slices(w, e, shard)
+        w13, w2 = cases.dequantized_expert(w, e, shard)
         s13 = unswizzle_scales_128x4(prep.s13[local], 2 * g.inter, g.latent // 32)
         s2 = unswizzle_scales_128x4(prep.s2[local], g.latent, g.inter // 32)
         assert torch.equal(dequantize_mxfp4(prep.w13[local], s13), w13[order])
@@ -155,7 +126,7 @@ def test_prepared_experts_are_the_checkpoint(experts, shard):
 def test_prepare_accepts_every_scale_code_and_refuses_bad_arguments():
     """Scale code 250 (refused by the Hopper layout's BF16 decode) is kept: the tensor
     cores apply it. Widths the kernel does not tile, a bad range or shard are refused."""
-    w = code_weights("small", "cpu")
+    w = cases.expert_code_weights("small", "cpu")
     big = dataclasses.replace(w, w13_scales=torch.full_like(w.w13_scales, 250))
     prep = prepare_blackwell_experts(big, "cpu", experts=(0, 2))  # no decode range here
     assert int(prep.s13.max()) == 250
@@ -292,7 +263,7 @@ def test_refusals_without_a_blackwell_target():
     with pytest.raises(ValueError, match="K % 128"):
         BlockScaledExpertsKernel(fc1=False, rows=256, k=64, inter=64, latent=256, count=4,
                                  windows=1)
-    prep = prepare_blackwell_experts(code_weights("small", "cpu"), "cpu", experts=(0, 2))
+    prep = prepare_blackwell_experts(cases.expert_code_weights("small", "cpu"), "cpu", experts=(0, 2))
     with pytest.raises(ValueError, match="CUDA device"):
         BlackwellExpertsEngine(prep, max_rows=8)
     with pytest.raises(TypeError):
@@ -326,7 +297,7 @@ def check_blackwell_stages(w: LatentMoEWeights, experts: tuple[int, int], shard:
     x = dequantize_mxfp8(codes.to(out.device), scales.to(out.device))
     for e in torch.unique(flat[local]).tolist():
         pairs = torch.nonzero(flat == e).flatten()
-        w13, w2 = _expert_slices(w, e, shard)
+        w13, w2 = cases.dequantized_expert(w, e, shard)
         ref1, bound1 = blockscaled_fc_bound(x[pairs // k], w13.to(out.device))
         assert_within_bound(cap.fc1[pairs], ref1, bound1, what=f"{what}: FC1 of expert {e}",
                             index_names=("pair", "column"))
@@ -407,7 +378,7 @@ def test_contract_holds_for_an_exact_replay_and_catches_planted_bugs(shard, seed
     mistake (wrong gate/up pairing, a misplaced weight scale, a dropped k block, an FC2
     output one ULP off)."""
     first, count, rows = 8, 16, 9
-    w = code_weights("small", "cpu")
+    w = cases.expert_code_weights("small", "cpu")
     prep = prepare_blackwell_experts(w, "cpu", experts=(first, count), shard=shard)
     codes, scales = _latent_rows(w.config, rows, seed)
     ids = cases.routing(w.config, rows, seed)
@@ -424,7 +395,7 @@ def test_contract_holds_for_an_exact_replay_and_catches_planted_bugs(shard, seed
 def _engine(name: str, first: int, count: int, shard: tuple[int, int], max_rows: int):
     from fast.experts.blackwell import BlackwellExpertsEngine
 
-    prep = prepare_blackwell_experts(code_weights(name, "cuda"), "cuda", experts=(first, count),
+    prep = prepare_blackwell_experts(cases.expert_code_weights(name, "cuda"), "cuda", experts=(first, count),
                                      shard=shard)
     return BlackwellExpertsEngine(prep, max_rows=max_rows)
 
@@ -455,7 +426,7 @@ def test_blackwell_stages(name, first, count, shard, rows, skew, windows, seed):
     codes, scales = _latent_rows(cfg, rows, seed)
     ids = cases.routing(cfg, rows, seed, skew=skew)
     out, cap = engine(codes.cuda(), scales.cuda(), ids.cuda(), capture=True, windows=windows)
-    check_blackwell_stages(code_weights(name, "cuda"), (first, count), shard, codes, scales, ids,
+    check_blackwell_stages(cases.expert_code_weights(name, "cuda"), (first, count), shard, codes, scales, ids,
                            out, cap, what=f"blackwell {name} experts [{first}, {first + count}) "
                            f"shard {shard} rows {rows} windows {windows}")
 
@@ -472,7 +443,7 @@ def test_blackwell_stages_real(first, count, shard, rows, seed):
     codes, scales = _latent_rows(cfg, rows, seed)
     ids = cases.routing(cfg, rows, seed)
     out, cap = engine(codes.cuda(), scales.cuda(), ids.cuda(), capture=True)
-    check_blackwell_stages(code_weights("kimi_k3", "cuda"), (first, count), shard, codes, scales,
+    check_blackwell_stages(cases.expert_code_weights("kimi_k3", "cuda"), (first, count), shard, codes, scales,
                            ids, out, cap, what=f"blackwell kimi_k3 [{first}, {first + count}) "
                            f"shard {shard} rows {rows}")
 

@@ -129,6 +129,38 @@ def mxfp4_expert_codes(cfg: LatentMoEConfig, g: torch.Generator) -> dict[str, to
             "w2": draw(0, 256, e, l, i // 2), "w2_scales": draw(118, 125, e, l, i // 32)}
 
 
+def dequantized_expert(w: LatentMoEWeights, e: int, shard: tuple[int, int]):
+    """Expert ``e``'s TP slice ``shard = (rank, ranks)`` in FP32: (w13 ``[2 I_s, L]`` as
+    ``[gate; up]``, w2 ``[L, I_s]``), dequantized by the reference (exact)."""
+    from reference.mx import dequantize_mxfp4
+
+    i = w.config.intermediate
+    rank, ranks = shard
+    inter = i // ranks
+    lo = rank * inter
+    w13 = dequantize_mxfp4(w.w13[e], w.w13_scales[e])
+    w13 = torch.cat([w13[lo:lo + inter], w13[i + lo:i + lo + inter]])
+    w2 = dequantize_mxfp4(w.w2[e], w.w2_scales[e])[:, lo:lo + inter].contiguous()
+    return w13, w2
+
+
+@functools.cache
+def expert_code_weights(name: str, device: str, seed: int = 7) -> LatentMoEWeights:
+    """A layer whose experts are :func:`mxfp4_expert_codes` generated directly on
+    ``device``; its dense weights are zeros (the experts' contracts never read them)."""
+    cfg = config(name)
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def zeros(*shape, dtype=torch.bfloat16):
+        return torch.zeros(*shape, dtype=dtype, device=device)
+
+    return LatentMoEWeights(
+        gate=zeros(cfg.experts, cfg.hidden), bias=zeros(cfg.experts, dtype=torch.float32),
+        front=zeros(cfg.front_rows, cfg.hidden),
+        shared_down=zeros(cfg.hidden, cfg.shared_intermediate), latent_norm=zeros(cfg.latent),
+        up=zeros(cfg.hidden, cfg.latent), **mxfp4_expert_codes(cfg, g), config=cfg)
+
+
 @functools.cache
 def rank_rows(cfg: LatentMoEConfig, ranks: int, tokens: int, seed: int,
               device: str = "cpu") -> list[torch.Tensor]:

@@ -81,24 +81,6 @@ def mma_fc_bound(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.
 # --- weights and inputs -----------------------------------------------------------------
 
 
-@functools.cache
-def code_weights(name: str, device: str, seed: int = 7) -> LatentMoEWeights:
-    """A layer whose experts are :func:`verify.cases.mxfp4_expert_codes` generated directly
-    on ``device``; its dense weights are zeros (the experts' contracts never read them)."""
-    cfg = cases.config(name)
-    g = torch.Generator(device=device).manual_seed(seed)
-
-    def zeros(*shape, dtype=torch.bfloat16):
-        return torch.zeros(*shape, dtype=dtype, device=device)
-
-    return LatentMoEWeights(
-        gate=zeros(cfg.experts, cfg.hidden), bias=zeros(cfg.experts, dtype=torch.float32),
-        front=zeros(cfg.front_rows, cfg.hidden),
-        shared_down=zeros(cfg.hidden, cfg.shared_intermediate), latent_norm=zeros(cfg.latent),
-        up=zeros(cfg.hidden, cfg.latent), **cases.mxfp4_expert_codes(cfg, g), config=cfg)
-
-
-
 def latent_rows(cfg: LatentMoEConfig, rows: int, seed: int):
     """MXFP8 (codes, scales) of random BF16 latent rows (the reference quantizer)."""
     g = torch.Generator().manual_seed(seed)
@@ -111,21 +93,9 @@ def engine_for(name: str, first: int, count: int, shard: tuple[int, int], max_ro
                strict: bool = False):
     from fast.experts import ExpertsEngine, prepare_experts
 
-    w = code_weights(name, "cuda")
+    w = cases.expert_code_weights(name, "cuda")
     prepared = prepare_experts(w, "cuda", experts=(first, count), shard=shard)
     return ExpertsEngine(prepared, max_rows=max_rows, strict=strict)
-
-
-def _dequantized_expert(w: LatentMoEWeights, e: int, shard: tuple[int, int]):
-    """(w13 slice FP32 [2 I_s, L] as [gate; up], w2 slice FP32 [L, I_s]) of expert e."""
-    i = w.config.intermediate
-    rank, ranks = shard
-    inter = i // ranks
-    lo = rank * inter
-    w13 = dequantize_mxfp4(w.w13[e], w.w13_scales[e])
-    w13 = torch.cat([w13[lo:lo + inter], w13[i + lo:i + lo + inter]])
-    w2 = dequantize_mxfp4(w.w2[e], w.w2_scales[e])[:, lo:lo + inter].contiguous()
-    return w13, w2
 
 
 # --- stage-by-stage ---------------------------------------------------------------------
@@ -149,7 +119,7 @@ def check_stages(contract, w: LatentMoEWeights, experts: tuple[int, int],
     k = cfg.top_k
     for e in torch.unique(flat[local]).tolist():
         pairs = torch.nonzero(flat == e).flatten()
-        w13, w2 = _dequantized_expert(w, e, shard)
+        w13, w2 = cases.dequantized_expert(w, e, shard)
         ref1, bound1 = mma_fc_bound(x[pairs // k], w13)
         contract.bounded(result.fc1[pairs], ref1, bound1, what=f"{what}: FC1 of expert {e}",
                          bound_name="gamma_{K+K/16+3}(2^-23) sum|x w| (tensor-core MMA)",
@@ -216,7 +186,7 @@ REAL_CASES = [
 def _check_backend(backend, contract, name, first, count, shard, rows, skew, seed):
     """The stage's contract on one case, by the backend's claim."""
     claim = backend.claim("expert_rows")
-    w = code_weights(name, backend.device)
+    w = cases.expert_code_weights(name, backend.device)
     cfg, dev = w.config, backend.device
     codes, scales = latent_rows(cfg, rows, seed)
     ids = cases.routing(cfg, rows, seed, skew=skew)
@@ -259,8 +229,8 @@ def _run_stages(backend, contract, name, first, count, shard, rows, skew, seed, 
     ids = cases.routing(cfg, rows, seed, skew=skew)
     out, cap = engine(codes.cuda(), scales.cuda(), ids.cuda(), capture=True, windows=windows,
                       tactic=tactic)
-    check_stages(contract, code_weights(name, "cuda"), (first, count), shard, codes, scales,
-                 ids, ExpertRows(out, cap.fc1, cap.codes, cap.scales),
+    check_stages(contract, cases.expert_code_weights(name, "cuda"), (first, count), shard,
+                 codes, scales, ids, ExpertRows(out, cap.fc1, cap.codes, cap.scales),
                  claim=backend.claim("expert_rows"),
                  what=f"{name} experts [{first}, {first + count}) shard {shard} rows {rows}")
 
@@ -361,7 +331,7 @@ def test_experts_batch_invariant_and_order_free(backend, seed, contract):
     """A pair's row has the same bits alone, in a window of 8 rows, in a batch of 256, and
     with the batch's rows permuted (other routing-list claim orders)."""
     backend.claim("expert_rows")
-    w = code_weights("small", backend.device)
+    w = cases.expert_code_weights("small", backend.device)
     cfg = w.config
     codes, scales = latent_rows(cfg, 256, seed)
     ids = cases.routing(cfg, 256, seed, skew=0.8)
@@ -419,7 +389,7 @@ def test_experts_wgmma_batch_invariant_order_free_deterministic(backend, seed, c
 def test_experts_deterministic(backend, seed, contract):
     """20 reruns of one call give the same bits."""
     backend.claim("expert_rows")
-    w = code_weights("small", backend.device)
+    w = cases.expert_code_weights("small", backend.device)
     codes, scales = latent_rows(w.config, 128, seed)
     ids = cases.routing(w.config, 128, seed, skew=1.0)
     first = _rows(backend, w, codes, scales, ids)
@@ -442,7 +412,7 @@ def test_experts_decode_range(backend, contract, tactic):
     _skip_unless_wgmma(tactic or {}, gpu_arch())
 
     cfg = LatentMoEConfig.small()
-    w = code_weights("small", "cuda")
+    w = cases.expert_code_weights("small", "cuda")
     gen = torch.Generator(device="cuda").manual_seed(3)
     w13_scales = torch.randint(0, 129, w.w13_scales.shape, generator=gen, device="cuda",
                                dtype=torch.uint8)
@@ -501,7 +471,7 @@ def test_experts_bad_input(backend):
     with pytest.raises(EngineError, match="not a local expert"):
         strict(codes, scales, nonlocal_ids)
     with pytest.raises(ValueError, match="scale codes 0..128"):
-        w = code_weights("small", "cuda")
+        w = cases.expert_code_weights("small", "cuda")
         s = w.w13_scales.clone()
         s[3, 7, 1] = 129
         prepare_experts(LatentMoEWeights(**{**{f: getattr(w, f) for f in (
