@@ -34,8 +34,7 @@ import statistics
 import torch
 
 from benchmarks.experts_table import capture_graph, copy_bandwidth_gbs, l2_flush, \
-    read_bandwidth_gbs, replay_times_us
-from benchmarks.experts_timeline import parse_tactic
+    read_bandwidth_gbs, replay_times_us, parse_tactic
 
 
 def replay_times_us_in_step(replay, *, reps: int, flush) -> list[float]:

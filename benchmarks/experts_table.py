@@ -35,6 +35,17 @@ L, I, E, K = 3584, 3072, 896, 16
 FLUSH_BYTES = 256 << 20
 
 
+def parse_tactic(spec: str) -> dict:
+    """``'wgmma=1,fused=1'`` -> ``{'wgmma': 1, 'fused': 1}`` ('' -> the defaults)."""
+    tactic = {}
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if not key or not value.lstrip("-").isdigit():
+            raise ValueError(f"tactic items are key=int, got {item!r}")
+        tactic[key] = int(value)
+    return tactic
+
+
 def l2_flush():
     """A callable that evicts the L2 before a timed replay by a 256 MiB streaming read
     (``benchmarks.readbw``). A write flush (``fill_``) would leave dirty lines that drain
@@ -276,7 +287,7 @@ def main(argv=None):
                     lambda: engine(codes, scales, ids, out=out, windows=win, validate=False),
                     reps=args.reps, flush=flush)
                 for spec in [t for t in args.tactics.split(";") if t]:
-                    tac = {kv.split("=")[0]: int(kv.split("=")[1]) for kv in spec.split(",")}
+                    tac = parse_tactic(spec)
                     # a spec may set the windows too (8 needs wgmma): 'wgmma=1,windows=8'
                     spec_win = tac.pop("windows", win)
                     # on top of the call's default tile (choose_tactic)

@@ -30,6 +30,8 @@ import json
 import platform
 import statistics
 
+from benchmarks.experts_table import parse_tactic
+
 #: The engine's kernels by class name (what CuTe DSL puts in the kernel symbol).
 KERNELS = {"RoutingListsKernel": "lists", "PlanKernel": "plan", "ExpertsGemmKernel": "gemm",
            "FusedExpertsKernel": "fused"}
@@ -103,17 +105,6 @@ def render(result: dict) -> str:
         lines.append(f"| {case['mode']} | {case['size']} | {tactic} | "
                      f"{case['limit_us']:.1f} | {cells} | {m['call'] - case['limit_us']:.1f} |")
     return "\n".join(lines) + "\n"
-
-
-def parse_tactic(spec: str) -> dict:
-    """``'wgmma=1,fused=1'`` -> ``{'wgmma': 1, 'fused': 1}`` ('' -> the defaults)."""
-    tactic = {}
-    for item in filter(None, spec.split(",")):
-        key, _, value = item.partition("=")
-        if not key or not value.lstrip("-").isdigit():
-            raise ValueError(f"tactic items are key=int, got {item!r}")
-        tactic[key] = int(value)
-    return tactic
 
 
 def _profile(replay, flush, reps: int) -> list[dict]:

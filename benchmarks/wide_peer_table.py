@@ -58,8 +58,7 @@ import torch
 
 from benchmarks.dep_peer_table import replay_times_us_in_step
 from benchmarks.experts_table import capture_graph, copy_bandwidth_gbs, l2_flush, \
-    read_bandwidth_gbs
-from benchmarks.experts_timeline import parse_tactic
+    read_bandwidth_gbs, parse_tactic
 from benchmarks.wide_table import rank_dense_bytes, stock_step, triton_slice_moes
 
 STAGES = ("shared", "front", "publish", "route", "experts", "finalize", "latent", "hidden")

@@ -38,8 +38,7 @@ import statistics
 import torch
 
 from benchmarks.experts_table import copy_bandwidth_gbs, device_time_us, l2_flush, \
-    read_bandwidth_gbs
-from benchmarks.experts_timeline import parse_tactic
+    read_bandwidth_gbs, parse_tactic
 
 STAGES = ("shared", "front", "publish", "route", "experts", "finalize", "latent", "hidden",
           "rank")

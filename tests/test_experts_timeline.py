@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from benchmarks import experts_timeline as tl
+from benchmarks.experts_table import parse_tactic
 
 LISTS = "kernel_cutlass_kernel_fastexpertskernelsRoutingListsKernel_object_at_0"
 PLAN = "kernel_cutlass_kernel_fastexpertskernelsPlanKernel_object_at_0"
@@ -55,10 +56,10 @@ def test_summary_and_render():
 
 
 def test_tactic_syntax():
-    assert tl.parse_tactic("") == {}
-    assert tl.parse_tactic("wgmma=1,fused=1") == {"wgmma": 1, "fused": 1}
+    assert parse_tactic("") == {}
+    assert parse_tactic("wgmma=1,fused=1") == {"wgmma": 1, "fused": 1}
     with pytest.raises(ValueError, match="key=int"):
-        tl.parse_tactic("wgmma")
+        parse_tactic("wgmma")
 
 
 def test_engine_tactic_checked_by_name():
@@ -67,7 +68,7 @@ def test_engine_tactic_checked_by_name():
     the tables' ``--experts-tactic`` syntax gives the dict the engine takes."""
     from fast.experts.engine import TACTIC_KEYS, check_tactic
 
-    assert check_tactic(tl.parse_tactic("wgmma=1,fused=1,pdl_chain=1"), "sm_90a", "X") == \
+    assert check_tactic(parse_tactic("wgmma=1,fused=1,pdl_chain=1"), "sm_90a", "X") == \
         {"wgmma": 1, "fused": 1, "pdl_chain": 1}
     assert check_tactic({}, "sm_100a", "X") == {}
     with pytest.raises(ValueError, match="X: unknown tactic keys \\['wgmm'\\]"):
