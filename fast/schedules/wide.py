@@ -71,7 +71,8 @@ from reference.weights import LatentMoEWeights
 
 __all__ = ["WideLayer", "WideStages", "WideRankOutputs", "MailboxTimeout", "check_ranks",
            "kernel_params", "compile_all", "mailbox_timeout_message", "MAX_RANKS",
-           "MAILBOX_BUFFERS", "SHARED_PLACEMENTS", "check_call_options"]
+           "MAILBOX_BUFFERS", "SHARED_PLACEMENTS", "check_call_options",
+           "check_rows_and_timeout"]
 
 #: The tail kernels keep one 16-byte granule of every rank in registers.
 MAX_RANKS = 16
@@ -229,6 +230,23 @@ def compile_all(config: LatentMoEConfig, ranks: int, arch: str, *, peers: bool =
 #: ``"tail"`` after its experts, beside the Finalize and the latent all-reduce. The
 #: placement moves only when the side stream starts: no bit changes.
 SHARED_PLACEMENTS = ("front", "beside", "tail")
+
+
+def check_rows_and_timeout(owner: str, config: LatentMoEConfig, max_rows, timeout_s) -> int:
+    """A wide layer's ``max_rows`` (default ``wide_rows``; within the bucket ``[front_max +
+    1, wide_rows]``) and ``timeout_s`` (seconds in (0, 600]), refused by name; returns
+    ``max_rows``."""
+    low = config.front_max + 1
+    max_rows = config.wide_rows if max_rows is None else max_rows
+    if isinstance(max_rows, bool) or not isinstance(max_rows, int) \
+            or not low <= max_rows <= config.wide_rows:
+        raise ValueError(f"{owner}: max_rows must be an int in [{low}, wide_rows="
+                         f"{config.wide_rows}] (the wide layer's bucket), got {max_rows!r}")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
+            or not 0 < timeout_s <= 600:
+        raise ValueError(f"{owner}: timeout_s must be a number of seconds in (0, 600], "
+                         f"got {timeout_s!r}")
+    return max_rows
 
 
 def check_call_options(owner: str, order: str, shared: str) -> None:
@@ -453,16 +471,7 @@ class WideLayer(WideStages):
             raise TypeError(f"WideLayer: weights must be LatentMoEWeights, got {type(weights).__name__}")
         c = weights.config
         check_ranks(c, ranks)
-        low = c.front_max + 1
-        max_rows = c.wide_rows if max_rows is None else max_rows
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) \
-                or not low <= max_rows <= c.wide_rows:
-            raise ValueError(f"WideLayer: max_rows must be an int in [{low}, wide_rows="
-                             f"{c.wide_rows}] (the wide layer's bucket), got {max_rows!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-                or not 0 < timeout_s <= 600:
-            raise ValueError(f"WideLayer: timeout_s must be a number of seconds in (0, 600], "
-                             f"got {timeout_s!r}")
+        max_rows = check_rows_and_timeout("WideLayer", c, max_rows, timeout_s)
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"WideLayer: device must be a CUDA device, got {device}")

@@ -71,7 +71,7 @@ import torch
 from fast import activation, backend, finalize, mx, router, stock
 from fast.schedules.wide import (MAILBOX_BUFFERS, MailboxTimeout, WideRankOutputs, WideStages,
                                  _as_int32, _compiled, _mm_bf16_into, check_call_options,
-                                 check_ranks,
+                                 check_ranks, check_rows_and_timeout,
                                  kernel_params, mailbox_timeout_message)
 from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
 from reference.weights import LatentMoEWeights
@@ -142,16 +142,7 @@ class WidePeerLayer(WideStages):
             raise TypeError(f"WidePeerLayer: weights must be LatentMoEWeights, got "
                             f"{type(weights).__name__}")
         c = weights.config
-        low = c.front_max + 1
-        max_rows = c.wide_rows if max_rows is None else max_rows
-        if isinstance(max_rows, bool) or not isinstance(max_rows, int) \
-                or not low <= max_rows <= c.wide_rows:
-            raise ValueError(f"WidePeerLayer: max_rows must be an int in [{low}, wide_rows="
-                             f"{c.wide_rows}] (the wide layer's bucket), got {max_rows!r}")
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) \
-                or not 0 < timeout_s <= 600:
-            raise ValueError(f"WidePeerLayer: timeout_s must be a number of seconds in (0, 600], "
-                             f"got {timeout_s!r}")
+        max_rows = check_rows_and_timeout("WidePeerLayer", c, max_rows, timeout_s)
         group, rank, n = process_group("WidePeerLayer", group)
         check_ranks(c, n)
         device = cuda_device("WidePeerLayer", device)
