@@ -22,8 +22,7 @@ import functools
 
 import torch
 
-from fast.experts.layout import Geometry
-from reference.config import LatentMoEConfig
+from fast.experts.layout import ExpertTensors, Geometry
 from reference.mx import swizzle_scales_128x4
 from reference.weights import LatentMoEWeights
 
@@ -77,7 +76,7 @@ def sfb_smem_offset(n, kt):
 
 
 @dataclasses.dataclass
-class BlackwellExperts:
+class BlackwellExperts(ExpertTensors):
     """One rank's experts in the block-scaled kernel's layout, on one device.
 
     Attributes:
@@ -88,22 +87,6 @@ class BlackwellExperts:
         w2: uint8 ``[E_loc, L, I_s/2]`` packed E2M1 codes of the rank's columns of ``w2``.
         s2: uint8 ``[E_loc, L * I_s/32]`` their scales, 128x4 tiled per expert.
     """
-
-    config: LatentMoEConfig
-    geometry: Geometry
-    w13: torch.Tensor
-    s13: torch.Tensor
-    w2: torch.Tensor
-    s2: torch.Tensor
-
-    @property
-    def device(self) -> torch.device:
-        return self.w13.device
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes the kernels stream for all local experts (codes and scales)."""
-        return sum(t.numel() for t in (self.w13, self.s13, self.w2, self.s2))
 
 
 def prepare_blackwell_experts(weights: LatentMoEWeights, device=None, *,

@@ -77,6 +77,7 @@ __all__ = [
     "PAIR3_GATHER",
     "PAIR3_MULTIPLIER",
     "Geometry",
+    "ExpertTensors",
     "PreparedExperts",
     "prepare_experts",
     "pack_tiles",
@@ -200,17 +201,9 @@ class Geometry:
 
 
 @dataclasses.dataclass
-class PreparedExperts:
-    """One rank's experts in the engine's layout (module docstring), on one device.
-
-    Attributes:
-        config: the layer config.
-        geometry: widths, local experts and shard.
-        w13, s13: FC1 codes ``uint8 [E_loc, I_s/8, L/64, 32, 16]`` and scales
-            ``uint8 [E_loc, I_s/8, L/(64 c1), 32, c1]`` (c1 = chunks per stage of L).
-        w2, s2: FC2 codes ``uint8 [E_loc, L/16, I_s/64, 32, 16]`` and scales
-            ``uint8 [E_loc, L/16, I_s/(64 c2), 32, c2]``.
-    """
+class ExpertTensors:
+    """One rank's experts on one device, as some kernel lays them out: the config, the
+    geometry and the four tensors the kernels stream (FC1 and FC2 codes and scales)."""
 
     config: LatentMoEConfig
     geometry: Geometry
@@ -225,12 +218,26 @@ class PreparedExperts:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the engine streams for all local experts (codes and scales)."""
+        """Bytes the kernels stream for all local experts (codes and scales)."""
         return sum(t.numel() for t in (self.w13, self.s13, self.w2, self.s2))
 
     def expert_bytes(self) -> int:
         """Bytes one expert streams (codes and scales of FC1 and FC2)."""
         return self.nbytes // self.geometry.count
+
+
+@dataclasses.dataclass
+class PreparedExperts(ExpertTensors):
+    """One rank's experts in the engine's layout (module docstring), on one device.
+
+    Attributes:
+        config: the layer config.
+        geometry: widths, local experts and shard.
+        w13, s13: FC1 codes ``uint8 [E_loc, I_s/8, L/64, 32, 16]`` and scales
+            ``uint8 [E_loc, I_s/8, L/(64 c1), 32, c1]`` (c1 = chunks per stage of L).
+        w2, s2: FC2 codes ``uint8 [E_loc, L/16, I_s/64, 32, 16]`` and scales
+            ``uint8 [E_loc, L/16, I_s/(64 c2), 32, c2]``.
+    """
 
 
 def _unpack(packed: torch.Tensor) -> torch.Tensor:
