@@ -198,7 +198,7 @@ def test_wide_peer_missing_peer_times_out(backend, process_group):
                                  r"region written by rank 1\) still empty after 0.2 s"):
             layer(xs[0])
         with pytest.raises(WidePeerTimeout,
-                           match=rf"wide rank 0 of {n}: the routed partials of rank 1 did not "
+                           match=rf"wide rank 0 of {n}: the routed partials from rank 1 did not "
                                  r"arrive within 0.2 s"):
             layer.check()
         assert time.monotonic() - start < 30, "the timeouts took far longer than 3 x 0.2 s"

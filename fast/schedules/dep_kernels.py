@@ -23,7 +23,7 @@ from fast import _cute as h
 from fast.experts import _ptx as p
 
 __all__ = ["DispatchKernel", "OwnerFinalizeKernel", "CombineKernel", "ArrivalWaitKernel",
-           "POISON_WORDS", "TABLE_FIELDS", "WAIT_ERROR_FIELDS"]
+           "POISON_WORDS", "TABLE_FIELDS", "WAIT_ERROR_FIELDS", "wait_timeout_message"]
 
 #: The four receive buffers of an owner, in the order of a table row: E4M3 codes
 #: ``[N*T, L]``, E8M0 scales ``[N*T, L/32]``, int32 ids ``[N*T, K]``, FP32 weights ``[N*T, K]``.
@@ -256,6 +256,18 @@ class CombineKernel:
 #: rank whose counter fell short, the counter's ``seen`` value and its ``target``.
 WAIT_ERROR_FIELDS = ("code", "rank", "what", "peer", "seen", "target")
 WAIT_TIMEOUT = 1
+
+
+def wait_timeout_message(schedule: str, waits: tuple[str, ...], record: dict, ranks: int,
+                         timeout_s: float) -> str:
+    """The message of an ``ArrivalWaitKernel`` timeout from its error record (the fields of
+    ``WAIT_ERROR_FIELDS``): the waiting rank, what it waited for (``waits[what]``), the
+    rank that did not arrive, the counts, and what to do."""
+    return (f"{schedule} rank {record['rank']} of {ranks}: the {waits[record['what']]} from "
+            f"rank {record['peer']} did not arrive within {timeout_s:g} s (its counter here "
+            f"read {record['seen']}, the call needed {record['target']}); every rank must call "
+            "the layer with the same T. The layer's counters are now out of step with its "
+            "peers': rebuild it on every rank.")
 
 
 class ArrivalWaitKernel:

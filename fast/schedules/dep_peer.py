@@ -273,16 +273,12 @@ class DepPeerLayer:
         (:class:`DepPeerTimeout`, naming this rank, the peer and what it waited for; the
         layer's counters are then out of step with its peers' and it must be rebuilt), or
         an engine error (``EngineError``). Synchronizes the device."""
-        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
+        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS, wait_timeout_message
 
         record = dict(zip(WAIT_ERROR_FIELDS, (int(v) for v in self.error.tolist())))
         if record["code"]:
-            raise DepPeerTimeout(
-                f"DEP rank {record['rank']} of {self.ranks}: the {WAITS[record['what']]} from "
-                f"rank {record['peer']} did not arrive within {self.timeout_s:g} s (its "
-                f"counter here read {record['seen']}, the call needed {record['target']}); "
-                "every rank must call the layer with the same T. The layer's counters are "
-                "now out of step with its peers': rebuild it on every rank.")
+            raise DepPeerTimeout(wait_timeout_message("DEP", WAITS, record, self.ranks,
+                                                      self.timeout_s))
         self.engine.check()
 
     def graph(self, x: torch.Tensor, *, order: str = "side"):

@@ -292,7 +292,7 @@ class WidePeerLayer(WideStages):
         (:class:`WidePeerTimeout`: this rank, the peer and what it waited for), or an
         engine error (``EngineError``). After a timeout the layer must be rebuilt on every
         rank. Synchronizes the device."""
-        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
+        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS, wait_timeout_message
         from fast.schedules.wide_kernels import ERROR_FIELDS
 
         torch.cuda.synchronize(self.device)
@@ -305,12 +305,8 @@ class WidePeerLayer(WideStages):
                 "mailboxes and counters are now out of step: rebuild the layer on every rank."))
         wait = dict(zip(WAIT_ERROR_FIELDS, (int(v) for v in self.wait_error.tolist())))
         if wait["code"]:
-            raise WidePeerTimeout(
-                f"wide rank {wait['rank']} of {self.ranks}: the {WAITS[wait['what']]} of rank "
-                f"{wait['peer']} did not arrive within {self.timeout_s:g} s (its counter here "
-                f"read {wait['seen']}, the call needed {wait['target']}); every rank must call "
-                "the layer with the same T. The counters are now out of step with the peers': "
-                "rebuild the layer on every rank.")
+            raise WidePeerTimeout(wait_timeout_message("wide", WAITS, wait, self.ranks,
+                                                       self.timeout_s))
         self.engine.check()
 
     # -- the call ---------------------------------------------------------------------------
