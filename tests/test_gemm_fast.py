@@ -52,6 +52,28 @@ def _words(smem: torch.Tensor, offset: int):
     return [(smem[e + 2 * i].item(), smem[e + 2 * i + 1].item()) for i in range(4)]
 
 
+def _fill_slot(w, x, row0: int, k0: int, slot: int, warps: int, mt_n: int, subs: int,
+               windows: int, b_at, a_at) -> torch.Tensor:
+    """One stage's ring slot as the kernel's copies leave it (float64 elements, NaN where
+    nothing is copied): every token piece (k ``k0 + 8 piece ..``, zeros past T) at
+    ``b_at(token, piece)`` and every lane's weight piece (rows from ``row0``, ``a_source``)
+    at ``a_at(warp, m-tile, sub, half, lane)``."""
+    t = x.shape[0]
+    pieces = subs * lay.SUB_K // 8
+    smem = torch.full((slot // 2,), float("nan"), dtype=torch.float64)
+    for token, piece in itertools.product(range(lay.WINDOW * windows), range(pieces)):
+        e = b_at(token, piece) // 2
+        src = x[token, k0 + 8 * piece:k0 + 8 * piece + 8] if token < t else torch.zeros(8)
+        smem[e:e + 8] = src.double()
+    for wp, m, half, sub, lane in itertools.product(range(warps), range(mt_n), range(2),
+                                                    range(subs), range(32)):
+        row, kk = lay.a_source(wp, m, half, lane, mt_n)
+        e = a_at(wp, m, sub, half, lane) // 2
+        col = k0 + sub * lay.SUB_K + kk
+        smem[e:e + 8] = w[row0 + row, col:col + 8].double()
+    return smem
+
+
 def replay(w: torch.Tensor, x: torch.Tensor, tactic: Tactic, windows: int) -> torch.Tensor:
     """Run the kernel's data path on the CPU: every CTA (tile, split), every stage's copies
     into a slot (pieces of dead windows left NaN, tokens past T zero-filled), the fragment
@@ -67,7 +89,6 @@ def replay(w: torch.Tensor, x: torch.Tensor, tactic: Tactic, windows: int) -> to
     a_bytes = tile_rows * stage_k * 2
     slot = lay.slot_bytes(tile_rows, windows, stage_k)
     nwin = windows
-    pieces = stage_k // 8
     kc = k // splits
     ws = {}
     out = torch.full((t, n), float("nan"), dtype=torch.float64)
@@ -77,18 +98,10 @@ def replay(w: torch.Tensor, x: torch.Tensor, tactic: Tactic, windows: int) -> to
                for wn in range(nwin) for lane in range(32)}
         for stage in range(kc // stage_k):
             k0 = split * kc + stage * stage_k
-            smem = torch.full((slot // 2,), float("nan"), dtype=torch.float64)
-            for gid in range(lay.WINDOW * windows * pieces):  # token pieces
-                token, piece = gid // pieces, gid % pieces
-                e = lay.b_offset(token, piece, subs, a_bytes) // 2
-                src = x[token, k0 + 8 * piece:k0 + 8 * piece + 8] if token < t else torch.zeros(8)
-                smem[e:e + 8] = src.double()
-            for wp, m, half, sub, lane in itertools.product(range(warps), range(mt_n), range(2),
-                                                            range(subs), range(32)):
-                row, kk = lay.a_source(wp, m, half, lane, mt_n)
-                e = lay.a_offset(wp, m, sub, half, lane, mt_n, subs) // 2
-                col = k0 + sub * lay.SUB_K + kk
-                smem[e:e + 8] = w[tile * tile_rows + row, col:col + 8].double()
+            smem = _fill_slot(w, x, tile * tile_rows, k0, slot, warps, mt_n, subs, windows,
+                              lambda tok, piece: lay.b_offset(tok, piece, subs, a_bytes),
+                              lambda wp, m, sub, half, lane: lay.a_offset(wp, m, sub, half, lane,
+                                                                          mt_n, subs))
             for wp, sub, m, wn in itertools.product(range(warps), range(subs), range(mt_n),
                                                     range(nwin)):
                 for j in range(2):
@@ -299,18 +312,11 @@ def replay_wgmma(w: torch.Tensor, x: torch.Tensor, tactic: Tactic, windows: int)
                for wn in range(windows) for lane in range(32)}
         for stage in range(k // stage_k):
             k0 = stage * stage_k
-            smem = torch.full((lay.slot_bytes(tile_rows, windows, stage_k) // 2,), float("nan"),
-                              dtype=torch.float64)
-            for token, piece in itertools.product(range(8 * windows), range(stage_k // 8)):
-                e = lay.b_offset_wgmma(token, piece, subs, a_bytes) // 2
-                src = x[token, k0 + 8 * piece:k0 + 8 * piece + 8] if token < t else torch.zeros(8)
-                smem[e:e + 8] = src.double()
-            for wp, m, half, sub, lane in itertools.product(range(warps), range(mt_n), range(2),
-                                                            range(subs), range(32)):
-                row, kk = lay.a_source(wp, m, half, lane, mt_n)
-                e = lay.a_offset_wgmma(wp, m, sub, half, lane, mt_n, subs) // 2
-                col = k0 + sub * lay.SUB_K + kk
-                smem[e:e + 8] = w[tile * tile_rows + row, col:col + 8].double()
+            smem = _fill_slot(w, x, tile * tile_rows, k0,
+                              lay.slot_bytes(tile_rows, windows, stage_k), warps, mt_n, subs,
+                              windows, lambda tok, piece: lay.b_offset_wgmma(tok, piece, subs, a_bytes),
+                              lambda wp, m, sub, half, lane: lay.a_offset_wgmma(
+                                  wp, m, sub, half, lane, mt_n, subs))
             for wg, m, sub, j in itertools.product(range(warps // 4), range(mt_n), range(subs),
                                                    range(2)):
                 (sa, la, ra), (sb, lb, rb) = lay.wgmma_descriptors(wg, m, sub, j, mt_n, subs, a_bytes)
