@@ -32,15 +32,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from fast import backend
+from ptx_dump import dump_ptx
 from fast.experts.blackwell_layout import (
     ARCHS,
     BlackwellExperts,
@@ -60,7 +57,6 @@ from reference.weights import LatentMoEWeights
 from verify import bounds, cases
 from verify.compare import assert_bitwise_equal, assert_within_bound
 
-ROOT = Path(__file__).resolve().parents[1]
 
 _cute_error = backend.cute_import_error()
 _dsl_error = (f"CuTe DSL not importable: {_cute_error}" if _cute_error is not None
@@ -237,12 +233,9 @@ def test_ptx_is_the_mixed_block_scaled_mma(arch, fc1, windows, tmp_path):
     with 32-element scale blocks per k stage and nothing else (no ``mma.sync`` /
     ``wgmma``); the weights arrive by TMA, the scale factors go to tensor memory by
     ``tcgen05.cp``, the accumulator comes back by one ``tcgen05.ld.32x32b.x(8W)``."""
-    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     rows, k = (512, 256) if fc1 else (256, 256)
     script = _PTX_SCRIPT.format(fc1=fc1, rows=rows, k=k, windows=windows, arch=arch)
-    subprocess.run([sys.executable, "-c", script], check=True, env=env, cwd=ROOT, timeout=600)
-    ptx = "\n".join(f.read_text() for f in tmp_path.glob("*.ptx"))
+    ptx = "\n".join(f.read_text() for f in dump_ptx(script, tmp_path))
     mma = [line for line in ptx.splitlines() if "tcgen05.mma" in line]
     assert len(mma) == 4, mma
     assert all("kind::mxf8f6f4.block_scale.block32" in line for line in mma), mma

@@ -4,16 +4,16 @@ for every target at every rank count the real layer splits into and at the small
 with the reference's, and bad arguments are refused before anything touches a device."""
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
 
 from fast import backend
+from ptx_dump import dump_ptx
+from ptx_dump import loops as spin_loops
 from reference.config import LatentMoEConfig
 from reference.schedules.wide import check_wide_ranks
 
-ROOT = Path(__file__).resolve().parents[1]
 _cute_error = backend.cute_import_error()
 needs_cute = pytest.mark.skipif(_cute_error is not None,
                                 reason=f"CuTe DSL not importable: {_cute_error}")
@@ -108,22 +108,6 @@ cute.compile(PollKernel({latent}, {experts}), *([Int64(0)] * 5 + [Int32(0)] * 2 
 """
 
 
-def _loops(ptx: str) -> list[list[str]]:
-    """The bodies of the PTX's loops: the lines from a label to a later branch back to it."""
-    lines = ptx.splitlines()
-    at = {}
-    for i, line in enumerate(lines):
-        if line.startswith("$L__") and line.rstrip().endswith(":"):
-            at[line.strip()[:-1]] = i
-    bodies = []
-    for i, line in enumerate(lines):
-        if "bra" in line:
-            target = line.split()[-1].rstrip(";")
-            if target in at and at[target] < i:
-                bodies.append(lines[at[target]:i + 1])
-    return bodies
-
-
 @needs_cute
 @pytest.mark.parametrize("arch", backend.TARGETS)
 def test_poll_spin_reloads_and_reads_the_clock(arch, tmp_path):
@@ -132,19 +116,10 @@ def test_poll_spin_reloads_and_reads_the_clock(arch, tmp_path):
     spin on a stale value until the timeout) and reads ``%globaltimer`` (a loop without the
     clock could never time out: a hang); one loop per granule a thread polls at the real
     widths (448 latent + 224 logit granules over 128 threads: 6)."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    code = _POLL_PTX.format(latent=3584, experts=896, arch=arch)
-    done = subprocess.run([sys.executable, "-c", code], env=env, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    dumps = list(tmp_path.glob("*PollKernel*.ptx"))
+    dumps = dump_ptx(_POLL_PTX.format(latent=3584, experts=896, arch=arch), tmp_path,
+                     "*PollKernel*.ptx")
     assert len(dumps) == 1, f"expected one PTX dump of the poll, found {dumps}"
-    loops = _loops(dumps[0].read_text())
+    loops = spin_loops(dumps[0].read_text())
     assert len(loops) == 6, f"{len(loops)} spin loops in the poll's PTX, expected 6"
     for body in loops:
         text = "\n".join(body)

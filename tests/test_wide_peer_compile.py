@@ -7,15 +7,14 @@ distributed or device work (no GPU needed; the GPUs run ``verify/test_wide_peer.
 import dataclasses
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
 
 from fast import backend
+from ptx_dump import dump_ptx
 from reference.config import LatentMoEConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 _cute_error = backend.cute_import_error()
 needs_cute = pytest.mark.skipif(_cute_error is not None,
                                 reason=f"CuTe DSL not importable: {_cute_error}")
@@ -53,16 +52,8 @@ def test_signal_releases_at_system_scope(arch, tmp_path):
     """The signal kernel's PTX (the DSL's own dump): a system-scope fence, then one
     ``red.release.sys`` add of 1 on the counter (peer stores before it are seen by a reader
     that acquires the count), after the CTA barrier; no other global store."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-c", _SIGNAL_PTX.format(ranks=8, arch=arch)],
-                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    dumps = list(tmp_path.glob("*ArrivalSignalKernel*.ptx"))
+    dumps = dump_ptx(_SIGNAL_PTX.format(ranks=8, arch=arch), tmp_path,
+                     "*ArrivalSignalKernel*.ptx")
     assert len(dumps) == 1, f"expected one PTX dump of the signal kernel, found {dumps}"
     lines = [ln.strip() for ln in dumps[0].read_text().splitlines()]
     fence = [i for i, ln in enumerate(lines) if ln.startswith("fence.acq_rel.sys")]
