@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from fast import backend
+from ptx_dump import dump_ptx, loops
 from fast.experts.layout import (
     MAX_SCALE_CODE, WORD_BITS, decode_tiles, pack_tiles, prepare_experts)
 from reference.config import LatentMoEConfig
@@ -108,6 +109,41 @@ def test_engine_kernels_compile(arch, geometry, windows, capture):
     if geometry in ("dep16", "tp8") and windows in (1, 4):  # FC1 + FC2 in one grid
         assert all(compile_all(g, c, windows=windows, arch=arch, capture=capture,
                                tactic=dict(fused=1), empty_rows=empty_rows))
+
+
+_FUSED_PTX = """
+from fast.experts import engine
+from fast.experts.layout import Geometry
+from reference.config import LatentMoEConfig
+c = LatentMoEConfig.small()
+g = Geometry(c.latent, c.intermediate, 0, c.experts, (0, 1))
+params = engine._kernel_params(g, c, {windows}, False, False,
+                               engine.complete_tactic(dict(fused=1), "sm_90a"))
+engine._compiled("fused", "sm_90a", params["fused"])
+"""
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+def test_fused_gate_polls_relaxed_then_fences(tmp_path):
+    """The fused kernel's FC2 wait, in the PTX the DSL emits: one poll loop per count of
+    live windows, each on ``ld.relaxed.gpu`` bounded by a count, then one
+    ``fence.acq_rel.gpu``. Neither ``ld.acquire`` (an L1 invalidation at every poll) nor
+    ``%globaltimer`` (a timed spin): on the H200 both versions faulted with "illegal
+    address" at two or more windows, and the relaxed, untimed spin ran clean."""
+    windows = 4
+    dumps = dump_ptx(_FUSED_PTX.format(windows=windows), tmp_path, "*FusedExpertsKernel*.ptx")
+    assert len(dumps) == 1, f"expected one PTX dump of the fused kernel, found {dumps}"
+    ptx = dumps[0].read_text()
+    assert "ld.acquire" not in ptx and "%globaltimer" not in ptx
+    # the innermost loops that poll (the item loop around everything polls too)
+    polls = [body for body in loops(ptx)
+             if any("ld.relaxed.gpu" in ln for ln in body) and not any("bar.sync" in ln for ln in body)]
+    assert len(polls) == windows, f"{len(polls)} poll loops, expected one per live count"
+    lines = ptx.splitlines()
+    for body in polls:
+        end = lines.index(body[-1])
+        after = next(ln for ln in lines[end + 1:] if "fence." in ln or "bar.sync" in ln)
+        assert "fence.acq_rel.gpu" in after, f"a poll loop not followed by the fence: {after}"
 
 
 @pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")

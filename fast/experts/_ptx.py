@@ -17,7 +17,8 @@ __all__ = [
     "cp_async_16", "cp_async_4", "cp_async_4z", "lds_u16", "lds_u8", "lds_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
     "mma_bf16", "rotr", "prmt", "mul_bf16x2", "atomic_add", "atomic_max", "shfl_xor", "shfl_up",
     "e4m3x2_to_f32", "f32x2_to_e4m3x2", "f32_to_bf16_bits",
-    "smem_matrix_descriptor", "wgmma_bf16", "wgmma_bf16_ss", "wgmma_settle", "ld_acquire_gpu",
+    "smem_matrix_descriptor", "wgmma_bf16", "wgmma_bf16_ss", "wgmma_settle", "ld_relaxed_gpu",
+    "fence_acq_rel_gpu",
     "red_release_gpu_add",
 ]
 
@@ -55,9 +56,19 @@ def ld_acquire_sys(address):
     return _asm("ld.acquire.sys.global.u32 {$w0}, [{$r0}];", [Uint32], [Int64(address)])
 
 
-def ld_acquire_gpu(address):
-    """A 32-bit load with GPU-scope acquire semantics (``ld.acquire.gpu``)."""
-    return _asm("ld.acquire.gpu.global.u32 {$w0}, [{$r0}];", [Uint32], [Int64(address)])
+def ld_relaxed_gpu(address):
+    """A 32-bit strong load at GPU scope without ordering (``ld.relaxed.gpu``: reads L2,
+    invalidates nothing), for a spin that ends in ``fence_acq_rel_gpu``."""
+    return _asm("ld.relaxed.gpu.global.u32 {$w0}, [{$r0}];", [Uint32], [Int64(address)])
+
+
+def fence_acq_rel_gpu():
+    """``fence.acq_rel.gpu``: with a relaxed load before it, an acquire. Compiles to a
+    memory barrier that waits for this thread's outstanding accesses, then the L1
+    invalidation. (A spin on ``ld.acquire.gpu`` instead invalidates L1 at every poll,
+    with no barrier first. On the H200 a fused experts kernel faulted with "illegal
+    address" at that invalidation, and it ran clean with the relaxed spin and this fence.)"""
+    _asm("fence.acq_rel.gpu;", [], [])
 
 
 def red_release_gpu_add(address, value):

@@ -81,15 +81,17 @@ def complete_tactic(tactic: dict, arch: str) -> dict:
     """``tactic`` with the MMA instruction filled in where the caller left it out:
     ``mma.sync`` (``wgmma`` False). Warpgroup MMA (``wgmma=1``: A from registers, B from
     the ring, sm_90a only, whole warpgroups and one accumulator chain) is a tactic to ask
-    for: it compiles for sm_90a and its contracts are in ``verify/test_experts.py``, but
-    it has not yet run on a GPU, so it is not the default. ``arch`` is checked for it.
-    ``pdl_chain`` (default False, likewise not yet run on a GPU): the plan kernel and FC1
-    launched with programmatic dependent launch too (the list kernel lets the plan kernel
-    be scheduled at once; the plan kernel waits for it, then lets FC1 be scheduled; FC1
-    waits for the plan before its first claim), so the two launch gaps of a call overlap
-    the kernels before them. ``fused`` (default False, likewise not yet run on a GPU): FC1
-    and FC2 in one persistent grid (``kernels.FusedExpertsKernel``), an FC2 item waiting
-    only for its own expert's FC1 items."""
+    for: its contracts pass on the H200, but it measured 1-11% slower than ``mma.sync``
+    there (``docs/stages/experts.md``), so it is not the default. ``arch`` is checked for
+    it. ``pdl_chain`` (default False; contracts pass on the H200, within 2 us of the
+    default): the plan kernel and FC1 launched with programmatic dependent launch too (the
+    list kernel lets the plan kernel be scheduled at once; the plan kernel waits for it,
+    then lets FC1 be scheduled; FC1 waits for the plan before its first claim), so the two
+    launch gaps of a call overlap the kernels before them. ``fused`` (default False; NOT
+    verified: on the H200 its first version faulted at two or more windows, and the fix
+    has not run on a GPU yet): FC1 and FC2 in one persistent grid
+    (``kernels.FusedExpertsKernel``), an FC2 item waiting only for its own expert's FC1
+    items."""
     tactic = {"wgmma": False, "pdl_chain": False, "fused": False, **tactic}
     if tactic["wgmma"] and arch != "sm_90a":
         raise ValueError(f"ExpertsEngine: tactic wgmma needs sm_90a (warpgroup MMA is Hopper's), "
@@ -400,7 +402,7 @@ class ExpertsEngine:
         (tactic ``fused``) an FC2 item's wait for its expert timed out (synchronizes the
         device), and clear the error."""
         from fast.experts.kernels import (ERROR_GATE_TIMEOUT, ERROR_ID_RANGE,
-                                          ERROR_LIST_OVERFLOW, GATE_TIMEOUT_NS)
+                                          ERROR_LIST_OVERFLOW, GATE_SPIN_LIMIT)
 
         at = self.layout.error
         code, pair, value = (int(v) for v in self.work[at:at + 3].tolist())
@@ -409,7 +411,7 @@ class ExpertsEngine:
         self.work[at:at + 3] = 0
         if code == ERROR_GATE_TIMEOUT:
             raise EngineError(f"ExpertsEngine (fused): an FC2 item of local expert {pair} waited "
-                              f"{GATE_TIMEOUT_NS / 1e9:g} s for its expert's FC1 items and saw "
+                              f"{GATE_SPIN_LIMIT} polls (about 2 s) for its expert's FC1 items and saw "
                               f"{value} finished; the call's rows are unspecified")
         k = self.config.top_k
         where = f"ids[{pair // k}, {pair % k}] = {value}"

@@ -30,9 +30,11 @@ EMPTY_ID = -1
 #: Error codes the kernels record (``Workspace.error``): the routing-lists kernel's three,
 #: and the fused kernel's FC2 wait for its expert's FC1 items timing out.
 ERROR_ID_RANGE, ERROR_LIST_OVERFLOW, ERROR_NOT_LOCAL, ERROR_GATE_TIMEOUT = 1, 2, 3, 4
-#: How long a fused FC2 item waits for its expert's FC1 items (claims are in order and
-#: an FC1 item never waits, so only a broken kernel reaches it).
-GATE_TIMEOUT_NS = 1_000_000_000
+#: How many times a fused FC2 item polls its expert's FC1 count before it gives up (claims
+#: are in order and an FC1 item never waits, so only a broken kernel reaches it): 2^22 L2
+#: round trips, about 2 s. A count, not ``%globaltimer``: on the H200 the relaxed spin
+#: with a timer still faulted with "illegal address", and without one it ran clean.
+GATE_SPIN_LIMIT = 1 << 22
 
 
 class Workspace:
@@ -654,22 +656,26 @@ class ExpertsGemmKernel:
 
     @cute.jit
     def _wait_ready(self, work: Int64, info, tid):
-        """Fused FC2: thread 0 polls (GPU-scope acquire) until every FC1 item of the
+        """Fused FC2: thread 0 polls (GPU-scope relaxed loads) until every FC1 item of the
         item's expert (``fc1_tiles`` tiles x its window groups) has counted, or
-        ``GATE_TIMEOUT_NS`` pass (then error ``ERROR_GATE_TIMEOUT`` with the expert and the
-        count seen; the rows are unspecified and ``check()`` raises); then a barrier."""
+        ``GATE_SPIN_LIMIT`` polls pass (then error ``ERROR_GATE_TIMEOUT`` with the expert and the
+        count seen; the rows are unspecified and ``check()`` raises); then one GPU-scope
+        acquire fence (the FC1 items' release pairs with it) and a barrier.
+
+        Not a spin on ``ld.acquire.gpu``: that compiles to an L1 invalidation at every
+        poll, and on the H200 this kernel faulted with "illegal address" at it
+        (``_ptx.fence_acq_rel_gpu``)."""
         ws = self.ws
         if tid == 0:
             expert = p.lds_i32(info + 4)
             target = p.lds_i32(info + 20) * self.fc1_tiles
             address = work + Int64(ws.ready + expert) * 4
-            start = cute.arch.globaltimer()
-            seen = Int32(p.ld_acquire_gpu(address))
-            late = Int32(0)
-            while (seen < target) & (late == 0):
-                seen = Int32(p.ld_acquire_gpu(address))
-                late = cutlass.select_(cute.arch.globaltimer() - start > GATE_TIMEOUT_NS,
-                                       Int32(1), Int32(0))
+            seen = Int32(p.ld_relaxed_gpu(address))
+            polls = Int32(0)
+            while (seen < target) & (polls < GATE_SPIN_LIMIT):
+                seen = Int32(p.ld_relaxed_gpu(address))
+                polls = polls + 1
+            p.fence_acq_rel_gpu()
             if seen < target:
                 p.atomic_max(work + ws.error * 4, ERROR_GATE_TIMEOUT)
                 p.stg_i32(work + (ws.error + 1) * 4, expert)
