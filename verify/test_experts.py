@@ -311,6 +311,40 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
                                  f"windows {windows}", index_names=("pair", "column"))
 
 
+REAL_TACTIC_CASES = [
+    ("kimi_k3", 0, 896, (0, 8), 512, 0.0),  # TP8 rank 0, 512 rows: two windows per item
+    ("kimi_k3", 2 * 56, 56, (0, 1), 16 * 64, 1.0),  # DEP16 rank 2, T = 64, skewed: four
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+@pytest.mark.backends("fast")
+@pytest.mark.parametrize("config_name,first,count,shard,rows,skew", REAL_TACTIC_CASES,
+                         ids=("tp8-512", "dep16-T64-skewed"))
+def test_experts_tactics_change_no_bit_real(backend, config_name, first, count, shard, rows,
+                                            skew, seed, contract):
+    """At the real widths and batches (items of several windows, thousands of them), the
+    launch chain and the fused grid give the default's bits, and the fused grid with wgmma
+    gives wgmma's: the small config's tactic contract where the number of work items and
+    of concurrent waits is a real rank's (the fused kernel's first gate faulted only there
+    and at two or more windows)."""
+    engine = engine_for(config_name, first, count, shard, rows)
+    codes, scales = latent_rows(engine.config, rows, seed)
+    ids = cases.routing(engine.config, rows, seed, skew=skew)
+    args = (codes.cuda(), scales.cuda(), ids.cuda())
+    base = {False: _bits(engine(*args))}
+    shapes = [dict(pdl_chain=1), dict(fused=1), dict(fused=1, pdl_chain=1)]
+    if engine.arch == "sm_90a":
+        base[True] = _bits(engine(*args, tactic=dict(wgmma=1)))
+        shapes += [dict(wgmma=1, fused=1)]
+    for tactic in shapes:
+        wgmma = bool(tactic.get("wgmma"))
+        contract.bitwise(_bits(engine(*args, tactic=tactic)), base[wgmma],
+                         what=f"{config_name} rows {rows}: tactic {tactic} vs the default",
+                         index_names=("pair", "column"))
+
+
 # --- invariances ------------------------------------------------------------------------
 
 
