@@ -106,9 +106,28 @@ def test_engine_kernels_compile(arch, geometry, windows, capture):
     if windows == 2:  # the launch chain (programmatic dependent launch of plan and FC1)
         assert all(compile_all(g, c, windows=windows, arch=arch, tactic=dict(pdl_chain=1),
                                empty_rows=empty_rows))
+    if windows in (1, 2):  # the next item claimed during the current one
+        assert all(compile_all(g, c, windows=windows, arch=arch, tactic=dict(claim_ahead=1),
+                               empty_rows=empty_rows))
     if geometry in ("dep16", "tp8") and windows in (1, 4):  # FC1 + FC2 in one grid
         assert all(compile_all(g, c, windows=windows, arch=arch, capture=capture,
                                tactic=dict(fused=1), empty_rows=empty_rows))
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+def test_claim_ahead_one_stage_compiles_and_fused_refuses_it():
+    """``claim_ahead`` where a GEMM has a single stage (the tiny config's FC1, K = 64: the
+    next item's table is filled after the loop), and its refusal with ``fused``."""
+    from fast.experts.engine import compile_all
+    from fast.experts.layout import Geometry, chunks_per_stage
+
+    c = LatentMoEConfig.tiny()
+    assert c.latent // 64 // chunks_per_stage(c.latent) == 1  # FC1: one stage
+    g = Geometry(c.latent, c.intermediate, 0, c.experts, (0, 1))
+    tile = dict(warps=4, mtiles=1)  # 64-row tiles: the tiny config's FC2 has 64 rows
+    assert all(compile_all(g, c, windows=1, arch="sm_90a", tactic=dict(tile, claim_ahead=1)))
+    with pytest.raises(ValueError, match="claim_ahead is for the two-kernel path"):
+        compile_all(g, c, windows=1, arch="sm_90a", tactic=dict(claim_ahead=1, fused=1))
 
 
 _FUSED_PTX = """

@@ -262,7 +262,8 @@ TACTICS = [dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtile
            dict(wgmma=1), dict(wgmma=1, warps=4, mtiles=1), dict(wgmma=1, warps=8, mtiles=1),
            dict(wgmma=1, ring=6), dict(pdl_chain=1), dict(pdl_chain=1, wgmma=1),
            dict(fused=1), dict(fused=1, warps=4, mtiles=1), dict(fused=1, wgmma=1),
-           dict(fused=1, pdl_chain=1)]
+           dict(fused=1, pdl_chain=1), dict(claim_ahead=1), dict(claim_ahead=1, wgmma=1),
+           dict(claim_ahead=1, pdl_chain=1, warps=4, mtiles=1)]
 
 
 def _skip_unless_wgmma(tactic: dict, arch: str) -> None:
@@ -286,9 +287,9 @@ def test_experts_stages_every_tactic(backend, tactic, seed, contract):
 @pytest.mark.backends("fast")
 @pytest.mark.config("small")
 def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
-    """Tile shape, ring depth, occupancy, the launch chain and the fused grid never change
-    a bit (the sum order of each output is the chunk order); only the number of
-    accumulator chains does. Checked for each MMA kind against itself."""
+    """Tile shape, ring depth, occupancy, the launch chain, the fused grid and the claim
+    ahead never change a bit (the sum order of each output is the chunk order); only the
+    number of accumulator chains does. Checked for each MMA kind against itself."""
     engine = engine_for("small", 0, 64, (0, 1), 256)
     codes, scales = latent_rows(engine.config, 96, seed)
     ids = cases.routing(engine.config, 96, seed, skew=1.0)
@@ -296,10 +297,11 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
     # mma.sync (the default) and, on sm_90a, wgmma, each against itself over the shapes
     # that run it
     shapes = {True: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(ring=2),
-                     dict(ring=6, occupancy=1), dict(pdl_chain=1), dict(fused=1)),
+                     dict(ring=6, occupancy=1), dict(pdl_chain=1), dict(fused=1),
+                     dict(claim_ahead=1)),
               False: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
                       dict(ring=2), dict(ring=6, occupancy=1), dict(pdl_chain=1),
-                      dict(fused=1))}
+                      dict(fused=1), dict(claim_ahead=1))}
     kinds = (False, True) if engine.arch == "sm_90a" else (False,)
     for wgmma in kinds:
         for windows in (1, 2, 4, 8) if wgmma else (1, 2, 4):
@@ -325,7 +327,7 @@ REAL_TACTIC_CASES = [
 def test_experts_tactics_change_no_bit_real(backend, config_name, first, count, shard, rows,
                                             skew, seed, contract):
     """At the real widths and batches (items of several windows, thousands of them), the
-    launch chain and the fused grid give the default's bits, and the fused grid with wgmma
+    launch chain, the fused grid and the claim ahead give the default's bits, and the fused grid with wgmma
     gives wgmma's: the small config's tactic contract where the number of work items and
     of concurrent waits is a real rank's (the fused kernel's first gate faulted only there
     and at two or more windows)."""
@@ -334,7 +336,7 @@ def test_experts_tactics_change_no_bit_real(backend, config_name, first, count, 
     ids = cases.routing(engine.config, rows, seed, skew=skew)
     args = (codes.cuda(), scales.cuda(), ids.cuda())
     base = {False: _bits(engine(*args))}
-    shapes = [dict(pdl_chain=1), dict(fused=1), dict(fused=1, pdl_chain=1)]
+    shapes = [dict(pdl_chain=1), dict(fused=1), dict(fused=1, pdl_chain=1), dict(claim_ahead=1)]
     if engine.arch == "sm_90a":
         base[True] = _bits(engine(*args, tactic=dict(wgmma=1)))
         shapes += [dict(wgmma=1, fused=1)]

@@ -58,7 +58,7 @@ def choose_tactic(rows: int, top_k: int, experts: int, local: int) -> dict:
 
 #: The keys of an FC kernel tactic (``ExpertsEngine.__call__``).
 TACTIC_KEYS = ("warps", "mtiles", "ring", "chains", "occupancy", "pdl", "wgmma", "pdl_chain",
-               "fused")
+               "fused", "claim_ahead")
 
 
 def check_tactic(tactic, arch: str, owner: str) -> dict:
@@ -91,8 +91,14 @@ def complete_tactic(tactic: dict, arch: str) -> dict:
     verified: on the H200 its first version faulted at two or more windows, and the fix
     has not run on a GPU yet): FC1 and FC2 in one persistent grid
     (``kernels.FusedExpertsKernel``), an FC2 item waiting only for its own expert's FC1
-    items."""
+    items. ``claim_ahead`` (default False; written without a GPU, not yet run): each CTA
+    claims, locates and fills the token table of its next item while the current item
+    streams its first stages, so an item starts with its copies (aimed at short items:
+    FC2 of a TP8 slice has 3 stages); not with ``fused``."""
     tactic = {"wgmma": False, "pdl_chain": False, "fused": False, **tactic}
+    if tactic["fused"] and tactic.get("claim_ahead"):
+        raise ValueError("ExpertsEngine: tactic claim_ahead is for the two-kernel path; the "
+                         "fused grid claims its items from one counter for both GEMMs")
     if tactic["wgmma"] and arch != "sm_90a":
         raise ValueError(f"ExpertsEngine: tactic wgmma needs sm_90a (warpgroup MMA is Hopper's), "
                          f"the target is {arch}")
@@ -329,13 +335,14 @@ class ExpertsEngine:
                 capture and call ``check()`` later.
             capture: also return the intermediates (``Capture``; for verification).
             tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
-                "occupancy", "pdl", "wgmma", "pdl_chain", "fused"}`` (defaults: ``choose_tactic``'s tile, a ring
-                of 4 stages for one window and 3 for more, one accumulator chain, CTAs per
-                multiprocessor from the shared memory, ``pdl`` on: FC1 lets FC2 launch
-                early, and FC2 streams its first weights before it waits for FC1's hidden
-                rows; ``wgmma``, ``pdl_chain`` and ``fused`` as ``complete_tactic`` fills
-                them in). Warps, m-tiles, ring, occupancy, pdl, pdl_chain and fused never
-                change a bit; ``chains`` changes the summation
+                "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "claim_ahead"}``
+                (defaults: ``choose_tactic``'s tile, a ring of 4 stages for one window
+                and 3 for more, one accumulator chain, CTAs per multiprocessor from the
+                shared memory, ``pdl`` on: FC1 lets FC2 launch early, and FC2 streams its
+                first weights before it waits for FC1's hidden rows; ``wgmma``,
+                ``pdl_chain``, ``fused`` and ``claim_ahead`` as ``complete_tactic``
+                describes them). Warps, m-tiles, ring, occupancy, pdl, pdl_chain, fused
+                and claim_ahead never change a bit; ``chains`` changes the summation
                 order (within the same bound), so a call with a non-default ``chains`` is
                 not batch invariant with the default; ``wgmma`` changes the instruction
                 (the contracts hold each MMA kind batch invariant on its own). Every tactic

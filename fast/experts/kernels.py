@@ -293,7 +293,8 @@ class ExpertsGemmKernel:
                  windows: int, top_k: int = 16, warps: int = 4, mtiles: int = 2,
                  ring: int | None = None, chains: int = 1, occupancy: int | None = None,
                  capture: bool = False, beta: float = 4.0, linear_beta: float = 25.0,
-                 pdl: bool = False, wgmma: bool = False, pdl_chain: bool = False):
+                 pdl: bool = False, wgmma: bool = False, pdl_chain: bool = False,
+                 claim_ahead: bool = False):
         # measured on the H200: a 4-stage ring for one window, 3 stages (one more CTA per
         # multiprocessor) for more; the ring depth never changes a bit
         ring = ring or (4 if windows == 1 else 3)
@@ -312,6 +313,10 @@ class ExpertsGemmKernel:
         #: FC1 launched with programmatic dependent launch after the plan kernel (waits
         #: for it before the first claim)
         self.pdl_chain = bool(pdl_chain) and fc1
+        #: claim, locate and fill the token table of the CTA's next item during the
+        #: current item's first two stages (two item buffers), so an item starts with
+        #: its copies instead of the claim's, the search's and the list's round trips
+        self.claim_ahead = bool(claim_ahead)
         #: set by ``FusedExpertsKernel``: FC1 counts each finished item at its expert
         #: (``signal``), FC2 waits for its expert's count before reading hidden rows
         #: (``gate``; ``fc1_tiles``: FC1 tiles per window group)
@@ -336,7 +341,9 @@ class ExpertsGemmKernel:
         self.slot_bytes = self.b_bytes + self.w_bytes + self.s_bytes
         self.granules = WINDOW * windows * 8 * self.stage_chunks  # 16-byte B copies per stage
         self.smem_bytes = ring * self.slot_bytes  # dynamic: the ring
-        static = 4 * (8 + 3 * WINDOW * windows + warps * mtiles * WINDOW * windows) + 1024
+        items = 2 if self.claim_ahead else 1  # item buffers (info, token table)
+        static = 4 * (8 * items + 3 * WINDOW * windows * items
+                      + warps * mtiles * WINDOW * windows) + 1024
         #: CTAs per multiprocessor the kernel is built for (launch bounds; the grid size)
         self.occupancy = occupancy or max(1, min(8, (227 << 10) // (self.smem_bytes + static)))
         self.ws = Workspace(count)
@@ -419,19 +426,37 @@ class ExpertsGemmKernel:
         tiles = Int32(self.tiles)
         first = Int32(1)
         item = self._claim(work, info, tid, tiles)
-        while item >= 0:
-            self._item(weights, scales, act, lists, work, out, cap_fc1, cap_codes, cap_scales,
-                       capacity, ring, info, table, red, acc, src, dst, ok, tid, lane, warp,
-                       first)
-            first = Int32(0)
-            item = self._claim(work, info, tid, tiles)
+        if cutlass.const_expr(self.claim_ahead):
+            # two item buffers: the current item's, and the next one's, which the current
+            # item claims and fills (``_main_loop``); a barrier ends each item
+            INFO: cutlass.Constexpr = 32
+            TABLE: cutlass.Constexpr = 3 * self.tokens * 4
+            self._token_table_at(lists, work, table, info, capacity, tid)
+            buf = Int32(0)
+            while item >= 0:
+                self._item(weights, scales, act, lists, work, out, cap_fc1, cap_codes,
+                           cap_scales, capacity, ring, info + buf * INFO, table + buf * TABLE,
+                           red, acc, src, dst, ok, tid, lane, warp, first,
+                           ahead=(info + (1 - buf) * INFO, table + (1 - buf) * TABLE))
+                cute.arch.sync_threads()
+                first = Int32(0)
+                buf = 1 - buf
+                item = p.lds_i32(info + buf * INFO)
+        else:
+            while item >= 0:
+                self._item(weights, scales, act, lists, work, out, cap_fc1, cap_codes,
+                           cap_scales, capacity, ring, info, table, red, acc, src, dst, ok, tid,
+                           lane, warp, first)
+                first = Int32(0)
+                item = self._claim(work, info, tid, tiles)
 
     def _shared(self):
         """(ring, info, table, red): the dynamic ring and the static per-item tables."""
         TOK: cutlass.Constexpr = WINDOW * self.windows
+        items: cutlass.Constexpr = 2 if self.claim_ahead else 1
         ring = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=128).toint()
-        info = cute.arch.alloc_smem(Int32, 8, alignment=16).toint()
-        table = cute.arch.alloc_smem(Int32, 3 * TOK, alignment=16).toint()
+        info = cute.arch.alloc_smem(Int32, 8 * items, alignment=16).toint()
+        table = cute.arch.alloc_smem(Int32, 3 * TOK * items, alignment=16).toint()
         red = cute.arch.alloc_smem(Float32, self.warps * self.mtiles * TOK, alignment=16).toint()
         return ring, info, table, red
 
@@ -447,8 +472,10 @@ class ExpertsGemmKernel:
     @cute.jit
     def _item(self, weights: Int64, scales: Int64, act: Int64, lists: Int64, work: Int64,
               out: Int64, cap_fc1: Int64, cap_codes: Int64, cap_scales: Int64, capacity,
-              ring, info, table, red, acc, src, dst, ok, tid, lane, warp, first):
-        """The work item ``info`` describes (``_claim``): token table, main loop, epilogue."""
+              ring, info, table, red, acc, src, dst, ok, tid, lane, warp, first, ahead=None):
+        """The work item ``info`` describes (``_claim``): token table, main loop, epilogue.
+        ``ahead``: (info, table) of the CTA's next item (tactic ``claim_ahead``: this item's
+        table is already filled, and the main loop claims and fills the next one)."""
         W: cutlass.Constexpr = self.windows
         MT: cutlass.Constexpr = self.mtiles
         SC: cutlass.Constexpr = self.stage_chunks
@@ -462,7 +489,8 @@ class ExpertsGemmKernel:
         group = p.lds_i32(info + 12)
         ntok = p.lds_i32(info + 16)
         # 1. token table: pair, B row, hidden row
-        self._token_table(lists, work, table, expert, group, ntok, capacity, tid)
+        if cutlass.const_expr(ahead is None):
+            self._token_table(lists, work, table, expert, group, ntok, capacity, tid)
         cute.arch.sync_threads()
         # this thread's B copies of every stage: source row address, shared offset
         for i in cutlass.range_constexpr(copies):
@@ -498,7 +526,11 @@ class ExpertsGemmKernel:
         for live in cutlass.range_constexpr(1, W + 1):
             if nwin == live:
                 self._main_loop(acc, src, dst, ok, wbase, sbase, ring, warp, lane, live,
-                                first, work, info, tid)
+                                first, work, info, tid, lists, capacity, ahead)
+        if cutlass.const_expr(ahead is not None and self.stages < 2):
+            # one stage: the next item was claimed in it; its table after a barrier
+            cute.arch.sync_threads()
+            self._token_table_at(lists, work, ahead[1], ahead[0], capacity, tid)
         self._join_chains(acc)
         # 3. epilogue
         if cutlass.const_expr(self.fc1):
@@ -508,6 +540,13 @@ class ExpertsGemmKernel:
                 self._signal_ready(work, expert, tid)
         else:
             self._epilogue_fc2(acc, table, out, lane, warp, tile, ntok)
+
+    @cute.jit
+    def _token_table_at(self, lists: Int64, work: Int64, table, info, capacity, tid):
+        """``_token_table`` of the item ``info`` holds (nothing when it holds none)."""
+        if p.lds_i32(info) >= 0:
+            self._token_table(lists, work, table, p.lds_i32(info + 4), p.lds_i32(info + 12),
+                              p.lds_i32(info + 16), capacity, tid)
 
     @cute.jit
     def _token_table(self, lists: Int64, work: Int64, table, expert, group, ntok, capacity, tid):
@@ -533,7 +572,7 @@ class ExpertsGemmKernel:
 
     @cute.jit
     def _main_loop(self, acc, src, dst, ok, wbase, sbase, ring, warp, lane, live: int, first,
-                   work: Int64, info, tid):
+                   work: Int64, info, tid, lists: Int64, capacity, ahead=None):
         """Every stage of one item through the ``RING``-slot ring: copies issued
         ``RING - 1`` stages ahead, then the stage's MMAs for the first ``live`` windows.
 
@@ -541,7 +580,12 @@ class ExpertsGemmKernel:
         item: the weights of the first ``RING - 1`` stages are requested, then
         ``griddepcontrol.wait`` (FC1 complete, its hidden rows visible), then those
         stages' hidden-row copies, all in the first of ``RING - 1`` commit groups (the
-        others empty), so the ring's waits count groups as in the plain prologue."""
+        others empty), so the ring's waits count groups as in the plain prologue.
+
+        ``ahead`` (tactic ``claim_ahead``): after stage 0's barrier thread 0 claims and
+        locates the CTA's next item into ``ahead[0]``; after stage 1's barrier the first
+        ``tokens`` threads fill its token table ``ahead[1]`` (``_item`` does it after the
+        loop when the GEMM has one stage)."""
         NS: cutlass.Constexpr = self.stages
         RING: cutlass.Constexpr = self.RING
         if cutlass.const_expr(self.gate):
@@ -562,10 +606,17 @@ class ExpertsGemmKernel:
                 # this thread's completed copies, visible to the wgmma reads (async proxy)
                 cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
-            ahead = s + RING - 1
-            if ahead < NS:
-                self._issue(src, dst, ok, wbase, sbase, ring + (ahead % RING) * self.slot_bytes,
-                            ahead, warp, lane)
+            if cutlass.const_expr(ahead is not None):
+                if s == 0:
+                    if tid == 0:
+                        self._claim_locate(work, ahead[0], Int32(self.tiles))
+                if cutlass.const_expr(NS >= 2):
+                    if s == 1:
+                        self._token_table_at(lists, work, ahead[1], ahead[0], capacity, tid)
+            issue = s + RING - 1
+            if issue < NS:
+                self._issue(src, dst, ok, wbase, sbase, ring + (issue % RING) * self.slot_bytes,
+                            issue, warp, lane)
             cute.arch.cp_async_commit_group()
             self._compute(acc, ring + (s % RING) * self.slot_bytes, warp, lane, live)
         cute.arch.cp_async_wait_group(0)
@@ -603,19 +654,24 @@ class ExpertsGemmKernel:
     def _claim(self, work: Int64, info, tid, tiles):
         """Thread 0 takes the next item and locates it; every thread returns the item
         (-1: none left) after a barrier."""
-        ws = self.ws
         cute.arch.sync_threads()
         if tid == 0:
-            groups = p.ldg_i32(work + Int64(ws.wgp + self.count) * 4)
-            total = groups * tiles
-            counter = ws.claim if cutlass.const_expr(self.fc1) else ws.claim + 1
-            item = p.atomic_add(work + Int64(counter) * 4, 1)
-            if item < total:
-                self._locate(work, info, item, item, tiles)
-            else:
-                p.sts_i32(info, -1)
+            self._claim_locate(work, info, tiles)
         cute.arch.sync_threads()
         return p.lds_i32(info)
+
+    @cute.jit
+    def _claim_locate(self, work: Int64, info, tiles):
+        """Thread 0's part of ``_claim``: the counter's next item into ``info`` (-1: none)."""
+        ws = self.ws
+        groups = p.ldg_i32(work + Int64(ws.wgp + self.count) * 4)
+        total = groups * tiles
+        counter = ws.claim if cutlass.const_expr(self.fc1) else ws.claim + 1
+        item = p.atomic_add(work + Int64(counter) * 4, 1)
+        if item < total:
+            self._locate(work, info, item, item, tiles)
+        else:
+            p.sts_i32(info, -1)
 
     @cute.jit
     def _locate(self, work: Int64, info, claimed, item, tiles):
@@ -943,6 +999,9 @@ class FusedExpertsKernel:
         differ = [a for a in same if getattr(fc1, a) != getattr(fc2, a)]
         if differ:
             raise ValueError(f"FusedExpertsKernel: FC1 and FC2 differ in {differ}")
+        if fc1.claim_ahead or fc2.claim_ahead:
+            raise ValueError("FusedExpertsKernel: claim_ahead is a tactic of the two-kernel path "
+                             "(the fused grid's claims alternate between two GEMMs)")
         fc1.signal = True
         fc2.gate, fc2.fc1_tiles = True, fc1.tiles
         fc1.pdl = fc2.pdl = False
