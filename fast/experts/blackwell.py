@@ -158,6 +158,7 @@ class BlockScaledExpertsKernel:
 
     # the Hopper engine's claim and item location (same work table, same items)
     _claim = ExpertsGemmKernel._claim
+    _claim_locate = ExpertsGemmKernel._claim_locate
     _locate = ExpertsGemmKernel._locate
     _token_table = ExpertsGemmKernel._token_table
 
