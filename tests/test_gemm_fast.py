@@ -52,6 +52,17 @@ def _words(smem: torch.Tensor, offset: int):
     return [(smem[e + 2 * i].item(), smem[e + 2 * i + 1].item()) for i in range(4)]
 
 
+def _store_fragment(out, t, row0, where, values, mt_n):
+    """The 4 accumulators of lane ``where = (warp, m-tile, window, lane)`` into ``out``
+    (rows of the tile from ``row0``) through the layout's C map; tokens past ``t`` are
+    padding. Each output is written once."""
+    for r in range(4):
+        row, token = lay.c_map(*where, r, mt_n)
+        if token < t:
+            assert torch.isnan(out[token, row0 + row]), "output written twice"
+            out[token, row0 + row] = values[r]
+
+
 def _fill_slot(w, x, row0: int, k0: int, slot: int, warps: int, mt_n: int, subs: int,
                windows: int, b_at, a_at) -> torch.Tensor:
     """One stage's ring slot as the kernel's copies leave it (float64 elements, NaN where
@@ -126,11 +137,7 @@ def replay(w: torch.Tensor, x: torch.Tensor, tactic: Tactic, windows: int) -> to
             for split in range(splits):  # split order
                 part = ws[lay.ws_offset(split, tile, wp, m, wn, lane, tiles, warps, mt_n, windows)]
                 total = [total[i] + part[i] for i in range(4)]
-            for r in range(4):
-                row, token = lay.c_map(wp, m, wn, lane, r, mt_n)
-                if token < t:
-                    assert torch.isnan(out[token, tile * tile_rows + row]), "output written twice"
-                    out[token, tile * tile_rows + row] = total[r]
+            _store_fragment(out, t, tile * tile_rows, (wp, m, wn, lane), total, mt_n)
     return out
 
 
@@ -326,11 +333,7 @@ def replay_wgmma(w: torch.Tensor, x: torch.Tensor, tactic: Tactic, windows: int)
                     acc[(4 * wg + wq, m, wn, lane)][r] += float(
                         d[16 * wq + g + 8 * (r // 2), 8 * wn + 2 * q + r % 2])
         for (wp, m, wn, lane), c in acc.items():
-            for r in range(4):
-                row, token = lay.c_map(wp, m, wn, lane, r, mt_n)
-                if token < t:
-                    assert torch.isnan(out[token, tile * tile_rows + row]), "output written twice"
-                    out[token, tile * tile_rows + row] = c[r]
+            _store_fragment(out, t, tile * tile_rows, (wp, m, wn, lane), c, mt_n)
     return out
 
 

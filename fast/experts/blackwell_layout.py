@@ -22,7 +22,7 @@ import functools
 
 import torch
 
-from fast.experts.layout import ExpertTensors, Geometry
+from fast.experts.layout import ExpertTensors, Geometry, check_selection
 from reference.mx import swizzle_scales_128x4
 from reference.weights import LatentMoEWeights
 
@@ -99,21 +99,9 @@ def prepare_blackwell_experts(weights: LatentMoEWeights, device=None, *,
     K stage is 128 k; kimi_k3 has I_s 3072, 1536, 768, 384 at 1, 2, 4, 8 ranks) or a bad
     expert range or shard. Every E8M0 code is accepted: the tensor cores apply the scales,
     so there is no decode range (unlike ``fast.experts.layout.MAX_SCALE_CODE``)."""
-    if not isinstance(weights, LatentMoEWeights):
-        raise TypeError(f"prepare_blackwell_experts: weights must be LatentMoEWeights, got "
-                        f"{type(weights).__name__}")
+    first, count, rank, inter = check_selection("prepare_blackwell_experts", weights, experts,
+                                                shard)
     c = weights.config
-    first, count = experts if experts is not None else (0, c.experts)
-    if not (isinstance(first, int) and isinstance(count, int) and count >= 1
-            and 0 <= first and first + count <= c.experts):
-        raise ValueError(f"prepare_blackwell_experts: experts must be (first, count) inside "
-                         f"[0, {c.experts}), got {experts!r}")
-    rank, ranks = shard
-    if not (isinstance(rank, int) and isinstance(ranks, int) and 0 <= rank < ranks
-            and c.intermediate % ranks == 0):
-        raise ValueError(f"prepare_blackwell_experts: shard must be (rank, ranks) with ranks "
-                         f"dividing I={c.intermediate}, got {shard!r}")
-    inter = c.intermediate // ranks
     if c.latent % K_STAGE or inter % K_STAGE:
         raise ValueError(f"prepare_blackwell_experts: the block-scaled kernel tiles L % 128 == 0 "
                          f"and I/ranks % 128 == 0, got L={c.latent}, I/ranks={inter}")
@@ -132,7 +120,7 @@ def prepare_blackwell_experts(weights: LatentMoEWeights, device=None, *,
             part.append(t.contiguous())
     w13, s13, w2, s2 = (torch.stack(part) for part in parts)
     geometry = Geometry(latent=c.latent, inter=inter, first=first, count=count,
-                        shard=(rank, ranks))
+                        shard=tuple(shard))
     return BlackwellExperts(config=c, geometry=geometry, w13=w13, s13=s13, w2=w2, s2=s2)
 
 

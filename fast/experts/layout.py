@@ -78,6 +78,7 @@ __all__ = [
     "PAIR3_MULTIPLIER",
     "Geometry",
     "ExpertTensors",
+    "check_selection",
     "PreparedExperts",
     "prepare_experts",
     "pack_tiles",
@@ -346,6 +347,26 @@ def _check_scales(scales: torch.Tensor, name: str, first: int, row0: int = 0,
         )
 
 
+def check_selection(who: str, weights, experts, shard) -> tuple[int, int, int, int]:
+    """A preparation's arguments, refused by name: ``weights`` a ``LatentMoEWeights``,
+    ``experts`` ``(first, count)`` inside ``[0, E)`` (None: every expert), ``shard``
+    ``(rank, ranks)`` with ``ranks`` dividing I. Returns ``(first, count, rank, I/ranks)``."""
+    if not isinstance(weights, LatentMoEWeights):
+        raise TypeError(f"{who}: weights must be LatentMoEWeights, got {type(weights).__name__}")
+    c = weights.config
+    first, count = experts if experts is not None else (0, c.experts)
+    if not (isinstance(first, int) and isinstance(count, int) and count >= 1
+            and 0 <= first and first + count <= c.experts):
+        raise ValueError(f"{who}: experts must be (first, count) inside [0, {c.experts}), "
+                         f"got {experts!r}")
+    rank, ranks = shard
+    if not (isinstance(rank, int) and isinstance(ranks, int) and 0 <= rank < ranks
+            and c.intermediate % ranks == 0):
+        raise ValueError(f"{who}: shard must be (rank, ranks) with ranks dividing "
+                         f"I={c.intermediate}, got {shard!r}")
+    return first, count, rank, c.intermediate // ranks
+
+
 def prepare_experts(weights: LatentMoEWeights, device=None, *,
                     experts: tuple[int, int] | None = None,
                     shard: tuple[int, int] = (0, 1)) -> PreparedExperts:
@@ -365,20 +386,8 @@ def prepare_experts(weights: LatentMoEWeights, device=None, *,
         (``L % 128``, ``I_s % 64``), a bad expert range or shard, or a scale code above
         ``MAX_SCALE_CODE``.
     """
-    if not isinstance(weights, LatentMoEWeights):
-        raise TypeError(f"prepare_experts: weights must be LatentMoEWeights, got {type(weights).__name__}")
+    first, count, rank, inter = check_selection("prepare_experts", weights, experts, shard)
     c = weights.config
-    first, count = experts if experts is not None else (0, c.experts)
-    if not (isinstance(first, int) and isinstance(count, int) and count >= 1
-            and 0 <= first and first + count <= c.experts):
-        raise ValueError(f"prepare_experts: experts must be (first, count) inside [0, {c.experts}), "
-                         f"got {experts!r}")
-    rank, ranks = shard
-    if not (isinstance(rank, int) and isinstance(ranks, int) and 0 <= rank < ranks
-            and c.intermediate % ranks == 0):
-        raise ValueError(f"prepare_experts: shard must be (rank, ranks) with ranks dividing "
-                         f"I={c.intermediate}, got {shard!r}")
-    inter = c.intermediate // ranks
     if c.latent % 128 or inter % 64:
         raise ValueError(f"prepare_experts: the engine tiles L % 128 == 0 and I/ranks % 64 == 0, "
                          f"got L={c.latent}, I/ranks={inter}")
@@ -408,5 +417,5 @@ def prepare_experts(weights: LatentMoEWeights, device=None, *,
         for part, t in zip(parts, (w13, s13, w2, s2)):
             part.append(t)
     w13, s13, w2, s2 = (torch.cat(part) for part in parts)
-    geometry = Geometry(latent=c.latent, inter=inter, first=first, count=count, shard=(rank, ranks))
+    geometry = Geometry(latent=c.latent, inter=inter, first=first, count=count, shard=tuple(shard))
     return PreparedExperts(config=c, geometry=geometry, w13=w13, s13=s13, w2=w2, s2=s2)

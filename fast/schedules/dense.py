@@ -55,7 +55,7 @@ from fast.gemm.layout import Tactic, windows_for
 from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
 
-__all__ = ["DenseFront", "DenseOutputs", "GemmChoice", "GEMMS", "GEMM_MODES", "DENSE_BACKENDS",
+__all__ = ["check_hidden_rows", "DenseFront", "DenseOutputs", "GemmChoice", "GEMMS", "GEMM_MODES", "DENSE_BACKENDS",
            "DENSE_BACKENDS_SOURCE", "FAST_MAX_TOKENS", "gemm_shapes", "choose_backend",
            "fast_tactics", "fast_kernel_params"]
 
@@ -100,6 +100,20 @@ DENSE_BACKENDS: dict[tuple[str, int, int], dict[int, str]] = {
     # cuBLAS 18.8-19.8 against 21.5-29.6
     ("up", 7168, 3584): {8: "fast", 64: "cublas"},
 }
+
+
+def check_hidden_rows(who: str, name: str, x, *, config: LatentMoEConfig,
+                      device: torch.device) -> int:
+    """Every layer's check of one tensor of hidden rows: BF16 ``[T, H]``, contiguous on
+    ``device``; returns ``T``. The ValueError starts with ``who`` and names the tensor
+    ``name`` (``"x"``, ``"xs[r]"``); the caller checks ``T`` against its own range."""
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
+            or x.shape[1] != config.hidden:
+        got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{who}: {name} must be BF16 [T, H={config.hidden}], got {got}")
+    if x.device != device or not x.is_contiguous():
+        raise ValueError(f"{who}: {name} must be contiguous on {device}, got {x.device}")
+    return x.shape[0]
 
 
 def gemm_shapes(config: LatentMoEConfig) -> dict[str, tuple[int, int]]:
@@ -278,14 +292,7 @@ class DenseFront:
         return stock.mm_bf16(a, self._weight[gemm])
 
     def _check(self, x: torch.Tensor) -> int:
-        c = self.config
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
-                or x.shape[1] != c.hidden:
-            got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"DenseFront: x must be BF16 [T, H={c.hidden}], got {got}")
-        if x.device != self.device or not x.is_contiguous():
-            raise ValueError(f"DenseFront: x must be contiguous on {self.device}, got {x.device}")
-        tokens = x.shape[0]
+        tokens = check_hidden_rows("DenseFront", "x", x, config=self.config, device=self.device)
         if tokens < 1 or (self.max_tokens is not None and tokens > self.max_tokens):
             raise ValueError(f"DenseFront: T={tokens} tokens is outside [1, max_tokens="
                              f"{self.max_tokens}] (gemm={self.gemm!r})")

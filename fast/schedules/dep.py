@@ -44,7 +44,7 @@ import functools
 import torch
 
 from fast import backend
-from fast.schedules.dense import DenseFront, DenseOutputs
+from fast.schedules.dense import DenseFront, DenseOutputs, check_hidden_rows
 from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
 
@@ -134,16 +134,11 @@ def check_token_rows(who: str, xs, names, *, config: LatentMoEConfig, device: to
     the range last."""
     tokens = None
     for name, x in zip(names, xs):
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
-                or x.shape[1] != config.hidden:
-            got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"{who}: {name} must be BF16 [T, H={config.hidden}], got {got}")
-        if x.device != device or not x.is_contiguous():
-            raise ValueError(f"{who}: {name} must be contiguous on {device}, got {x.device}")
-        tokens = x.shape[0] if tokens is None else tokens
-        if x.shape[0] != tokens:
+        rows = check_hidden_rows(who, name, x, config=config, device=device)
+        tokens = rows if tokens is None else tokens
+        if rows != tokens:
             raise ValueError(f"{who}: every rank runs one padded T; {names[0]} has {tokens} "
-                             f"rows, {name} has {x.shape[0]}")
+                             f"rows, {name} has {rows}")
     if not 1 <= tokens <= max_tokens:
         raise ValueError(f"{who}: T={tokens} {unit} is outside [1, max_tokens={max_tokens}] "
                          "the layer was built for")

@@ -66,6 +66,7 @@ import functools
 import torch
 
 from fast import activation, backend, finalize, mx, router, stock
+from fast.schedules.dense import check_hidden_rows
 from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
 
@@ -589,17 +590,11 @@ class WideLayer(WideStages):
                              f"tokens) or a list of {n} (one per rank), got {got}")
         tokens = None
         for r, x in enumerate(xs):
-            if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
-                    or x.shape[1] != c.hidden:
-                got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
-                raise ValueError(f"WideLayer: xs[{r}] must be BF16 [T, H={c.hidden}], got {got}")
-            if x.device != self.device or not x.is_contiguous():
-                raise ValueError(f"WideLayer: xs[{r}] must be contiguous on {self.device}, "
-                                 f"got {x.device}")
-            tokens = x.shape[0] if tokens is None else tokens
-            if x.shape[0] != tokens:
+            rows = check_hidden_rows("WideLayer", f"xs[{r}]", x, config=c, device=self.device)
+            tokens = rows if tokens is None else tokens
+            if rows != tokens:
                 raise ValueError(f"WideLayer: every rank holds the same T tokens; xs[0] has "
-                                 f"{tokens} rows, xs[{r}] has {x.shape[0]}")
+                                 f"{tokens} rows, xs[{r}] has {rows}")
         low = c.front_max + 1
         if tokens < low:
             raise ValueError(f"WideLayer: T={tokens} rows is below the wide layer's bucket "

@@ -69,6 +69,7 @@ from __future__ import annotations
 import torch
 
 from fast import activation, backend, finalize, mx, router, stock
+from fast.schedules.dense import check_hidden_rows
 from fast.schedules.wide import (MAILBOX_BUFFERS, MailboxTimeout, WideRankOutputs, WideStages,
                                  _as_int32, _compiled, _mm_bf16_into, check_call_options,
                                  check_ranks, check_rows_and_timeout,
@@ -272,18 +273,12 @@ class WidePeerLayer(WideStages):
 
     def _check_input(self, x) -> int:
         c = self.config
-        if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16 or x.dim() != 2 \
-                or x.shape[1] != c.hidden:
-            got = (x.dtype, tuple(x.shape)) if isinstance(x, torch.Tensor) else type(x).__name__
-            raise ValueError(f"WidePeerLayer: x must be BF16 [T, H={c.hidden}], got {got}")
-        if x.device != self.device or not x.is_contiguous():
-            raise ValueError(f"WidePeerLayer: x must be contiguous on {self.device}, "
-                             f"got {x.device}")
+        rows = check_hidden_rows("WidePeerLayer", "x", x, config=c, device=self.device)
         low = c.front_max + 1
-        if not low <= x.shape[0] <= self.max_rows:
-            raise ValueError(f"WidePeerLayer: T={x.shape[0]} rows is outside the layer's bucket "
+        if not low <= rows <= self.max_rows:
+            raise ValueError(f"WidePeerLayer: T={rows} rows is outside the layer's bucket "
                              f"[{low}, max_rows={self.max_rows}]")
-        return x.shape[0]
+        return rows
 
     def check(self) -> None:
         """Raise the first error recorded since the last check: a poll that timed out
