@@ -3,7 +3,8 @@
     PYTHONPATH=. ncu --clock-control none --launch-skip 4 --launch-count 4 \\
         python3 -m benchmarks.experts_profile --mode dep16 --size 64
 
-Each call is 4 launches (routing lists, plan, FC1, FC2); the first call compiles.
+Each call is 4 launches (routing lists, plan, FC1, FC2; 3 with the fused grid, the default
+of a DEP16 rank); the first call compiles.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def main(argv=None):
     ap.add_argument("--skew", type=float, default=0.0)
     ap.add_argument("--windows", type=int, default=None)
     ap.add_argument("--calls", type=int, default=3)
-    ap.add_argument("--tactic", default="", help="warps,mtiles,ring")
+    ap.add_argument("--tactic", default="",
+                    help="engine tactic over the call's default, e.g. 'fused=0,warps=8,mtiles=2'")
     args = ap.parse_args(argv)
     from fast.experts import ExpertsEngine, prepare_experts
     from reference.mx import quantize_mxfp8
@@ -35,10 +37,7 @@ def main(argv=None):
     ids = table.routing(rows, 1000 + rows, args.skew).cuda()
     codes, scales = quantize_mxfp8((torch.randn(rows, table.L, device="cuda") * 2).bfloat16())
     out = torch.empty(rows * table.K, table.L, dtype=torch.bfloat16, device="cuda")
-    tactic = None
-    if args.tactic:
-        warps, mtiles, ring = (int(v) for v in args.tactic.split(","))
-        tactic = dict(warps=warps, mtiles=mtiles, ring=ring)
+    tactic = {**engine.default_tactic(rows), **table.parse_tactic(args.tactic)}
     for _ in range(args.calls):
         engine(codes, scales, ids, out=out, windows=args.windows, validate=False, tactic=tactic)
     torch.cuda.synchronize()

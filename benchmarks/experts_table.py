@@ -203,7 +203,6 @@ def main(argv=None):
         return
 
     from fast.experts import ExpertsEngine, prepare_experts
-    from fast.experts.engine import choose_tactic
     from reference.mx import quantize_mxfp8
 
     torch.manual_seed(0)
@@ -290,8 +289,8 @@ def main(argv=None):
                     tac = parse_tactic(spec)
                     # a spec may set the windows too (8 needs wgmma): 'wgmma=1,windows=8'
                     spec_win = tac.pop("windows", win)
-                    # on top of the call's default tile (choose_tactic)
-                    tac = {**choose_tactic(rows, K, E, engine.geometry.count), **tac}
+                    # on top of the call's default tactic (engine.default_tactic)
+                    tac = {**engine.default_tactic(rows), **tac}
                     engine(codes, scales, ids, out=out, windows=spec_win, tactic=tac)  # validated
                     case["times"]["engine_" + spec.replace("=", "").replace(",", "_")] = device_time_us(
                         lambda: engine(codes, scales, ids, out=out, windows=spec_win,

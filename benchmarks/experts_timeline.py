@@ -142,7 +142,6 @@ def main(argv=None):
 
     from benchmarks import experts_table as table
     from fast.experts import ExpertsEngine, prepare_experts
-    from fast.experts.engine import choose_tactic
     from reference.mx import quantize_mxfp8
 
     torch.manual_seed(0)
@@ -168,7 +167,7 @@ def main(argv=None):
             touched = int(torch.unique(flat[(flat >= first) & (flat < first + count)]).numel())
             limit_us = touched * prepared.expert_bytes() / (result["read_gbs"] * 1e9) * 1e6
             for tactic in tactics:
-                full = {**choose_tactic(rows, table.K, table.E, count), **tactic}
+                full = {**engine.default_tactic(rows), **tactic}
                 engine(codes, scales, ids, out=out, tactic=full)  # validated once
                 def call():
                     engine(codes, scales, ids, out=out, tactic=full, validate=False)

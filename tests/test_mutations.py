@@ -214,7 +214,8 @@ MUTATIONS = [
          "fast/experts/kernels.py",
          "p.red_release_gpu_add(work + Int64(self.ws.ready + expert) * 4, 1)",
          "p.red_release_gpu_add(work + Int64(self.ws.ready + expert) * 4, 0)",
-         ["verify/test_experts.py::test_experts_stages_every_tactic"], needs_gpu=True,
+         ["verify/test_experts.py::test_experts_stages_every_tactic[fast-fused=1]"],
+         needs_gpu=True,
          # the gate's own error, not any failure (a fault of the kernel would fail too)
          expect="for its expert's FC1 items"),
     _one("fast experts engine (claim_ahead): the next item's token table built from the "
@@ -222,7 +223,8 @@ MUTATIONS = [
          "fast/experts/kernels.py",
          "                        self._token_table_at(lists, work, ahead[1], ahead[0], capacity, tid)",
          "                        self._token_table_at(lists, work, ahead[1], info, capacity, tid)",
-         ["verify/test_experts.py::test_experts_stages_every_tactic"], needs_gpu=True),
+         ["verify/test_experts.py::test_experts_stages_every_tactic[fast-claim_ahead=1,ctas=3]"],
+         needs_gpu=True),
     _one("fast wide layer: the shared expert never runs when placed beside the experts",
          "fast/schedules/wide.py",
          "            if shared == \"beside\":\n                shared_expert(r)\n",

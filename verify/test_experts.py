@@ -263,7 +263,11 @@ TACTICS = [dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtile
            dict(wgmma=1, ring=6), dict(pdl_chain=1), dict(pdl_chain=1, wgmma=1),
            dict(fused=1), dict(fused=1, warps=4, mtiles=1), dict(fused=1, wgmma=1),
            dict(fused=1, pdl_chain=1), dict(claim_ahead=1), dict(claim_ahead=1, wgmma=1),
-           dict(claim_ahead=1, pdl_chain=1, warps=4, mtiles=1)]
+           dict(claim_ahead=1, pdl_chain=1, warps=4, mtiles=1),
+           # a grid of 3 CTAs: each runs many items (as at a real rank's batch), so a CTA's
+           # next item, its later FC1 items and its FC2 items after FC1 ones are exercised
+           dict(ctas=3), dict(claim_ahead=1, ctas=3), dict(fused=1, pdl_chain=1, ctas=3),
+           dict(wgmma=1, claim_ahead=1, ctas=3)]
 
 
 def _skip_unless_wgmma(tactic: dict, arch: str) -> None:
@@ -287,8 +291,8 @@ def test_experts_stages_every_tactic(backend, tactic, seed, contract):
 @pytest.mark.backends("fast")
 @pytest.mark.config("small")
 def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
-    """Tile shape, ring depth, occupancy, the launch chain, the fused grid and the claim
-    ahead never change a bit (the sum order of each output is the chunk order); only the
+    """Tile shape, ring depth, occupancy, the launch chain, the fused grid, the claim
+    ahead and the grid's size never change a bit (the sum order of each output is the chunk order); only the
     number of accumulator chains does. Checked for each MMA kind against itself."""
     engine = engine_for("small", 0, 64, (0, 1), 256)
     codes, scales = latent_rows(engine.config, 96, seed)
@@ -298,10 +302,11 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
     # that run it
     shapes = {True: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(ring=2),
                      dict(ring=6, occupancy=1), dict(pdl_chain=1), dict(fused=1),
-                     dict(claim_ahead=1)),
+                     dict(claim_ahead=1), dict(fused=1, ctas=2), dict(claim_ahead=1, ctas=2)),
               False: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
                       dict(ring=2), dict(ring=6, occupancy=1), dict(pdl_chain=1),
-                      dict(fused=1), dict(claim_ahead=1))}
+                      dict(fused=1), dict(claim_ahead=1), dict(fused=1, ctas=2),
+                      dict(claim_ahead=1, ctas=2))}
     kinds = (False, True) if engine.arch == "sm_90a" else (False,)
     for wgmma in kinds:
         for windows in (1, 2, 4, 8) if wgmma else (1, 2, 4):

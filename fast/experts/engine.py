@@ -45,20 +45,32 @@ def choose_windows(rows: int, top_k: int, experts: int) -> int:
     return 1 if tokens <= 8 else 2 if tokens <= 16 else 4
 
 
-def choose_tactic(rows: int, top_k: int, experts: int, local: int) -> dict:
-    """The FC kernels' default shape for a call: 64-row tiles of 4 warps of one m-tile
-    each when the call has so few pairs that the 128-row tiles' work items would not fill
-    the persistent grid twice (measured on the H200 at DEP16 T = 1: 113 us against 124 us
-    for 2 warps of 2 m-tiles and 129 us for 128-row tiles; from T = 2 on the 128-row tiles
-    are as fast or faster), else 4 warps of 2 m-tiles. The tile shape never changes a bit
-    (the contracts check it)."""
+def choose_tactic(rows: int, top_k: int, experts: int, local: int, *,
+                  sliced: bool = False) -> dict:
+    """The FC kernels' default shape for a call.
+
+    Tile: 64-row tiles of 4 warps of one m-tile each when the call has so few pairs that
+    the 128-row tiles' work items would not fill the persistent grid twice (measured on
+    the H200 at DEP16 T = 1: 113 us against 124 us for 2 warps of 2 m-tiles and 129 us for
+    128-row tiles; from T = 2 on the 128-row tiles are as fast or faster), else 4 warps of
+    2 m-tiles.
+
+    Grid: an engine of whole experts (a DEP owner; ``sliced`` False) runs FC1 and FC2 in
+    one persistent grid with the launch chain (``fused`` and ``pdl_chain``): measured on
+    the H200 at one DEP16 rank it was the fastest engine at every T from 1 to 64, uniform
+    and skewed (90.4 against 104.5 us at T = 1, 458.9 against 498.4 at T = 64,
+    ``benchmarks/results/experts/h200_engine_v8.json``). An engine of an intermediate slice
+    (a wide TP rank; ``sliced``) keeps the two kernels: there the fused grid measured 3-5%
+    slower (403.3 against 392.5 us at TP8 65 rows). No tactic changes a bit (the contracts
+    check each)."""
     pairs = rows * top_k * local / experts
-    return dict(warps=4, mtiles=1) if pairs <= 24 else {}
+    tile = dict(warps=4, mtiles=1) if pairs <= 24 else {}
+    return tile if sliced else {**tile, "fused": 1, "pdl_chain": 1}
 
 
 #: The keys of an FC kernel tactic (``ExpertsEngine.__call__``).
 TACTIC_KEYS = ("warps", "mtiles", "ring", "chains", "occupancy", "pdl", "wgmma", "pdl_chain",
-               "fused", "claim_ahead")
+               "fused", "claim_ahead", "ctas")
 
 
 def check_tactic(tactic, arch: str, owner: str) -> dict:
@@ -73,6 +85,9 @@ def check_tactic(tactic, arch: str, owner: str) -> dict:
     bad = {k: v for k, v in tactic.items() if not isinstance(v, (int, bool))}
     if bad:
         raise ValueError(f"{owner}: tactic values must be ints, got {bad}")
+    if "ctas" in tactic and tactic["ctas"] < 1:
+        raise ValueError(f"{owner}: tactic ctas (the persistent grid's CTAs) must be >= 1, "
+                         f"got {tactic['ctas']}")
     complete_tactic(dict(tactic), arch)  # wgmma needs sm_90a
     return dict(tactic)
 
@@ -87,14 +102,15 @@ def complete_tactic(tactic: dict, arch: str) -> dict:
     default): the plan kernel and FC1 launched with programmatic dependent launch too (the
     list kernel lets the plan kernel be scheduled at once; the plan kernel waits for it,
     then lets FC1 be scheduled; FC1 waits for the plan before its first claim), so the two
-    launch gaps of a call overlap the kernels before them. ``fused`` (default False; NOT
-    verified: on the H200 its first version faulted at two or more windows, and the fix
-    has not run on a GPU yet): FC1 and FC2 in one persistent grid
+    launch gaps of a call overlap the kernels before them. ``fused`` (default False here;
+    ``choose_tactic`` turns it on with ``pdl_chain`` for an engine of whole experts; its
+    contracts pass on the H200): FC1 and FC2 in one persistent grid
     (``kernels.FusedExpertsKernel``), an FC2 item waiting only for its own expert's FC1
-    items. ``claim_ahead`` (default False; written without a GPU, not yet run): each CTA
-    claims, locates and fills the token table of its next item while the current item
-    streams its first stages, so an item starts with its copies (aimed at short items:
-    FC2 of a TP8 slice has 3 stages); not with ``fused``."""
+    items. ``claim_ahead`` (default False; its contracts pass on the H200, and it measured
+    0-7% slower than the default): each CTA claims, locates and fills the token table of
+    its next item while the current item streams its first stages, so an item starts with
+    its copies (aimed at short items: FC2 of a TP8 slice has 3 stages); not with
+    ``fused``."""
     tactic = {"wgmma": False, "pdl_chain": False, "fused": False, **tactic}
     if tactic["fused"] and tactic.get("claim_ahead"):
         raise ValueError("ExpertsEngine: tactic claim_ahead is for the two-kernel path; the "
@@ -155,6 +171,7 @@ def _kernel_params(g, config, windows: int, capture: bool, strict: bool,
     common = dict(inter=g.inter, latent=g.latent, count=g.count, windows=windows,
                   top_k=config.top_k, capture=capture, pdl=True)
     common.update(tactic or {})
+    common.pop("ctas", None)  # a launch size, not a kernel parameter
     chain = bool(common.pop("pdl_chain", False))
     fused = bool(common.pop("fused", False))
     params = {
@@ -335,15 +352,18 @@ class ExpertsEngine:
                 capture and call ``check()`` later.
             capture: also return the intermediates (``Capture``; for verification).
             tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
-                "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "claim_ahead"}``
-                (defaults: ``choose_tactic``'s tile, a ring of 4 stages for one window
+                "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "claim_ahead", "ctas"}``
+                (defaults: ``default_tactic``'s tile and grid, a ring of 4 stages for one window
                 and 3 for more, one accumulator chain, CTAs per multiprocessor from the
                 shared memory, ``pdl`` on: FC1 lets FC2 launch early, and FC2 streams its
                 first weights before it waits for FC1's hidden rows; ``wgmma``,
                 ``pdl_chain``, ``fused`` and ``claim_ahead`` as ``complete_tactic``
-                describes them). Warps, m-tiles, ring, occupancy, pdl, pdl_chain, fused
-                and claim_ahead never change a bit; ``chains`` changes the summation
-                order (within the same bound), so a call with a non-default ``chains`` is
+                describes them; ``ctas``: the persistent grids' size, default the
+                multiprocessors times the occupancy, smaller so that every CTA runs many
+                items, as at a real rank's batch). Warps, m-tiles, ring, occupancy, pdl,
+                pdl_chain, fused, claim_ahead and ctas never change a bit; ``chains``
+                changes the summation order (within the same bound), so a call with a
+                non-default ``chains`` is
                 not batch invariant with the default; ``wgmma`` changes the instruction
                 (the contracts hold each MMA kind batch invariant on its own). Every tactic
                 is covered by ``verify/test_experts.py``.
@@ -356,7 +376,9 @@ class ExpertsEngine:
             return (out, self._capture_buffers(0)) if capture else out
         c, g = self.config, self.geometry
         if tactic is None:
-            tactic = {**choose_tactic(rows, c.top_k, c.experts, g.count), **self.tactic}
+            tactic = self.default_tactic(rows)
+        else:
+            tactic = check_tactic(tactic, self.arch, "ExpertsEngine")
         tactic = complete_tactic(tactic, self.arch)
         if windows == 8 and not tactic["wgmma"]:
             raise ValueError("ExpertsEngine: windows=8 needs the wgmma tactic (mma.sync's "
@@ -373,18 +395,19 @@ class ExpertsEngine:
         null = i64(self._null)
         p = self.prepared
         caps = [i64(t) for t in ((cap.fc1, cap.codes, cap.scales) if cap else (self._null,) * 3)]
+        ctas = tactic.get("ctas")
         if "fused" in fn:
-            grid = i32(self.sms * _occupancy(params["fused"]))
+            grid = i32(ctas or self.sms * _occupancy(params["fused"]))
             fn["fused"](i64(p.w13), i64(p.s13), i64(self.plan), i64(self.lists), work,
                         i64(self.hidden), i64(p.w2), i64(p.s2), i64(out), *caps,
                         i32(self.max_rows), grid, stream)
             if validate:
                 self.check()
             return (out, cap) if capture else out
-        grid = i32(self.sms * _occupancy(params["fc1"]))
+        grid = i32(ctas or self.sms * _occupancy(params["fc1"]))
         fn["fc1"](i64(p.w13), i64(p.s13), i64(self.plan), i64(self.lists), work, i64(self.hidden),
                   *caps, i32(self.max_rows), grid, stream)
-        grid2 = i32(self.sms * _occupancy(params["fc2"]))
+        grid2 = i32(ctas or self.sms * _occupancy(params["fc2"]))
         fn["fc2"](i64(p.w2), i64(p.s2), i64(self.hidden), i64(self.lists), work, i64(out),
                   null, null, null, i32(self.max_rows), grid2, stream)
         if validate:
@@ -397,12 +420,20 @@ class ExpertsEngine:
         peers wait for its rows with a timeout)."""
         c, g = self.config, self.geometry
         params = _kernel_params(g, c, choose_windows(rows, c.top_k, c.experts), False,
-                                self.strict, complete_tactic(
-                                    {**choose_tactic(rows, c.top_k, c.experts, g.count),
-                                     **self.tactic}, self.arch),
+                                self.strict, complete_tactic(self.default_tactic(rows), self.arch),
                                 self.empty_rows)
         for kind, p in params.items():
             _compiled(kind, self.arch, p)
+
+    def default_tactic(self, rows: int) -> dict:
+        """The tactic of a call of ``rows`` rows that passes none: ``choose_tactic``'s
+        (sliced when the engine holds a slice of each expert), under the engine's own
+        ``tactic``."""
+        c, g = self.config, self.geometry
+        chosen = choose_tactic(rows, c.top_k, c.experts, g.count, sliced=g.shard[1] > 1)
+        if self.tactic.get("claim_ahead"):  # a two-kernel tactic: keep the two kernels
+            chosen.pop("fused", None)
+        return {**chosen, **self.tactic}
 
     def check(self) -> None:
         """Raise ``EngineError`` if a call since the last check met a bad routing entry or
