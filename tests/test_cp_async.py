@@ -1,0 +1,126 @@
+"""The zero-filling copies of ``fast.experts._ptx`` (``cp_async_16``, ``cp_async_4z``): a
+copy whose ``valid`` is false writes zeros and reads nothing (the ``ignore-src``
+predicate), one whose ``valid`` is true copies its bytes.
+
+The engine's B operand (the padded token slots of a window), the dense GEMM's rows past
+the batch and the Blackwell engine's gathers use them. A padded slot's products land only
+in its own output column, which nothing stores, so the engine's contracts could not see a
+copy that left stale bytes there: this probe checks the copies themselves. The shared
+memory is first filled with 0xFF bytes; each thread then copies 16 bytes and 4 bytes, the
+valid ones from a source of known bytes, and the result is read back. Compiles for every
+target on any machine; runs where a GPU is present.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+cute_error = None
+try:
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass import Int32, Int64
+
+    from fast.experts import _ptx as p
+except ImportError as error:  # pragma: no cover - CuTe DSL missing
+    cute_error = error
+
+pytestmark = pytest.mark.skipif(cute_error is not None, reason=f"CuTe DSL not importable: {cute_error}")
+
+THREADS = 128
+#: per thread: 16 bytes by cp_async_16, then 4 bytes by cp_async_4z
+STRIDE = 20
+SMEM = THREADS * STRIDE
+
+
+def valid_16(tid: int) -> bool:
+    """Which threads' 16-byte copies read their source (the others must write zeros)."""
+    return tid % 3 != 0
+
+
+def valid_4(tid: int) -> bool:
+    """Which threads' 4-byte copies read their source."""
+    return tid % 2 == 0
+
+
+if cute_error is None:
+
+    class ZeroFillProbe:
+        """out[SMEM] = shared memory after each thread's two copies from src[SMEM]."""
+
+        @cute.jit
+        def __call__(self, src: Int64, out: Int64, stream):
+            self.kernel(src, out).launch(grid=(1, 1, 1), block=(THREADS, 1, 1), stream=stream,
+                                         smem=SMEM)
+
+        @cute.kernel
+        def kernel(self, src: Int64, out: Int64):
+            tid = cute.arch.thread_idx()[0]
+            smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=128).toint()
+            for i in cutlass.range_constexpr(STRIDE // 4):
+                p.sts_i32(smem + tid * STRIDE + 4 * i, Int32(-1))
+            cute.arch.sync_threads()
+            base = tid * STRIDE
+            p.cp_async_16(smem + base, src + Int64(base), tid % 3 != 0)
+            p.cp_async_4z(smem + base + 16, src + Int64(base + 16), tid % 2 == 0)
+            cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+            cute.arch.sync_threads()
+            for i in cutlass.range_constexpr(STRIDE // 4):
+                p.stg_i32(out + Int64(base + 4 * i), p.lds_i32(smem + base + 4 * i))
+
+
+def _compile(arch: str):
+    from fast import backend
+
+    return cute.compile(ZeroFillProbe(), Int64(0), Int64(0), backend._fake_stream(),
+                        options=f"--gpu-arch {arch}")
+
+
+@pytest.mark.parametrize("arch", ("sm_90a", "sm_100a", "sm_103a"))
+def test_zero_fill_probe_compiles(arch):
+    assert _compile(arch) is not None
+
+
+def test_zero_fill_copies_use_the_ignore_src_predicate(tmp_path):
+    """The runtime ``valid`` reaches ``cp.async`` as its ``ignore-src`` predicate, not as a
+    source size in a register (which ptxas turns into an address fix-up per copy)."""
+    from tests.ptx_dump import dump_ptx
+
+    script = ("import cutlass.cute as cute\nfrom cutlass import Int64\nfrom fast import backend\n"
+              "from tests.test_cp_async import ZeroFillProbe\n"
+              "cute.compile(ZeroFillProbe(), Int64(0), Int64(0), backend._fake_stream(), "
+              "options='--gpu-arch sm_90a')\n")
+    ptx = "\n".join(f.read_text() for f in dump_ptx(script, tmp_path))
+    copies = [c for line in ptx.splitlines() for c in line.split(";")
+              if "cp.async.cg.shared.global" in c or "cp.async.ca.shared.global" in c]
+    assert len(copies) == 2, copies
+    for copy in copies:
+        operands = copy.split("],")[-1].split(",")
+        assert [o.strip() for o in operands] in (["16", "skip"], ["4", "skip"]), copy
+
+
+@pytest.mark.gpu
+def test_zero_fill_copies_write_zeros_and_read_nothing():
+    from fast import backend
+
+    if backend.gpu_arch() is None:
+        pytest.skip("the probe runs the copies: it needs a CUDA GPU (sm_90a/sm_100a/sm_103a)")
+    gen = torch.Generator().manual_seed(7)
+    src = torch.randint(1, 256, (SMEM,), generator=gen, dtype=torch.int32).to(torch.uint8).cuda()
+    out = torch.zeros(SMEM, dtype=torch.uint8, device="cuda")
+    fn = _compile(backend.gpu_arch())
+    fn(Int64(src.data_ptr()), Int64(out.data_ptr()), backend.stream())
+    torch.cuda.synchronize()
+    expected = src.cpu().clone().view(THREADS, STRIDE)
+    for tid in range(THREADS):
+        if not valid_16(tid):
+            expected[tid, :16] = 0
+        if not valid_4(tid):
+            expected[tid, 16:] = 0
+    got = out.cpu().view(THREADS, STRIDE)
+    wrong = (got != expected).nonzero()
+    assert wrong.numel() == 0, (f"{wrong.shape[0]} bytes differ, first (thread, byte): "
+                                f"{wrong[0].tolist()}: got {got[tuple(wrong[0])]}, "
+                                f"expected {expected[tuple(wrong[0])]}")
