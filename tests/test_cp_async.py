@@ -16,17 +16,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-cute_error = None
-try:
-    import cutlass
-    import cutlass.cute as cute
-    from cutlass import Int32, Int64
+cutlass = pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) is not installed")
+import cutlass.cute as cute  # noqa: E402
+from cutlass import Int32, Int64  # noqa: E402
 
-    from fast.experts import _ptx as p
-except ImportError as error:  # pragma: no cover - CuTe DSL missing
-    cute_error = error
-
-pytestmark = pytest.mark.skipif(cute_error is not None, reason=f"CuTe DSL not importable: {cute_error}")
+from fast.experts import _ptx as p  # noqa: E402
 
 THREADS = 128
 #: per thread: 16 bytes by cp_async_16, then 4 bytes by cp_async_4z
@@ -44,31 +38,29 @@ def valid_4(tid: int) -> bool:
     return tid % 2 == 0
 
 
-if cute_error is None:
+class ZeroFillProbe:
+    """out[SMEM] = shared memory after each thread's two copies from src[SMEM]."""
 
-    class ZeroFillProbe:
-        """out[SMEM] = shared memory after each thread's two copies from src[SMEM]."""
+    @cute.jit
+    def __call__(self, src: Int64, out: Int64, stream):
+        self.kernel(src, out).launch(grid=(1, 1, 1), block=(THREADS, 1, 1), stream=stream,
+                                     smem=SMEM)
 
-        @cute.jit
-        def __call__(self, src: Int64, out: Int64, stream):
-            self.kernel(src, out).launch(grid=(1, 1, 1), block=(THREADS, 1, 1), stream=stream,
-                                         smem=SMEM)
-
-        @cute.kernel
-        def kernel(self, src: Int64, out: Int64):
-            tid = cute.arch.thread_idx()[0]
-            smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=128).toint()
-            for i in cutlass.range_constexpr(STRIDE // 4):
-                p.sts_i32(smem + tid * STRIDE + 4 * i, Int32(-1))
-            cute.arch.sync_threads()
-            base = tid * STRIDE
-            p.cp_async_16(smem + base, src + Int64(base), tid % 3 != 0)
-            p.cp_async_4z(smem + base + 16, src + Int64(base + 16), tid % 2 == 0)
-            cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
-            cute.arch.sync_threads()
-            for i in cutlass.range_constexpr(STRIDE // 4):
-                p.stg_i32(out + Int64(base + 4 * i), p.lds_i32(smem + base + 4 * i))
+    @cute.kernel
+    def kernel(self, src: Int64, out: Int64):
+        tid = cute.arch.thread_idx()[0]
+        smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=128).toint()
+        for i in cutlass.range_constexpr(STRIDE // 4):
+            p.sts_i32(smem + tid * STRIDE + 4 * i, Int32(-1))
+        cute.arch.sync_threads()
+        base = tid * STRIDE
+        p.cp_async_16(smem + base, src + Int64(base), tid % 3 != 0)
+        p.cp_async_4z(smem + base + 16, src + Int64(base + 16), tid % 2 == 0)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)
+        cute.arch.sync_threads()
+        for i in cutlass.range_constexpr(STRIDE // 4):
+            p.stg_i32(out + Int64(base + 4 * i), p.lds_i32(smem + base + 4 * i))
 
 
 def _compile(arch: str):
