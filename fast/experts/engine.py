@@ -59,7 +59,9 @@ def choose_tactic(rows: int, top_k: int, experts: int, local: int, *,
     one persistent grid with the launch chain (``fused`` and ``pdl_chain``): measured on
     the H200 at one DEP16 rank it was the fastest engine at every T from 1 to 64, uniform
     and skewed (90.4 against 104.5 us at T = 1, 458.9 against 498.4 at T = 64,
-    ``benchmarks/results/experts/h200_engine_v8.json``). An engine of an intermediate slice
+    ``benchmarks/results/experts/h200_engine_v8_tactics.json``; as the default, 90.8
+    against 97.1 us at T = 1 over 30 replays, ``h200_engine_v9_tile_T1.json``). An engine
+    of an intermediate slice
     (a wide TP rank; ``sliced``) keeps the two kernels: there the fused grid measured 3-5%
     slower (403.3 against 392.5 us at TP8 65 rows). No tactic changes a bit (the contracts
     check each)."""
@@ -246,8 +248,9 @@ class ExpertsEngine:
             same geometry sharing one stream, e.g. the layers of a model); its
             ``max_rows`` becomes the engine's.
         tactic: FC kernel settings (``__call__``'s ``tactic`` keys) applied over
-            ``choose_tactic``'s tile in every call that passes no tactic of its own (and in
-            ``compile_for``): how a layer runs its engine with e.g. ``{"wgmma": 1}``.
+            ``choose_tactic``'s tile and grid in every call that passes no tactic of its own
+            (``default_tactic``, also in ``compile_for``): how a layer runs its engine with
+            e.g. ``{"wgmma": 1}`` or ``{"fused": 0}``.
     """
 
     def __init__(self, prepared: PreparedExperts, *, max_rows: int, strict: bool = False,
