@@ -426,6 +426,23 @@ def test_blackwell_stages(name, first, count, shard, rows, skew, windows, seed):
 
 @pytest.mark.gpu
 @pytest.mark.sm100
+@needs_sm100
+@pytest.mark.parametrize("windows", (1, 4))
+def test_blackwell_stages_few_ctas(windows, seed):
+    """A grid of 3 CTAs: each runs many FC1 and FC2 items (the default grid holds every
+    item of the small config at once, so a CTA's later items would never run)."""
+    engine = _engine("small", 0, 64, (0, 1), 256)
+    codes, scales = _latent_rows(engine.config, 200, seed)
+    ids = cases.routing(engine.config, 200, seed, skew=1.2)
+    out, cap = engine(codes.cuda(), scales.cuda(), ids.cuda(), capture=True, windows=windows,
+                      ctas=3)
+    check_blackwell_stages(cases.expert_code_weights("small", "cuda"), (0, 64), (0, 1), codes,
+                           scales, ids, out, cap,
+                           what=f"blackwell small rows 200 windows {windows} on 3 CTAs")
+
+
+@pytest.mark.gpu
+@pytest.mark.sm100
 @pytest.mark.slow
 @needs_sm100
 @pytest.mark.parametrize("first,count,shard,rows", [(3 * 56, 56, (0, 1), 64), (0, 896, (5, 8), 65)])

@@ -621,13 +621,18 @@ class BlackwellExpertsEngine:
     del _E
 
     def __call__(self, codes, scales, ids, *, out=None, windows: int | None = None,
-                 validate: bool = True, capture: bool = False):
+                 validate: bool = True, capture: bool = False, ctas: int | None = None):
         """Every local pair's expert row: BF16 ``[R*K, L]`` (rows of pairs that are not
         local are left untouched; default a new NaN-filled tensor), or ``(out, Capture)``
         with ``capture`` (FC1's FP32 outputs, the E4M3 codes and E8M0 scales of the hidden
-        rows, per pair). Arguments as ``fast.experts.ExpertsEngine.__call__``."""
+        rows, per pair). Arguments as ``fast.experts.ExpertsEngine.__call__``; ``ctas``:
+        the persistent grids' size (default one CTA per multiprocessor; fewer make every
+        CTA run many items, as the Hopper engine's tactic ``ctas``; no bit changes)."""
         from fast import backend
 
+        if ctas is not None and (not isinstance(ctas, int) or ctas < 1):
+            raise ValueError(f"BlackwellExpertsEngine: ctas (the persistent grid's CTAs) must "
+                             f"be an int >= 1, got {ctas!r}")
         rows, out, windows = self._start(codes, scales, ids, out, windows)
         if scales.data_ptr() % 4:
             raise ValueError("BlackwellExpertsEngine: scales must be 4-byte aligned")
@@ -649,7 +654,7 @@ class BlackwellExpertsEngine:
         fn["plan"](work, stream)
         caps = [i64(t) for t in ((cap.fc1, cap.codes, cap.scales) if cap else (self._null,) * 3)]
         p_ = self.prepared
-        grid = Int32(self.sms)  # one CTA per multiprocessor (shared memory)
+        grid = Int32(ctas or self.sms)  # default one CTA per multiprocessor (shared memory)
         fn["fc1"](i64(p_.w13), i64(p_.s13), i64(codes), i64(scales), i64(self.lists), work,
                   i64(self.hidden), i64(self.hidden_scales), *caps, Int32(self.max_rows), grid,
                   stream)
