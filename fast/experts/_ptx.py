@@ -142,17 +142,15 @@ def atomic_max(address, value):
 
 def cp_async_16(smem_address, global_address, valid):
     """Copy 16 bytes global -> shared, bypassing L1 (``cp.async.cg``); ``valid`` false
-    fills the 16 bytes with zeros and reads nothing (the ``ignore-src`` predicate: one
-    predicated copy, where a source size in a register costs ptxas an address fix-up of
-    four instructions per copy)."""
+    fills the 16 bytes with zeros and reads nothing."""
     if isinstance(valid, bool):  # known at trace time: the plain 16-byte copy
         if valid:
             _asm("cp.async.cg.shared.global [{$r0}], [{$r1}], 16;", [],
                  [Int32(smem_address), Int64(global_address)])
         return
-    _asm("{ .reg .pred skip; setp.eq.u32 skip, {$r2}, 0; "
-         "cp.async.cg.shared.global [{$r0}], [{$r1}], 16, skip; }", [],
-         [Int32(smem_address), Int64(global_address), cutlass.select_(valid, Int32(1), Int32(0))])
+    size = cutlass.select_(valid, Int32(16), Int32(0))
+    _asm("cp.async.cg.shared.global [{$r0}], [{$r1}], 16, {$r2};", [],
+         [Int32(smem_address), Int64(global_address), Int32(size)])
 
 
 def cp_async_4(smem_address, global_address):
@@ -163,10 +161,10 @@ def cp_async_4(smem_address, global_address):
 
 def cp_async_4z(smem_address, global_address, valid):
     """Copy 4 bytes global -> shared (``cp.async.ca``); ``valid`` false fills them with
-    zeros and reads nothing (the ``ignore-src`` predicate, as ``cp_async_16``)."""
-    _asm("{ .reg .pred skip; setp.eq.u32 skip, {$r2}, 0; "
-         "cp.async.ca.shared.global [{$r0}], [{$r1}], 4, skip; }", [],
-         [Int32(smem_address), Int64(global_address), cutlass.select_(valid, Int32(1), Int32(0))])
+    zeros and reads nothing."""
+    size = cutlass.select_(valid, Int32(4), Int32(0))
+    _asm("cp.async.ca.shared.global [{$r0}], [{$r1}], 4, {$r2};", [],
+         [Int32(smem_address), Int64(global_address), Int32(size)])
 
 
 def lds_u16(smem_address):
