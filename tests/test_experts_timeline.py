@@ -79,7 +79,7 @@ def test_engine_tactic_checked_by_name():
         check_tactic("wgmma=1", "sm_90a", "X")
     with pytest.raises(ValueError, match="wgmma needs sm_90a"):
         check_tactic({"wgmma": 1}, "sm_100a", "X")
-    with pytest.raises(ValueError, match="X: tactic ctas .* must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="X: ctas .* must be an int >= 1, got 0"):
         check_tactic({"ctas": 0}, "sm_90a", "X")
     assert check_tactic({"ctas": 3, "fused": 1}, "sm_90a", "X") == {"ctas": 3, "fused": 1}
     assert set(TACTIC_KEYS) >= {"wgmma", "fused", "pdl_chain", "warps", "mtiles"}

@@ -90,6 +90,7 @@ from fast.experts.blackwell_layout import (
     b_smem_offset,
     sfb_smem_offset,
 )
+from fast.experts.engine import check_ctas
 from fast.experts.kernels import WINDOW, ExpertsGemmKernel, Workspace
 
 __all__ = ["BlockScaledExpertsKernel", "BlackwellExpertsEngine", "compile_blackwell"]
@@ -630,9 +631,7 @@ class BlackwellExpertsEngine:
         CTA run many items, as the Hopper engine's tactic ``ctas``; no bit changes)."""
         from fast import backend
 
-        if ctas is not None and (not isinstance(ctas, int) or ctas < 1):
-            raise ValueError(f"BlackwellExpertsEngine: ctas (the persistent grid's CTAs) must "
-                             f"be an int >= 1, got {ctas!r}")
+        check_ctas(ctas, "BlackwellExpertsEngine")
         rows, out, windows = self._start(codes, scales, ids, out, windows)
         if scales.data_ptr() % 4:
             raise ValueError("BlackwellExpertsEngine: scales must be 4-byte aligned")

@@ -61,10 +61,9 @@ def choose_tactic(rows: int, top_k: int, experts: int, local: int, *,
     and skewed (90.4 against 104.5 us at T = 1, 458.9 against 498.4 at T = 64,
     ``benchmarks/results/experts/h200_engine_v8_tactics.json``; as the default, 90.8
     against 97.1 us at T = 1 over 30 replays, ``h200_engine_v9_tile_T1.json``). An engine
-    of an intermediate slice
-    (a wide TP rank; ``sliced``) keeps the two kernels: there the fused grid measured 3-5%
-    slower (403.3 against 392.5 us at TP8 65 rows). No tactic changes a bit (the contracts
-    check each)."""
+    of an intermediate slice (a wide TP rank; ``sliced``) keeps the two kernels: there the
+    fused grid measured 3-5% slower (403.3 against 392.5 us at TP8 65 rows). No tactic
+    changes a bit (the contracts check each)."""
     pairs = rows * top_k * local / experts
     tile = dict(warps=4, mtiles=1) if pairs <= 24 else {}
     return tile if sliced else {**tile, "fused": 1, "pdl_chain": 1}
@@ -73,6 +72,14 @@ def choose_tactic(rows: int, top_k: int, experts: int, local: int, *,
 #: The keys of an FC kernel tactic (``ExpertsEngine.__call__``).
 TACTIC_KEYS = ("warps", "mtiles", "ring", "chains", "occupancy", "pdl", "wgmma", "pdl_chain",
                "fused", "claim_ahead", "ctas")
+
+
+def check_ctas(ctas, owner: str) -> None:
+    """``ctas``, the size of a persistent grid (None: the engine's default), refused by
+    name unless an int >= 1."""
+    if ctas is not None and (not isinstance(ctas, int) or ctas < 1):
+        raise ValueError(f"{owner}: ctas (the persistent grid's CTAs) must be an int >= 1, "
+                         f"got {ctas!r}")
 
 
 def check_tactic(tactic, arch: str, owner: str) -> dict:
@@ -87,9 +94,7 @@ def check_tactic(tactic, arch: str, owner: str) -> dict:
     bad = {k: v for k, v in tactic.items() if not isinstance(v, (int, bool))}
     if bad:
         raise ValueError(f"{owner}: tactic values must be ints, got {bad}")
-    if "ctas" in tactic and tactic["ctas"] < 1:
-        raise ValueError(f"{owner}: tactic ctas (the persistent grid's CTAs) must be >= 1, "
-                         f"got {tactic['ctas']}")
+    check_ctas(tactic.get("ctas"), owner)
     complete_tactic(dict(tactic), arch)  # wgmma needs sm_90a
     return dict(tactic)
 
@@ -116,7 +121,8 @@ def complete_tactic(tactic: dict, arch: str) -> dict:
     tactic = {"wgmma": False, "pdl_chain": False, "fused": False, **tactic}
     if tactic["fused"] and tactic.get("claim_ahead"):
         raise ValueError("ExpertsEngine: tactic claim_ahead is for the two-kernel path; the "
-                         "fused grid claims its items from one counter for both GEMMs")
+                         "fused grid claims its items from one counter for both GEMMs (an "
+                         "engine of whole experts runs the fused grid by default: add fused=0)")
     if tactic["wgmma"] and arch != "sm_90a":
         raise ValueError(f"ExpertsEngine: tactic wgmma needs sm_90a (warpgroup MMA is Hopper's), "
                          f"the target is {arch}")
@@ -283,6 +289,9 @@ class ExpertsEngine:
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self._null = torch.zeros(16, dtype=torch.uint8, device=dev)
         self.tactic = check_tactic(tactic or {}, self.arch, "ExpertsEngine")
+        # over the default grid too, so a conflict (claim_ahead on a fused default) is
+        # refused here rather than at every call
+        complete_tactic(self.default_tactic(1), self.arch)
 
     # -- checks -----------------------------------------------------------------------
 
@@ -356,20 +365,19 @@ class ExpertsEngine:
             capture: also return the intermediates (``Capture``; for verification).
             tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
                 "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "claim_ahead", "ctas"}``
-                (defaults: ``default_tactic``'s tile and grid, a ring of 4 stages for one window
-                and 3 for more, one accumulator chain, CTAs per multiprocessor from the
-                shared memory, ``pdl`` on: FC1 lets FC2 launch early, and FC2 streams its
-                first weights before it waits for FC1's hidden rows; ``wgmma``,
+                (defaults: ``default_tactic``'s tile and grid, a ring of 4 stages for one
+                window and 3 for more, one accumulator chain, CTAs per multiprocessor
+                from the shared memory, ``pdl`` on: FC1 lets FC2 launch early, and FC2
+                streams its first weights before it waits for FC1's hidden rows; ``wgmma``,
                 ``pdl_chain``, ``fused`` and ``claim_ahead`` as ``complete_tactic``
                 describes them; ``ctas``: the persistent grids' size, default the
                 multiprocessors times the occupancy, smaller so that every CTA runs many
                 items, as at a real rank's batch). Warps, m-tiles, ring, occupancy, pdl,
                 pdl_chain, fused, claim_ahead and ctas never change a bit; ``chains``
                 changes the summation order (within the same bound), so a call with a
-                non-default ``chains`` is
-                not batch invariant with the default; ``wgmma`` changes the instruction
-                (the contracts hold each MMA kind batch invariant on its own). Every tactic
-                is covered by ``verify/test_experts.py``.
+                non-default ``chains`` is not batch invariant with the default; ``wgmma``
+                changes the instruction (the contracts hold each MMA kind batch invariant
+                on its own). Every tactic is covered by ``verify/test_experts.py``.
 
         Returns:
             ``out``, or ``(out, Capture)`` with ``capture``.
@@ -433,10 +441,8 @@ class ExpertsEngine:
         (sliced when the engine holds a slice of each expert), under the engine's own
         ``tactic``."""
         c, g = self.config, self.geometry
-        chosen = choose_tactic(rows, c.top_k, c.experts, g.count, sliced=g.shard[1] > 1)
-        if self.tactic.get("claim_ahead"):  # a two-kernel tactic: keep the two kernels
-            chosen.pop("fused", None)
-        return {**chosen, **self.tactic}
+        return {**choose_tactic(rows, c.top_k, c.experts, g.count, sliced=g.shard[1] > 1),
+                **self.tactic}
 
     def check(self) -> None:
         """Raise ``EngineError`` if a call since the last check met a bad routing entry or
