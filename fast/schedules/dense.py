@@ -55,9 +55,9 @@ from fast.gemm.layout import Tactic, windows_for
 from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
 
-__all__ = ["check_hidden_rows", "DenseFront", "DenseOutputs", "GemmChoice", "GEMMS", "GEMM_MODES", "DENSE_BACKENDS",
-           "DENSE_BACKENDS_SOURCE", "FAST_MAX_TOKENS", "gemm_shapes", "choose_backend",
-           "fast_tactics", "fast_kernel_params"]
+__all__ = ["check_hidden_rows", "DenseFront", "DenseOutputs", "GemmChoice", "GEMMS", "GEMM_MODES",
+           "DENSE_BACKENDS", "DENSE_BACKENDS_SOURCE", "FAST_MAX_TOKENS", "gemm_shapes",
+           "choose_backend", "fast_tactics", "fast_kernel_params"]
 
 #: The dense GEMMs of a DEP rank, by name (weight ``[N, K]``, output):
 #: ``router`` gate ``[E, H]`` FP32; ``front`` ``[2S + L, H]`` BF16; ``shared_down``
