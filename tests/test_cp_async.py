@@ -6,8 +6,10 @@ The engine's B operand (the padded token slots of a window), the dense GEMM's ro
 the batch and the Blackwell engine's gathers use them. A padded slot's products land only
 in its own output column, which nothing stores, so the engine's contracts could not see a
 copy that left stale bytes there: this probe checks the copies themselves. The shared
-memory is first filled with 0xFF bytes; each thread then copies 16 bytes and 4 bytes, the
-valid ones from a source of known bytes, and the result is read back. Compiles for every
+memory is first filled with 0xFF bytes; each thread then copies 16 bytes (into the first
+``THREADS * 16`` bytes, 16-byte aligned as cp.async needs) and 4 bytes (into the next
+``THREADS * 4``), the valid ones from a source of known bytes in the same layout, and the
+result is read back. Compiles for every
 target on any machine; runs where a GPU is present.
 """
 
@@ -23,9 +25,9 @@ from cutlass import Int32, Int64  # noqa: E402
 from fast.experts import _ptx as p  # noqa: E402
 
 THREADS = 128
-#: per thread: 16 bytes by cp_async_16, then 4 bytes by cp_async_4z
-STRIDE = 20
-SMEM = THREADS * STRIDE
+#: thread t's 16 bytes (cp_async_16) at 16 t; its 4 bytes (cp_async_4z) at WIDE + 4 t
+WIDE = THREADS * 16
+SMEM = WIDE + THREADS * 4
 
 
 def valid_16(tid: int) -> bool:
@@ -50,17 +52,18 @@ class ZeroFillProbe:
     def kernel(self, src: Int64, out: Int64):
         tid = cute.arch.thread_idx()[0]
         smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=128).toint()
-        for i in cutlass.range_constexpr(STRIDE // 4):
-            p.sts_i32(smem + tid * STRIDE + 4 * i, Int32(-1))
+        for i in cutlass.range_constexpr(SMEM // (4 * THREADS)):
+            p.sts_i32(smem + 4 * (i * THREADS + tid), Int32(-1))
         cute.arch.sync_threads()
-        base = tid * STRIDE
-        p.cp_async_16(smem + base, src + Int64(base), tid % 3 != 0)
-        p.cp_async_4z(smem + base + 16, src + Int64(base + 16), tid % 2 == 0)
+        wide, narrow = tid * 16, WIDE + tid * 4
+        p.cp_async_16(smem + wide, src + Int64(wide), tid % 3 != 0)
+        p.cp_async_4z(smem + narrow, src + Int64(narrow), tid % 2 == 0)
         cute.arch.cp_async_commit_group()
         cute.arch.cp_async_wait_group(0)
         cute.arch.sync_threads()
-        for i in cutlass.range_constexpr(STRIDE // 4):
-            p.stg_i32(out + Int64(base + 4 * i), p.lds_i32(smem + base + 4 * i))
+        for i in cutlass.range_constexpr(SMEM // (4 * THREADS)):
+            at = 4 * (i * THREADS + tid)
+            p.stg_i32(out + Int64(at), p.lds_i32(smem + at))
 
 
 def _compile(arch: str):
@@ -87,14 +90,14 @@ def test_zero_fill_copies_write_zeros_and_read_nothing():
     fn = _compile(backend.gpu_arch())
     fn(Int64(src.data_ptr()), Int64(out.data_ptr()), backend.stream())
     torch.cuda.synchronize()
-    expected = src.cpu().clone().view(THREADS, STRIDE)
+    expected = src.cpu().clone()
     for tid in range(THREADS):
         if not valid_16(tid):
-            expected[tid, :16] = 0
+            expected[16 * tid:16 * (tid + 1)] = 0
         if not valid_4(tid):
-            expected[tid, 16:] = 0
-    got = out.cpu().view(THREADS, STRIDE)
-    wrong = (got != expected).nonzero()
-    assert wrong.numel() == 0, (f"{wrong.shape[0]} bytes differ, first (thread, byte): "
-                                f"{wrong[0].tolist()}: got {got[tuple(wrong[0])]}, "
-                                f"expected {expected[tuple(wrong[0])]}")
+            expected[WIDE + 4 * tid:WIDE + 4 * (tid + 1)] = 0
+    got = out.cpu()
+    wrong = (got != expected).nonzero().flatten()
+    assert wrong.numel() == 0, (f"{wrong.numel()} bytes differ, first at byte {int(wrong[0])} "
+                                f"(16-byte copies below {WIDE}): got {int(got[wrong[0]])}, "
+                                f"expected {int(expected[wrong[0]])}")
