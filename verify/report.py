@@ -175,8 +175,9 @@ def _backend_line(name: str, about: dict) -> str:
 def write_report(report: Report, directory: Path, environment: dict) -> tuple[Path, Path]:
     """Write ``verify-report.json`` (machine-readable: the environment, every backend of the
     run with its version and source, every row with its skip reasons and failing node ids)
-    and ``verify-report.md`` into ``directory``."""
+    and ``verify-report.md`` into ``directory`` (made if missing)."""
     rows = report.sorted_rows()
+    directory.mkdir(parents=True, exist_ok=True)
     payload = {
         "environment": environment,
         "backends": report.backends,
