@@ -26,6 +26,8 @@ Buffer reuse needs no extra barrier: an owner overwrites its partials (call k+1)
 after every source dispatched call k+1, which each did after its combine of call k read
 those partials; a source overwrites an owner's receive rows (call k+1) only after that
 owner's partials of call k arrived, which the owner wrote after its experts read the rows.
+The host, though, may read a call's outputs later than that: the receive rows a call
+returns are live views unless it is asked to keep a copy (``keep_received``).
 
 Every rank must call the layer with the same ``T`` (the DEP padding contract). A wait
 whose peer does not arrive within ``timeout_s`` records which rank it waited for and what
@@ -209,12 +211,21 @@ class DepPeerLayer:
     # -- the call -------------------------------------------------------------------------
 
     def __call__(self, x: torch.Tensor, *, check: bool = True, order: str = "side",
-                 side_delay_cycles: int = 0) -> DepRankOutputs:
+                 side_delay_cycles: int = 0, keep_received: bool = False) -> DepRankOutputs:
         """One layer step of this rank on its BF16 tokens ``x [T, H]`` (every rank passes
         the same ``T``). ``check``, ``order`` and ``side_delay_cycles`` as
         :meth:`fast.schedules.dep.DepLayer.__call__`. The first call of each ``T`` is
         collective on the host (:meth:`_prepare`); later ones launch without host
-        synchronization (until ``check``)."""
+        synchronization (until ``check``).
+
+        The receive rows are written by the peers: once this rank's partials of a call have
+        reached them, a peer may start its next call and overwrite them, while this rank
+        still reads the outputs. So by default ``recv_codes``, ``recv_scales``, ``recv_ids``
+        and ``recv_weights`` are views valid only until any peer's next call;
+        ``keep_received=True`` copies them on the stream after the experts and before the
+        owner finalize signals the homes (four copies of ``N*T`` rows), and returns the
+        copies. Every other output is written by this rank alone and stays valid until its
+        own next call."""
         from cutlass import Float32, Int32, Int64
 
         tokens = self._check_input(x)
@@ -239,6 +250,9 @@ class DepPeerLayer:
         self._wait(0, tokens, stream)
         self.engine(b["codes"][:received].view(torch.float8_e4m3fn), b["scales"][:received],
                     b["ids"][:received], out=self.rows[:received * k], validate=False)
+        received_rows = {f: b[f][:received] for f in ("codes", "scales", "ids", "weights")}
+        if keep_received:  # before owner_finalize lets the sources start their next call
+            received_rows = {f: t.clone() for f, t in received_rows.items()}
         self._fn["owner_finalize"](ptr(self.rows), ptr(b["weights"]), ptr(b["ids"]),
                                    ptr(b["partials"]), ptr(self.arrival_tables[1]),
                                    Int32(self.rank * self.per), Int32(self.per), Int32(tokens),
@@ -255,8 +269,8 @@ class DepPeerLayer:
         return DepRankOutputs(
             logits=dense.logits, weights=dense.weights, ids=dense.ids, front=dense.front,
             shared=dense.shared, codes=dense.codes, scales=dense.scales,
-            recv_codes=b["codes"][:received], recv_scales=b["scales"][:received],
-            recv_ids=b["ids"][:received], recv_weights=b["weights"][:received],
+            recv_codes=received_rows["codes"], recv_scales=received_rows["scales"],
+            recv_ids=received_rows["ids"], recv_weights=received_rows["weights"],
             rows=self.rows[:received * k], partials=b["partials"][:received],
             routed=routed, normed=normed, out=out)
 
