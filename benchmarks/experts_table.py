@@ -166,7 +166,8 @@ class GroupedMM:
 def render(result: dict) -> str:
     """A markdown table of a result: per case the median time of each contestant (us) and
     its fraction of the byte limit; the best triton_kernels configuration; the speed-up of
-    the engine over it."""
+    the engine over it; then, where the run measured ``--tactics`` variants, a second table
+    of each variant's time and its ratio to the default's."""
     lines = [f"Device {result['device']}, torch {result['torch']}; read bandwidth "
              f"{result['read_gbs']:.0f} GB/s (this run); fraction = byte limit / time.", "",
              "| mode | size | skew | touched | limit us | engine us (frac) | triton best us (frac) "
@@ -180,6 +181,16 @@ def render(result: dict) -> str:
         ratio = f"{tri / med['engine']:.2f}x" if tri else "-"
         lines.append(f"| {c['mode']} | {c['size']} | {c['skew']:.1f} | {c['touched']} | {lim:.1f} | "
                      f"{cell(med['engine'])} | {cell(tri)} | {cell(gm)} | {ratio} |")
+    variants = sorted({k for c in result["cases"] for k in c["median_us"] if k.startswith("engine_")})
+    if variants:  # the --tactics variants, each over the call's default, against the default
+        lines += ["", "Engine tactics (each over the call's default tactic), us (time / default):", "",
+                  "| mode | size | skew | default us | " + " | ".join(v[len("engine_"):] for v in variants) + " |",
+                  "|---|---|---|---|" + "---|" * len(variants)]
+        for c in result["cases"]:
+            med = c["median_us"]
+            cells = [f"{med[v]:.1f} ({med[v] / med['engine']:.2f})" if v in med else "-" for v in variants]
+            lines.append(f"| {c['mode']} | {c['size']} | {c['skew']:.1f} | {med['engine']:.1f} | "
+                         + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -83,3 +83,20 @@ def test_engine_tactic_checked_by_name():
         check_tactic({"ctas": 0}, "sm_90a", "X")
     assert check_tactic({"ctas": 3, "fused": 1}, "sm_90a", "X") == {"ctas": 3, "fused": 1}
     assert set(TACTIC_KEYS) >= {"wgmma", "fused", "pdl_chain", "warps", "mtiles"}
+
+
+def test_experts_table_renders_tactic_variants():
+    """``benchmarks.experts_table.render``: the contestants' table, then (only where the run
+    measured ``--tactics`` variants) each variant's time and its ratio to the default's."""
+    from benchmarks.experts_table import render
+
+    case = {"mode": "dep16", "size": 64, "skew": 0.0, "touched": 56, "limit_us": 200.0,
+            "median_us": {"engine": 400.0, "triton_w4": 500.0}}
+    result = {"device": "X", "torch": "t", "read_gbs": 4500.0, "cases": [case]}
+    plain = render(result)
+    assert "| dep16 | 64 | 0.0 | 56 | 200.0 | 400.0 (0.50) | 500.0 (0.40) | - | 1.25x |" in plain
+    assert "Engine tactics" not in plain
+    case["median_us"].update(engine_windows2=440.0, engine_wgmma1_warps8_mtiles2=380.0)
+    text = render(result)
+    assert "| mode | size | skew | default us | wgmma1_warps8_mtiles2 | windows2 |" in text
+    assert "| dep16 | 64 | 0.0 | 400.0 | 380.0 (0.95) | 440.0 (1.10) |" in text
