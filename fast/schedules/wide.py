@@ -72,8 +72,8 @@ from reference.weights import LatentMoEWeights
 
 __all__ = ["WideLayer", "WideStages", "WideRankOutputs", "MailboxTimeout", "check_ranks",
            "kernel_params", "compile_all", "mailbox_timeout_message", "MAX_RANKS",
-           "MAILBOX_BUFFERS", "SHARED_PLACEMENTS", "check_call_options",
-           "check_rows_and_timeout"]
+           "MAILBOX_BUFFERS", "SHARED_PLACEMENTS", "DEFAULT_SHARED_PLACEMENT",
+           "check_call_options", "check_rows_and_timeout"]
 
 #: The tail kernels keep one 16-byte granule of every rank in registers.
 MAX_RANKS = 16
@@ -231,6 +231,12 @@ def compile_all(config: LatentMoEConfig, ranks: int, arch: str, *, peers: bool =
 #: ``"tail"`` after its experts, beside the Finalize and the latent all-reduce. The
 #: placement moves only when the side stream starts: no bit changes.
 SHARED_PLACEMENTS = ("front", "beside", "tail")
+
+#: The calls' default placement: beside the experts was the fastest at every row count of
+#: a virtual TP8 rank on the H200, 2 to 3% ahead of front (``benchmarks/results/wide/
+#: h200_tp8_v2_placements.md`` and ``h200_tp8_v3.md``), and every placement's contracts
+#: pass there on one GPU and two.
+DEFAULT_SHARED_PLACEMENT = "beside"
 
 
 def check_rows_and_timeout(owner: str, config: LatentMoEConfig, max_rows, timeout_s) -> int:
@@ -412,7 +418,7 @@ class WideStages:
             shared=self._shared(r)[:tokens],
             up_columns=b["up"][:tokens], out=b["out"][:tokens], mailbox_index=self.mailbox_index)
 
-    def graph(self, xs, *, order: str = "side", shared: str = "front"):
+    def graph(self, xs, *, order: str = "side", shared: str = DEFAULT_SHARED_PLACEMENT):
         """Capture one call on the static inputs ``xs`` in CUDA graphs, one per mailbox
         buffer (both streams, forked from and joined back into the capture stream);
         returns ``(replay, outputs)``: ``replay()`` reruns the whole layer on whatever
@@ -607,7 +613,7 @@ class WideLayer(WideStages):
 
     # -- the call ---------------------------------------------------------------------------
 
-    def __call__(self, xs, *, check: bool = True, order: str = "side", shared: str = "front",
+    def __call__(self, xs, *, check: bool = True, order: str = "side", shared: str = DEFAULT_SHARED_PLACEMENT,
                  side_delay_cycles: int = 0) -> list[WideRankOutputs]:
         """One layer step of every rank.
 
@@ -620,7 +626,8 @@ class WideLayer(WideStages):
                 each rank's up-projection (the schedule's streams); ``"serial"``:
                 everything on the current stream. The bits are the same.
             shared: where each rank's shared-expert segment starts (``SHARED_PLACEMENTS``:
-                ``"front"``, ``"beside"``, ``"tail"``). The bits are the same.
+                ``"front"``, ``"beside"``, ``"tail"``; default ``DEFAULT_SHARED_PLACEMENT``).
+                The bits are the same.
             side_delay_cycles: a spin of this many clock cycles at the start of each
                 side-stream segment (``torch.cuda._sleep``), so that a missing wait
                 between the streams shows as wrong data.

@@ -70,10 +70,11 @@ import torch
 
 from fast import activation, backend, finalize, mx, router, stock
 from fast.schedules.dense import check_hidden_rows
-from fast.schedules.wide import (MAILBOX_BUFFERS, MailboxTimeout, WideRankOutputs, WideStages,
-                                 _as_int32, _compiled, _mm_bf16_into, check_call_options,
-                                 check_ranks, check_rows_and_timeout,
-                                 kernel_params, mailbox_timeout_message)
+from fast.schedules.wide import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, MailboxTimeout,
+                                 WideRankOutputs, WideStages, _as_int32, _compiled,
+                                 _mm_bf16_into, check_call_options, check_ranks,
+                                 check_rows_and_timeout, kernel_params,
+                                 mailbox_timeout_message)
 from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
 from reference.weights import LatentMoEWeights
 
@@ -307,7 +308,7 @@ class WidePeerLayer(WideStages):
     # -- the call ---------------------------------------------------------------------------
 
     def __call__(self, x: torch.Tensor, *, check: bool = True, order: str = "side",
-                 shared: str = "front", side_delay_cycles: int = 0) -> WideRankOutputs:
+                 shared: str = DEFAULT_SHARED_PLACEMENT, side_delay_cycles: int = 0) -> WideRankOutputs:
         """One layer step of this rank on the BF16 tokens ``x [T, H]`` (every rank passes
         the same ``T``; in the model every rank holds the same tokens). ``check``,
         ``order``, ``shared`` and ``side_delay_cycles`` as
