@@ -201,9 +201,9 @@ MUTATIONS = [
          ["verify/test_experts.py::test_experts_stages"], needs_gpu=True),
     _one("fast experts engine: a window drops its 8th token (zero B operand)",
          "fast/experts/kernels.py",
-         "                    if token < ntok:\n                        row = p.lds_i32(",
-         "                    if (token < ntok) & (token % 8 != 7):\n"
-         "                        row = p.lds_i32(",
+         "                if token < ntok:\n                    row = p.lds_i32(",
+         "                if (token < ntok) & (token % 8 != 7):\n"
+         "                    row = p.lds_i32(",
          ["verify/test_experts.py::test_experts_stages_every_window_count"], needs_gpu=True),
     _one("fast experts engine (wgmma): the B descriptor skips the second 8 k of each step",
          "fast/experts/kernels.py",
@@ -263,8 +263,8 @@ MUTATIONS = [
         ("verify/test_wide_fast.py::test_wide_fast_late_writer",), needs_gpu=True),
     Mutation("fast wide layer: the hidden all-reduce adds the up columns of every rank", (
         ("fast/schedules/wide_kernels.py",
-         "up_at = _ldg_u64(up_table + 8 * o) + (Int64(t) * columns + g * 8 - o * columns) * 2",
-         "up_at = _ldg_u64(up_table + 8 * owner) + (Int64(t) * columns + g * 8 - owner * columns) * 2"),
+         "up_at = p.ldg_u64(up_table + 8 * o) + (Int64(t) * columns + g * 8 - o * columns) * 2",
+         "up_at = p.ldg_u64(up_table + 8 * owner) + (Int64(t) * columns + g * 8 - owner * columns) * 2"),
         ("fast/schedules/wide_kernels.py",
          "got = p.ldg_stream_v4(cutlass.select_(owner == o, up_at, shared_at))",
          "got = p.ldg_stream_v4(cutlass.select_(owner >= 0, up_at, shared_at))")),
@@ -290,6 +290,16 @@ def _apply(tree: Path, m: Mutation) -> None:
 
 def _id(m: Mutation) -> str:
     return ("gpu: " if m.needs_gpu else "") + m.name
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=_id)
+def test_planted_bug_snippets_exist(mutation):
+    """Every edit of every planted bug finds its snippet exactly once in today's tree, on
+    any machine: a refactor that moves a GPU bug's snippet fails here on the CPU, not only
+    on the next GPU run (two did: a renamed helper and a re-indented block)."""
+    for path, old, _ in mutation.edits:
+        count = (ROOT / path).read_text().count(old)
+        assert count == 1, f"{mutation.name}: the snippet occurs {count} times in {path}, not once"
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=_id)
