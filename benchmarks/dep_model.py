@@ -25,7 +25,7 @@ tokens in the domain)::
     layer    = dense16(T) + dispatch + experts + partial + home
 
 with ``row_bytes = L + L/32 + 8K`` (codes, scales, ids, weights); ``a`` (the engine's
-fixed cost: four launches, ramp and tail) and ``f[1]`` (its streaming fraction at one
+fixed cost: its launches, ramp and tail) and ``f[1]`` (its streaming fraction at one
 window) the least-squares line ``time = a + limit / f[1]`` through the DEP16 engine's
 one-window points, ``f[2]``, ``f[4]`` the mean ``limit / (time - a)`` of its points at two
 and four windows; and ``X16`` a stage of
@@ -42,9 +42,9 @@ import math
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULTS = dict(stages=RESULTS / "dep" / "h200_dep16_v2.json",
-                experts=RESULTS / "experts" / "h200_engine_v5.json",
-                peers=RESULTS / "dep" / "h200x2_dep2_v1.json")
+DEFAULTS = dict(stages=RESULTS / "dep" / "h200_dep16_v4_rerun.json",
+                experts=RESULTS / "experts" / "h200_engine_v9_default.json",
+                peers=RESULTS / "dep" / "h200x2_dep2_v2.json")
 #: kimi_k3: experts, top-k, latent, bytes of one MXFP4 expert (w13 + w2 with scales)
 E, K, L, EXPERT_BYTES = 896, 16, 3584, 17_547_264
 

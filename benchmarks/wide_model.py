@@ -9,13 +9,13 @@ GPU needed)::
 Inputs (each a committed result JSON; the dimensions from ``reference.config``):
 
 * ``--wide``: ``benchmarks.wide_table`` over 8 virtual TP ranks on one H200
-  (``results/wide/h200_tp8_v1.json``): rank 0's median time per stage (shared, front,
+  (``results/wide/h200_tp8_v3.json``): rank 0's median time per stage (shared, front,
   publish, route, experts, finalize, latent, hidden), its whole step (``rank``), the
   touched experts and the read bandwidth of the run, for T = 65..1024 rows;
-* ``--experts``: ``benchmarks.experts_table`` (``results/experts/h200_engine_v6_pdl.json``):
+* ``--experts``: ``benchmarks.experts_table`` (``results/experts/h200_engine_v9_default.json``):
   the engine alone on a TP8 rank, uniform routing (the engine fit's other two points);
 * ``--peers``: ``benchmarks.dep_peer_table`` on two H200s
-  (``results/dep/h200x2_dep2_v1.json``): the peer write and read bandwidth over NVLink
+  (``results/dep/h200x2_dep2_v2.json``): the peer write and read bandwidth over NVLink
   (``peer_gbs``; ``results/dep/h200x2_symm_probe.log`` measured 390 / 372 GB/s the same
   way).
 
@@ -94,9 +94,9 @@ from pathlib import Path
 from reference.config import LatentMoEConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULTS = dict(wide=RESULTS / "wide" / "h200_tp8_v1.json",
-                experts=RESULTS / "experts" / "h200_engine_v6_pdl.json",
-                peers=RESULTS / "dep" / "h200x2_dep2_v1.json")
+DEFAULTS = dict(wide=RESULTS / "wide" / "h200_tp8_v3.json",
+                experts=RESULTS / "experts" / "h200_engine_v9_default.json",
+                peers=RESULTS / "dep" / "h200x2_dep2_v2.json")
 OUT = RESULTS / "wide" / "wide_model.md"
 CONFIG = LatentMoEConfig.kimi_k3()
 #: the measured TP8 rank
@@ -251,13 +251,24 @@ class WideModel:
         return out
 
 
-def render(model: WideModel, ranks=(8, 16)) -> str:
+def _shown(path) -> str:
+    """A result file's path as the docs name it: from the repository root where it is
+    inside the repository, else as given."""
+    path = Path(path).resolve()
+    root = RESULTS.parent.parent
+    return str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+
+
+def render(model: WideModel, ranks=(8, 16), inputs: dict | None = None) -> str:
+    """The model's markdown: its inputs (``inputs``, the files it was loaded from; default
+    ``DEFAULTS``), the engine fit and its points, the byte counts and the TP8/TP16
+    predictions."""
+    names = {k: _shown(v) for k, v in {**DEFAULTS, **(inputs or {})}.items()}
     pw, pr = model.peer_gbs["write"], model.peer_gbs["read"]
     lines = [
-        "Inputs: `benchmarks/results/wide/h200_tp8_v1.json` (one virtual TP8 rank, read "
-        f"bandwidth {model.read_gbs:.0f} GB/s), `benchmarks/results/experts/"
-        "h200_engine_v6_pdl.json` (the engine's TP8 rows), `benchmarks/results/dep/"
-        f"h200x2_dep2_v1.json` (NVLink peer write {pw:.0f} GB/s, read {pr:.0f} GB/s); "
+        f"Inputs: `{names['wide']}` (one virtual TP8 rank, read "
+        f"bandwidth {model.read_gbs:.0f} GB/s), `{names['experts']}` (the engine's TP8 rows), "
+        f"`{names['peers']}` (NVLink peer write {pw:.0f} GB/s, read {pr:.0f} GB/s); "
         "dimensions from `reference.config` (kimi_k3). Formulas: `benchmarks/wide_model.py`.",
         "",
         f"Engine fit (TP8, one window, <= {ENGINE_FIT_ROWS} rows): fixed cost "
@@ -326,7 +337,8 @@ def main(argv=None):
         ap.add_argument(f"--{name}", default=str(path))
     ap.add_argument("--out", default=str(OUT), help="where to write the markdown ('' for nowhere)")
     args = ap.parse_args(argv)
-    text = render(load({name: getattr(args, name) for name in DEFAULTS}))
+    inputs = {name: getattr(args, name) for name in DEFAULTS}
+    text = render(load(inputs), inputs=inputs)
     print(text, end="")
     if args.out:
         Path(args.out).write_text(text)

@@ -61,12 +61,15 @@ def test_engine_fit(model, files):
         ("experts", 65), ("experts", 128), ("wide", 65), ("wide", 128)]
     for p in model.engine_points:
         assert a + p["limit_us"] / f1 == pytest.approx(p["us"], rel=0.03), p
-    # the same fixed cost as the DEP16 fit of benchmarks.dep_model on the same engine run,
-    # within 5 us (a different set of measured points)
+    # against the DEP16 fit of benchmarks.dep_model on the same engine run: a DEP owner's
+    # engine runs FC1 and FC2 in one fused grid (one launch and the FC1 -> FC2 drain
+    # fewer), a TP slice's the two kernels, so the slice's fixed cost is the larger
+    # (45.0 against 24.2 us in h200_engine_v9_default.json; before the fused default
+    # both modes ran the same kernels and the two fits agreed within 5 us)
     from benchmarks import dep_model
 
     dep_a, _ = dep_model._fit_engine(files["experts"])
-    assert a == pytest.approx(dep_a, abs=5)
+    assert dep_a < a
 
 
 def test_model_reproduces_the_measured_virtual_rank(model, files):
