@@ -112,6 +112,8 @@ def test_engine_kernels_compile(arch, geometry, windows, capture):
     if geometry in ("dep16", "tp8") and windows in (1, 4):  # FC1 + FC2 in one grid
         assert all(compile_all(g, c, windows=windows, arch=arch, capture=capture,
                                tactic=dict(fused=1), empty_rows=empty_rows))
+    if geometry in ("tp8", "tp16"):  # a slice's short FC2 items walking 4 row tiles
+        assert all(compile_all(g, c, windows=windows, arch=arch, tactic=dict(walk=4)))
 
 
 @pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
@@ -128,6 +130,26 @@ def test_claim_ahead_one_stage_compiles_and_fused_refuses_it():
     assert all(compile_all(g, c, windows=1, arch="sm_90a", tactic=dict(tile, claim_ahead=1)))
     with pytest.raises(ValueError, match="claim_ahead is for the two-kernel path"):
         compile_all(g, c, windows=1, arch="sm_90a", tactic=dict(claim_ahead=1, fused=1))
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+def test_walk_refused_where_it_does_not_apply():
+    """``walk`` (FC2 row tiles per item) is refused by name where it cannot hold: a count
+    that does not divide the tiles, with ``claim_ahead``, and a long FC2 (a DEP owner's 24
+    stages, which ``WALK_MAX_STAGES`` keeps from being unrolled)."""
+    from fast.experts.engine import compile_all
+    from fast.experts.layout import Geometry
+
+    c = LatentMoEConfig.small()
+    g = Geometry(c.latent, c.intermediate, 0, c.experts, (0, 1))  # FC2: 2 tiles of 128 rows
+    with pytest.raises(ValueError, match="walk must be an int >= 1 dividing the 2 row tiles"):
+        compile_all(g, c, windows=1, arch="sm_90a", tactic=dict(walk=3))
+    with pytest.raises(ValueError, match="without claim_ahead"):
+        compile_all(g, c, windows=1, arch="sm_90a", tactic=dict(walk=2, claim_ahead=1))
+    k3 = LatentMoEConfig.kimi_k3()
+    dep = Geometry(k3.latent, k3.intermediate, 0, 56, (0, 1))
+    with pytest.raises(ValueError, match="at most 8 stages"):
+        compile_all(dep, k3, windows=1, arch="sm_90a", tactic=dict(walk=2))
 
 
 _FUSED_PTX = """
@@ -184,3 +206,16 @@ def test_engine_wgmma_kernels_compile(geometry, windows, tactic):
     for arch in ("sm_100a", "sm_103a"):
         with pytest.raises(ValueError, match="wgmma needs sm_90a"):
             compile_all(g, c, windows=windows, arch=arch, tactic=tactic)
+
+
+def test_default_walk_per_slice():
+    """FC2 row tiles per item by default: the fewest that give an item 12 stages, none
+    where FC2 is deep (a DEP owner's whole experts: 24 stages; a TP2 slice: 12)."""
+    from fast.experts.engine import choose_walk
+
+    c = LatentMoEConfig.kimi_k3()
+    walks = {tp: choose_walk(c.intermediate // tp, c.latent, 128) for tp in (1, 2, 4, 8, 16)}
+    assert walks == {1: 1, 2: 1, 4: 2, 8: 4, 16: 4}
+    assert choose_walk(c.intermediate // 8, c.latent, 64) == 4  # 56 tiles of 64 rows
+    s = LatentMoEConfig.small()  # 2 stages, 2 tiles: the whole FC2 in one item
+    assert choose_walk(s.intermediate, s.latent, 128) == 2

@@ -225,6 +225,15 @@ MUTATIONS = [
          "                        self._token_table_at(lists, work, ahead[1], info, capacity, tid)",
          ["verify/test_experts.py::test_experts_stages_every_tactic[fast-claim_ahead=1,ctas=3]"],
          needs_gpu=True),
+    _one("fast experts engine (walk): FC2's accumulators not zeroed between the row tiles of "
+         "an item (each tile's rows also hold the sums of the tiles before it)",
+         "fast/experts/kernels.py",
+         "            self._epilogue_fc2(acc, table, out, lane, warp, tile + g, ntok)\n"
+         "            for i in cutlass.range_constexpr(MT * self.windows * 4 * self.chains):\n"
+         "                acc[i] = Float32(0.0)\n",
+         "            self._epilogue_fc2(acc, table, out, lane, warp, tile + g, ntok)\n",
+         ["verify/test_experts.py::test_experts_stages_every_tactic[fast-walk=2]"],
+         needs_gpu=True),
     _one("fast wide layer: the shared expert never runs when placed beside the experts",
          "fast/schedules/wide.py",
          "            if shared == \"beside\":\n                shared_expert(r)\n",

@@ -267,7 +267,11 @@ TACTICS = [dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtile
            # a grid of 3 CTAs: each runs many items (as at a real rank's batch), so a CTA's
            # next item, its later FC1 items and its FC2 items after FC1 ones are exercised
            dict(ctas=3), dict(claim_ahead=1, ctas=3), dict(fused=1, pdl_chain=1, ctas=3),
-           dict(wgmma=1, claim_ahead=1, ctas=3)]
+           dict(wgmma=1, claim_ahead=1, ctas=3),
+           # FC2 items of several row tiles (2 of the small config's 128-row tiles, 4 of
+           # its 64-row ones), the ring running across each tile boundary
+           dict(walk=2), dict(walk=4, warps=4, mtiles=1), dict(walk=2, ctas=3),
+           dict(walk=2, wgmma=1), dict(walk=2, fused=1, pdl_chain=1, ctas=3)]
 
 
 def _skip_unless_wgmma(tactic: dict, arch: str) -> None:
@@ -292,7 +296,7 @@ def test_experts_stages_every_tactic(backend, tactic, seed, contract):
 @pytest.mark.config("small")
 def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
     """Tile shape, ring depth, occupancy, the launch chain, the fused grid, the claim
-    ahead and the grid's size never change a bit (the sum order of each output is the
+    ahead, the grid's size and FC2's walk over several row tiles never change a bit (the sum order of each output is the
     chunk order); only the number of accumulator chains does. Checked for each MMA kind
     against itself."""
     engine = engine_for("small", 0, 64, (0, 1), 256)
@@ -301,13 +305,16 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
     args = (codes.cuda(), scales.cuda(), ids.cuda())
     # mma.sync (the default) and, on sm_90a, wgmma, each against itself over the shapes
     # that run it
+    walks = (dict(walk=2), dict(walk=4, warps=4, mtiles=1), dict(walk=2, ctas=2),
+             dict(walk=2, ring=2), dict(walk=2, fused=1, ctas=2))
     shapes = {True: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(ring=2),
                      dict(ring=6, occupancy=1), dict(pdl_chain=1), dict(fused=1),
-                     dict(claim_ahead=1), dict(fused=1, ctas=2), dict(claim_ahead=1, ctas=2)),
+                     dict(claim_ahead=1), dict(fused=1, ctas=2), dict(claim_ahead=1, ctas=2),
+                     *walks),
               False: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
                       dict(ring=2), dict(ring=6, occupancy=1), dict(pdl_chain=1),
                       dict(fused=1), dict(claim_ahead=1), dict(fused=1, ctas=2),
-                      dict(claim_ahead=1, ctas=2))}
+                      dict(claim_ahead=1, ctas=2), *walks)}
     kinds = (False, True) if engine.arch == "sm_90a" else (False,)
     for wgmma in kinds:
         for windows in (1, 2, 4, 8) if wgmma else (1, 2, 4):
@@ -345,6 +352,8 @@ def test_experts_tactics_change_no_bit_real(backend, config_name, first, count, 
     # call runs the fused grid, one of the shapes under test)
     base = {False: _bits(engine(*args, tactic={}))}
     shapes = [dict(pdl_chain=1), dict(fused=1), dict(fused=1, pdl_chain=1), dict(claim_ahead=1)]
+    if shard[1] > 1:  # a TP slice: FC2 has 3 stages per tile, so its items may walk tiles
+        shapes += [dict(walk=4), dict(walk=7), dict(walk=4, fused=1)]
     if engine.arch == "sm_90a":
         base[True] = _bits(engine(*args, tactic=dict(wgmma=1)))
         shapes += [dict(wgmma=1, fused=1)]

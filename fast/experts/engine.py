@@ -13,7 +13,7 @@ from fast import backend
 from fast.experts.layout import PreparedExperts
 
 __all__ = ["ExpertsEngine", "EngineScratch", "Capture", "EngineError", "choose_windows",
-           "choose_tactic", "complete_tactic", "check_tactic", "TACTIC_KEYS"]
+           "choose_tactic", "choose_walk", "complete_tactic", "check_tactic", "TACTIC_KEYS"]
 
 _TOP_K = 16
 
@@ -69,9 +69,33 @@ def choose_tactic(rows: int, top_k: int, experts: int, local: int, *,
     return tile if sliced else {**tile, "fused": 1, "pdl_chain": 1}
 
 
+#: The fewest weight stages a default FC2 work item streams (``choose_walk``).
+WALK_STAGES = 12
+
+
+def choose_walk(inter: int, latent: int, tile_rows: int) -> int:
+    """FC2 row tiles per work item (tactic ``walk``) by default: the fewest that divide the
+    ``latent / tile_rows`` tiles and give an item at least ``WALK_STAGES`` stages of
+    ``inter`` k, 1 when FC2 is deeper than ``kernels.WALK_MAX_STAGES`` stages per tile.
+    A TP8 or TP16 slice's FC2 has 3 stages per tile: 4 tiles per item; a DEP owner's (24
+    stages) and a TP2 slice's (12) walk none. What it removes is each short item's claim,
+    search, token table and ring fill between every 3 stages of weights (the FC2 kernel of
+    a TP8 rank streamed at 0.67 of the read bandwidth against FC1's 0.84 on the H200,
+    ``benchmarks/results/experts/h200_engine_timeline_v2.md``)."""
+    from fast.experts.kernels import WALK_MAX_STAGES
+    from fast.experts.layout import chunks_per_stage
+
+    stages = inter // 64 // chunks_per_stage(inter)
+    tiles = latent // tile_rows
+    if stages > WALK_MAX_STAGES:
+        return 1
+    return next(d for d in range(1, tiles + 1)
+                if tiles % d == 0 and (d * stages >= WALK_STAGES or d == tiles))
+
+
 #: The keys of an FC kernel tactic (``ExpertsEngine.__call__``).
 TACTIC_KEYS = ("warps", "mtiles", "ring", "chains", "occupancy", "pdl", "wgmma", "pdl_chain",
-               "fused", "claim_ahead", "ctas")
+               "fused", "claim_ahead", "ctas", "walk")
 
 
 def check_ctas(ctas, owner: str) -> None:
@@ -180,6 +204,7 @@ def _kernel_params(g, config, windows: int, capture: bool, strict: bool,
                   top_k=config.top_k, capture=capture, pdl=True)
     common.update(tactic or {})
     common.pop("ctas", None)  # a launch size, not a kernel parameter
+    walk = common.pop("walk", 1)  # FC2's row tiles per item (FC1's items are long)
     chain = bool(common.pop("pdl_chain", False))
     fused = bool(common.pop("fused", False))
     params = {
@@ -191,8 +216,8 @@ def _kernel_params(g, config, windows: int, capture: bool, strict: bool,
         "fc1": tuple(sorted(dict(common, fc1=True, rows=2 * g.inter, k=g.latent,
                                  beta=float(config.situ_beta), pdl_chain=chain,
                                  linear_beta=float(config.situ_linear_beta)).items())),
-        "fc2": tuple(sorted(dict(common, fc1=False, rows=g.latent, k=g.inter,
-                                 capture=False).items())),
+        "fc2": tuple(sorted(dict(common, fc1=False, rows=g.latent, k=g.inter, capture=False,
+                                 **({"walk": walk} if walk != 1 else {})).items())),
     }
     if fused:  # one persistent grid for both GEMMs (kernels.FusedExpertsKernel)
         params["fused"] = (("fc1", params.pop("fc1")), ("fc2", params.pop("fc2")))
@@ -364,7 +389,8 @@ class ExpertsEngine:
                 capture and call ``check()`` later.
             capture: also return the intermediates (``Capture``; for verification).
             tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
-                "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "claim_ahead", "ctas"}``
+                "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "claim_ahead", "ctas",
+                "walk"}``
                 (defaults: ``default_tactic``'s tile and grid, a ring of 4 stages for one
                 window and 3 for more, one accumulator chain, CTAs per multiprocessor
                 from the shared memory, ``pdl`` on: FC1 lets FC2 launch early, and FC2
@@ -372,8 +398,11 @@ class ExpertsEngine:
                 ``pdl_chain``, ``fused`` and ``claim_ahead`` as ``complete_tactic``
                 describes them; ``ctas``: the persistent grids' size, default the
                 multiprocessors times the occupancy, smaller so that every CTA runs many
-                items, as at a real rank's batch). Warps, m-tiles, ring, occupancy, pdl,
-                pdl_chain, fused, claim_ahead and ctas never change a bit; ``chains``
+                items, as at a real rank's batch; ``walk``: FC2 row tiles per work item,
+                streamed back to back through one ring, for FC2 GEMMs of at most
+                ``kernels.WALK_MAX_STAGES`` stages, not with ``claim_ahead``). Warps,
+                m-tiles, ring, occupancy, pdl, pdl_chain, fused, claim_ahead, ctas and walk
+                never change a bit; ``chains``
                 changes the summation order (within the same bound), so a call with a
                 non-default ``chains`` is not batch invariant with the default; ``wgmma``
                 changes the instruction (the contracts hold each MMA kind batch invariant
@@ -441,8 +470,14 @@ class ExpertsEngine:
         (sliced when the engine holds a slice of each expert), under the engine's own
         ``tactic``."""
         c, g = self.config, self.geometry
-        return {**choose_tactic(rows, c.top_k, c.experts, g.count, sliced=g.shard[1] > 1),
-                **self.tactic}
+        tactic = {**choose_tactic(rows, c.top_k, c.experts, g.count, sliced=g.shard[1] > 1),
+                  **self.tactic}
+        if "walk" not in tactic:
+            tile_rows = 16 * tactic.get("warps", 4) * tactic.get("mtiles", 2)
+            walk = choose_walk(g.inter, g.latent, tile_rows)
+            if walk > 1 and not tactic.get("claim_ahead"):
+                tactic["walk"] = walk
+        return tactic
 
     def check(self) -> None:
         """Raise ``EngineError`` if a call since the last check met a bad routing entry or

@@ -35,6 +35,9 @@ ERROR_ID_RANGE, ERROR_LIST_OVERFLOW, ERROR_NOT_LOCAL, ERROR_GATE_TIMEOUT = 1, 2,
 #: round trips, about 2 s. A count, not ``%globaltimer``: on the H200 the relaxed spin
 #: with a timer still faulted with "illegal address", and without one it ran clean.
 GATE_SPIN_LIMIT = 1 << 22
+#: The most stages per tile a walked GEMM (``ExpertsGemmKernel(walk > 1)``) may have: its
+#: tile's stages are unrolled, and only short GEMMs (FC2 of a TP slice) need the walk.
+WALK_MAX_STAGES = 8
 
 
 class Workspace:
@@ -285,8 +288,17 @@ class ExpertsGemmKernel:
     accumulator; independent of the other tokens (a pair's row does not depend on its
     window or batch).
 
+    Walk (``walk`` G > 1, FC2 only): an item is ``(expert, G consecutive tiles, window
+    group)``, and the CTA streams the G tiles' stages back to back through one ring (the
+    next tile's first stages are requested while the current tile computes), writing each
+    tile's rows after its last stage. For a GEMM of few stages (FC2 of a TP slice: 3), where
+    an item's claim, search, token table and ring fill would otherwise stand between every
+    few stages of weights. Each output's sum is the same chunk order: no bit changes.
+
     Constraints: rows % (16 * warps * mtiles) == 0; K % 64 == 0; for FC1, the CTA's
-    ``8 * warps * mtiles / 2`` intermediate columns are whole MXFP8 blocks.
+    ``8 * warps * mtiles / 2`` intermediate columns are whole MXFP8 blocks; ``walk``
+    divides the tiles, and a walked GEMM has at most ``WALK_MAX_STAGES`` stages per tile
+    (the tile's stages are unrolled).
     """
 
     def __init__(self, *, fc1: bool, rows: int, k: int, inter: int, latent: int, count: int,
@@ -294,7 +306,7 @@ class ExpertsGemmKernel:
                  ring: int | None = None, chains: int = 1, occupancy: int | None = None,
                  capture: bool = False, beta: float = 4.0, linear_beta: float = 25.0,
                  pdl: bool = False, wgmma: bool = False, pdl_chain: bool = False,
-                 claim_ahead: bool = False):
+                 claim_ahead: bool = False, walk: int = 1):
         # measured on the H200: a 4-stage ring for one window, 3 stages (one more CTA per
         # multiprocessor) for more; the ring depth never changes a bit
         ring = ring or (4 if windows == 1 else 3)
@@ -333,6 +345,17 @@ class ExpertsGemmKernel:
         self.chunks = k // CHUNK
         self.stage_chunks = chunks_per_stage(k)
         self.stages = self.chunks // self.stage_chunks
+        #: consecutive row tiles per work item (FC2; see the class docstring)
+        self.walk = walk
+        if not isinstance(walk, int) or walk < 1 or self.tiles % walk:
+            raise ValueError(f"walk must be an int >= 1 dividing the {self.tiles} row tiles, "
+                             f"got {walk!r}")
+        if walk > 1 and (fc1 or claim_ahead or self.stages > WALK_MAX_STAGES):
+            raise ValueError(f"walk > 1 is for FC2 GEMMs of at most {WALK_MAX_STAGES} stages "
+                             f"without claim_ahead (got fc1={fc1}, {self.stages} stages, "
+                             f"claim_ahead={claim_ahead})")
+        #: work items per window group: tiles // walk
+        self.item_tiles = self.tiles // walk
         # one ring slot (a stage): the window group's B operand, then this CTA's weights
         # (each lane's 16 bytes per m-tile and chunk: private to the lane), then its scales
         self.b_bytes = windows * self.stage_chunks * 1024
@@ -423,7 +446,7 @@ class ExpertsGemmKernel:
             # FC2 may be scheduled now: its CTAs take the multiprocessors this grid's CTAs
             # leave, and read nothing this grid writes before griddepcontrol.wait
             cute.arch.griddepcontrol_launch_dependents()
-        tiles = Int32(self.tiles)
+        tiles = Int32(self.item_tiles)
         first = Int32(1)
         item = self._claim(work, info, tid, tiles)
         if cutlass.const_expr(self.claim_ahead):
@@ -485,7 +508,7 @@ class ExpertsGemmKernel:
         threads: cutlass.Constexpr = self.threads
         copies: cutlass.Constexpr = (self.granules + threads - 1) // threads
         expert = p.lds_i32(info + 4)
-        tile = p.lds_i32(info + 8)
+        tile = p.lds_i32(info + 8) * self.walk  # the item's first row tile
         group = p.lds_i32(info + 12)
         ntok = p.lds_i32(info + 16)
         # 1. token table: pair, B row, hidden row
@@ -521,25 +544,33 @@ class ExpertsGemmKernel:
         for i in cutlass.range_constexpr(MT * W * 4 * self.chains):
             acc[i] = Float32(0.0)
         nwin = (ntok + WINDOW - 1) // WINDOW
-        # 2. main loop, one copy per count of live windows (chosen once per item, so
-        # no MMA or B load of the loop is predicated on its window)
-        for live in cutlass.range_constexpr(1, W + 1):
-            if nwin == live:
-                self._main_loop(acc, src, dst, ok, wbase, sbase, ring, warp, lane, live,
-                                first, work, info, tid, lists, capacity, ahead)
-        if cutlass.const_expr(ahead is not None and self.stages < 2):
-            # one stage: the next item was claimed in it; its table after a barrier
-            cute.arch.sync_threads()
-            self._token_table_at(lists, work, ahead[1], ahead[0], capacity, tid)
-        self._join_chains(acc)
-        # 3. epilogue
-        if cutlass.const_expr(self.fc1):
-            self._epilogue_fc1(acc, table, red, out, cap_fc1, cap_codes, cap_scales,
-                               tid, lane, warp, tile, ntok)
-            if cutlass.const_expr(self.signal):
-                self._signal_ready(work, expert, tid)
+        if cutlass.const_expr(self.walk > 1):
+            # 2-3. the item's tiles back to back through the ring, each tile's rows
+            # written after its last stage
+            for live in cutlass.range_constexpr(1, W + 1):
+                if nwin == live:
+                    self._walk_loop(acc, src, dst, ok, wbase, sbase, ring, warp, lane, live,
+                                    first, work, info, tid, table, out, tile, ntok)
         else:
-            self._epilogue_fc2(acc, table, out, lane, warp, tile, ntok)
+            # 2. main loop, one copy per count of live windows (chosen once per item, so
+            # no MMA or B load of the loop is predicated on its window)
+            for live in cutlass.range_constexpr(1, W + 1):
+                if nwin == live:
+                    self._main_loop(acc, src, dst, ok, wbase, sbase, ring, warp, lane, live,
+                                    first, work, info, tid, lists, capacity, ahead)
+            if cutlass.const_expr(ahead is not None and self.stages < 2):
+                # one stage: the next item was claimed in it; its table after a barrier
+                cute.arch.sync_threads()
+                self._token_table_at(lists, work, ahead[1], ahead[0], capacity, tid)
+            self._join_chains(acc)
+            # 3. epilogue
+            if cutlass.const_expr(self.fc1):
+                self._epilogue_fc1(acc, table, red, out, cap_fc1, cap_codes, cap_scales,
+                                   tid, lane, warp, tile, ntok)
+                if cutlass.const_expr(self.signal):
+                    self._signal_ready(work, expert, tid)
+            else:
+                self._epilogue_fc2(acc, table, out, lane, warp, tile, ntok)
 
     @cute.jit
     def _token_table_at(self, lists: Int64, work: Int64, table, info, capacity, tid):
@@ -609,7 +640,7 @@ class ExpertsGemmKernel:
             if cutlass.const_expr(ahead is not None):
                 if s == 0:
                     if tid == 0:
-                        self._claim_locate(work, ahead[0], Int32(self.tiles))
+                        self._claim_locate(work, ahead[0], Int32(self.item_tiles))
                 if cutlass.const_expr(NS >= 2):
                     if s == 1:
                         self._token_table_at(lists, work, ahead[1], ahead[0], capacity, tid)
@@ -620,6 +651,87 @@ class ExpertsGemmKernel:
             cute.arch.cp_async_commit_group()
             self._compute(acc, ring + (s % RING) * self.slot_bytes, warp, lane, live)
         cute.arch.cp_async_wait_group(0)
+
+    @cute.jit
+    def _walk_loop(self, acc, src, dst, ok, wbase, sbase, ring, warp, lane, live: int, first,
+                   work: Int64, info, tid, table, out: Int64, tile, ntok):
+        """The ``walk`` tiles of one FC2 item through the ring: virtual stage
+        ``v = g * stages + s`` is stage ``s`` of the item's tile ``g`` (its weights one tile
+        further on; its B operand, the same hidden rows, copied again into the slot),
+        copies issued ``RING - 1`` virtual stages ahead across the tiles' boundaries; after
+        tile g's last stage its chains are joined, its rows written and its accumulators
+        zeroed. The prologue is ``_main_loop``'s (the fused gate or FC2's grid dependency
+        on the CTA's first item, else the plain one) over virtual stages."""
+        NS: cutlass.Constexpr = self.stages
+        RING: cutlass.Constexpr = self.RING
+        G: cutlass.Constexpr = self.walk
+        MT: cutlass.Constexpr = self.mtiles
+        w_tile = self.warps * MT * self.chunks * 512  # bytes of weights per tile
+        s_tile = self.warps * MT * NS * 32 * self.stage_chunks  # bytes of scales per tile
+        ahead = self.RING - 1
+        if cutlass.const_expr(self.gate):
+            self._walk_prologue(src, dst, ok, wbase, sbase, ring, warp, lane,
+                                lambda: self._wait_ready(work, info, tid))
+        elif cutlass.const_expr(self.pdl):
+            if first != 0:
+                self._walk_prologue(src, dst, ok, wbase, sbase, ring, warp, lane,
+                                    cute.arch.griddepcontrol_wait)
+            else:
+                self._walk_prologue(src, dst, ok, wbase, sbase, ring, warp, lane, None)
+        else:
+            self._walk_prologue(src, dst, ok, wbase, sbase, ring, warp, lane, None)
+        for g in cutlass.range(G, unroll=1):
+            for s in cutlass.range_constexpr(NS):
+                cute.arch.cp_async_wait_group(RING - 2)
+                if cutlass.const_expr(self.wgmma):
+                    cute.arch.fence_view_async_shared()
+                cute.arch.sync_threads()
+                # the virtual stage RING - 1 ahead: tile g + dg, stage ds (compile-time)
+                dg = (s + ahead) // NS
+                ds = (s + ahead) % NS
+                if g + dg < G:
+                    slot = (g * NS + (s + ahead)) % RING
+                    self._issue(src, dst, ok, wbase + Int64(g + dg) * w_tile,
+                                sbase + Int64(g + dg) * s_tile,
+                                ring + slot * self.slot_bytes, ds, warp, lane)
+                cute.arch.cp_async_commit_group()
+                self._compute(acc, ring + ((g * NS + s) % RING) * self.slot_bytes, warp, lane,
+                              live)
+            self._join_chains(acc)
+            self._epilogue_fc2(acc, table, out, lane, warp, tile + g, ntok)
+            for i in cutlass.range_constexpr(MT * self.windows * 4 * self.chains):
+                acc[i] = Float32(0.0)
+        cute.arch.cp_async_wait_group(0)
+
+    def _walk_prologue(self, src, dst, ok, wbase, sbase, ring, warp, lane, wait):
+        """The ring's first ``RING - 1`` virtual stages of a walked item, one commit group
+        each; with ``wait`` (traced where it is called), their weights first, then
+        ``wait()``, then their B copies, all in the first group (``_prologue_weights_first``'s
+        order)."""
+        # a plain method over compile-time ints, like _prologue_weights_first
+        NS, MT = self.stages, self.mtiles
+        w_tile = self.warps * MT * self.chunks * 512
+        s_tile = self.warps * MT * NS * 32 * self.stage_chunks
+        virtual = [(v // NS, v % NS) for v in range(min(self.RING - 1, self.walk * NS))]
+
+        def issue(v, **parts):
+            g, s = virtual[v]
+            self._issue(src, dst, ok, wbase + g * w_tile, sbase + g * s_tile,
+                        ring + v * self.slot_bytes, s, warp, lane, **parts)
+
+        if wait is None:
+            for v in range(self.RING - 1):
+                if v < len(virtual):
+                    issue(v)
+                cute.arch.cp_async_commit_group()
+            return
+        for v in range(len(virtual)):
+            issue(v, operand_b=False)
+        wait()
+        for v in range(len(virtual)):
+            issue(v, weights=False)
+        for _ in range(self.RING - 1):
+            cute.arch.cp_async_commit_group()
 
     def _prologue_weights_first(self, src, dst, ok, wbase, sbase, ring, warp, lane, wait):
         """The ring's first ``RING - 1`` stages when the B operand must wait: their weights
@@ -1060,8 +1172,8 @@ class FusedExpertsKernel:
             if item < total1:
                 self.fc1._locate(work, info, item, item, Int32(self.fc1.tiles))
                 p.sts_i32(info + 24, 0)
-            elif item < total1 + groups * self.fc2.tiles:
-                self.fc2._locate(work, info, item, item - total1, Int32(self.fc2.tiles))
+            elif item < total1 + groups * self.fc2.item_tiles:
+                self.fc2._locate(work, info, item, item - total1, Int32(self.fc2.item_tiles))
                 p.sts_i32(info + 24, 1)
             else:
                 p.sts_i32(info, -1)
