@@ -9,10 +9,10 @@ GPU needed)::
 Inputs (each a committed result JSON; the dimensions from ``reference.config``):
 
 * ``--wide``: ``benchmarks.wide_table`` over 8 virtual TP ranks on one H200
-  (``results/wide/h200_tp8_v3.json``): rank 0's median time per stage (shared, front,
+  (``results/wide/h200_tp8_v4_walk.json``): rank 0's median time per stage (shared, front,
   publish, route, experts, finalize, latent, hidden), its whole step (``rank``), the
   touched experts and the read bandwidth of the run, for T = 65..1024 rows;
-* ``--experts``: ``benchmarks.experts_table`` (``results/experts/h200_engine_v9_default.json``):
+* ``--experts``: ``benchmarks.experts_table`` (``results/experts/h200_engine_v11_walk.json``):
   the engine alone on a TP8 rank, uniform routing (the engine fit's other two points);
 * ``--peers``: ``benchmarks.dep_peer_table`` on two H200s
   (``results/dep/h200x2_dep2_v2.json``): the peer write and read bandwidth over NVLink
@@ -94,8 +94,8 @@ from pathlib import Path
 from reference.config import LatentMoEConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULTS = dict(wide=RESULTS / "wide" / "h200_tp8_v3.json",
-                experts=RESULTS / "experts" / "h200_engine_v9_default.json",
+DEFAULTS = dict(wide=RESULTS / "wide" / "h200_tp8_v4_walk.json",
+                experts=RESULTS / "experts" / "h200_engine_v11_walk.json",
                 peers=RESULTS / "dep" / "h200x2_dep2_v2.json")
 OUT = RESULTS / "wide" / "wide_model.md"
 CONFIG = LatentMoEConfig.kimi_k3()

@@ -112,8 +112,11 @@ def test_engine_kernels_compile(arch, geometry, windows, capture):
     if geometry in ("dep16", "tp8") and windows in (1, 4):  # FC1 + FC2 in one grid
         assert all(compile_all(g, c, windows=windows, arch=arch, capture=capture,
                                tactic=dict(fused=1), empty_rows=empty_rows))
-    if geometry in ("tp8", "tp16"):  # a slice's short FC2 items walking 4 row tiles
+    if geometry in ("tp8", "tp16"):  # a slice's short FC2 items walking 4 row tiles, in
+        # the two kernels and in a slice's default: the fused grid with the launch chain
         assert all(compile_all(g, c, windows=windows, arch=arch, tactic=dict(walk=4)))
+        assert all(compile_all(g, c, windows=windows, arch=arch,
+                               tactic=dict(walk=4, fused=1, pdl_chain=1)))
 
 
 @pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
@@ -219,3 +222,32 @@ def test_default_walk_per_slice():
     assert choose_walk(c.intermediate // 8, c.latent, 64) == 4  # 56 tiles of 64 rows
     s = LatentMoEConfig.small()  # 2 stages, 2 tiles: the whole FC2 in one item
     assert choose_walk(s.intermediate, s.latent, 128) == 2
+
+
+def test_default_tactic_per_mode():
+    """A call's default tactic: a DEP owner (whole experts) runs the fused grid with the
+    launch chain and no walk; a TP8 slice walks 4 FC2 tiles and, so walking, runs the fused
+    grid too up to two windows of pairs per expert (896 rows), not at 1024; a TP2 slice (no
+    walk) keeps the two kernels; the engine's own tactic wins."""
+    from types import SimpleNamespace
+
+    from fast.experts.engine import ExpertsEngine
+
+    c = LatentMoEConfig.kimi_k3()
+
+    def default(first, count, tp, rows, own=None):
+        geometry = SimpleNamespace(inter=c.intermediate // tp, latent=c.latent,
+                                   shard=(0, tp), count=count, first=first)
+        engine = SimpleNamespace(config=c, geometry=geometry, tactic=own or {})
+        return ExpertsEngine.default_tactic(engine, rows)
+
+    assert default(0, 56, 1, 16 * 64) == dict(fused=1, pdl_chain=1)
+    assert default(0, 56, 1, 16) == dict(warps=4, mtiles=1, fused=1, pdl_chain=1)
+    assert default(0, 896, 8, 512) == dict(walk=4, fused=1, pdl_chain=1)
+    assert default(0, 896, 16, 65) == dict(walk=4, fused=1, pdl_chain=1)
+    assert default(0, 896, 8, 896) == dict(walk=4, fused=1, pdl_chain=1)
+    assert default(0, 896, 8, 897) == dict(walk=4)
+    assert default(0, 896, 8, 1024) == dict(walk=4)
+    assert default(0, 896, 2, 512) == {}
+    assert default(0, 896, 8, 512, own=dict(fused=0)) == dict(fused=0, walk=4)
+    assert default(0, 896, 8, 512, own=dict(claim_ahead=1)) == dict(claim_ahead=1)

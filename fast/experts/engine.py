@@ -61,9 +61,11 @@ def choose_tactic(rows: int, top_k: int, experts: int, local: int, *,
     and skewed (90.4 against 104.5 us at T = 1, 458.9 against 498.4 at T = 64,
     ``benchmarks/results/experts/h200_engine_v8_tactics.json``; as the default, 90.8
     against 97.1 us at T = 1 over 30 replays, ``h200_engine_v9_tile_T1.json``). An engine
-    of an intermediate slice (a wide TP rank; ``sliced``) keeps the two kernels: there the
-    fused grid measured 3-5% slower (403.3 against 392.5 us at TP8 65 rows). No tactic
-    changes a bit (the contracts check each)."""
+    of an intermediate slice (a wide TP rank; ``sliced``) keeps the two kernels here: with
+    one row tile per FC2 item the fused grid measured 3-5% slower there (403.3 against
+    392.5 us at TP8 65 rows); ``ExpertsEngine.default_tactic`` fuses a slice whose FC2
+    items walk several tiles (``choose_walk``) at up to two windows of pairs per expert. No tactic changes a bit (the contracts
+    check each)."""
     pairs = rows * top_k * local / experts
     tile = dict(warps=4, mtiles=1) if pairs <= 24 else {}
     return tile if sliced else {**tile, "fused": 1, "pdl_chain": 1}
@@ -81,7 +83,9 @@ def choose_walk(inter: int, latent: int, tile_rows: int) -> int:
     stages) and a TP2 slice's (12) walk none. What it removes is each short item's claim,
     search, token table and ring fill between every 3 stages of weights (the FC2 kernel of
     a TP8 rank streamed at 0.67 of the read bandwidth against FC1's 0.84 on the H200,
-    ``benchmarks/results/experts/h200_engine_timeline_v2.md``)."""
+    ``benchmarks/results/experts/h200_engine_timeline_v2.md``); walking 4 tiles took 6 to
+    12% off a TP8 rank's two kernels there, and 7 tiles measured the same as 4
+    (``h200_engine_v11_walk.md``)."""
     from fast.experts.kernels import WALK_MAX_STAGES
     from fast.experts.layout import chunks_per_stage
 
@@ -477,6 +481,17 @@ class ExpertsEngine:
             walk = choose_walk(g.inter, g.latent, tile_rows)
             if walk > 1 and not tactic.get("claim_ahead"):
                 tactic["walk"] = walk
+                # a slice whose FC2 items walk, at up to two windows of pairs per expert:
+                # the fused grid with the launch chain was 1.6-4.6% faster than the two
+                # kernels at TP8 65..512 rows (343.5/447.7/509.4/620.7 against
+                # 360.0/464.0/521.6/631.1 us, benchmarks/results/experts/
+                # h200_engine_v11_tp8_fused.md); at 1024 rows (18 pairs per expert) no
+                # faster (943.9 against 940.8 us, h200_engine_v11_tp8_tactics.md; 1087.3
+                # against 1064.6 in the layer, wide/h200_tp8_v5_fused.md)
+                few = rows * c.top_k <= 2 * 8 * c.experts
+                if (g.shard[1] > 1 and few
+                        and not any(k in self.tactic for k in ("fused", "pdl_chain"))):
+                    tactic.update(fused=1, pdl_chain=1)
         return tactic
 
     def check(self) -> None:
