@@ -26,11 +26,15 @@ verify: $(STAMP)
 # external backend (examples/, outside the package, selected as a kernel engineer's own
 # would be: docs/verifying-your-kernel.md), the committed benchmark history checked, the
 # reference's CPU benchmarks compared with this machine's committed baseline, and the
-# documentation site built strictly.
+# documentation site built strictly. The unit tests run in TEST_WORKERS pytest-xdist
+# processes (most of their time is the kernels' CPU compiles and the planted-bug runs, each
+# its own process); the verification suite in one, so its summary report is whole.
 EXAMPLE_BACKEND := examples/torchao_mx.py:TorchaoMX
+TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest tests/ verify/ -q --backend default --backend $(EXAMPLE_BACKEND)
+	$(PY) -m pytest tests/ -q -n $(TEST_WORKERS) --dist worksteal
+	$(PY) -m pytest verify/ -q --backend default --backend $(EXAMPLE_BACKEND)
 	$(PY) -m pytest benchmarks/test_history.py -q
 	$(PY) -m benchmarks.run cpu check
 	$(VENV)/bin/mkdocs build --strict -q
