@@ -228,7 +228,8 @@ def test_default_tactic_per_mode():
     """A call's default tactic: a DEP owner (whole experts) runs the fused grid with the
     launch chain and no walk; a TP8 slice walks 4 FC2 tiles and, so walking, runs the fused
     grid too up to two windows of pairs per expert (896 rows), not at 1024; a TP2 slice (no
-    walk) keeps the two kernels; the engine's own tactic wins."""
+    walk) keeps the two kernels; the engine's own tactic wins, key by key, as over a DEP
+    owner's default; with ``claim_ahead`` no walk."""
     from types import SimpleNamespace
 
     from fast.experts.engine import ExpertsEngine
@@ -249,5 +250,9 @@ def test_default_tactic_per_mode():
     assert default(0, 896, 8, 897) == dict(walk=4)
     assert default(0, 896, 8, 1024) == dict(walk=4)
     assert default(0, 896, 2, 512) == {}
-    assert default(0, 896, 8, 512, own=dict(fused=0)) == dict(fused=0, walk=4)
+    assert default(0, 896, 8, 512, own=dict(fused=0)) == dict(fused=0, pdl_chain=1, walk=4)
+    assert default(0, 56, 1, 16 * 64, own=dict(fused=0)) == dict(fused=0, pdl_chain=1)
+    assert default(0, 896, 8, 1024, own=dict(walk=2)) == dict(walk=2)  # over 896 rows: two kernels
+    assert default(0, 896, 8, 512, own=dict(warps=8, mtiles=1)) == dict(
+        warps=8, mtiles=1, walk=4, fused=1, pdl_chain=1)
     assert default(0, 896, 8, 512, own=dict(claim_ahead=1)) == dict(claim_ahead=1)

@@ -10,7 +10,7 @@ import functools
 import torch
 
 from fast import backend
-from fast.experts.layout import PreparedExperts
+from fast.experts.layout import WINDOW, PreparedExperts
 
 __all__ = ["ExpertsEngine", "EngineScratch", "Capture", "EngineError", "choose_windows",
            "choose_tactic", "choose_walk", "complete_tactic", "check_tactic", "TACTIC_KEYS"]
@@ -46,8 +46,9 @@ def choose_windows(rows: int, top_k: int, experts: int) -> int:
 
 
 def choose_tactic(rows: int, top_k: int, experts: int, local: int, *,
-                  sliced: bool = False) -> dict:
-    """The FC kernels' default shape for a call.
+                  sliced: bool = False, walk: int = 1) -> dict:
+    """The FC kernels' default shape for a call whose FC2 items walk ``walk`` row tiles
+    (``choose_walk``; the walk itself is in the result when it is more than one).
 
     Tile: 64-row tiles of 4 warps of one m-tile each when the call has so few pairs that
     the 128-row tiles' work items would not fill the persistent grid twice (measured on
@@ -61,20 +62,28 @@ def choose_tactic(rows: int, top_k: int, experts: int, local: int, *,
     and skewed (90.4 against 104.5 us at T = 1, 458.9 against 498.4 at T = 64,
     ``benchmarks/results/experts/h200_engine_v8_tactics.json``; as the default, 90.8
     against 97.1 us at T = 1 over 30 replays, ``h200_engine_v9_tile_T1.json``). An engine
-    of an intermediate slice (a wide TP rank; ``sliced``) keeps the two kernels here: with
-    one row tile per FC2 item the fused grid measured 3-5% slower there (403.3 against
-    392.5 us at TP8 65 rows); ``ExpertsEngine.default_tactic`` fuses a slice whose FC2
-    items walk several tiles (``choose_walk``) at up to two windows of pairs per expert. No tactic changes a bit (the contracts
-    check each)."""
+    of an intermediate slice (a wide TP rank; ``sliced``) runs it too when its FC2 items
+    walk and the call has at most two windows of pairs per expert: there it was 1.6-4.6%
+    faster than the two kernels at TP8 65..512 rows (343.5/447.7/509.4/620.7 against
+    360.0/464.0/521.6/631.1 us, ``h200_engine_v11_tp8_fused.md``), and no faster at 1024
+    rows (18 pairs per expert: 943.9 against 940.8 us, ``h200_engine_v11_tp8_tactics.md``;
+    1087.3 against 1064.6 in the layer, ``wide/h200_tp8_v5_fused.md``); with one row tile
+    per FC2 item it was 3-5% slower (403.3 against 392.5 us at TP8 65 rows), so an unwalked
+    slice keeps the two kernels. No tactic changes a bit (the contracts check each)."""
     pairs = rows * top_k * local / experts
-    tile = dict(warps=4, mtiles=1) if pairs <= 24 else {}
-    return tile if sliced else {**tile, "fused": 1, "pdl_chain": 1}
+    tactic = dict(warps=4, mtiles=1) if pairs <= 24 else {}
+    if walk > 1:
+        tactic["walk"] = walk
+    if not sliced or (walk > 1 and pairs <= 2 * WINDOW * local):
+        tactic.update(fused=1, pdl_chain=1)
+    return tactic
 
 
 #: The fewest weight stages a default FC2 work item streams (``choose_walk``).
 WALK_STAGES = 12
 
 
+@functools.lru_cache(maxsize=None)
 def choose_walk(inter: int, latent: int, tile_rows: int) -> int:
     """FC2 row tiles per work item (tactic ``walk``) by default: the fewest that divide the
     ``latent / tile_rows`` tiles and give an item at least ``WALK_STAGES`` stages of
@@ -138,7 +147,8 @@ def complete_tactic(tactic: dict, arch: str) -> dict:
     list kernel lets the plan kernel be scheduled at once; the plan kernel waits for it,
     then lets FC1 be scheduled; FC1 waits for the plan before its first claim), so the two
     launch gaps of a call overlap the kernels before them. ``fused`` (default False here;
-    ``choose_tactic`` turns it on with ``pdl_chain`` for an engine of whole experts; its
+    ``choose_tactic`` turns it on with ``pdl_chain`` for an engine of whole experts and for a
+    slice whose FC2 walks, up to two windows of pairs per expert; its
     contracts pass on the H200): FC1 and FC2 in one persistent grid
     (``kernels.FusedExpertsKernel``), an FC2 item waiting only for its own expert's FC1
     items. ``claim_ahead`` (default False; its contracts pass on the H200, and it measured
@@ -221,7 +231,7 @@ def _kernel_params(g, config, windows: int, capture: bool, strict: bool,
                                  beta=float(config.situ_beta), pdl_chain=chain,
                                  linear_beta=float(config.situ_linear_beta)).items())),
         "fc2": tuple(sorted(dict(common, fc1=False, rows=g.latent, k=g.inter, capture=False,
-                                 **({"walk": walk} if walk != 1 else {})).items())),
+                                 walk=walk).items())),
     }
     if fused:  # one persistent grid for both GEMMs (kernels.FusedExpertsKernel)
         params["fused"] = (("fc1", params.pop("fc1")), ("fc2", params.pop("fc2")))
@@ -471,28 +481,20 @@ class ExpertsEngine:
 
     def default_tactic(self, rows: int) -> dict:
         """The tactic of a call of ``rows`` rows that passes none: ``choose_tactic``'s
-        (sliced when the engine holds a slice of each expert), under the engine's own
-        ``tactic``."""
-        c, g = self.config, self.geometry
-        tactic = {**choose_tactic(rows, c.top_k, c.experts, g.count, sliced=g.shard[1] > 1),
-                  **self.tactic}
-        if "walk" not in tactic:
+        (sliced when the engine holds a slice of each expert; FC2's walk from
+        ``choose_walk`` for the call's tile, none with ``claim_ahead``), under the engine's
+        own ``tactic``."""
+        c, g, own = self.config, self.geometry, self.tactic
+        sliced = g.shard[1] > 1
+        tactic = {**choose_tactic(rows, c.top_k, c.experts, g.count, sliced=sliced), **own}
+        walk = own.get("walk", 1)
+        if "walk" not in own and not own.get("claim_ahead"):
             tile_rows = 16 * tactic.get("warps", 4) * tactic.get("mtiles", 2)
             walk = choose_walk(g.inter, g.latent, tile_rows)
-            if walk > 1 and not tactic.get("claim_ahead"):
-                tactic["walk"] = walk
-                # a slice whose FC2 items walk, at up to two windows of pairs per expert:
-                # the fused grid with the launch chain was 1.6-4.6% faster than the two
-                # kernels at TP8 65..512 rows (343.5/447.7/509.4/620.7 against
-                # 360.0/464.0/521.6/631.1 us, benchmarks/results/experts/
-                # h200_engine_v11_tp8_fused.md); at 1024 rows (18 pairs per expert) no
-                # faster (943.9 against 940.8 us, h200_engine_v11_tp8_tactics.md; 1087.3
-                # against 1064.6 in the layer, wide/h200_tp8_v5_fused.md)
-                few = rows * c.top_k <= 2 * 8 * c.experts
-                if (g.shard[1] > 1 and few
-                        and not any(k in self.tactic for k in ("fused", "pdl_chain"))):
-                    tactic.update(fused=1, pdl_chain=1)
-        return tactic
+        if walk == 1:
+            return tactic
+        return {**choose_tactic(rows, c.top_k, c.experts, g.count, sliced=sliced, walk=walk),
+                **own}
 
     def check(self) -> None:
         """Raise ``EngineError`` if a call since the last check met a bad routing entry or

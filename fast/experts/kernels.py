@@ -356,6 +356,9 @@ class ExpertsGemmKernel:
                              f"claim_ahead={claim_ahead})")
         #: work items per window group: tiles // walk
         self.item_tiles = self.tiles // walk
+        #: bytes of one row tile's weights and of its scales (a walk's stride between tiles)
+        self.tile_weight_bytes = warps * mtiles * self.chunks * 512
+        self.tile_scale_bytes = warps * mtiles * self.stages * 32 * self.stage_chunks
         # one ring slot (a stage): the window group's B operand, then this CTA's weights
         # (each lane's 16 bytes per m-tile and chunk: private to the lane), then its scales
         self.b_bytes = windows * self.stage_chunks * 1024
@@ -619,18 +622,7 @@ class ExpertsGemmKernel:
         loop when the GEMM has one stage)."""
         NS: cutlass.Constexpr = self.stages
         RING: cutlass.Constexpr = self.RING
-        if cutlass.const_expr(self.gate):
-            # fused FC2: the wait is for every FC1 item of this item's expert (its hidden rows)
-            self._prologue_weights_first(src, dst, ok, wbase, sbase, ring, warp, lane,
-                                         lambda: self._wait_ready(work, info, tid))
-        elif cutlass.const_expr(self.pdl and not self.fc1):
-            if first != 0:
-                self._prologue_weights_first(src, dst, ok, wbase, sbase, ring, warp, lane,
-                                             cute.arch.griddepcontrol_wait)
-            else:
-                self._prologue(src, dst, ok, wbase, sbase, ring, warp, lane)
-        else:
-            self._prologue(src, dst, ok, wbase, sbase, ring, warp, lane)
+        self._fill_ring(src, dst, ok, wbase, sbase, ring, warp, lane, first, work, info, tid)
         for s in cutlass.range(NS, unroll=1):
             cute.arch.cp_async_wait_group(RING - 2)
             if cutlass.const_expr(self.wgmma):
@@ -660,26 +652,13 @@ class ExpertsGemmKernel:
         further on; its B operand, the same hidden rows, copied again into the slot),
         copies issued ``RING - 1`` virtual stages ahead across the tiles' boundaries; after
         tile g's last stage its chains are joined, its rows written and its accumulators
-        zeroed. The prologue is ``_main_loop``'s (the fused gate or FC2's grid dependency
-        on the CTA's first item, else the plain one) over virtual stages."""
+        zeroed. The prologue is ``_main_loop``'s (``_fill_ring``) over virtual stages."""
         NS: cutlass.Constexpr = self.stages
         RING: cutlass.Constexpr = self.RING
         G: cutlass.Constexpr = self.walk
         MT: cutlass.Constexpr = self.mtiles
-        w_tile = self.warps * MT * self.chunks * 512  # bytes of weights per tile
-        s_tile = self.warps * MT * NS * 32 * self.stage_chunks  # bytes of scales per tile
         ahead = self.RING - 1
-        if cutlass.const_expr(self.gate):
-            self._walk_prologue(src, dst, ok, wbase, sbase, ring, warp, lane,
-                                lambda: self._wait_ready(work, info, tid))
-        elif cutlass.const_expr(self.pdl):
-            if first != 0:
-                self._walk_prologue(src, dst, ok, wbase, sbase, ring, warp, lane,
-                                    cute.arch.griddepcontrol_wait)
-            else:
-                self._walk_prologue(src, dst, ok, wbase, sbase, ring, warp, lane, None)
-        else:
-            self._walk_prologue(src, dst, ok, wbase, sbase, ring, warp, lane, None)
+        self._fill_ring(src, dst, ok, wbase, sbase, ring, warp, lane, first, work, info, tid)
         for g in cutlass.range(G, unroll=1):
             for s in cutlass.range_constexpr(NS):
                 cute.arch.cp_async_wait_group(RING - 2)
@@ -691,8 +670,8 @@ class ExpertsGemmKernel:
                 ds = (s + ahead) % NS
                 if g + dg < G:
                     slot = (g * NS + (s + ahead)) % RING
-                    self._issue(src, dst, ok, wbase + Int64(g + dg) * w_tile,
-                                sbase + Int64(g + dg) * s_tile,
+                    self._issue(src, dst, ok, wbase + Int64(g + dg) * self.tile_weight_bytes,
+                                sbase + Int64(g + dg) * self.tile_scale_bytes,
                                 ring + slot * self.slot_bytes, ds, warp, lane)
                 cute.arch.cp_async_commit_group()
                 self._compute(acc, ring + ((g * NS + s) % RING) * self.slot_bytes, warp, lane,
@@ -703,63 +682,58 @@ class ExpertsGemmKernel:
                 acc[i] = Float32(0.0)
         cute.arch.cp_async_wait_group(0)
 
-    def _walk_prologue(self, src, dst, ok, wbase, sbase, ring, warp, lane, wait):
-        """The ring's first ``RING - 1`` virtual stages of a walked item, one commit group
-        each; with ``wait`` (traced where it is called), their weights first, then
-        ``wait()``, then their B copies, all in the first group (``_prologue_weights_first``'s
-        order)."""
-        # a plain method over compile-time ints, like _prologue_weights_first
-        NS, MT = self.stages, self.mtiles
-        w_tile = self.warps * MT * self.chunks * 512
-        s_tile = self.warps * MT * NS * 32 * self.stage_chunks
-        virtual = [(v // NS, v % NS) for v in range(min(self.RING - 1, self.walk * NS))]
+    @cute.jit
+    def _fill_ring(self, src, dst, ok, wbase, sbase, ring, warp, lane, first, work: Int64,
+                   info, tid):
+        """The ring's first ``RING - 1`` (virtual) stages of an item. FC2 whose B operand
+        must wait: in the fused grid (``gate``) for every FC1 item of this item's expert
+        (its hidden rows), launched with programmatic dependent launch (``pdl``) on its
+        CTA's ``first`` item for the FC1 grid; their weights are requested first
+        (``_prologue``)."""
+        if cutlass.const_expr(self.gate):
+            self._prologue(src, dst, ok, wbase, sbase, ring, warp, lane,
+                           lambda: self._wait_ready(work, info, tid))
+        elif cutlass.const_expr(self.pdl and not self.fc1):
+            if first != 0:
+                self._prologue(src, dst, ok, wbase, sbase, ring, warp, lane,
+                               cute.arch.griddepcontrol_wait)
+            else:
+                self._prologue(src, dst, ok, wbase, sbase, ring, warp, lane)
+        else:
+            self._prologue(src, dst, ok, wbase, sbase, ring, warp, lane)
+
+    def _prologue(self, src, dst, ok, wbase, sbase, ring, warp, lane, wait=None):
+        """The ring's first ``RING - 1`` virtual stages: virtual stage ``v`` is stage
+        ``v % stages`` of the item's tile ``v // stages`` (tiles beyond the first only in
+        a walk), in slot ``v``. Without ``wait``, one commit group each. With ``wait`` (the
+        B operand must wait: traced here, a grid dependency or a ready count) their weights
+        are requested, then ``wait()``, then their B copies, all in the first of the
+        ``RING - 1`` commit groups (the others empty), so the loop's waits count groups as
+        after the plain prologue."""
+        # a plain method (its callable argument is traced where it is called): the loops
+        # and tests are Python's, over compile-time ints
+        virtual = range(min(self.RING - 1, self.walk * self.stages))
 
         def issue(v, **parts):
-            g, s = virtual[v]
-            self._issue(src, dst, ok, wbase + g * w_tile, sbase + g * s_tile,
-                        ring + v * self.slot_bytes, s, warp, lane, **parts)
+            g, st = divmod(v, self.stages)
+            w, sc = wbase, sbase
+            if g:
+                w, sc = wbase + g * self.tile_weight_bytes, sbase + g * self.tile_scale_bytes
+            self._issue(src, dst, ok, w, sc, ring + v * self.slot_bytes, st, warp, lane,
+                        **parts)
 
         if wait is None:
             for v in range(self.RING - 1):
-                if v < len(virtual):
+                if v in virtual:
                     issue(v)
                 cute.arch.cp_async_commit_group()
             return
-        for v in range(len(virtual)):
+        for v in virtual:
             issue(v, operand_b=False)
         wait()
-        for v in range(len(virtual)):
+        for v in virtual:
             issue(v, weights=False)
         for _ in range(self.RING - 1):
-            cute.arch.cp_async_commit_group()
-
-    def _prologue_weights_first(self, src, dst, ok, wbase, sbase, ring, warp, lane, wait):
-        """The ring's first ``RING - 1`` stages when the B operand must wait: their weights
-        requested, then ``wait()`` (traced here: a grid dependency or a ready count), then
-        their B copies, all in the first of ``RING - 1`` commit groups (the others empty),
-        so the main loop's waits count groups as after the plain prologue."""
-        # a plain method (its callable argument is traced where it is called): the loops
-        # and tests are Python's, over compile-time ints
-        stages = range(min(self.RING - 1, self.stages))
-        for st in stages:
-            self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
-                        warp, lane, operand_b=False)
-        wait()
-        for st in stages:
-            self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
-                        warp, lane, weights=False)
-        for _ in range(self.RING - 1):
-            cute.arch.cp_async_commit_group()
-
-    @cute.jit
-    def _prologue(self, src, dst, ok, wbase, sbase, ring, warp, lane):
-        """The ring's first ``RING - 1`` stages, one commit group each."""
-        NS: cutlass.Constexpr = self.stages
-        RING: cutlass.Constexpr = self.RING
-        for st in cutlass.range_constexpr(RING - 1):
-            if cutlass.const_expr(st < NS):
-                self._issue(src, dst, ok, wbase, sbase, ring + st * self.slot_bytes, st,
-                            warp, lane)
             cute.arch.cp_async_commit_group()
 
     @cute.jit
