@@ -26,6 +26,8 @@ def _tracked() -> list[Path]:
 def test_committed_files_name_no_host_paths():
     found = []
     for path in _tracked():
+        if path == Path(__file__).resolve():
+            continue  # the pattern above names what it looks for
         try:
             text = path.read_text()
         except (UnicodeDecodeError, OSError):
