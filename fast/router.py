@@ -40,7 +40,9 @@ def compare_exchange(mine, other, lower: bool, descending):
     keep_max = descending if lower is True else (lower == descending)
     if isinstance(keep_max, bool):  # known at trace time (a register pair, every block descending)
         return umax(mine, other) if keep_max else umin(mine, other)
-    return Uint64(cutlass.select_(keep_max, umax(mine, other), umin(mine, other)))
+    # one 64-bit comparison and one select (not a max, a min and a select of the two)
+    take_other = (Uint64(other) > Uint64(mine)) == keep_max
+    return Uint64(cutlass.select_(take_other, other, mine))
 
 
 def bitonic_stage(keys, lane, size: int, distance: int):
