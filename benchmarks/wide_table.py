@@ -191,16 +191,66 @@ def rank_dense_bytes(layer, r: int) -> int:
         layer.front_weights[r], layer.shared_gate_up[r], layer.shared_down[r], layer.up[r]))
 
 
+def measured_layer(ranks: int, tokens_list, experts_tactic: str):
+    """(layer, weights, run header, flush) of a GPU-node run: the real layer's weights
+    (``verify.cases.device_weights``), its virtual TP ranks at the widest batch, the run's
+    device/torch/python and the read bandwidth measured now, and the L2 flush."""
+    from fast.schedules.wide import WideLayer
+    from verify import cases
+
+    torch.manual_seed(0)
+    flush = l2_flush()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "python": platform.python_version(), "ranks": ranks, "cases": [],
+              "read_gbs": read_bandwidth_gbs()}
+    weights = cases.device_weights("kimi_k3")
+    layer = WideLayer(weights, ranks=ranks, max_rows=max(tokens_list),
+                      experts_tactic=parse_tactic(experts_tactic))
+    return layer, weights, result, flush
+
+
+def published_case(layer, x, tokens: int, read_gbs: float, flush):
+    """Run ``layer`` once on ``x`` (compiles, fills every rank's buffers), then leave rank
+    0's mailbox as every rank's publish leaves it (the polls' starting state). Returns the
+    case's header (touched experts, the byte limit's bytes and time) and the callable that
+    restores that mailbox and flushes L2 before a replay that polls it."""
+    outputs = layer(x)
+    touched = int(torch.unique(outputs[0].ids).numel())
+    nbytes = rank_dense_bytes(layer, 0) + touched * layer.engines[0].prepared.expert_bytes()
+    for r in range(layer.ranks):
+        layer.publish_stage(r, layer.front_stage(r, x), tokens)
+    index = layer.mailbox_index
+    snapshot = layer.mailboxes[0][index].clone()
+
+    def restore_and_flush():
+        layer.mailboxes[0][index].copy_(snapshot)
+        flush()
+
+    case = {"tokens": tokens, "touched": touched, "bytes": nbytes,
+            "limit_us": nbytes / (read_gbs * 1e9) * 1e6}
+    return case, restore_and_flush
+
+
+def rearm_peers(layer, tokens: int) -> None:
+    """Rank 0's last poll re-armed its mailbox; the other ranks' still hold every publish of
+    the case: poll them empty (so the next case starts armed) and check the error record."""
+    for r in range(1, layer.ranks):
+        layer.route_stage(r, tokens)
+    layer.check()
+
+
 def render(result: dict) -> str:
     """Markdown: per T, each stage's median (us), the rank's step (shared expert at the
     front) and its fraction of the byte limit, the step with the shared expert beside the
     experts and at the tail (runs before those placements existed show "-"), the best
-    stock composition and the speed-up."""
+    stock composition and the speed-up of the front step and of the beside step (the
+    layer's default placement, ``fast.schedules.wide.DEFAULT_SHARED_PLACEMENT``)."""
     lines = [f"Device {result['device']}, torch {result['torch']}; {result['ranks']} virtual "
              f"TP ranks, rank 0 timed; read bandwidth {result['read_gbs']:.0f} GB/s (this "
              "run); fraction = byte limit / time.", "",
              "| T | touched | limit us | " + " | ".join(STAGES[:-1]) +
-             " | rank us (frac) | shared beside / tail us | stock us (frac) | speed-up |",
+             " | rank us (frac) | shared beside / tail us | stock us (frac) | speed-up "
+             "(front / beside) |",
              "|" + "---|" * (len(STAGES) + 6)]
     for c in result["cases"]:
         med, lim = c["median_us"], c["limit_us"]
@@ -208,6 +258,8 @@ def render(result: dict) -> str:
         cells = " | ".join(f"{med[s]:.1f}" for s in STAGES[:-1])
         st = f"{stock:.1f} ({lim / stock:.2f})" if stock else "-"
         up = f"{stock / med['rank']:.2f}x" if stock else "-"
+        if stock and "rank_beside" in med:
+            up += f" / {stock / med['rank_beside']:.2f}x"
         placed = " / ".join(f"{med[p]:.1f}" if p in med else "-" for p in PLACED)
         lines.append(f"| {c['tokens']} | {c['touched']} | {lim:.1f} | {cells} | "
                      f"{med['rank']:.1f} ({lim / med['rank']:.2f}) | {placed} | {st} | {up} |")
@@ -231,24 +283,12 @@ def main(argv=None):
             print(render(json.load(f)), end="")
         return
 
-    from fast.schedules.wide import WideLayer
-    from verify import cases
-
-    torch.manual_seed(0)
     tokens_list = [int(t) for t in args.tokens.split(",")]
-    flush = l2_flush()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "python": platform.python_version(), "ranks": args.ranks, "cases": []}
-    result["read_gbs"] = read_bandwidth_gbs()
+    layer, w, result, flush = measured_layer(args.ranks, tokens_list, args.experts_tactic)
     result["copy_gbs"] = copy_bandwidth_gbs()
     print(f"read {result['read_gbs']:.0f} GB/s, copy {result['copy_gbs']:.0f} GB/s", flush=True)
-    w = cases.device_weights("kimi_k3")
     c = w.config
-    layer = WideLayer(w, ranks=args.ranks, max_rows=max(tokens_list),
-                      experts_tactic=parse_tactic(args.experts_tactic))
     result["experts_tactic"] = args.experts_tactic or "default"
-    dense_bytes = rank_dense_bytes(layer, 0)
-    expert_bytes = layer.engines[0].prepared.expert_bytes()
     peers = {}
     if "triton" in args.peers:
         peers, why = triton_slice_moes(w, 0, args.ranks)  # rank 0's slice of I
@@ -257,29 +297,12 @@ def main(argv=None):
             result["triton_error"] = why
     for tokens in tokens_list:
         x = torch.randn(tokens, c.hidden, device="cuda").bfloat16()
-        outputs = layer(x)
-        touched = int(torch.unique(outputs[0].ids).numel())
-        nbytes = dense_bytes + touched * expert_bytes
-        case = {"tokens": tokens, "touched": touched, "bytes": nbytes,
-                "limit_us": nbytes / (result["read_gbs"] * 1e9) * 1e6, "times": {}}
-        # rank 0's mailbox as every rank's publish leaves it (the polls' starting state)
-        for r in range(layer.ranks):
-            layer.publish_stage(r, layer.front_stage(r, x), tokens)
-        index = layer.mailbox_index
-        snapshot = layer.mailboxes[0][index].clone()
-
-        def restore_and_flush():
-            layer.mailboxes[0][index].copy_(snapshot)
-            flush()
-
+        case, restore_and_flush = published_case(layer, x, tokens, result["read_gbs"], flush)
+        case["times"] = {}
         for name, fn in fast_stages(layer, x, tokens).items():
             before = restore_and_flush if name in POLLING else flush
             case["times"][name] = device_time_us(fn, reps=args.reps, flush=before)
-        # rank 0's last poll re-armed its mailbox; the other ranks' still hold every
-        # publish of this case: poll them empty, so the next case starts armed
-        for r in range(1, layer.ranks):
-            layer.route_stage(r, tokens)
-        layer.check()
+        rearm_peers(layer, tokens)
         for name, moe in peers.items():
             try:
                 stock_rank = StockRank(layer, moe, tokens)
@@ -290,7 +313,7 @@ def main(argv=None):
                 case.setdefault("errors", {})[name] = repr(error)
         case["median_us"] = {k: statistics.median(v) for k, v in case["times"].items()}
         med = case["median_us"]
-        print(f"T {tokens:4d} touched {touched:3d} limit {case['limit_us']:.1f}us | " +
+        print(f"T {tokens:4d} touched {case['touched']:3d} limit {case['limit_us']:.1f}us | " +
               " | ".join(f"{k} {v:.1f}" for k, v in med.items()), flush=True)
         result["cases"].append(case)
     with open(args.out, "w") as f:

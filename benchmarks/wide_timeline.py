@@ -28,14 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import re
 import statistics
 
 import torch
 
-from benchmarks.experts_table import l2_flush, parse_tactic, read_bandwidth_gbs
-from benchmarks.wide_table import fast_stages, rank_dense_bytes
+from benchmarks.wide_table import fast_stages, measured_layer, published_case, rearm_peers
 
 #: The project's kernels by class name (what CuTe DSL puts in the kernel symbol).
 CLASS_PATTERN = re.compile(r"([A-Z][A-Za-z0-9]*Kernel)")
@@ -141,36 +139,14 @@ def main(argv=None):
     from torch.profiler import ProfilerActivity, profile
 
     from benchmarks.experts_table import capture_graph
-    from fast.schedules.wide import WideLayer
-    from verify import cases
 
-    torch.manual_seed(0)
     tokens_list = [int(t) for t in args.tokens.split(",")]
-    flush = l2_flush()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "python": platform.python_version(), "ranks": args.ranks,
-              "read_gbs": read_bandwidth_gbs(), "cases": []}
-    w = cases.device_weights("kimi_k3")
-    layer = WideLayer(w, ranks=args.ranks, max_rows=max(tokens_list),
-                      experts_tactic=parse_tactic(args.experts_tactic))
-    dense_bytes = rank_dense_bytes(layer, 0)
-    expert_bytes = layer.engines[0].prepared.expert_bytes()
+    layer, w, result, flush = measured_layer(args.ranks, tokens_list, args.experts_tactic)
     # a neg kernel before and an exp kernel after each replay cut the profile into replays
     mark = torch.ones(1, device="cuda")
     for tokens in tokens_list:
         x = torch.randn(tokens, w.config.hidden, device="cuda").bfloat16()
-        outputs = layer(x)
-        touched = int(torch.unique(outputs[0].ids).numel())
-        nbytes = dense_bytes + touched * expert_bytes
-        for r in range(layer.ranks):
-            layer.publish_stage(r, layer.front_stage(r, x), tokens)
-        index = layer.mailbox_index
-        snapshot = layer.mailboxes[0][index].clone()
-
-        def restore_and_flush():
-            layer.mailboxes[0][index].copy_(snapshot)
-            flush()
-
+        case, restore_and_flush = published_case(layer, x, tokens, result["read_gbs"], flush)
         replay = capture_graph(fast_stages(layer, x, tokens)["rank"], restore_and_flush)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.reps):
@@ -183,12 +159,8 @@ def main(argv=None):
                    for e in prof.events() if e.device_type.name == "CUDA"]
         summary = summarize(replays_from_records(records, start_marker="neg_kernel",
                                                  end_marker="exp_kernel"))
-        for r in range(1, layer.ranks):
-            layer.route_stage(r, tokens)
-        layer.check()
-        result["cases"].append({"tokens": tokens, "touched": touched, "bytes": nbytes,
-                                "limit_us": nbytes / (result["read_gbs"] * 1e9) * 1e6,
-                                "summary": summary})
+        rearm_peers(layer, tokens)
+        result["cases"].append(case | {"summary": summary})
         print(f"T {tokens}: step {summary['step']:.1f} us", flush=True)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

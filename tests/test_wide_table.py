@@ -1,0 +1,84 @@
+"""``benchmarks.wide_table`` on the CPU: the render of a committed H200 run (the speed-up
+column gives the front step's and the default (beside) step's ratio to the best stock
+composition; a run made before the placements existed shows the front step's alone) and the
+case set-up shared with ``benchmarks.wide_timeline`` on a stand-in layer."""
+
+import json
+from pathlib import Path
+
+from benchmarks import wide_table
+
+RUN = Path(wide_table.__file__).resolve().parent / "results" / "wide" / "h200_tp8_v6_router.json"
+
+
+def _row(text: str, tokens: int) -> list[str]:
+    line = next(l for l in text.splitlines() if l.startswith(f"| {tokens} |"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def test_speed_up_of_front_and_beside():
+    result = json.loads(RUN.read_text())
+    case = next(c for c in result["cases"] if c["tokens"] == 65)
+    med = case["median_us"]
+    stock = min(v for k, v in med.items() if k.startswith("stock"))
+    cells = _row(wide_table.render(result), 65)
+    assert cells[-1] == f"{stock / med['rank']:.2f}x / {stock / med['rank_beside']:.2f}x"
+    assert "speed-up (front / beside)" in wide_table.render(result)
+
+
+def test_a_run_without_placements_shows_the_front_speed_up_alone():
+    result = json.loads(RUN.read_text())
+    for case in result["cases"]:
+        for name in wide_table.PLACED:
+            case["median_us"].pop(name)
+    cells = _row(wide_table.render(result), 1024)
+    assert cells[-1].endswith("x") and "/" not in cells[-1]
+    assert cells[-3] == "- / -"
+
+
+class _StandInLayer:
+    """What ``published_case`` and ``rearm_peers`` use of a ``WideLayer``, on the CPU."""
+
+    def __init__(self, ranks=3):
+        import torch
+
+        self.ranks, self.mailbox_index = ranks, 1
+        self.mailboxes = [torch.zeros(2, 4) for _ in range(ranks)]
+        self.front_weights = [torch.zeros(10, dtype=torch.bfloat16)] * ranks
+        self.shared_gate_up = self.shared_down = self.up = self.front_weights
+        self.engines = [type("E", (), {"prepared": type("P", (), {
+            "expert_bytes": staticmethod(lambda: 1000)})()})()]
+        self.calls = []
+
+    def __call__(self, x):
+        import torch
+
+        return [type("O", (), {"ids": torch.tensor([[3, 5], [5, 7]])})()]
+
+    def front_stage(self, r, x):
+        return r
+
+    def publish_stage(self, r, front, tokens):
+        self.calls.append(("publish", r, front, tokens))
+        self.mailboxes[0][self.mailbox_index] += 1  # every rank's publish lands in rank 0's box
+
+    def route_stage(self, r, tokens):
+        self.calls.append(("route", r, tokens))
+
+    def check(self):
+        self.calls.append(("check",))
+
+
+def test_published_case_snapshots_rank_0s_mailbox_after_every_publish():
+    layer, flushes = _StandInLayer(), []
+    case, restore = wide_table.published_case(layer, None, 2, read_gbs=1.0,
+                                              flush=lambda: flushes.append(1))
+    assert [c[:2] for c in layer.calls] == [("publish", 0), ("publish", 1), ("publish", 2)]
+    # touched experts 3, 5, 7; dense bytes: 4 tensors of 10 BF16 values
+    assert case == {"tokens": 2, "touched": 3, "bytes": 80 + 3 * 1000,
+                    "limit_us": (80 + 3000) / 1e9 * 1e6}
+    layer.mailboxes[0][1].zero_()  # a poll re-arms it
+    restore()
+    assert layer.mailboxes[0][1].tolist() == [3.0] * 4 and flushes == [1]
+    wide_table.rearm_peers(layer, 2)
+    assert layer.calls[3:] == [("route", 1, 2), ("route", 2, 2), ("check",)]
