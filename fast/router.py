@@ -34,11 +34,17 @@ def order_key(score, expert):
     return (Uint64(u ^ mask) << Uint64(32)) | Uint64(h.Uint32(0xFFFFFFFF) - h.Uint32(expert))
 
 
-def compare_exchange(mine, other, lower: bool, descending):
+def key_expert(key):
+    """The expert id of an ``order_key`` key (int32)."""
+    return h.Int32(h.Uint32(0xFFFFFFFF) - h.Uint32(key & Uint64(0xFFFFFFFF)))
+
+
+def compare_exchange(mine, other, lower, descending):
     """The key an element keeps from its pair (``mine``, ``other``): the larger where it is
-    the lower element of the pair and ``descending`` holds (or neither), else the smaller."""
-    keep_max = descending if lower is True else (lower == descending)
-    if isinstance(keep_max, bool):  # known at trace time (a register pair, every block descending)
+    the lower element of the pair and ``descending`` holds (or neither), else the smaller.
+    ``lower`` and ``descending`` are trace-time bools or per-lane predicates."""
+    keep_max = lower == descending
+    if isinstance(keep_max, bool):  # known at trace time (a register pair)
         return umax(mine, other) if keep_max else umin(mine, other)
     # one 64-bit comparison and one select (not a max, a min and a select of the two)
     take_other = (Uint64(other) > Uint64(mine)) == keep_max
@@ -48,20 +54,18 @@ def compare_exchange(mine, other, lower: bool, descending):
 def bitonic_stage(keys, lane, size: int, distance: int):
     """One stage of a bitonic network over a warp list of ``32 P`` keys, ``keys[r]`` being
     element ``i = 32 r + lane``: elements ``i`` and ``i ^ distance`` exchange, and the lower
-    of the pair keeps the larger key where ``i & size == 0`` (a descending block; ``size``
-    0: every block descending). Distances below 32 pair lanes (``shfl.bfly``), 32 and above
-    pair registers of one lane."""
-    P = len(keys)
-    out = list(keys)
-    for r in range(P):
-        descending = True if size == 0 else (
-            ((lane & size) == 0) if size < 32 else ((32 * r) & size) == 0)
+    of the pair keeps the larger key where ``i & size == 0`` (a descending block; with
+    ``size`` the list's length every block is). Distances below 32 pair lanes
+    (``shfl.bfly``), 32 and above pair registers of one lane."""
+    out = []
+    for r, key in enumerate(keys):
+        descending = ((lane & size) == 0) if size < 32 else ((32 * r) & size) == 0
         if distance < 32:
-            other = cute.arch.shuffle_sync_bfly(keys[r], offset=distance)
-            out[r] = compare_exchange(keys[r], other, (lane & distance) == 0, descending)
+            other = cute.arch.shuffle_sync_bfly(key, offset=distance)
+            out.append(compare_exchange(key, other, (lane & distance) == 0, descending))
         else:
             partner = r ^ (distance // 32)
-            out[r] = compare_exchange(keys[r], keys[partner], r < partner, descending)
+            out.append(compare_exchange(key, keys[partner], r < partner, descending))
     return out
 
 
@@ -74,7 +78,7 @@ def warp_sort_descending(keys, lane):
     while size <= n:
         distance = size // 2
         while distance >= 1:
-            keys = bitonic_stage(keys, lane, size if size < n else 0, distance)
+            keys = bitonic_stage(keys, lane, size, distance)
             distance //= 2
         size *= 2
     return keys
@@ -87,7 +91,7 @@ def warp_merge_descending(keys, others_reversed, lane):
     keys = [umax(k, o) for k, o in zip(keys, others_reversed)]
     distance = 16 * len(keys)
     while distance >= 1:
-        keys = bitonic_stage(keys, lane, 0, distance)
+        keys = bitonic_stage(keys, lane, 32 * len(keys), distance)
         distance //= 2
     return keys
 
@@ -183,7 +187,7 @@ class RouterKernel:
                         keys = warp_merge_descending(keys, others, lane)
         if warp == 0:
             # element `lane` (register 0) is the lane-th largest key of the token
-            my_id = h.Int32(h.Uint32(0xFFFFFFFF) - h.Uint32(keys[0] & Uint64(0xFFFFFFFF)))
+            my_id = key_expert(keys[0])
             s = h.Float32(0.0)
             if lane < top_k:
                 s = h.sigmoid_rn(cute.arch.load(row + my_id, h.Float32))
