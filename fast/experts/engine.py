@@ -13,7 +13,8 @@ from fast import backend
 from fast.experts.layout import WINDOW, PreparedExperts
 
 __all__ = ["ExpertsEngine", "EngineScratch", "Capture", "EngineError", "choose_windows",
-           "choose_tactic", "choose_walk", "complete_tactic", "check_tactic", "TACTIC_KEYS"]
+           "choose_tile", "choose_tactic", "choose_walk", "complete_tactic", "check_tactic",
+           "TACTIC_KEYS"]
 
 _TOP_K = 16
 
@@ -45,6 +46,12 @@ def choose_windows(rows: int, top_k: int, experts: int) -> int:
     return 1 if tokens <= 8 else 2 if tokens <= 16 else 4
 
 
+def choose_tile(rows: int, top_k: int, experts: int, local: int) -> dict:
+    """The tile part of ``choose_tactic`` (what ``choose_walk`` depends on)."""
+    pairs = rows * top_k * local / experts
+    return dict(warps=4, mtiles=1) if pairs <= 24 else {}
+
+
 def choose_tactic(rows: int, top_k: int, experts: int, local: int, *,
                   sliced: bool = False, walk: int = 1) -> dict:
     """The FC kernels' default shape for a call whose FC2 items walk ``walk`` row tiles
@@ -71,7 +78,7 @@ def choose_tactic(rows: int, top_k: int, experts: int, local: int, *,
     per FC2 item it was 3-5% slower (403.3 against 392.5 us at TP8 65 rows), so an unwalked
     slice keeps the two kernels. No tactic changes a bit (the contracts check each)."""
     pairs = rows * top_k * local / experts
-    tactic = dict(warps=4, mtiles=1) if pairs <= 24 else {}
+    tactic = choose_tile(rows, top_k, experts, local)
     if walk > 1:
         tactic["walk"] = walk
     if not sliced or (walk > 1 and pairs <= 2 * WINDOW * local):
@@ -485,16 +492,12 @@ class ExpertsEngine:
         ``choose_walk`` for the call's tile, none with ``claim_ahead``), under the engine's
         own ``tactic``."""
         c, g, own = self.config, self.geometry, self.tactic
-        sliced = g.shard[1] > 1
-        tactic = {**choose_tactic(rows, c.top_k, c.experts, g.count, sliced=sliced), **own}
         walk = own.get("walk", 1)
         if "walk" not in own and not own.get("claim_ahead"):
-            tile_rows = 16 * tactic.get("warps", 4) * tactic.get("mtiles", 2)
-            walk = choose_walk(g.inter, g.latent, tile_rows)
-        if walk == 1:
-            return tactic
-        return {**choose_tactic(rows, c.top_k, c.experts, g.count, sliced=sliced, walk=walk),
-                **own}
+            tile = {**choose_tile(rows, c.top_k, c.experts, g.count), **own}
+            walk = choose_walk(g.inter, g.latent, 16 * tile.get("warps", 4) * tile.get("mtiles", 2))
+        return {**choose_tactic(rows, c.top_k, c.experts, g.count, sliced=g.shard[1] > 1,
+                                walk=walk), **own}
 
     def check(self) -> None:
         """Raise ``EngineError`` if a call since the last check met a bad routing entry or
