@@ -191,6 +191,17 @@ def rank_dense_bytes(layer, r: int) -> int:
         layer.front_weights[r], layer.shared_gate_up[r], layer.shared_down[r], layer.up[r]))
 
 
+def rank_arguments(ap, *, tokens: str, reps: int) -> None:
+    """The options of a run over one virtual rank's layer: ``--ranks``, ``--tokens``,
+    ``--reps`` and ``--experts-tactic``."""
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--tokens", default=tokens)
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--experts-tactic", default="",
+                    help="the experts engine's tactic in the layer, e.g. 'wgmma=1,fused=1' "
+                         "(ExpertsEngine tactic; default the engine's)")
+
+
 def measured_layer(ranks: int, tokens_list, experts_tactic: str):
     """(layer, weights, run header, flush) of a GPU-node run: the real layer's weights
     (``verify.cases.device_weights``), its virtual TP ranks at the widest batch, the run's
@@ -270,12 +281,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--render", help="print the markdown table of a result JSON and exit")
     ap.add_argument("--out", default="wide_table.json")
-    ap.add_argument("--ranks", type=int, default=8)
-    ap.add_argument("--tokens", default="65,128,256,512,1024")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--experts-tactic", default="",
-                    help="the experts engine's tactic in the layer, e.g. 'wgmma=1,fused=1' "
-                         "(ExpertsEngine tactic; default the engine's)")
+    rank_arguments(ap, tokens="65,128,256,512,1024", reps=20)
     ap.add_argument("--peers", default="triton")
     args = ap.parse_args(argv)
     if args.render:

@@ -7,9 +7,9 @@
 flush) and the whole step. This script takes the step apart: rank 0's step (the shared
 expert forked at the front onto the side stream, as the table's ``rank``) is captured in a
 CUDA graph, and ``--reps`` replays, each after restoring rank 0's mailbox and flushing L2,
-run under ``torch.profiler``. Each replay's kernels, in start order, are named by their
-class (CuTe DSL puts it in the symbol) or, for library kernels, by the first words of their
-symbol; per kernel position the medians over the replays of
+run under ``torch.profiler``. A kernel is named by its class (CuTe DSL puts it in the
+symbol) or, for a library kernel, by the first characters of its symbol, and known by its
+stream and its place on that stream; per kernel the medians over the replays of
 
 * ``start``: from the step's first kernel start;
 * ``dur``: the kernel's own duration;
@@ -21,7 +21,9 @@ The streams are the graph's own (a replay maps the captured branches onto stream
 choosing), so a kernel is known by its stream and its place there. Replays whose kernel
 sequence on some stream differs from the first replay's are left out (a dropped record),
 never aligned by guess. Kernel durations are the profiler's; its start offsets between
-streams can include the profiler's own perturbation of a graph launch. The byte limit of the step (the table's) goes beside them.
+streams can include the profiler's own perturbation of a graph launch. The streams are
+shown as s0, s1, ... in the order of their first kernel. The byte limit of the step (the
+table's) goes beside them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ import statistics
 
 import torch
 
-from benchmarks.wide_table import fast_stages, measured_layer, published_case, rearm_peers
+from benchmarks.wide_table import (fast_stages, measured_layer, published_case, rank_arguments,
+                                   rearm_peers)
 
 #: The project's kernels by class name (what CuTe DSL puts in the kernel symbol).
 CLASS_PATTERN = re.compile(r"([A-Z][A-Za-z0-9]*Kernel)")
@@ -80,27 +83,31 @@ def summarize(replays: list[list[dict]]) -> dict:
     replay's is left out and counted."""
     if not replays:
         raise ValueError("no replay in the profile (were the kernels traced?)")
+    grouped = [_per_stream(r) for r in replays]
 
-    def signature(replay):
-        return sorted((sid, tuple(k["name"] for k in ks)) for sid, ks in _per_stream(replay).items())
+    def signature(streams):
+        return sorted((sid, tuple(k["name"] for k in ks)) for sid, ks in streams.items())
 
-    shape = signature(replays[0])
-    kept = [r for r in replays if signature(r) == shape]
+    shape = signature(grouped[0])
+    # each kept replay: (its first kernel's start, its kernels by stream)
+    kept = [(min(k["start"] for k in r), g) for r, g in zip(replays, grouped)
+            if signature(g) == shape]
     rows = []
     for sid, names in shape:
         for i, name in enumerate(names):
             starts, durs, gaps = [], [], []
-            for r in kept:
-                t0 = min(k["start"] for k in r)
-                ks = _per_stream(r)[sid]
+            for t0, g in kept:
+                ks = g[sid]
                 starts.append(ks[i]["start"] - t0)
                 durs.append(ks[i]["end"] - ks[i]["start"])
                 gaps.append(ks[i]["start"] - ks[i - 1]["end"] if i else 0.0)
             rows.append({"name": name, "stream": sid, "start": statistics.median(starts),
                          "dur": statistics.median(durs), "gap": statistics.median(gaps)})
     rows.sort(key=lambda k: k["start"])
-    step = statistics.median(max(k["end"] for k in r) - min(k["start"] for k in r) for r in kept)
-    return {"kernels": rows, "step": step, "replays": len(kept), "dropped": len(replays) - len(kept)}
+    step = statistics.median(max(k["end"] for ks in g.values() for k in ks) - t0
+                             for t0, g in kept)
+    return {"kernels": rows, "step": step, "replays": len(kept),
+            "dropped": len(replays) - len(kept)}
 
 
 def render(result: dict) -> str:
@@ -114,7 +121,7 @@ def render(result: dict) -> str:
                   "", "| # | kernel | stream | start | gap | dur |", "|---|---|---|---|---|---|"]
         streams = {}
         for i, k in enumerate(s["kernels"]):
-            sid = streams.setdefault(k["stream"], "main" if not streams else f"side{len(streams)}")
+            sid = streams.setdefault(k["stream"], f"s{len(streams)}")
             lines.append(f"| {i} | {k['name']} | {sid} | {k['start']:.1f} | {k['gap']:.1f} | "
                          f"{k['dur']:.1f} |")
         lines.append("")
@@ -126,10 +133,7 @@ def main(argv=None):
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--render", help="print the markdown of a result JSON and exit")
     ap.add_argument("--out", default="wide_timeline.json")
-    ap.add_argument("--ranks", type=int, default=8)
-    ap.add_argument("--tokens", default="65,1024")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--experts-tactic", default="")
+    rank_arguments(ap, tokens="65,1024", reps=10)
     args = ap.parse_args(argv)
     if args.render:
         with open(args.render) as f:

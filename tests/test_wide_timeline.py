@@ -40,8 +40,10 @@ def test_replays_are_cut_at_the_markers_and_summarized_per_stream():
     assert s["kernels"][1]["gap"] == 0.0  # the first kernel of its stream
     assert s["kernels"][3]["gap"] == 40 - 12 - 5
     assert s["step"] == 100
-    assert "PollKernel" in render({"device": "d", "torch": "t", "ranks": 8, "read_gbs": 1.0,
-                                   "cases": [{"tokens": 65, "limit_us": 1.0, "summary": s}]})
+    text = render({"device": "d", "torch": "t", "ranks": 8, "read_gbs": 1.0,
+                   "cases": [{"tokens": 65, "limit_us": 1.0, "summary": s}]})
+    # streams named in the order of their first kernel: the GEMM's s0, the side kernel's s1
+    assert "| 2 | PollKernel | s0 |" in text and "| 1 | SharedKernel | s1 |" in text
 
 
 def test_a_replay_with_a_dropped_record_is_left_out():
