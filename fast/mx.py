@@ -9,7 +9,7 @@ import torch
 from fast import _cute as h
 from fast import backend
 
-__all__ = ["quantize_mxfp8", "QuantizeKernel"]
+__all__ = ["quantize_mxfp8", "QuantizeKernel", "quantize_block"]
 
 _BLOCK = 32
 _THREADS = 128
@@ -34,6 +34,33 @@ def e4m3x4(v0, v1, v2, v3):
         write_only_types=[U],
         read_only_args=[v0, v1, v2, v3],
     )
+
+
+def quantize_block(words):
+    """Steps 2-6 of ``QuantizeKernel`` for one block: its 32 BF16 values as 16 words (two
+    per word, the lower address in the low half) -> ``(E8M0 code, 8 words of E4M3 codes)``
+    in the same order. Emits the instructions inline (any kernel may call it)."""
+    m = U(0)
+    for w in words:
+        a = w & U(0x7FFF7FFF)
+        m = cutlass.max(m, a & U(0xFFFF))
+        m = cutlass.max(m, a >> U(16))
+    q = h.fdiv(h.from_bits(m << U(16)), h.Float32(448.0))
+    qb = h.bits(q)
+    e = qb >> U(23)
+    normal = e + sel((qb & U(0x7FFFFF)) != U(0), 1, 0)
+    sub = sel(qb > U(0x00400000), 1, 0)
+    code = sel(e == U(0), sub, normal)
+    code = cutlass.min(code, U(254))
+    code = sel(qb > U(0x7F800000), 255, code)
+    mult = sel(code == U(254), 0x00400000, (U(254) - code) << U(23))
+    mult = sel(code == U(0), 0x3F800000, mult)
+    mf = h.from_bits(mult)
+    vals = []
+    for w in words:
+        vals.append(h.fmul(h.bf16_lo(w), mf))
+        vals.append(h.fmul(h.bf16_hi(w), mf))
+    return code, [e4m3x4(*vals[4 * i: 4 * i + 4]) for i in range(8)]
 
 
 class QuantizeKernel:
@@ -96,27 +123,7 @@ class QuantizeKernel:
                 words = []
                 for i in cutlass.range_constexpr(4):
                     words += h.load_v4(src + 8 * i)
-                m = U(0)
-                for w in words:
-                    a = w & U(0x7FFF7FFF)
-                    m = cutlass.max(m, a & U(0xFFFF))
-                    m = cutlass.max(m, a >> U(16))
-                q = h.fdiv(h.from_bits(m << U(16)), h.Float32(448.0))
-                qb = h.bits(q)
-                e = qb >> U(23)
-                normal = e + sel((qb & U(0x7FFFFF)) != U(0), 1, 0)
-                sub = sel(qb > U(0x00400000), 1, 0)
-                code = sel(e == U(0), sub, normal)
-                code = cutlass.min(code, U(254))
-                code = sel(qb > U(0x7F800000), 255, code)
-                mult = sel(code == U(254), 0x00400000, (U(254) - code) << U(23))
-                mult = sel(code == U(0), 0x3F800000, mult)
-                mf = h.from_bits(mult)
-                vals = []
-                for w in words:
-                    vals.append(h.fmul(h.bf16_lo(w), mf))
-                    vals.append(h.fmul(h.bf16_hi(w), mf))
-                out = [e4m3x4(*vals[4 * i: 4 * i + 4]) for i in range(8)]
+                code, out = quantize_block(words)
                 dst = codes + (r * k + c * _BLOCK)
                 h.store_v4(dst, out[:4])
                 h.store_v4(dst + 16, out[4:])

@@ -154,16 +154,21 @@ class RouterKernel:
 
     @cute.kernel
     def kernel(self, logits, bias, weights, ids, scale):
+        token = cute.arch.block_idx()[0]
+        self.route_row(logits + token * self.experts, bias, weights, ids, scale, token)
+
+    @cute.jit
+    def route_row(self, row, bias, weights, ids, scale, token):
+        """Steps 1-4 for one token by this CTA (``threads`` threads): ``row`` points at its
+        ``E`` FP32 logits (global memory, or shared memory where a fused kernel staged
+        them); writes ``ids[token]`` and ``weights[token]``."""
         tid = cute.arch.thread_idx()[0]
         lane = tid % 32
         warp = tid // 32
-        token = cute.arch.block_idx()[0]
-        experts: cutlass.Constexpr = self.experts
         top_k: cutlass.Constexpr = self.top_k
         warps: cutlass.Constexpr = self.warps
         per: cutlass.Constexpr = self.per
         n: cutlass.Constexpr = 32 * per  # keys per warp list
-        row = logits + token * experts
         # warp w owns experts [n w, n w + n): element 32 r + lane of its list is expert
         # n w + 32 r + lane (coalesced loads)
         experts_of = [warp * n + 32 * r + lane for r in range(per)]
@@ -172,7 +177,7 @@ class RouterKernel:
         keys = [order_key(h.fadd(h.sigmoid_rn(x), b), e) for x, b, e in zip(xs, bs, experts_of)]
         keys = warp_sort_descending(keys, lane)
         if cutlass.const_expr(warps > 1):
-            lists = cute.arch.alloc_smem(Uint64, experts, alignment=16)
+            lists = cute.arch.alloc_smem(Uint64, self.experts, alignment=16)
             for level in cutlass.range_constexpr(self.levels):
                 stride = 1 << level
                 if warp % (2 * stride) == stride:

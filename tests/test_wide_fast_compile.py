@@ -125,3 +125,28 @@ def test_poll_spin_reloads_and_reads_the_clock(arch, tmp_path):
         text = "\n".join(body)
         assert "ld.volatile.global.v4.u32" in text, "a spin loop without its volatile load:\n" + text
         assert "%globaltimer" in text, "a spin loop that never reads the clock:\n" + text
+
+
+_ROUTE_PTX = """
+import cutlass.cute as cute
+from fast import backend
+from fast.schedules import wide
+from reference.config import LatentMoEConfig
+wide._compiled("route", "{arch}", wide.kernel_params(LatentMoEConfig.kimi_k3(), 8)["route"])
+"""
+
+
+@needs_cute
+@pytest.mark.parametrize("arch", backend.TARGETS)
+def test_polled_route_spin_reloads_and_reads_the_clock(arch, tmp_path):
+    """The layer's route stage (``PolledRouteKernel``: the poll's code emitted for the
+    router's 448 threads): the same two properties per spin loop, one loop per granule a
+    thread polls (672 granules over 448 threads: 2)."""
+    dumps = dump_ptx(_ROUTE_PTX.format(arch=arch), tmp_path, "*PolledRouteKernel*.ptx")
+    assert len(dumps) == 1, f"expected one PTX dump of the polled route, found {dumps}"
+    loops = spin_loops(dumps[0].read_text())
+    assert len(loops) == 2, f"{len(loops)} spin loops in the polled route's PTX, expected 2"
+    for body in loops:
+        text = "\n".join(body)
+        assert "ld.volatile.global.v4.u32" in text, "a spin loop without its volatile load:\n" + text
+        assert "%globaltimer" in text, "a spin loop that never reads the clock:\n" + text

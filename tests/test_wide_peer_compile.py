@@ -30,7 +30,7 @@ def test_wide_peer_kernels_compile(arch, config, ranks):
     from fast.schedules.wide import compile_all, kernel_params
 
     params = kernel_params(CONFIGS[config], ranks, peers=True)
-    assert sorted(params) == sorted(["publish", "poll", "latent_all_reduce",
+    assert sorted(params) == sorted(["publish", "route", "latent_all_reduce",
                                      "hidden_all_reduce", "signal", "wait"])
     compiled = compile_all(CONFIGS[config], ranks, arch, peers=True)
     assert len(compiled) == 6 and all(fn is not None for fn in compiled)

@@ -11,8 +11,8 @@ per rank, in the order of ``reference.schedules.wide.wide_rank``::
                            shared_r = act @ down_r^T (cuBLAS, BF16) ───────────────────────┐
     main  : front_stage    front_r = x @ [gate_r; down_r]^T (cuBLAS, FP32 out)             │
             publish_stage  PublishKernel: front_r into every rank's mailbox (Lamport)      │
-            route_stage    PollKernel: poll own mailbox, re-arm -> logits [T, E] FP32,     │
-                           latent [T, L] BF16 ; fast.router.route ; fast.mx.quantize_mxfp8  │
+            route_stage    PolledRouteKernel: poll own mailbox, re-arm -> logits [T, E]    │
+                           FP32, latent [T, L] BF16 -> MXFP8 plan rows, ids, weights        │
             experts_stage  fast.experts engine, TP slice (its own routing lists, windows   │
                            of 8 tokens per expert) -> rows [T*K, L] BF16 partial rows       │
             finalize_stage fast.finalize -> routed_partial [T, L] BF16                      │
@@ -51,9 +51,8 @@ synchronization (``validate=False`` engines; :meth:`WideLayer.check` reads the e
 words), so a call can be captured in a CUDA graph (:meth:`WideLayer.graph`, one graph per
 mailbox buffer, replayed alternately).
 
-Not here yet: the polled routing fused into the poll (routing and plan CTAs appending to
-the lists: the poll, the router, the quantizer and the engine's list kernel are four
-launches today), and FlashInfer's fused
+Not here yet: the routing lists appended by the polled-routing kernel itself (the
+engine's list kernel is a second launch after it), and FlashInfer's fused
 all-reduce + RMSNorm as a second tail (its contract, ``verify/test_flashinfer_allreduce.py``,
 is written and not yet run on two GPUs). Real ranks: ``fast.schedules.wide_peer``.
 """
@@ -65,7 +64,7 @@ import functools
 
 import torch
 
-from fast import activation, backend, finalize, mx, router, stock
+from fast import activation, backend, finalize, stock
 from fast.schedules.dense import check_hidden_rows
 from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
@@ -182,7 +181,8 @@ def kernel_params(config: LatentMoEConfig, ranks: int, *, peers: bool = False) -
     c = config
     params = {
         "publish": dict(latent=c.latent, experts=c.experts, ranks=ranks),
-        "poll": dict(latent=c.latent, experts=c.experts),
+        "route": dict(latent=c.latent, experts=c.experts, top_k=c.top_k,
+                      renormalize=bool(c.renormalize)),
         "latent_all_reduce": dict(latent=c.latent, ranks=ranks),
         "hidden_all_reduce": dict(hidden=c.hidden, ranks=ranks),
     }
@@ -202,8 +202,13 @@ def _compiled(kind: str, arch: str, params: tuple):
     kw = dict(params)
     if kind == "publish":
         obj, args = k.PublishKernel(**kw), [Int64(0)] * 2 + [Int32(0), Int32(0), Int32(1), Int32(1)]
-    elif kind == "poll":
-        obj, args = k.PollKernel(**kw), [Int64(0)] * 5 + [Int32(0), Int32(0), Int32(1), Int32(1)]
+    elif kind == "route":
+        from fast.schedules.wide_route import PolledRouteKernel
+
+        obj = PolledRouteKernel(**kw)
+        args = [Int64(0)] * 7 + [backend.ptr(None, "f32", 4), backend.ptr(None, "f32", 4),
+                                 backend.ptr(None, "i32", 4), Float32(1.0), Int32(0), Int32(0),
+                                 Int32(1), Int32(1)]
     elif kind == "signal":
         obj, args = k.ArrivalSignalKernel(**kw), [Int64(0)]
     elif kind == "wait":
@@ -340,18 +345,21 @@ class WideStages:
                             Int32(tokens), backend.stream(self.device))
 
     def route_stage(self, r: int, tokens: int) -> None:
-        """Rank ``r``'s poll of its mailbox (``PollKernel``: logits and latent out, slots
-        re-armed), the router (``fast.router``) and the plan rows (``fast.mx``)."""
-        from cutlass import Int32, Int64
+        """Rank ``r``'s polled routing in one kernel (``fast.schedules.wide_route.
+        PolledRouteKernel``): the poll of its mailbox (logits and latent out, slots
+        re-armed), the MXFP8 plan rows of the latent (``fast.mx``'s quantizer) and the
+        router (``fast.router``'s) over the polled logits."""
+        from cutlass import Float32, Int32, Int64
 
         c, b = self.config, self._buffers[r]
-        self._fn["poll"](Int64(self.mailboxes[r].data_ptr()), Int64(b["logits"].data_ptr()),
-                         Int64(b["latent"].data_ptr()), Int64(self.error.data_ptr()),
-                         Int64(int(self.timeout_s * 1e9)), Int32(r), Int32(self.mailbox_index),
-                         Int32(self.max_rows), Int32(tokens), backend.stream(self.device))
-        router.route(b["logits"][:tokens], self.bias, top_k=c.top_k, renormalize=c.renormalize,
-                     scale=c.routed_scaling_factor, out=(b["weights"][:tokens], b["ids"][:tokens]))
-        self._plan[r] = mx.quantize_mxfp8(b["latent"][:tokens])
+        self._fn["route"](Int64(self.mailboxes[r].data_ptr()), Int64(b["logits"].data_ptr()),
+                          Int64(b["latent"].data_ptr()), Int64(b["codes"].data_ptr()),
+                          Int64(b["scales"].data_ptr()), Int64(self.error.data_ptr()),
+                          Int64(int(self.timeout_s * 1e9)), backend.ptr(self.bias, "f32", 4),
+                          backend.ptr(b["weights"], "f32", 4), backend.ptr(b["ids"], "i32", 4),
+                          Float32(c.routed_scaling_factor), Int32(r), Int32(self.mailbox_index),
+                          Int32(self.max_rows), Int32(tokens), backend.stream(self.device))
+        self._plan[r] = (b["codes"][:tokens], b["scales"][:tokens])
 
     def experts_stage(self, r: int, tokens: int) -> None:
         """Rank ``r``'s listed engine (every expert's TP slice) over the plan rows:
@@ -425,7 +433,7 @@ class WideStages:
         ``xs`` then hold, alternating the graphs as eager calls alternate the buffers
         (eager calls and replays may be interleaved), and returns that graph's outputs.
         The stage outputs that live in the layer's buffers are the same tensors for both
-        graphs; ``front``, ``codes`` and ``scales`` are each graph's own."""
+        graphs; ``front`` is each graph's own."""
         self(xs, order=order, shared=shared)  # compile and warm every kernel outside the capture
         torch.cuda.synchronize(self.device)
         first = self.calls
@@ -521,6 +529,8 @@ class WideLayer(WideStages):
             latent=torch.empty(rows, L, dtype=torch.bfloat16, **on),
             weights=torch.empty(rows, k, dtype=torch.float32, **on),
             ids=torch.empty(rows, k, dtype=torch.int32, **on),
+            codes=torch.empty(rows, L, dtype=torch.float8_e4m3fn, **on),
+            scales=torch.empty(rows, L // 32, dtype=torch.uint8, **on),
             rows=torch.empty(rows * k, L, dtype=torch.bfloat16, **on),
             partial=torch.empty(rows, L, dtype=torch.bfloat16, **on),
             routed=torch.empty(rows, L, dtype=torch.bfloat16, **on),

@@ -56,6 +56,13 @@ _THREADS = 128
 # --- PTX helpers this file needs beyond fast.experts._ptx ------------------------------
 
 
+def _sts_v4(smem_address, words):
+    """Four words to a 16-byte aligned shared-memory byte address (``st.shared.v4.u32``)."""
+    cute.arch.inline_ptx("st.shared.v4.u32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
+                         write_only_types=[],
+                         read_only_args=[Int32(smem_address)] + [Uint32(w) for w in words])
+
+
 def _ld_volatile_v4(address, now):
     """Four words from a 16-byte aligned global address, re-read from memory on every
     call (``ld.volatile.global.v4.u32``): a poll sees a peer's store as soon as it lands.
@@ -214,6 +221,16 @@ class PollKernel:
     @cute.kernel
     def kernel(self, box: Int64, logits: Int64, latent: Int64, error: Int64, timeout_ns: Int64,
                rank: Int32, buffer: Int32, rows: Int32):
+        self.poll_row(box, logits, latent, error, timeout_ns, rank, buffer, rows, _THREADS)
+
+    @cute.jit
+    def poll_row(self, box: Int64, logits: Int64, latent: Int64, error: Int64,
+                 timeout_ns: Int64, rank: Int32, buffer: Int32, rows: Int32, threads: int,
+                 staged=None):
+        """Steps 1-3 for token ``t = blockIdx.x`` by this CTA's ``threads`` threads.
+        ``staged``: shared-memory byte addresses ``(latent, logits)`` that also receive
+        each arrived granule (row ``t``'s ``L`` BF16 and ``E`` FP32 values, packed), for a
+        fused kernel that reads them after a barrier."""
         tid = cute.arch.thread_idx()[0]
         t = cute.arch.block_idx()[0]
         granules: cutlass.Constexpr = self.granules
@@ -221,8 +238,8 @@ class PollKernel:
         row = box + (Int64(buffer) * Int64(rows) + Int64(t)) * self.row_bytes
         deadline = cute.arch.globaltimer() + timeout_ns
         words = cute.make_rmem_tensor((4,), Uint32)
-        for i in cutlass.range_constexpr((granules + _THREADS - 1) // _THREADS):
-            g = tid + _THREADS * i
+        for i in cutlass.range_constexpr((granules + threads - 1) // threads):
+            g = tid + threads * i
             if g < granules:
                 is_latent = g < latent_granules
                 at = row + g * 16
@@ -243,6 +260,10 @@ class PollKernel:
                         is_latent, latent + (Int64(t) * self.latent + g * 8) * 2,
                         logits + (Int64(t) * self.experts + (g - latent_granules) * 4) * 4)
                     p.stg_v4(out, [words[j] for j in range(4)])
+                    if cutlass.const_expr(staged is not None):
+                        _sts_v4(cutlass.select_(is_latent, staged[0] + g * 16,
+                                                staged[1] + (g - latent_granules) * 16),
+                                [words[j] for j in range(4)])
                     armed = cutlass.select_(is_latent, Uint32(SENTINEL_LATENT_WORD),
                                             Uint32(SENTINEL_LOGIT_WORD))
                     p.stg_v4(at, [armed] * 4)

@@ -192,6 +192,8 @@ class WidePeerLayer(WideStages):
             latent=torch.empty(rows, L, dtype=torch.bfloat16, **on),
             weights=torch.empty(rows, k, dtype=torch.float32, **on),
             ids=torch.empty(rows, k, dtype=torch.int32, **on),
+            codes=torch.empty(rows, L, dtype=torch.float8_e4m3fn, **on),
+            scales=torch.empty(rows, L // 32, dtype=torch.uint8, **on),
             rows=torch.empty(rows * k, L, dtype=torch.bfloat16, **on),
             partial=sym["partial"],
             routed=torch.empty(rows, L, dtype=torch.bfloat16, **on),
