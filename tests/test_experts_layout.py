@@ -256,3 +256,33 @@ def test_default_tactic_per_mode():
     assert default(0, 896, 8, 512, own=dict(warps=8, mtiles=1)) == dict(
         warps=8, mtiles=1, walk=4, fused=1, pdl_chain=1)
     assert default(0, 896, 8, 512, own=dict(claim_ahead=1)) == dict(claim_ahead=1)
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+@pytest.mark.parametrize("windows", [1, 2, 4])
+def test_walk_resident_b_keeps_the_shared_memory_and_the_occupancy(windows):
+    """A walked FC2 keeps its B operand resident (``resident_b``, the default) in
+    ``stages`` blocks after a ring of weight-and-scale slots: at a TP8 slice (3 stages per
+    tile) it needs no more shared memory than the ring of full slots it replaces, so the
+    CTAs per multiprocessor (the persistent grid) do not change; ``resident_b=0`` (the
+    copy at every tile, kept for comparison) compiles too (the H200 contracts compare the
+    two bit for bit)."""
+    from fast.experts.engine import compile_all
+    from fast.experts.kernels import ExpertsGemmKernel
+    from fast.experts.layout import Geometry
+
+    c = LatentMoEConfig.kimi_k3()
+    inter = c.intermediate // 8
+    fc2 = dict(fc1=False, rows=c.latent, k=inter, inter=inter, latent=c.latent,
+               count=c.experts, windows=windows, walk=4)
+    resident, copied = ExpertsGemmKernel(**fc2), ExpertsGemmKernel(**fc2, resident_b=False)
+    assert resident.resident_b and not copied.resident_b
+    assert resident.slot_bytes == copied.slot_bytes - copied.b_bytes
+    assert resident.smem_bytes == (resident.RING * resident.slot_bytes
+                                   + resident.stages * resident.b_bytes)
+    assert resident.smem_bytes <= copied.smem_bytes
+    assert resident.occupancy >= copied.occupancy
+    assert not ExpertsGemmKernel(**dict(fc2, walk=1)).resident_b  # no walk: nothing to share
+    g = Geometry(c.latent, inter, 0, c.experts, (0, 8))
+    assert all(compile_all(g, c, windows=windows, arch="sm_90a",
+                           tactic=dict(walk=4, resident_b=0)))

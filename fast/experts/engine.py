@@ -115,7 +115,7 @@ def choose_walk(inter: int, latent: int, tile_rows: int) -> int:
 
 #: The keys of an FC kernel tactic (``ExpertsEngine.__call__``).
 TACTIC_KEYS = ("warps", "mtiles", "ring", "chains", "occupancy", "pdl", "wgmma", "pdl_chain",
-               "fused", "claim_ahead", "ctas", "walk")
+               "fused", "claim_ahead", "ctas", "walk", "resident_b")
 
 
 def check_ctas(ctas, owner: str) -> None:
@@ -162,7 +162,10 @@ def complete_tactic(tactic: dict, arch: str) -> dict:
     0-7% slower than the default): each CTA claims, locates and fills the token table of
     its next item while the current item streams its first stages, so an item starts with
     its copies (aimed at short items: FC2 of a TP8 slice has 3 stages); not with
-    ``fused``."""
+    ``fused``. ``resident_b`` (default on; only with ``walk``): a walked FC2 item copies its
+    B operand once and keeps it in shared memory for all its row tiles (``resident_b=0``:
+    copied again with every tile, as before it measured 1-4% slower at TP8 256..1024 rows).
+    No tactic changes a bit."""
     tactic = {"wgmma": False, "pdl_chain": False, "fused": False, **tactic}
     if tactic["fused"] and tactic.get("claim_ahead"):
         raise ValueError("ExpertsEngine: tactic claim_ahead is for the two-kernel path; the "

@@ -293,7 +293,11 @@ class ExpertsGemmKernel:
     next tile's first stages are requested while the current tile computes), writing each
     tile's rows after its last stage. For a GEMM of few stages (FC2 of a TP slice: 3), where
     an item's claim, search, token table and ring fill would otherwise stand between every
-    few stages of weights. Each output's sum is the same chunk order: no bit changes.
+    few stages of weights. The tiles of an item multiply the same B operand (its hidden
+    rows), so a walk keeps it resident (``resident_b``, the default): the first tile's
+    stages copy it once into ``stages`` blocks after the ring, whose slots then hold only
+    weights and scales, and every tile reads it there (``resident_b=False``: copied again
+    with every tile's stages). Each output's sum is the same chunk order: no bit changes.
 
     Constraints: rows % (16 * warps * mtiles) == 0; K % 64 == 0; for FC1, the CTA's
     ``8 * warps * mtiles / 2`` intermediate columns are whole MXFP8 blocks; ``walk``
@@ -306,7 +310,7 @@ class ExpertsGemmKernel:
                  ring: int | None = None, chains: int = 1, occupancy: int | None = None,
                  capture: bool = False, beta: float = 4.0, linear_beta: float = 25.0,
                  pdl: bool = False, wgmma: bool = False, pdl_chain: bool = False,
-                 claim_ahead: bool = False, walk: int = 1):
+                 claim_ahead: bool = False, walk: int = 1, resident_b: bool = True):
         # measured on the H200: a 4-stage ring for one window, 3 stages (one more CTA per
         # multiprocessor) for more; the ring depth never changes a bit
         ring = ring or (4 if windows == 1 else 3)
@@ -364,9 +368,17 @@ class ExpertsGemmKernel:
         self.b_bytes = windows * self.stage_chunks * 1024
         self.w_bytes = warps * mtiles * self.stage_chunks * 512
         self.s_bytes = warps * mtiles * 32 * self.stage_chunks
-        self.slot_bytes = self.b_bytes + self.w_bytes + self.s_bytes
+        #: a walked item's tiles share one B operand (the same hidden rows at every tile):
+        #: its ``stages`` B blocks stay resident after the ring, copied once per item, and
+        #: a ring slot holds only weights and scales
+        #: (tactic ``resident_b=0``: copied again at every tile, as before; no bit changes)
+        self.resident_b = walk > 1 and bool(resident_b)
+        self.w_offset = 0 if self.resident_b else self.b_bytes  # weights' offset in a slot
+        self.slot_bytes = self.w_offset + self.w_bytes + self.s_bytes
         self.granules = WINDOW * windows * 8 * self.stage_chunks  # 16-byte B copies per stage
-        self.smem_bytes = ring * self.slot_bytes  # dynamic: the ring
+        # dynamic: the ring, then (walked) the resident B operand
+        self.smem_bytes = ring * self.slot_bytes + (self.stages * self.b_bytes
+                                                    if self.resident_b else 0)
         items = 2 if self.claim_ahead else 1  # item buffers (info, token table)
         static = 4 * (8 * items + 3 * WINDOW * windows * items
                       + warps * mtiles * WINDOW * windows) + 1024
@@ -670,12 +682,24 @@ class ExpertsGemmKernel:
                 ds = (s + ahead) % NS
                 if g + dg < G:
                     slot = (g * NS + (s + ahead)) % RING
-                    self._issue(src, dst, ok, wbase + Int64(g + dg) * self.tile_weight_bytes,
-                                sbase + Int64(g + dg) * self.tile_scale_bytes,
-                                ring + slot * self.slot_bytes, ds, warp, lane)
+                    if cutlass.const_expr(self.resident_b):
+                        # weights and scales of every tile; the B operand only with the
+                        # first tile's stages (resident for the item's other tiles)
+                        self._issue(src, dst, ok, wbase + Int64(g + dg) * self.tile_weight_bytes,
+                                    sbase + Int64(g + dg) * self.tile_scale_bytes,
+                                    ring + slot * self.slot_bytes, ds, warp, lane,
+                                    operand_b=False)
+                        if cutlass.const_expr(dg == 0):
+                            if g == 0:
+                                self._issue(src, dst, ok, wbase, sbase, Int32(0), ds, warp,
+                                            lane, weights=False, bslot=self._b_slot(ring, ds))
+                    else:
+                        self._issue(src, dst, ok, wbase + Int64(g + dg) * self.tile_weight_bytes,
+                                    sbase + Int64(g + dg) * self.tile_scale_bytes,
+                                    ring + slot * self.slot_bytes, ds, warp, lane)
                 cute.arch.cp_async_commit_group()
                 self._compute(acc, ring + ((g * NS + s) % RING) * self.slot_bytes, warp, lane,
-                              live)
+                              live, bslot=self._b_slot(ring, s) if self.resident_b else None)
             self._join_chains(acc)
             self._epilogue_fc2(acc, table, out, lane, warp, tile + g, ntok)
             for i in cutlass.range_constexpr(MT * self.windows * 4 * self.chains):
@@ -714,13 +738,17 @@ class ExpertsGemmKernel:
         # and tests are Python's, over compile-time ints
         virtual = range(min(self.RING - 1, self.walk * self.stages))
 
-        def issue(v, **parts):
+        def issue(v, operand_b=True, weights=True):
             g, st = divmod(v, self.stages)
             w, sc = wbase, sbase
             if g:
                 w, sc = wbase + g * self.tile_weight_bytes, sbase + g * self.tile_scale_bytes
-            self._issue(src, dst, ok, w, sc, ring + v * self.slot_bytes, st, warp, lane,
-                        **parts)
+            if self.resident_b:  # the B operand once, with the first tile's stages
+                operand_b = operand_b and g == 0
+            if operand_b or weights:
+                self._issue(src, dst, ok, w, sc, ring + v * self.slot_bytes, st, warp, lane,
+                            operand_b=operand_b, weights=weights,
+                            bslot=self._b_slot(ring, st) if self.resident_b else None)
 
         if wait is None:
             for v in range(self.RING - 1):
@@ -735,6 +763,11 @@ class ExpertsGemmKernel:
             issue(v, weights=False)
         for _ in range(self.RING - 1):
             cute.arch.cp_async_commit_group()
+
+    def _b_slot(self, ring, stage):
+        """Shared address of a walked item's resident B operand of ``stage``: after the
+        ``RING`` slots, one ``b_bytes`` block per stage."""
+        return ring + self.RING * self.slot_bytes + stage * self.b_bytes
 
     @cute.jit
     def _claim(self, work: Int64, info, tid, tiles):
@@ -826,11 +859,15 @@ class ExpertsGemmKernel:
 
     @cute.jit
     def _issue(self, src, dst, ok, wbase, sbase, slot, stage, warp, lane,
-               operand_b: cutlass.Constexpr = True, weights: cutlass.Constexpr = True):
+               operand_b: cutlass.Constexpr = True, weights: cutlass.Constexpr = True,
+               bslot=None):
         """cp.async everything ``stage`` reads into ``slot``: this thread's B copies, its
         lane's 16-byte weight pieces (one per m-tile and chunk), and, lanes
         ``< 8 * stage_chunks``, 4 bytes of each of its warp's m-tile scale blocks
-        (``operand_b`` / ``weights`` False: leave those out)."""
+        (``operand_b`` / ``weights`` False: leave those out). ``bslot``: where the B
+        copies go instead of the slot's start (the resident B of a walk)."""
+        if cutlass.const_expr(bslot is None):
+            bslot = slot
         SC: cutlass.Constexpr = self.stage_chunks
         MT: cutlass.Constexpr = self.mtiles
         copies: cutlass.Constexpr = (self.granules + self.threads - 1) // self.threads
@@ -841,19 +878,19 @@ class ExpertsGemmKernel:
                     if cutlass.const_expr(self.wgmma):
                         # the piece's four words to four core matrices (b_offset_wgmma)
                         for m in cutlass.range_constexpr(4):
-                            p.cp_async_4z(slot + dst[i] + m * WGMMA_WORD_STRIDE,
+                            p.cp_async_4z(bslot + dst[i] + m * WGMMA_WORD_STRIDE,
                                           src[i] + offset + 4 * m, ok[i] != 0)
                     else:
-                        p.cp_async_16(slot + dst[i], src[i] + offset, ok[i] != 0)
+                        p.cp_async_16(bslot + dst[i], src[i] + offset, ok[i] != 0)
         if cutlass.const_expr(weights):
-            wslot = slot + self.b_bytes + warp * (MT * SC * 512) + lane * 16
+            wslot = slot + self.w_offset + warp * (MT * SC * 512) + lane * 16
             for mt in cutlass.range_constexpr(MT):
                 for cc in cutlass.range_constexpr(SC):
                     chunk = Int64(stage) * SC + cc
                     p.cp_async_16(wslot + (mt * SC + cc) * 512,
                                   wbase + (Int64(mt) * self.chunks + chunk) * 512, True)
             if lane < 8 * SC:
-                sslot = slot + self.b_bytes + self.w_bytes + warp * (MT * 32 * SC) + lane * 4
+                sslot = slot + self.w_offset + self.w_bytes + warp * (MT * 32 * SC) + lane * 4
                 for mt in cutlass.range_constexpr(MT):
                     p.cp_async_4(sslot + mt * 32 * SC,
                                  sbase + (Int64(mt) * self.stages + stage) * (32 * SC))
@@ -882,17 +919,20 @@ class ExpertsGemmKernel:
                 acc[i] = h.fadd(acc[i], acc[c * MT * W * 4 + i])
 
     @cute.jit
-    def _compute(self, acc, slot, warp, lane, live: int):
+    def _compute(self, acc, slot, warp, lane, live: int, bslot=None):
         """One stage from ``slot``: decode this lane's A fragments, 4 MMAs per chunk,
         m-tile and live window (the first ``live``: the others hold no token of the item
         and their accumulators stay 0); MMA step j of a chunk accumulates into chain
-        ``j % chains``."""
+        ``j % chains``. ``bslot``: the stage's B operand when it is not at the slot's
+        start (the resident B of a walk)."""
+        if cutlass.const_expr(bslot is None):
+            bslot = slot
         SC: cutlass.Constexpr = self.stage_chunks
         MT: cutlass.Constexpr = self.mtiles
         bits: cutlass.Constexpr = 8 * SC
         bias = Uint32(0x7E7E7E7E) if SC == 2 else Uint32(0x7E7E)
-        wslot = slot + self.b_bytes + warp * (MT * SC * 512) + lane * 16
-        sslot = slot + self.b_bytes + self.w_bytes + warp * (MT * 32 * SC) + lane * SC
+        wslot = slot + self.w_offset + warp * (MT * SC * 512) + lane * 16
+        sslot = slot + self.w_offset + self.w_bytes + warp * (MT * 32 * SC) + lane * SC
         xs = []
         for mt in cutlass.range_constexpr(MT):
             if cutlass.const_expr(SC == 2):
@@ -913,14 +953,14 @@ class ExpertsGemmKernel:
                 r1 = self._decode(words[2]) + self._decode(words[3])
                 frags.append(([p.mul_bf16x2(v, f0) for v in r0], [p.mul_bf16x2(v, f1) for v in r1]))
                 if cutlass.const_expr(self.wgmma):
-                    self._wgmma_mtile(acc, frags[mt], slot, cc, mt, live)
+                    self._wgmma_mtile(acc, frags[mt], bslot, cc, mt, live)
             if cutlass.const_expr(not self.wgmma):
                 # B fragments of every live window, then the MMAs step-major so that the
                 # (m-tile, window) accumulator chains interleave (a chain's consecutive
                 # MMAs are not back to back); each chain still adds its steps in order 0..3.
                 bs = []
                 for w in cutlass.range_constexpr(live):
-                    address = slot + (((w * SC + cc) * 2) * 32 + lane) * 16
+                    address = bslot + (((w * SC + cc) * 2) * 32 + lane) * 16
                     bs.append(list(p.lds_v4(address)) + list(p.lds_v4(address + 512)))
                 for j in cutlass.range_constexpr(4):
                     for w in cutlass.range_constexpr(live):
