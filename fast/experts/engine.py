@@ -414,7 +414,7 @@ class ExpertsEngine:
             capture: also return the intermediates (``Capture``; for verification).
             tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
                 "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "claim_ahead", "ctas",
-                "walk"}``
+                "walk", "resident_b"}``
                 (defaults: ``default_tactic``'s tile and grid, a ring of 4 stages for one
                 window and 3 for more, one accumulator chain, CTAs per multiprocessor
                 from the shared memory, ``pdl`` on: FC1 lets FC2 launch early, and FC2
@@ -424,9 +424,10 @@ class ExpertsEngine:
                 multiprocessors times the occupancy, smaller so that every CTA runs many
                 items, as at a real rank's batch; ``walk``: FC2 row tiles per work item,
                 streamed back to back through one ring, for FC2 GEMMs of at most
-                ``kernels.WALK_MAX_STAGES`` stages, not with ``claim_ahead``). Warps,
-                m-tiles, ring, occupancy, pdl, pdl_chain, fused, claim_ahead, ctas and walk
-                never change a bit; ``chains``
+                ``kernels.WALK_MAX_STAGES`` stages, not with ``claim_ahead``;
+                ``resident_b``: a walked item's B operand copied once, default on). Warps,
+                m-tiles, ring, occupancy, pdl, pdl_chain, fused, claim_ahead, ctas, walk
+                and resident_b never change a bit; ``chains``
                 changes the summation order (within the same bound), so a call with a
                 non-default ``chains`` is not batch invariant with the default; ``wgmma``
                 changes the instruction (the contracts hold each MMA kind batch invariant
