@@ -150,3 +150,29 @@ def test_polled_route_spin_reloads_and_reads_the_clock(arch, tmp_path):
         text = "\n".join(body)
         assert "ld.volatile.global.v4.u32" in text, "a spin loop without its volatile load:\n" + text
         assert "%globaltimer" in text, "a spin loop that never reads the clock:\n" + text
+
+
+def test_polled_route_refuses_an_engine_whose_lists_it_was_not_built_for():
+    """The polled-routing kernel does the wide engine's routing-lists work (every expert
+    local, not strict, no empty rows): the layer refuses by name an engine whose list
+    kernel would differ (a DEP owner's, a strict one), and the kernel refuses lists of
+    another width."""
+    from fast.schedules.wide import check_list_params, slice_list_params
+    from fast.schedules.wide_route import PolledRouteKernel
+
+    c = CONFIGS["kimi_k3"]
+
+    class Engine:
+        def __init__(self, **change):
+            self.params = {**slice_list_params(c), **change}
+
+        def list_params(self):
+            return self.params
+
+    check_list_params("WideLayer", Engine(), c)
+    for change in (dict(strict=True), dict(first=56, count=56), dict(empty_rows=True)):
+        with pytest.raises(ValueError, match="WideLayer: the experts engine's routing lists"):
+            check_list_params("WideLayer", Engine(**change), c)
+    with pytest.raises(ValueError, match="the engine's lists are for L=256"):
+        PolledRouteKernel(c.latent, c.experts, c.top_k, True,
+                          lists=dict(slice_list_params(c), latent=256))

@@ -395,7 +395,8 @@ class ExpertsEngine:
 
     def __call__(self, codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, *,
                  out: torch.Tensor | None = None, windows: int | None = None,
-                 validate: bool = True, capture: bool = False, tactic: dict | None = None):
+                 validate: bool = True, capture: bool = False, tactic: dict | None = None,
+                 listed: bool = False):
         """Every local pair's expert row.
 
         Args:
@@ -412,6 +413,12 @@ class ExpertsEngine:
                 its capacity, or (strict) a non-local expert. Pass False inside CUDA-graph
                 capture and call ``check()`` later.
             capture: also return the intermediates (``Capture``; for verification).
+            listed: the caller's kernel, launched before on this stream, already did the
+                routing-lists kernel's work for exactly these ``ids``, ``codes`` and
+                ``scales``: a ``kernels.RoutingListsKernel(**list_params())`` emitted into
+                it appended every pair to this engine's ``lists`` (its ``work`` counters)
+                and wrote its ``plan`` rows (``fast.schedules.wide_route``); the call
+                then launches from the plan kernel on.
             tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
                 "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "claim_ahead", "ctas",
                 "walk", "resident_b"}``
@@ -454,8 +461,9 @@ class ExpertsEngine:
         i64, i32 = _i64, _i32
         stream = backend.stream(self.device)
         work = i64(self.work)
-        fn["lists"](i64(ids), i64(codes), i64(scales), i64(self.plan), i64(self.lists), work,
-                    i32(rows), i32(self.max_rows), stream)
+        if not listed:
+            fn["lists"](i64(ids), i64(codes), i64(scales), i64(self.plan), i64(self.lists), work,
+                        i32(rows), i32(self.max_rows), stream)
         fn["plan"](work, stream)
         null = i64(self._null)
         p = self.prepared
@@ -478,6 +486,13 @@ class ExpertsEngine:
         if validate:
             self.check()
         return (out, cap) if capture else out
+
+    def list_params(self) -> dict:
+        """The ``kernels.RoutingListsKernel`` parameters of this engine's calls (a kernel
+        that does its work for a ``listed`` call builds one from them)."""
+        c, g = self.config, self.geometry
+        return dict(latent=g.latent, top_k=c.top_k, experts=c.experts, first=g.first,
+                    count=g.count, strict=self.strict, empty_rows=self.empty_rows)
 
     def compile_for(self, rows: int) -> None:
         """Compile, on the host only, the kernels a call of ``rows`` rows launches with the

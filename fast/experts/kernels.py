@@ -134,13 +134,19 @@ class RoutingListsKernel:
                 base = Int64(row) * latent + g * 8
                 got = p.ldg_v2(codes + base)
                 scale = p.ldg_u8(scales + Int64(row) * (latent // 32) + g // 4)
-                factor = h.from_bits(_pow2_bits(scale))
-                out = []
-                for w in got:
-                    for half in cutlass.range_constexpr(2):
-                        lo, hi = p.e4m3x2_to_f32(w >> Uint32(16 * half))
-                        out.append(h.pack_bf16x2(h.fmul(lo, factor), h.fmul(hi, factor)))
-                p.stg_v4(plan + base * 2, out)
+                p.stg_v4(plan + base * 2, self.plan_granule(got, scale))
+
+    @staticmethod
+    def plan_granule(codes, scale):
+        """Step 2 for one granule: 8 E4M3 codes (two words, the lower k in the low byte)
+        of one block with E8M0 code ``scale`` -> the 8 BF16 plan values as 4 words."""
+        factor = h.from_bits(_pow2_bits(scale))
+        out = []
+        for w in codes:
+            for half in range(2):
+                lo, hi = p.e4m3x2_to_f32(w >> Uint32(16 * half))
+                out.append(h.pack_bf16x2(h.fmul(lo, factor), h.fmul(hi, factor)))
+        return out
 
     @cute.jit
     def _list_pair(self, work: Int64, lists: Int64, capacity, pair, expert):

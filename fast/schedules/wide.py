@@ -12,7 +12,8 @@ per rank, in the order of ``reference.schedules.wide.wide_rank``::
     main  : front_stage    front_r = x @ [gate_r; down_r]^T (cuBLAS, FP32 out)             │
             publish_stage  PublishKernel: front_r into every rank's mailbox (Lamport)      │
             route_stage    PolledRouteKernel: poll own mailbox, re-arm -> logits [T, E]    │
-                           FP32, latent [T, L] BF16 -> MXFP8 plan rows, ids, weights        │
+                           FP32, latent [T, L] BF16 -> MXFP8 plan rows, ids, weights,       │
+                           the engine's plan rows and routing lists                         │
             experts_stage  fast.experts engine, TP slice (its own routing lists, windows   │
                            of 8 tokens per expert) -> rows [T*K, L] BF16 partial rows       │
             finalize_stage fast.finalize -> routed_partial [T, L] BF16                      │
@@ -51,8 +52,9 @@ synchronization (``validate=False`` engines; :meth:`WideLayer.check` reads the e
 words), so a call can be captured in a CUDA graph (:meth:`WideLayer.graph`, one graph per
 mailbox buffer, replayed alternately).
 
-Not here yet: the routing lists appended by the polled-routing kernel itself (the
-engine's list kernel is a second launch after it), and FlashInfer's fused
+The polled-routing kernel also does the engine's routing-lists work (its plan rows and
+list appends; the engine's call starts at its plan kernel: ``listed=True``). Not here
+yet: FlashInfer's fused
 all-reduce + RMSNorm as a second tail (its contract, ``verify/test_flashinfer_allreduce.py``,
 is written and not yet run on two GPUs). Real ranks: ``fast.schedules.wide_peer``.
 """
@@ -174,6 +176,23 @@ class WideRankOutputs:
     mailbox_index: int
 
 
+def slice_list_params(config: LatentMoEConfig) -> dict:
+    """The routing-lists kernel parameters of a wide rank's engine (every expert local: a
+    TP slice of each; not strict, no empty rows), which the polled-routing kernel emits
+    (``ExpertsEngine.list_params`` of the layer's engines; checked at construction)."""
+    c = config
+    return dict(latent=c.latent, top_k=c.top_k, experts=c.experts, first=0, count=c.experts,
+                strict=False, empty_rows=False)
+
+
+def check_list_params(owner: str, engine, config: LatentMoEConfig) -> None:
+    """The polled-routing kernel does the work of ``engine``'s routing-lists kernel: refuse
+    an engine whose lists differ from the ones it was compiled for."""
+    if engine.list_params() != slice_list_params(config):
+        raise ValueError(f"{owner}: the experts engine's routing lists {engine.list_params()} "
+                         f"are not a wide rank's {slice_list_params(config)}")
+
+
 def kernel_params(config: LatentMoEConfig, ranks: int, *, peers: bool = False) -> dict[str, tuple]:
     """The compile parameters of the wide layer's own kernels for ``ranks`` ranks: virtual
     ranks on one device, or real ranks (``peers``: also the arrival signal after the
@@ -182,7 +201,8 @@ def kernel_params(config: LatentMoEConfig, ranks: int, *, peers: bool = False) -
     params = {
         "publish": dict(latent=c.latent, experts=c.experts, ranks=ranks),
         "route": dict(latent=c.latent, experts=c.experts, top_k=c.top_k,
-                      renormalize=bool(c.renormalize)),
+                      renormalize=bool(c.renormalize),
+                      lists=tuple(sorted(slice_list_params(c).items()))),
         "latent_all_reduce": dict(latent=c.latent, ranks=ranks),
         "hidden_all_reduce": dict(hidden=c.hidden, ranks=ranks),
     }
@@ -208,7 +228,7 @@ def _compiled(kind: str, arch: str, params: tuple):
         obj = PolledRouteKernel(**kw)
         args = [Int64(0)] * 7 + [backend.ptr(None, "f32", 4), backend.ptr(None, "f32", 4),
                                  backend.ptr(None, "i32", 4), Float32(1.0), Int32(0), Int32(0),
-                                 Int32(1), Int32(1)]
+                                 Int32(1)] + [Int64(0)] * 3 + [Int32(1), Int32(1)]
     elif kind == "signal":
         obj, args = k.ArrivalSignalKernel(**kw), [Int64(0)]
     elif kind == "wait":
@@ -351,14 +371,16 @@ class WideStages:
         router (``fast.router``'s) over the polled logits."""
         from cutlass import Float32, Int32, Int64
 
-        c, b = self.config, self._buffers[r]
+        c, b, engine = self.config, self._buffers[r], self.engines[r]
         self._fn["route"](Int64(self.mailboxes[r].data_ptr()), Int64(b["logits"].data_ptr()),
                           Int64(b["latent"].data_ptr()), Int64(b["codes"].data_ptr()),
                           Int64(b["scales"].data_ptr()), Int64(self.error.data_ptr()),
                           Int64(int(self.timeout_s * 1e9)), backend.ptr(self.bias, "f32", 4),
                           backend.ptr(b["weights"], "f32", 4), backend.ptr(b["ids"], "i32", 4),
                           Float32(c.routed_scaling_factor), Int32(r), Int32(self.mailbox_index),
-                          Int32(self.max_rows), Int32(tokens), backend.stream(self.device))
+                          Int32(self.max_rows), Int64(engine.plan.data_ptr()),
+                          Int64(engine.lists.data_ptr()), Int64(engine.work.data_ptr()),
+                          Int32(engine.max_rows), Int32(tokens), backend.stream(self.device))
         self._plan[r] = (b["codes"][:tokens], b["scales"][:tokens])
 
     def experts_stage(self, r: int, tokens: int) -> None:
@@ -367,7 +389,7 @@ class WideStages:
         b, k = self._buffers[r], self.config.top_k
         codes, scales = self._plan[r]
         self.engines[r](codes, scales, b["ids"][:tokens], out=b["rows"][: tokens * k],
-                        validate=False)
+                        validate=False, listed=True)
 
     def finalize_stage(self, r: int, tokens: int) -> None:
         """Rank ``r``'s Finalize of its partial rows: its BF16 partial of the routed latent."""
@@ -521,6 +543,7 @@ class WideLayer(WideStages):
         self.engines = [ExpertsEngine(prepare_experts(weights, device, shard=(r, n)),
                                       max_rows=max_rows, tactic=experts_tactic)
                         for r in range(n)]
+        check_list_params("WideLayer", self.engines[0], c)
         rows, k, L, E, H = max_rows, c.top_k, c.latent, c.experts, c.hidden
         self.mailboxes = [torch.empty(MAILBOX_BUFFERS, rows, L + 2 * E, dtype=torch.int16, **on)
                           for _ in range(n)]

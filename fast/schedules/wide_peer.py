@@ -72,6 +72,7 @@ from fast import activation, backend, finalize, mx, router, stock
 from fast.schedules.dense import check_hidden_rows
 from fast.schedules.wide import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, MailboxTimeout,
                                  WideRankOutputs, WideStages, _as_int32, _compiled,
+                                 check_list_params,
                                  _mm_bf16_into, check_call_options, check_ranks,
                                  check_rows_and_timeout, kernel_params,
                                  mailbox_timeout_message)
@@ -179,6 +180,7 @@ class WidePeerLayer(WideStages):
         self.engine = ExpertsEngine(prepare_experts(weights, device, shard=(r, n)),
                                     max_rows=max_rows, tactic=experts_tactic)
         self.engines = {r: self.engine}
+        check_list_params("WidePeerLayer", self.engine, c)
 
         # the symmetric buffer: everything a peer writes or reads
         self.layout, size = symmetric_layout(c, n, max_rows)
