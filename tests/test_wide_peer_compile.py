@@ -71,8 +71,8 @@ def test_signal_releases_at_system_scope(arch, tmp_path):
 @pytest.mark.parametrize("config,ranks", [("kimi_k3", 8), ("small", 2), ("small_i1024", 16)])
 def test_symmetric_layout_fields_apart_and_aligned(config, ranks):
     """Every field of the symmetric buffer starts on 256 bytes, holds its shape, and no
-    two overlap; the mailbox and the shared partials have one buffer per mailbox
-    rotation, the counters one word per wait and rank."""
+    two overlap; the mailbox, the shared partials and the up columns have one buffer per
+    mailbox rotation, the counters one word per wait and rank."""
     from fast.schedules.wide import MAILBOX_BUFFERS
     from fast.schedules.wide_peer import WAITS, symmetric_layout
 
@@ -80,7 +80,7 @@ def test_symmetric_layout_fields_apart_and_aligned(config, ranks):
     layout, size = symmetric_layout(c, ranks, rows)
     want = {"mailbox": (MAILBOX_BUFFERS, rows, c.latent + 2 * c.experts),
             "partial": (rows, c.latent), "shared": (MAILBOX_BUFFERS, rows, c.hidden),
-            "up": (rows, c.hidden // ranks), "arrivals": (len(WAITS), ranks)}
+            "up": (MAILBOX_BUFFERS, rows, c.hidden // ranks), "arrivals": (len(WAITS), ranks)}
     assert {k: v[1] for k, v in layout.items()} == want
     spans = sorted((at, at + math.prod(shape) * dtype.itemsize)
                    for at, shape, dtype in layout.values())

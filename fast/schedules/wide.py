@@ -316,6 +316,15 @@ class WideStages:
         """The int64 ``[N]`` table of every rank's :meth:`_shared` buffer for this call."""
         return self.shared_table
 
+    def _up(self, r: int) -> torch.Tensor:
+        """Rank ``r``'s up-projection columns buffer BF16 ``[max_rows, H/N]`` this call
+        writes."""
+        return self._buffers[r]["up"]
+
+    def _up_table(self) -> torch.Tensor:
+        """The int64 ``[N]`` table of every rank's :meth:`_up` buffer for this call."""
+        return self.up_table
+
     # -- one rank's stages (a call runs each for every rank; a benchmark times one rank's
     # own work by replaying its stages after a full call filled the peers' buffers) ---------
 
@@ -328,8 +337,11 @@ class WideStages:
     def shared_stage(self, r: int, x: torch.Tensor, *, order: str = "side",
                      side_delay_cycles: int = 0):
         """Rank ``r``'s shared-expert partial into its ``shared`` buffer: ``h = x @
-        gate_up_r^T``, ``act = situ_and_mul(h)``, ``act @ down_r^T`` (BF16 at each). With
-        ``order="side"`` on the side stream (it waits for the current stream first).
+        gate_up_r^T``, ``act = situ_and_mul(h)``, ``act @ down_r^T`` (BF16 at each); then its
+        columns ``cols_r`` copied into the ``up`` buffer, the addend :meth:`latent_stage`
+        accumulates into in place (the copy ``torch.addmm`` would otherwise make on the main
+        stream after the latent all-reduce). With ``order="side"`` on the side stream (it
+        waits for the current stream first).
         Returns the event :meth:`latent_stage` waits on (None when serial)."""
         c, tokens = self.config, x.shape[0]
         main = torch.cuda.current_stream(self.device)
@@ -345,6 +357,8 @@ class WideStages:
             act = activation.situ_and_mul(h, beta=c.situ_beta, linear_beta=c.situ_linear_beta,
                                           out=b["act"][:tokens])
             _mm_bf16_into(act, self.shared_down[r], self._shared(r)[:tokens])
+            cols = slice(r * self.columns, (r + 1) * self.columns)
+            self._up(r)[:tokens].copy_(self._shared(r)[:tokens, cols])
         self._shared_ready[r] = side.record_event() if side is not main else None
         return self._shared_ready[r]
 
@@ -401,14 +415,16 @@ class WideStages:
         """Rank ``r``'s latent all-reduce fused with the RMSNorm
         (``LatentAllReduceNormKernel``, every rank's partial in rank order), then (after
         the shared expert) its up-projection columns ``shared_r[:, cols_r] + normed @
-        up_r^T`` (cuBLAS addmm) into its ``up`` buffer.
+        up_r^T`` (cuBLAS addmm) in place in its ``up`` buffer, which :meth:`shared_stage`
+        filled with ``shared_r[:, cols_r]`` (the cuBLAS call of an out-of-place ``addmm``,
+        which copies its addend into its output first: the same bits).
 
         ``wait_shared``: before the addmm, the current stream waits for the event of the
         last :meth:`shared_stage` on the side stream (none after a serial one). Pass
         False to time this stage alone, without the shared expert: the addmm then reads
         whatever the ``shared`` buffer holds (what an earlier shared stage left there),
         and the event (which may belong to another graph's capture) is neither waited on
-        nor changed."""
+        nor changed, and the addmm accumulates into whatever the ``up`` buffer holds."""
         from cutlass import Float32, Int32, Int64
 
         c, b = self.config, self._buffers[r]
@@ -418,9 +434,8 @@ class WideStages:
             Float32(c.rms_eps), Int32(tokens), backend.stream(self.device))
         if wait_shared and self._shared_ready[r] is not None:
             torch.cuda.current_stream(self.device).wait_event(self._shared_ready[r])
-        cols = slice(r * self.columns, (r + 1) * self.columns)
-        _addmm_bf16_into(self._shared(r)[:tokens, cols], b["normed"][:tokens], self.up[r],
-                         b["up"][:tokens])
+        up = self._up(r)[:tokens]
+        _addmm_bf16_into(up, b["normed"][:tokens], self.up[r], up)
 
     def hidden_stage(self, r: int, tokens: int) -> None:
         """Rank ``r``'s all-reduce of the hidden partials (``HiddenAllReduceKernel``) into
@@ -428,7 +443,7 @@ class WideStages:
         from cutlass import Int32, Int64
 
         self._fn["hidden_all_reduce"](
-            Int64(self._shared_table().data_ptr()), Int64(self.up_table.data_ptr()),
+            Int64(self._shared_table().data_ptr()), Int64(self._up_table().data_ptr()),
             Int64(self._buffers[r]["out"].data_ptr()), Int32(tokens), backend.stream(self.device))
 
     def outputs(self, r: int, tokens: int) -> WideRankOutputs:
@@ -446,7 +461,7 @@ class WideStages:
             routed=b["routed"][:tokens], normed=b["normed"][:tokens],
             shared_gate_up=b["gate_up"][:tokens], shared_act=b["act"][:tokens],
             shared=self._shared(r)[:tokens],
-            up_columns=b["up"][:tokens], out=b["out"][:tokens], mailbox_index=self.mailbox_index)
+            up_columns=self._up(r)[:tokens], out=b["out"][:tokens], mailbox_index=self.mailbox_index)
 
     def graph(self, xs, *, order: str = "side", shared: str = DEFAULT_SHARED_PLACEMENT):
         """Capture one call on the static inputs ``xs`` in CUDA graphs, one per mailbox
@@ -711,6 +726,7 @@ def _mm_bf16_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
 
 def _addmm_bf16_into(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """``out = c + a @ b^T`` in BF16 (cuBLAS ``addmm``: ``fast.stock.addmm_bf16`` writing
-    into a given buffer; ``c`` may be a column slice)."""
+    into a given buffer). ``c`` may be ``out`` itself (accumulated in place, no copy) or
+    another tensor, which torch copies into ``out`` first."""
     with stock.fp32_reduction():
         torch.addmm(c, a, b.t(), out=out)

@@ -39,9 +39,12 @@ scope). Every overwrite below is after the last read of the previous contents:
 * partial of rank ``r`` (read by every rank ``o``'s latent all-reduce of call ``c``,
   rewritten by ``r``'s finalize of call ``c + 1``): ``o``'s latent stage ``c`` -> ``o``'s
   signal 1 of call ``c`` -> ``r``'s wait 1 of call ``c`` -> ``r``'s finalize ``c + 1``;
-* up of rank ``r`` (read by ``o``'s hidden all-reduce of call ``c``, rewritten by ``r``'s
-  addmm of call ``c + 1``): ``o``'s hidden stage ``c`` -> ``o``'s signal 0 of call ``c +
-  1`` -> ``r``'s wait 0 of call ``c + 1`` -> ``r``'s addmm ``c + 1``;
+* up of rank ``r`` (read by ``o``'s hidden all-reduce of call ``c``): the shared stage
+  copies the addend of the up columns into it on the side stream, before any wait of its
+  call, so it rotates with the mailbox as ``shared`` does (below): buffer ``c % 2``,
+  rewritten in call ``c + 2`` (the copy, then the addmm): ``o``'s hidden stage ``c`` ->
+  ``o``'s signal 0 of call ``c + 1`` -> ``r``'s wait 0 of call ``c + 1`` -> ``r``'s
+  shared stage ``c + 2``;
 * shared of rank ``r``: the shared expert runs on the side stream from the *start* of the
   call, before any wait, so one buffer would race with a slower peer's hidden all-reduce
   of the previous call. It rotates with the mailbox: buffer ``c % 2``, rewritten in call
@@ -96,7 +99,8 @@ def symmetric_layout(config, ranks: int, max_rows: int) -> tuple[dict, int]:
     * ``partial`` BF16 ``[max_rows, L]`` (the rank's routed partial);
     * ``shared`` BF16 ``[2, max_rows, H]`` (the shared-expert partial, one per mailbox
       buffer: the module docstring says why);
-    * ``up`` BF16 ``[max_rows, H/N]`` (the rank's up-projection columns);
+    * ``up`` BF16 ``[2, max_rows, H/N]`` (the rank's up-projection columns, one per mailbox
+      buffer, as ``shared``);
     * ``arrivals`` int32 (uint32 counters) ``[len(WAITS), N]``: word ``[w, s]`` counts
       rank ``s``'s signals for wait ``w``.
 
@@ -106,7 +110,7 @@ def symmetric_layout(config, ranks: int, max_rows: int) -> tuple[dict, int]:
         "mailbox": ((MAILBOX_BUFFERS, rows, c.latent + 2 * c.experts), torch.int16),
         "partial": ((rows, c.latent), torch.bfloat16),
         "shared": ((MAILBOX_BUFFERS, rows, c.hidden), torch.bfloat16),
-        "up": ((rows, c.hidden // ranks), torch.bfloat16),
+        "up": ((MAILBOX_BUFFERS, rows, c.hidden // ranks), torch.bfloat16),
         "arrivals": ((len(WAITS), ranks), torch.int32),
     })
 
@@ -202,7 +206,6 @@ class WidePeerLayer(WideStages):
             normed=torch.empty(rows, L, dtype=torch.bfloat16, **on),
             gate_up=torch.empty(rows, 2 * s_n, dtype=torch.bfloat16, **on),
             act=torch.empty(rows, s_n, dtype=torch.bfloat16, **on),
-            up=sym["up"],
             out=torch.empty(rows, H, dtype=torch.bfloat16, **on),
         )}
 
@@ -210,8 +213,9 @@ class WidePeerLayer(WideStages):
         shared_bytes = rows * H * 2
         self.mailbox_table = table("mailbox")
         self.partial_table = table("partial")
-        self.up_table = table("up")
         self.shared_tables = [table("shared", i * shared_bytes) for i in range(MAILBOX_BUFFERS)]
+        up_bytes = rows * (H // n) * 2
+        self.up_tables = [table("up", i * up_bytes) for i in range(MAILBOX_BUFFERS)]
         # my counter word at every rank, per wait
         self.arrival_tables = [table("arrivals", 4 * (w * n + r)) for w in range(len(WAITS))]
         self.expected = torch.zeros(len(WAITS), dtype=torch.int32, **on)
@@ -245,6 +249,13 @@ class WidePeerLayer(WideStages):
 
     def _shared_table(self) -> torch.Tensor:
         return self.shared_tables[self.mailbox_index]
+
+    def _up(self, r: int) -> torch.Tensor:
+        """This rank's up-projection columns of the current call: buffer ``calls % 2``."""
+        return self.symmetric["up"][self.mailbox_index]
+
+    def _up_table(self) -> torch.Tensor:
+        return self.up_tables[self.mailbox_index]
 
     def _prepare(self, tokens: int) -> None:
         """Before the first call of ``tokens`` rows: compile the engine's kernels for it
