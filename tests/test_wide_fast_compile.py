@@ -118,9 +118,15 @@ def test_poll_spin_reloads_and_reads_the_clock(arch, tmp_path):
     widths (448 latent + 224 logit granules over 128 threads: 6)."""
     dumps = dump_ptx(_POLL_PTX.format(latent=3584, experts=896, arch=arch), tmp_path,
                      "*PollKernel*.ptx")
-    assert len(dumps) == 1, f"expected one PTX dump of the poll, found {dumps}"
+    _check_spin_loops(dumps, 6, "the poll")
+
+
+def _check_spin_loops(dumps, expected: int, what: str) -> None:
+    """One PTX dump whose ``expected`` spin loops each reload their granule with
+    ``ld.volatile`` and read ``%globaltimer``."""
+    assert len(dumps) == 1, f"expected one PTX dump of {what}, found {dumps}"
     loops = spin_loops(dumps[0].read_text())
-    assert len(loops) == 6, f"{len(loops)} spin loops in the poll's PTX, expected 6"
+    assert len(loops) == expected, f"{len(loops)} spin loops in {what}'s PTX, expected {expected}"
     for body in loops:
         text = "\n".join(body)
         assert "ld.volatile.global.v4.u32" in text, "a spin loop without its volatile load:\n" + text
@@ -143,13 +149,7 @@ def test_polled_route_spin_reloads_and_reads_the_clock(arch, tmp_path):
     router's 448 threads): the same two properties per spin loop, one loop per granule a
     thread polls (672 granules over 448 threads: 2)."""
     dumps = dump_ptx(_ROUTE_PTX.format(arch=arch), tmp_path, "*PolledRouteKernel*.ptx")
-    assert len(dumps) == 1, f"expected one PTX dump of the polled route, found {dumps}"
-    loops = spin_loops(dumps[0].read_text())
-    assert len(loops) == 2, f"{len(loops)} spin loops in the polled route's PTX, expected 2"
-    for body in loops:
-        text = "\n".join(body)
-        assert "ld.volatile.global.v4.u32" in text, "a spin loop without its volatile load:\n" + text
-        assert "%globaltimer" in text, "a spin loop that never reads the clock:\n" + text
+    _check_spin_loops(dumps, 2, "the polled route")
 
 
 def test_polled_route_refuses_an_engine_whose_lists_it_was_not_built_for():
