@@ -295,7 +295,7 @@ class WideStages:
     per process). Each stage takes the rank ``r`` and reads the per-rank containers
     (indexed by rank: lists in the virtual layer, ``{rank: ...}`` in a real rank):
     ``_buffers``, ``engines``, ``mailboxes``, ``front_weights``, ``shared_gate_up``,
-    ``shared_down``, ``up``, ``_front``, ``_plan``, ``_shared_ready``; the address tables
+    ``shared_down``, ``up``, ``_front``, ``_shared_ready``; the address tables
     ``mailbox_table``, ``partial_table``, ``up_table`` and the shared partials through
     :meth:`_shared` / :meth:`_shared_table` (one buffer in the virtual layer, one per
     mailbox buffer in a real rank); and ``config``, ``ranks``, ``max_rows``, ``device``,
@@ -395,13 +395,12 @@ class WideStages:
                           Int32(self.max_rows), Int64(engine.plan.data_ptr()),
                           Int64(engine.lists.data_ptr()), Int64(engine.work.data_ptr()),
                           Int32(engine.max_rows), Int32(tokens), backend.stream(self.device))
-        self._plan[r] = (b["codes"][:tokens], b["scales"][:tokens])
 
     def experts_stage(self, r: int, tokens: int) -> None:
         """Rank ``r``'s listed engine (every expert's TP slice) over the plan rows:
         this rank's partial expert rows ``[T K, L]``."""
         b, k = self._buffers[r], self.config.top_k
-        codes, scales = self._plan[r]
+        codes, scales = b["codes"][:tokens], b["scales"][:tokens]
         self.engines[r](codes, scales, b["ids"][:tokens], out=b["rows"][: tokens * k],
                         validate=False, listed=True)
 
@@ -448,11 +447,11 @@ class WideStages:
 
     def outputs(self, r: int, tokens: int) -> WideRankOutputs:
         """Rank ``r``'s :class:`WideRankOutputs` of the stages run last with ``tokens``
-        rows (views into the layer's buffers; ``front`` and the plan rows are the last
-        ones the rank's stages made)."""
+        rows (views into the layer's buffers; ``front`` is the last one its front stage
+        made)."""
         b, engine, k = self._buffers[r], self.engines[r], self.config.top_k
         counts_at = engine.layout.count
-        codes, scales = self._plan[r]
+        codes, scales = b["codes"][:tokens], b["scales"][:tokens]
         return WideRankOutputs(
             front=self._front[r], logits=b["logits"][:tokens], latent=b["latent"][:tokens],
             weights=b["weights"][:tokens], ids=b["ids"][:tokens], codes=codes, scales=scales,
@@ -592,9 +591,8 @@ class WideLayer(WideStages):
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
         self._side = torch.cuda.Stream(device)
         self._fn = {kind: _compiled(kind, self.arch, p) for kind, p in kernel_params(c, n).items()}
-        # this call's per-rank temporaries (the front, the plan rows, the side stream's event)
+        # this call's per-rank temporaries (the front, the side stream's event)
         self._front = [None] * n
-        self._plan = [None] * n
         self._shared_ready = [None] * n
         self.calls = 0
         self.reset()

@@ -224,7 +224,7 @@ class WidePeerLayer(WideStages):
         self._side = torch.cuda.Stream(device)
         self._fn = {kind: _compiled(kind, self.arch, p)
                     for kind, p in kernel_params(c, n, peers=True).items()}
-        self._front, self._plan, self._shared_ready = {r: None}, {r: None}, {r: None}
+        self._front, self._shared_ready = {r: None}, {r: None}
         self.calls = 0
         self._prepared: set[int] = set()
         self._arm()
