@@ -191,15 +191,27 @@ def rank_dense_bytes(layer, r: int) -> int:
         layer.front_weights[r], layer.shared_gate_up[r], layer.shared_down[r], layer.up[r]))
 
 
-def rank_arguments(ap, *, tokens: str, reps: int) -> None:
-    """The options of a run over one virtual rank's layer: ``--ranks``, ``--tokens``,
-    ``--reps`` and ``--experts-tactic``."""
+def rank_arguments(ap, *, out: str, tokens: str, reps: int) -> None:
+    """The options of a run over one virtual rank's layer: ``--render`` (a result JSON to
+    print as markdown instead of a run: :func:`rendered`), ``--out``, ``--ranks``,
+    ``--tokens``, ``--reps`` and ``--experts-tactic``."""
+    ap.add_argument("--render", help="print the markdown of a result JSON and exit")
+    ap.add_argument("--out", default=out)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--tokens", default=tokens)
     ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--experts-tactic", default="",
                     help="the experts engine's tactic in the layer, e.g. 'wgmma=1,fused=1' "
                          "(ExpertsEngine tactic; default the engine's)")
+
+
+def rendered(args, render) -> bool:
+    """With ``--render``: print ``render`` of that result JSON and return True (no run)."""
+    if not args.render:
+        return False
+    with open(args.render) as f:
+        print(render(json.load(f)), end="")
+    return True
 
 
 def measured_layer(ranks: int, tokens_list, experts_tactic: str):
@@ -279,14 +291,10 @@ def render(result: dict) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--render", help="print the markdown table of a result JSON and exit")
-    ap.add_argument("--out", default="wide_table.json")
-    rank_arguments(ap, tokens="65,128,256,512,1024", reps=20)
+    rank_arguments(ap, out="wide_table.json", tokens="65,128,256,512,1024", reps=20)
     ap.add_argument("--peers", default="triton")
     args = ap.parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            print(render(json.load(f)), end="")
+    if rendered(args, render):
         return
 
     tokens_list = [int(t) for t in args.tokens.split(",")]

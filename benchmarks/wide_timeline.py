@@ -36,7 +36,7 @@ import statistics
 import torch
 
 from benchmarks.wide_table import (fast_stages, measured_layer, published_case, rank_arguments,
-                                   rearm_peers)
+                                   rearm_peers, rendered)
 
 #: The project's kernels by class name (what CuTe DSL puts in the kernel symbol).
 CLASS_PATTERN = re.compile(r"([A-Z][A-Za-z0-9]*Kernel)")
@@ -131,13 +131,9 @@ def render(result: dict) -> str:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--render", help="print the markdown of a result JSON and exit")
-    ap.add_argument("--out", default="wide_timeline.json")
-    rank_arguments(ap, tokens="65,1024", reps=10)
+    rank_arguments(ap, out="wide_timeline.json", tokens="65,1024", reps=10)
     args = ap.parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            print(render(json.load(f)), end="")
+    if rendered(args, render):
         return
 
     from torch.profiler import ProfilerActivity, profile

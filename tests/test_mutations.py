@@ -238,6 +238,13 @@ MUTATIONS = [
          "            self._epilogue_fc2(acc, table, out, lane, warp, tile + g, ntok)\n",
          ["verify/test_experts.py::test_experts_stages_every_tactic[fast-walk=2]"],
          needs_gpu=True),
+    _one("fast experts engine (walk, resident B): every stage reads the first stage's "
+         "resident B block (the item's later k taken from its first 128)",
+         "fast/experts/kernels.py",
+         "live, bslot=self._b_slot(ring, s) if self.resident_b else None)",
+         "live, bslot=self._b_slot(ring, 0) if self.resident_b else None)",
+         ["verify/test_experts.py::test_experts_stages_every_tactic[fast-walk=2]"],
+         needs_gpu=True),
     _one("fast wide layer: the shared expert never runs when placed beside the experts",
          "fast/schedules/wide.py",
          "            if shared == \"beside\":\n                shared_expert(r)\n",

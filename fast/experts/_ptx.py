@@ -14,7 +14,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 __all__ = [
     "ldg_stream_v4", "ldg_u32", "ldg_u16", "ldg_u8", "ldg_i32", "ldg_v2", "ldg_u64",
     "stg_u16", "stg_u8", "stg_f32", "stg_i32", "stg_u32", "stg_v4", "atomic_cas", "ld_acquire_sys",
-    "cp_async_16", "cp_async_4", "cp_async_4z", "lds_u16", "lds_u8", "lds_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
+    "cp_async_16", "cp_async_4", "cp_async_4z", "lds_u16", "lds_u8", "lds_v4", "sts_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
     "mma_bf16", "rotr", "prmt", "mul_bf16x2", "atomic_add", "atomic_max", "shfl_xor", "shfl_up",
     "e4m3x2_to_f32", "f32x2_to_e4m3x2", "f32_to_bf16_bits",
     "smem_matrix_descriptor", "wgmma_bf16", "wgmma_bf16_ss", "wgmma_settle", "ld_relaxed_gpu",
@@ -180,6 +180,11 @@ def lds_u8(smem_address):
 def lds_v4(smem_address):
     return _asm("ld.shared.v4.u32 { {$w0}, {$w1}, {$w2}, {$w3} }, [{$r0}];", [Uint32] * 4,
                 [Int32(smem_address)])
+
+
+def sts_v4(smem_address, words):
+    _asm("st.shared.v4.u32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };", [],
+         [Int32(smem_address)] + [Uint32(w) for w in words])
 
 
 def sts_f32(smem_address, value):

@@ -688,21 +688,16 @@ class ExpertsGemmKernel:
                 ds = (s + ahead) % NS
                 if g + dg < G:
                     slot = (g * NS + (s + ahead)) % RING
-                    if cutlass.const_expr(self.resident_b):
-                        # weights and scales of every tile; the B operand only with the
-                        # first tile's stages (resident for the item's other tiles)
-                        self._issue(src, dst, ok, wbase + Int64(g + dg) * self.tile_weight_bytes,
-                                    sbase + Int64(g + dg) * self.tile_scale_bytes,
-                                    ring + slot * self.slot_bytes, ds, warp, lane,
-                                    operand_b=False)
-                        if cutlass.const_expr(dg == 0):
-                            if g == 0:
-                                self._issue(src, dst, ok, wbase, sbase, Int32(0), ds, warp,
-                                            lane, weights=False, bslot=self._b_slot(ring, ds))
-                    else:
-                        self._issue(src, dst, ok, wbase + Int64(g + dg) * self.tile_weight_bytes,
-                                    sbase + Int64(g + dg) * self.tile_scale_bytes,
-                                    ring + slot * self.slot_bytes, ds, warp, lane)
+                    # resident B: the slot takes weights and scales only; the B operand
+                    # goes to its block with the first tile's stages (g + dg == 0)
+                    self._issue(src, dst, ok, wbase + Int64(g + dg) * self.tile_weight_bytes,
+                                sbase + Int64(g + dg) * self.tile_scale_bytes,
+                                ring + slot * self.slot_bytes, ds, warp, lane,
+                                operand_b=not self.resident_b)
+                    if cutlass.const_expr(self.resident_b and dg == 0):
+                        if g == 0:
+                            self._issue(src, dst, ok, wbase, sbase, Int32(0), ds, warp, lane,
+                                        weights=False, bslot=self._b_slot(ring, ds))
                 cute.arch.cp_async_commit_group()
                 self._compute(acc, ring + ((g * NS + s) % RING) * self.slot_bytes, warp, lane,
                               live, bslot=self._b_slot(ring, s) if self.resident_b else None)

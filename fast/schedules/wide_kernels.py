@@ -56,13 +56,6 @@ _THREADS = 128
 # --- PTX helpers this file needs beyond fast.experts._ptx ------------------------------
 
 
-def _sts_v4(smem_address, words):
-    """Four words to a 16-byte aligned shared-memory byte address (``st.shared.v4.u32``)."""
-    cute.arch.inline_ptx("st.shared.v4.u32 [{$r0}], { {$r1}, {$r2}, {$r3}, {$r4} };",
-                         write_only_types=[],
-                         read_only_args=[Int32(smem_address)] + [Uint32(w) for w in words])
-
-
 def _ld_volatile_v4(address, now):
     """Four words from a 16-byte aligned global address, re-read from memory on every
     call (``ld.volatile.global.v4.u32``): a poll sees a peer's store as soon as it lands.
@@ -261,7 +254,7 @@ class PollKernel:
                         logits + (Int64(t) * self.experts + (g - latent_granules) * 4) * 4)
                     p.stg_v4(out, [words[j] for j in range(4)])
                     if cutlass.const_expr(staged is not None):
-                        _sts_v4(cutlass.select_(is_latent, staged[0] + g * 16,
+                        p.sts_v4(cutlass.select_(is_latent, staged[0] + g * 16,
                                                 staged[1] + (g - latent_granules) * 16),
                                 [words[j] for j in range(4)])
                     armed = cutlass.select_(is_latent, Uint32(SENTINEL_LATENT_WORD),
