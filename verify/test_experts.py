@@ -519,6 +519,17 @@ def test_experts_bad_input(backend):
     with pytest.raises(EngineError, match=r"ids\[2, 5\] = 64 is outside"):
         engine(codes, scales, bad)
     engine(codes, scales, ids)  # the error was cleared
+    # every row names local expert 16 in two slots: 16 appends to a list of capacity 8.
+    # The pairs past the capacity are refused, and the plan kernel runs no item at all
+    # (a clamped list would still compute some rows: none is written)
+    full, full_s = latent_rows(cfg, 8, 3)
+    twice = cases.routing(cfg, 8, 3).cuda()
+    twice[:, :2] = 16
+    rows = engine(full.cuda(), full_s.cuda(), twice, validate=False)
+    with pytest.raises(EngineError, match=r"expert 16's routing list is over its capacity 8"):
+        engine.check()
+    assert bool(rows.isnan().all()), "a call whose routing list overflowed wrote rows"
+    engine(codes, scales, ids)  # the error was cleared, the lists re-armed
     nonlocal_ids = torch.zeros_like(ids)
     nonlocal_ids[:] = torch.arange(16, dtype=torch.int32, device="cuda") + 32  # experts 32..47
     with pytest.raises(EngineError, match="not a local expert"):

@@ -650,7 +650,7 @@ class BlackwellExpertsEngine:
         work, null = i64(self.work), i64(self._null)
         fn["lists"](i64(ids), i64(codes), i64(scales), i64(self.plan), i64(self.lists), work,
                     Int32(rows), Int32(self.max_rows), stream)
-        fn["plan"](work, stream)
+        fn["plan"](work, Int32(self.max_rows), Int32(rows * c.top_k), stream)
         caps = [i64(t) for t in ((cap.fc1, cap.codes, cap.scales) if cap else (self._null,) * 3)]
         p_ = self.prepared
         grid = Int32(ctas or self.sms)  # default one CTA per multiprocessor (shared memory)

@@ -20,7 +20,8 @@ _TOP_K = 16
 
 
 class EngineError(ValueError):
-    """A bad routing entry found by the engine's routing-lists kernel."""
+    """A bad routing entry found by the engine's routing-lists kernel, or routing lists its
+    plan kernel refused (over their capacity, or holding more pairs than the call has)."""
 
 
 @dataclasses.dataclass
@@ -190,7 +191,7 @@ def _compiled(kind: str, arch: str, params: tuple):
         args = [Int64(0)] * 6 + [Int32(1), Int32(1)]
     elif kind == "plan":
         obj = kernels.PlanKernel(**kw)
-        args = [Int64(0)]
+        args = [Int64(0), Int32(1), Int32(1)]
     elif kind == "fused":
         obj = kernels.FusedExpertsKernel(kernels.ExpertsGemmKernel(**dict(kw["fc1"])),
                                          kernels.ExpertsGemmKernel(**dict(kw["fc2"])))
@@ -464,7 +465,7 @@ class ExpertsEngine:
         if not listed:
             fn["lists"](i64(ids), i64(codes), i64(scales), i64(self.plan), i64(self.lists), work,
                         i32(rows), i32(self.max_rows), stream)
-        fn["plan"](work, stream)
+        fn["plan"](work, i32(self.max_rows), i32(rows * c.top_k), stream)
         null = i64(self._null)
         p = self.prepared
         caps = [i64(t) for t in ((cap.fc1, cap.codes, cap.scales) if cap else (self._null,) * 3)]
@@ -486,6 +487,15 @@ class ExpertsEngine:
         if validate:
             self.check()
         return (out, cap) if capture else out
+
+    def live_counts(self) -> torch.Tensor:
+        """The routing lists' append counters, int32 ``[count]`` (a view of the work table):
+        what the appends of a call set and its plan kernel reads and re-arms to 0. A caller
+        whose own kernel appends (``listed``) and that must drop those appends (a route
+        stage run without the experts stage) zeroes them; a benchmark that replays a
+        listed call alone restores them before each replay."""
+        at = self.layout.live
+        return self.work[at:at + self.geometry.count]
 
     def list_params(self) -> dict:
         """The ``kernels.RoutingListsKernel`` parameters of this engine's calls (a kernel
@@ -523,13 +533,20 @@ class ExpertsEngine:
         (tactic ``fused``) an FC2 item's wait for its expert timed out (synchronizes the
         device), and clear the error."""
         from fast.experts.kernels import (ERROR_GATE_TIMEOUT, ERROR_ID_RANGE,
-                                          ERROR_LIST_OVERFLOW, GATE_SPIN_LIMIT)
+                                          ERROR_LIST_OVERFLOW, ERROR_STALE_LISTS,
+                                          GATE_SPIN_LIMIT)
 
         at = self.layout.error
         code, pair, value = (int(v) for v in self.work[at:at + 3].tolist())
         if code == 0:
             return
         self.work[at:at + 3] = 0
+        if code == ERROR_STALE_LISTS:
+            raise EngineError(f"ExpertsEngine: the routing lists held {pair} pairs, more than the "
+                              f"call's {value} (rows x top_k): appends of an earlier listed call "
+                              f"that no call consumed (a route stage run twice without the "
+                              f"experts stage?); nothing was computed, and the lists are "
+                              f"re-armed")
         if code == ERROR_GATE_TIMEOUT:
             raise EngineError(f"ExpertsEngine (fused): an FC2 item of local expert {pair} waited "
                               f"{GATE_SPIN_LIMIT} polls (about 2 s) for its expert's FC1 items and saw "

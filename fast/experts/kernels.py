@@ -27,9 +27,12 @@ __all__ = ["WINDOW", "EMPTY_ID", "Workspace", "RoutingListsKernel", "PlanKernel"
 WINDOW = 8
 #: The id of every slot of an empty receive row (engines built with ``empty_rows``).
 EMPTY_ID = -1
-#: Error codes the kernels record (``Workspace.error``): the routing-lists kernel's three,
-#: and the fused kernel's FC2 wait for its expert's FC1 items timing out.
+#: Error codes the kernels record (``Workspace.error``; the largest recorded wins): the
+#: routing-lists kernel's three, the fused kernel's FC2 wait for its expert's FC1 items
+#: timing out, and the plan kernel finding more listed pairs than the call has (lists that
+#: no plan kernel consumed: a ``listed`` call's appends made twice).
 ERROR_ID_RANGE, ERROR_LIST_OVERFLOW, ERROR_NOT_LOCAL, ERROR_GATE_TIMEOUT = 1, 2, 3, 4
+ERROR_STALE_LISTS = 5
 #: How many times a fused FC2 item polls its expert's FC1 count before it gives up (claims
 #: are in order and an FC1 item never waits, so only a broken kernel reaches it): 2^22 L2
 #: round trips, about 2 s. A count, not ``%globaltimer``: on the H200 the relaxed spin
@@ -178,11 +181,19 @@ class RoutingListsKernel:
 class PlanKernel:
     """Windows and work items of one call: one CTA, one thread per local expert.
 
-    Thread ``e``: ``c = live[e]``, ``live[e] = 0`` (re-armed for the next call), window
-    groups ``wg = ceil(c / (8 W))``; block-wide inclusive scans (warp shuffles, then the
-    warp totals in order) give ``wgp`` and ``offs``; thread 0 zeroes both work counters.
-    The FC kernels' items are ``(expert, tile, window group)`` in that order: item ``i``
-    belongs to the expert with ``tiles * wgp[e] <= i < tiles * wgp[e + 1]``.
+    Thread ``e``: ``c = min(live[e], capacity)`` (a list's appends past its capacity were
+    refused and recorded by the appender), ``live[e] = 0`` (re-armed for the next call),
+    window groups ``wg = ceil(c / (8 W))``; block-wide inclusive scans (warp shuffles, then
+    the warp totals in order) give ``wgp`` and ``offs``; thread 0 zeroes both work
+    counters. The FC kernels' items are ``(expert, tile, window group)`` in that order: item
+    ``i`` belongs to the expert with ``tiles * wgp[e] <= i < tiles * wgp[e + 1]``.
+
+    Guard: if a list is over its capacity (error ``ERROR_LIST_OVERFLOW``, recorded by the
+    appender) or the lists hold more pairs than the call's ``pairs`` (``rows * top_k``:
+    appends of an earlier call whose plan kernel never ran; error ``ERROR_STALE_LISTS``
+    with the listed count and ``pairs``), every count is 0: no item runs, no row is
+    written, and nothing is read or written past the lists, the hidden rows and the output
+    the call sized.
 
     Constraint: at most 1024 local experts.
     """
@@ -198,27 +209,34 @@ class PlanKernel:
         self.ws = Workspace(count)
 
     @cute.jit
-    def __call__(self, work: Int64, stream):
-        self.kernel(work).launch(grid=(1, 1, 1), block=(self.threads, 1, 1), stream=stream,
-                                 use_pdl=self.pdl_chain)
+    def __call__(self, work: Int64, capacity: Int32, pairs: Int32, stream):
+        self.kernel(work, capacity, pairs).launch(grid=(1, 1, 1), block=(self.threads, 1, 1),
+                                                  stream=stream, use_pdl=self.pdl_chain)
 
     @cute.kernel
-    def kernel(self, work: Int64):
+    def kernel(self, work: Int64, capacity: Int32, pairs: Int32):
         tid = cute.arch.thread_idx()[0]
         lane = tid % 32
         warp = tid // 32
         ws = self.ws
         per_group: cutlass.Constexpr = WINDOW * self.windows
         nwarps: cutlass.Constexpr = self.threads // 32
-        smem = cute.arch.alloc_smem(Int32, 2 * 32, alignment=16).toint()
+        smem = cute.arch.alloc_smem(Int32, 2 * 32 + 4, alignment=16).toint()
+        stale = smem + 2 * 32 * 4  # 1: the counts are unusable (the guard below)
         if cutlass.const_expr(self.pdl_chain):
             # after the wait, not before: FC1's CTAs, once scheduled, may fill the
             # multiprocessors, and the list kernel's CTAs must all have been placed by then
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
+        if tid == 0:
+            p.sts_i32(stale, 0)
+        cute.arch.sync_threads()
         c = Int32(0)
         if tid < self.count:
             c = p.ldg_i32(work + Int64(ws.live + tid) * 4)
+            if c > capacity:  # the appender refused (and recorded) the pairs past it
+                c = capacity
+                p.sts_i32(stale, 1)
             p.stg_i32(work + Int64(ws.live + tid) * 4, 0)
             if cutlass.const_expr(self.fused):
                 p.stg_i32(work + Int64(ws.ready + tid) * 4, 0)
@@ -244,6 +262,11 @@ class PlanKernel:
                 p.sts_i32(smem + i * 8 + 4, run_w)
                 run_c = run_c + tc
                 run_w = run_w + tw
+            if run_c > pairs:
+                p.sts_i32(stale, 1)
+                p.atomic_max(work + ws.error * 4, ERROR_STALE_LISTS)
+                p.stg_i32(work + (ws.error + 1) * 4, run_c)
+                p.stg_i32(work + (ws.error + 2) * 4, pairs)
             p.stg_i32(work + ws.wgp * 4, 0)
             p.stg_i32(work + ws.offs * 4, 0)
             p.stg_i32(work + ws.claim * 4, 0)
@@ -252,6 +275,8 @@ class PlanKernel:
         if tid < self.count:
             sc = sc + p.lds_i32(smem + warp * 8)
             sw = sw + p.lds_i32(smem + warp * 8 + 4)
+            if p.lds_i32(stale) != 0:
+                sc, sw, c = Int32(0), Int32(0), Int32(0)
             p.stg_i32(work + Int64(ws.wgp + 1 + tid) * 4, sw)
             p.stg_i32(work + Int64(ws.offs + 1 + tid) * 4, sc)
             p.stg_i32(work + Int64(ws.count + tid) * 4, c)
