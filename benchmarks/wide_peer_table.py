@@ -238,14 +238,29 @@ def stage_fns(layer, x: torch.Tensor) -> dict:
 def time_stages(layer, x: torch.Tensor, *, ranks: Ranks, flush) -> dict:
     """Per stage, ``ranks.times`` of its graph: every rank has finished the stage before
     (a barrier) and has the same call count (the same mailbox buffer). Leaves both
-    buffers of every rank's mailbox armed (checked)."""
+    buffers of every rank's mailbox armed (checked) and the engine's routing lists empty.
+
+    Before each replay (outside the timed events): a stage that polls gets its mailbox
+    back as every rank's publish left it and the engine's routing-list counters zeroed (a
+    route replayed alone appends, and no experts stage consumes it); the experts stage
+    alone gets the counters one route replay left (its lists and plan rows stay in
+    memory: the plan kernel reads and re-arms only the counters)."""
     r, tokens, latent = layer.rank, x.shape[0], layer.config.latent
     own, index = layer.mailboxes[layer.rank], layer.mailbox_index
+    live = layer.engine.live_counts()
     fns = stage_fns(layer, x)
+    assert STAGES.index("route") < STAGES.index("experts")
 
     def restore_and_flush(snapshot):
         def before():
             own[index].copy_(snapshot)
+            live.zero_()
+            flush()
+        return before
+
+    def relist_and_flush(listed):
+        def before():
+            live.copy_(listed)
             flush()
         return before
 
@@ -259,6 +274,8 @@ def time_stages(layer, x: torch.Tensor, *, ranks: Ranks, flush) -> dict:
                           f"wide_peer_table: mailbox buffer {index} is not full after every "
                           f"rank's publish (T={tokens}); its poll would time out")
             before = restore_and_flush(snapshot)
+        elif name == "experts":
+            before = relist_and_flush(live.clone())  # as the route's last replay left them
         elif name == "latent":
             # an eager serial shared stage: the same shared partial, and no side-stream
             # event left for the latent stage to wait on

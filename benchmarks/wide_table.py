@@ -235,31 +235,56 @@ def measured_layer(ranks: int, tokens_list, experts_tactic: str):
 def published_case(layer, x, tokens: int, read_gbs: float, flush):
     """Run ``layer`` once on ``x`` (compiles, fills every rank's buffers), then leave rank
     0's mailbox as every rank's publish leaves it (the polls' starting state). Returns the
-    case's header (touched experts, the byte limit's bytes and time) and the callable that
-    restores that mailbox and flushes L2 before a replay that polls it."""
+    case's header (touched experts, the byte limit's bytes and time) and the callables run
+    before a replay (outside the timed events), by stage name (:data:`POLLING` for the
+    stages that poll; ``flush`` for the others):
+
+    * a replay that polls: that mailbox restored, rank 0's engine's routing-list counters
+      zeroed (a route stage replayed alone appends, and no experts stage consumes it),
+      L2 flushed;
+    * the experts stage replayed alone: its routing-list counters set to what one route
+      stage of the case leaves them (its lists and plan rows stay in memory: the plan
+      kernel reads and re-arms only the counters), L2 flushed."""
     outputs = layer(x)
     touched = int(torch.unique(outputs[0].ids).numel())
     nbytes = rank_dense_bytes(layer, 0) + touched * layer.engines[0].prepared.expert_bytes()
     for r in range(layer.ranks):
         layer.publish_stage(r, layer.front_stage(r, x), tokens)
     index = layer.mailbox_index
-    snapshot = layer.mailboxes[0][index].clone()
+    mailbox = layer.mailboxes[0][index]
+    snapshot = mailbox.clone()
+    live = layer.engines[0].live_counts()
+    layer.route_stage(0, tokens)
+    listed = live.clone()
+    mailbox.copy_(snapshot)
+    live.zero_()
+    layer.check()
 
     def restore_and_flush():
-        layer.mailboxes[0][index].copy_(snapshot)
+        mailbox.copy_(snapshot)
+        live.zero_()
+        flush()
+
+    def relist_and_flush():
+        live.copy_(listed)
         flush()
 
     case = {"tokens": tokens, "touched": touched, "bytes": nbytes,
             "limit_us": nbytes / (read_gbs * 1e9) * 1e6}
-    return case, restore_and_flush
+    before = {name: restore_and_flush for name in POLLING}
+    before["experts"] = relist_and_flush
+    return case, before
 
 
 def rearm_peers(layer, tokens: int) -> None:
     """Rank 0's last poll re-armed its mailbox; the other ranks' still hold every publish of
-    the case: poll them empty (so the next case starts armed) and check the error record."""
+    the case: poll them empty (so the next case starts armed), drop those polls'
+    routing-list appends (no experts stage follows them) and check the error record."""
     for r in range(1, layer.ranks):
         layer.route_stage(r, tokens)
     layer.check()
+    for r in range(1, layer.ranks):
+        layer.engines[r].live_counts().zero_()
 
 
 def render(result: dict) -> str:
@@ -311,11 +336,11 @@ def main(argv=None):
             result["triton_error"] = why
     for tokens in tokens_list:
         x = torch.randn(tokens, c.hidden, device="cuda").bfloat16()
-        case, restore_and_flush = published_case(layer, x, tokens, result["read_gbs"], flush)
+        case, before = published_case(layer, x, tokens, result["read_gbs"], flush)
         case["times"] = {}
         for name, fn in fast_stages(layer, x, tokens).items():
-            before = restore_and_flush if name in POLLING else flush
-            case["times"][name] = device_time_us(fn, reps=args.reps, flush=before)
+            case["times"][name] = device_time_us(fn, reps=args.reps,
+                                                 flush=before.get(name, flush))
         rearm_peers(layer, tokens)
         for name, moe in peers.items():
             try:

@@ -146,7 +146,8 @@ def main(argv=None):
     mark = torch.ones(1, device="cuda")
     for tokens in tokens_list:
         x = torch.randn(tokens, w.config.hidden, device="cuda").bfloat16()
-        case, restore_and_flush = published_case(layer, x, tokens, result["read_gbs"], flush)
+        case, before = published_case(layer, x, tokens, result["read_gbs"], flush)
+        restore_and_flush = before["rank"]
         replay = capture_graph(fast_stages(layer, x, tokens)["rank"], restore_and_flush)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(args.reps):

@@ -44,10 +44,13 @@ def _dep_fields(c, ranks, max_tokens):
 
 
 def _wide_fields(c, ranks, rows):
+    # the old code's fields with the one deliberate change since: ``up`` holds two buffers
+    # that rotate with the mailbox (the up columns accumulate in place, their addend copied
+    # on the side stream, so a call's buffer must stay whole until every peer has read it)
     return {"mailbox": ((2, rows, c.latent + 2 * c.experts), torch.int16),
             "partial": ((rows, c.latent), torch.bfloat16),
             "shared": ((2, rows, c.hidden), torch.bfloat16),
-            "up": ((rows, c.hidden // ranks), torch.bfloat16),
+            "up": ((2, rows, c.hidden // ranks), torch.bfloat16),
             "arrivals": ((2, ranks), torch.int32)}
 
 

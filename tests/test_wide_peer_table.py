@@ -117,7 +117,10 @@ class FakeLayer(SimpleNamespace):
         super().__init__(**rank_weights(CFG, n, r))
         self.config, self.rank, self.ranks, self.max_rows = CFG, r, n, max_rows
         self.device, self.group = torch.device("cpu"), None
-        self.engine = SimpleNamespace(prepared=SimpleNamespace(expert_bytes=lambda: 1000))
+        live = torch.zeros(3, dtype=torch.int32)  # the engine's routing-list counters
+        self.engine = SimpleNamespace(prepared=SimpleNamespace(expert_bytes=lambda: 1000),
+                                      live_counts=lambda: live)
+        self.listed = []  # the counters each experts stage found
         self.mailboxes = {r: armed_mailbox(CFG, max_rows)}
         self.calls, self.log, self.timed_out = 0, [], False
         self.publishes, self.rearms = publishes, rearms
@@ -148,9 +151,13 @@ class FakeLayer(SimpleNamespace):
             self.timed_out = True
         if self.rearms:
             box.copy_(armed_mailbox(CFG, tokens)[0])
+        self.engine.live_counts().add_(torch.tensor([2, 0, 1], dtype=torch.int32))
 
     def experts_stage(self, r, tokens):
         self.log.append("experts")
+        live = self.engine.live_counts()
+        self.listed.append(live.tolist())  # the plan kernel reads them, then re-arms
+        live.zero_()
 
     def finalize_stage(self, r, tokens):
         self.log.append("finalize")
@@ -392,6 +399,9 @@ def test_measure_case_on_a_stand_in():
     assert case["limit_us"] == pytest.approx(case["bytes"] / 1e3 / 1e3)
     route = [i for i, s in enumerate(layer.log) if s == "route"]
     assert len(route) >= 1 + 5
+    # every experts stage, alone or in a call, found the appends of exactly one route
+    assert layer.listed and all(seen == [2, 0, 1] for seen in layer.listed)
+    assert layer.engine.live_counts().tolist() == [0, 0, 0]
 
 
 def test_measure_case_refuses_an_empty_mailbox():

@@ -6,6 +6,8 @@ case set-up shared with ``benchmarks.wide_timeline`` on a stand-in layer."""
 import json
 from pathlib import Path
 
+import torch
+
 from benchmarks import wide_table
 
 RUN = Path(wide_table.__file__).resolve().parent / "results" / "wide" / "h200_tp8_v6_router.json"
@@ -36,23 +38,33 @@ def test_a_run_without_placements_shows_the_front_speed_up_alone():
     assert cells[-3] == "- / -"
 
 
+class _StandInEngine:
+    """What the benchmarks use of an ``ExpertsEngine``."""
+
+    class prepared:
+        @staticmethod
+        def expert_bytes():
+            return 1000
+
+    def __init__(self):
+        self.live = torch.zeros(3, dtype=torch.int32)
+
+    def live_counts(self):
+        return self.live
+
+
 class _StandInLayer:
     """What ``published_case`` and ``rearm_peers`` use of a ``WideLayer``, on the CPU."""
 
     def __init__(self, ranks=3):
-        import torch
-
         self.ranks, self.mailbox_index = ranks, 1
         self.mailboxes = [torch.zeros(2, 4) for _ in range(ranks)]
         self.front_weights = [torch.zeros(10, dtype=torch.bfloat16)] * ranks
         self.shared_gate_up = self.shared_down = self.up = self.front_weights
-        self.engines = [type("E", (), {"prepared": type("P", (), {
-            "expert_bytes": staticmethod(lambda: 1000)})()})()]
+        self.engines = [_StandInEngine() for _ in range(ranks)]
         self.calls = []
 
     def __call__(self, x):
-        import torch
-
         return [type("O", (), {"ids": torch.tensor([[3, 5], [5, 7]])})()]
 
     def front_stage(self, r, x):
@@ -64,6 +76,8 @@ class _StandInLayer:
 
     def route_stage(self, r, tokens):
         self.calls.append(("route", r, tokens))
+        self.mailboxes[r][self.mailbox_index].zero_()  # the poll re-arms the slots it read
+        self.engines[r].live += torch.tensor([2, 0, 1])  # and appends to the routing lists
 
     def check(self):
         self.calls.append(("check",))
@@ -71,14 +85,25 @@ class _StandInLayer:
 
 def test_published_case_snapshots_rank_0s_mailbox_after_every_publish():
     layer, flushes = _StandInLayer(), []
-    case, restore = wide_table.published_case(layer, None, 2, read_gbs=1.0,
-                                              flush=lambda: flushes.append(1))
-    assert [c[:2] for c in layer.calls] == [("publish", 0), ("publish", 1), ("publish", 2)]
+    case, before = wide_table.published_case(layer, None, 2, read_gbs=1.0,
+                                             flush=lambda: flushes.append(1))
+    # every publish, then one route of rank 0 for the lists its experts stage reads
+    assert [c[:2] for c in layer.calls] == [("publish", 0), ("publish", 1), ("publish", 2),
+                                            ("route", 0), ("check",)]
     # touched experts 3, 5, 7; dense bytes: 4 tensors of 10 BF16 values
     assert case == {"tokens": 2, "touched": 3, "bytes": 80 + 3 * 1000,
                     "limit_us": (80 + 3000) / 1e9 * 1e6}
-    layer.mailboxes[0][1].zero_()  # a poll re-arms it
-    restore()
+    # left as the publishes left it: the mailbox full, no routing-list append
+    assert layer.mailboxes[0][1].tolist() == [3.0] * 4
+    assert layer.engines[0].live.tolist() == [0, 0, 0]
+    assert set(before) == set(wide_table.POLLING) | {"experts"}
+    layer.route_stage(0, 2)  # a replay that polls: re-arms the box, appends
+    before["rank"]()
     assert layer.mailboxes[0][1].tolist() == [3.0] * 4 and flushes == [1]
+    assert layer.engines[0].live.tolist() == [0, 0, 0]
+    before["experts"]()  # the experts stage alone: the counters one route leaves
+    assert layer.engines[0].live.tolist() == [2, 0, 1] and flushes == [1, 1]
+    layer.calls.clear()
     wide_table.rearm_peers(layer, 2)
-    assert layer.calls[3:] == [("route", 1, 2), ("route", 2, 2), ("check",)]
+    assert layer.calls == [("route", 1, 2), ("route", 2, 2), ("check",)]
+    assert [e.live.tolist() for e in layer.engines[1:]] == [[0, 0, 0]] * 2

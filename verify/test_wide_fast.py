@@ -156,6 +156,9 @@ def test_wide_fast_mailbox(backend, seed, contract):
         contract.bitwise(polled.latent.cpu().view(torch.int16), want_latent,
                          what=f"rank {r} polled latent", index_names=ROWS)
     check_armed(contract, layer, "after the polls")
+    for r in range(ranks):  # the route stages' routing-list appends are consumed
+        layer.experts_stage(r, tokens)
+    layer.check()
     x = _inputs(c, tokens, seed)  # the layer is whole again: a full call passes
     check_wide_fast(contract, layer, layer(x), x)
 
@@ -191,6 +194,47 @@ def test_wide_fast_late_writer(backend, seed, contract):
         contract.bitwise(polled.latent.cpu().view(torch.int16), want_latent,
                          what=f"rank {r} polled latent of late writers", index_names=ROWS)
     check_armed(contract, layer, "after the late writers")
+
+
+@pytest.mark.config("small")
+def test_wide_fast_route_without_experts(backend, seed, contract):
+    """A route stage whose experts stage never ran leaves its pairs in the engine's routing
+    lists; the next call's plan kernel finds more pairs than the call has, computes
+    nothing (every expert row keeps its poison), re-arms the lists, and the call raises
+    ``EngineError`` naming the stale lists; the call after it passes every contract, and
+    so does one after a route stage whose appends ``reset`` dropped."""
+    from fast.experts.engine import EngineError
+
+    ranks, tokens = 2, 70
+    layer = _layer("small", ranks, 96)
+    x = _inputs(layer.config, tokens, seed)
+    layer(x)
+    for r in range(ranks):
+        layer.publish_stage(r, layer.front_stage(r, x), tokens)
+    for r in range(ranks):
+        layer.route_stage(r, tokens)  # no experts stage follows
+    layer.check()
+    for r in range(ranks):
+        layer.outputs(r, tokens).rows.fill_(float("nan"))
+    pairs = tokens * layer.config.top_k
+    with pytest.raises(EngineError, match=rf"WideLayer rank 0 \(and on 1 other rank\(s\)\): "
+                                          rf"ExpertsEngine: the routing lists held \d+ pairs, "
+                                          rf"more than the call's {pairs} \(rows x top_k\)"):
+        layer(x)
+    for r in range(ranks):
+        rows = layer.outputs(r, tokens).rows
+        poison = torch.full_like(rows, float("nan"))
+        contract.bitwise(rows.view(torch.int16), poison.view(torch.int16),
+                         what=f"rank {r}: no expert row written by a call with stale lists",
+                         index_names=("pair", "column"))
+    check_wide_fast(contract, layer, layer(x), x)
+    check_armed(contract, layer, "after the stale lists")
+    for r in range(ranks):
+        layer.publish_stage(r, layer.front_stage(r, x), tokens)
+    for r in range(ranks):
+        layer.route_stage(r, tokens)
+    layer.reset()  # drops the routes' appends
+    check_wide_fast(contract, layer, layer(x), x)
 
 
 @pytest.mark.config("small")

@@ -382,7 +382,11 @@ class WideStages:
         """Rank ``r``'s polled routing in one kernel (``fast.schedules.wide_route.
         PolledRouteKernel``): the poll of its mailbox (logits and latent out, slots
         re-armed), the MXFP8 plan rows of the latent (``fast.mx``'s quantizer) and the
-        router (``fast.router``'s) over the polled logits."""
+        router (``fast.router``'s) over the polled logits, each pair appended to the rank's
+        engine's routing lists. Those appends are the next :meth:`experts_stage`'s input:
+        a second route stage before it makes that experts stage compute nothing and
+        :meth:`check` raise ``EngineError`` (its lists hold more pairs than the call's);
+        :meth:`reset` drops them."""
         from cutlass import Float32, Int32, Int64
 
         c, b, engine = self.config, self._buffers[r], self.engines[r]
@@ -601,8 +605,10 @@ class WideLayer(WideStages):
 
     def reset(self) -> None:
         """Arm every mailbox buffer of every rank (latent words ``0x8000``, logit words
-        ``0x80000000``) and clear the error record; synchronizes the device. Needed only
-        after a :class:`MailboxTimeout` (a timed-out poll leaves its slots as they were)."""
+        ``0x80000000``), drop every engine's unconsumed routing-list appends and clear the
+        error record; synchronizes the device. Needed only after a :class:`MailboxTimeout`
+        (a timed-out poll leaves its slots as they were) or a route stage run without its
+        experts stage."""
         from fast.schedules.wide_kernels import SENTINEL_LATENT_WORD, SENTINEL_LOGIT_WORD
 
         half = self.config.latent // 2
@@ -610,14 +616,19 @@ class WideLayer(WideStages):
             words = box.view(torch.int32)  # [2, rows, L/2 + E]
             words[..., :half] = _as_int32(SENTINEL_LATENT_WORD)
             words[..., half:] = _as_int32(SENTINEL_LOGIT_WORD)
+        for engine in self.engines:
+            engine.live_counts().zero_()
         self.error.zero_()
         torch.cuda.synchronize(self.device)
 
     def check(self) -> None:
         """Raise :class:`MailboxTimeout` if a poll timed out since the last check (naming
         the reader's rank, the buffer, the token, the first empty 16-bit column and the
-        rank that should have written it), then the first engine error (``EngineError``);
-        synchronizes the device and clears the errors it reports."""
+        rank that should have written it), then the engine error of the lowest rank that
+        has one (``EngineError``, naming the rank and how many other ranks had one: every
+        engine's error is read and cleared); synchronizes the device and clears the
+        errors it reports."""
+        from fast.experts.engine import EngineError
         from fast.schedules.wide_kernels import ERROR_FIELDS
 
         torch.cuda.synchronize(self.device)  # stages may have run on other streams
@@ -627,8 +638,16 @@ class WideLayer(WideStages):
             raise MailboxTimeout(mailbox_timeout_message(
                 "WideLayer", self.config, self.ranks, record, self.timeout_s,
                 "The mailboxes are left as they were: call reset() before the next call."))
-        for engine in self.engines:
-            engine.check()
+        errors = {}
+        for r, engine in enumerate(self.engines):
+            try:
+                engine.check()
+            except EngineError as error:
+                errors[r] = error
+        if errors:
+            r, error = next(iter(errors.items()))
+            others = f" (and on {len(errors) - 1} other rank(s))" if len(errors) > 1 else ""
+            raise EngineError(f"WideLayer rank {r}{others}: {error}") from error
 
     # -- checks -----------------------------------------------------------------------------
 
