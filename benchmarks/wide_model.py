@@ -9,10 +9,10 @@ GPU needed)::
 Inputs (each a committed result JSON; the dimensions from ``reference.config``):
 
 * ``--wide``: ``benchmarks.wide_table`` over 8 virtual TP ranks on one H200
-  (``results/wide/h200_tp8_v4_walk.json``): rank 0's median time per stage (shared, front,
+  (``results/wide/h200_tp8_v10_listed.json``): rank 0's median time per stage (shared, front,
   publish, route, experts, finalize, latent, hidden), its whole step (``rank``), the
   touched experts and the read bandwidth of the run, for T = 65..1024 rows;
-* ``--experts``: ``benchmarks.experts_table`` (``results/experts/h200_engine_v11_walk.json``):
+* ``--experts``: ``benchmarks.experts_table`` (``results/experts/h200_engine_v14_all.json``):
   the engine alone on a TP8 rank, uniform routing (the engine fit's other two points);
 * ``--peers``: ``benchmarks.dep_peer_table`` on two H200s
   (``results/dep/h200x2_dep2_v2.json``): the peer write and read bandwidth over NVLink
@@ -26,8 +26,9 @@ FP32 4, an MXFP4 expert ``3 I L (1/2 + 1/32)`` bytes with its scales), from the 
 * local stages, every byte in the rank's own HBM:
   ``shared`` (side stream) ``6 S H / N`` weights + ``T (4 H + 12 S / N)`` activations;
   ``front`` ``(E + L) H 2 / N`` + ``T 2 H`` + ``T (E + L) 4 / N``;
-  ``route`` (poll, copy out, re-arm, router, MXFP8 plan) and ``finalize`` (every pair's
-  full-``L`` partial row) the same bytes at every ``N``;
+  ``route`` (poll, copy out, re-arm, router, MXFP8 plan, and the engine's BF16 plan rows
+  and routing-list appends) and ``finalize`` (every pair's full-``L`` partial row) the
+  same bytes at every ``N``;
   ``experts`` ``touched I L 3 (1/2 + 1/32) / N`` (the rank's slice of every touched
   expert) + ``T K L 2`` (FC2 writes a full-``L`` BF16 partial row per pair at every ``N``);
 * communication stages: what a real rank moves over NVLink (``remote``), what stays in its
@@ -94,8 +95,8 @@ from pathlib import Path
 from reference.config import LatentMoEConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULTS = dict(wide=RESULTS / "wide" / "h200_tp8_v4_walk.json",
-                experts=RESULTS / "experts" / "h200_engine_v11_walk.json",
+DEFAULTS = dict(wide=RESULTS / "wide" / "h200_tp8_v10_listed.json",
+                experts=RESULTS / "experts" / "h200_engine_v14_all.json",
                 peers=RESULTS / "dep" / "h200x2_dep2_v2.json")
 OUT = RESULTS / "wide" / "wide_model.md"
 CONFIG = LatentMoEConfig.kimi_k3()
@@ -135,7 +136,7 @@ def stage_bytes(n: int, t: int, touched: int, c: LatentMoEConfig = CONFIG) -> di
     local = {
         "shared": 6 * s * h / n + t * (4 * h + 12 * s / n),
         "front": (e + l) * h * 2 / n + t * 2 * h + t * (e + l) * 4 / n,
-        "route": t * (3 * (2 * l + 4 * e) + 4 * e + 8 * k + 2 * l + l + l / 32),
+        "route": t * (3 * (2 * l + 4 * e) + 4 * e + 8 * k + 2 * l + l + l / 32 + 2 * l + 4 * k),
         "experts": touched * expert_bytes(c) / n + t * k * l * 2,
         "finalize": t * k * l * 2 + t * k * 4 + t * l * 2,
     }

@@ -61,19 +61,6 @@ def test_engine_fit(model, files):
         ("experts", 65), ("experts", 128), ("wide", 65), ("wide", 128)]
     for p in model.engine_points:
         assert a + p["limit_us"] / f1 == pytest.approx(p["us"], rel=0.03), p
-    # against benchmarks.dep_model's DEP16 fit (its own engine file; the TP8 run of this
-    # model's holds no DEP16 rows): a DEP owner's engine runs FC1 and FC2 in one fused grid
-    # (one launch and the FC1 -> FC2 drain fewer), the TP slice of these runs the two
-    # kernels, so the slice's fixed cost is the larger (30.1 us in h200_engine_v11_walk.json and
-    # h200_tp8_v4_walk.json, FC2 walking 4 row tiles, 45.0 before the walk, against 24.2
-    # in h200_engine_v9_default.json)
-    import json
-
-    from benchmarks import dep_model
-
-    dep_engine = json.loads(dep_model.DEFAULTS["experts"].read_text())
-    dep_a, _ = dep_model._fit_engine(dep_engine)
-    assert dep_a < a
 
 
 def test_model_reproduces_the_measured_virtual_rank(model, files):
