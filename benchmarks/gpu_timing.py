@@ -107,34 +107,44 @@ def flush_l2(device: str = "cuda") -> None:
     buf.fill_(1)
 
 
-def prepare_round() -> None:
-    """The unmeasured part of a round: flush L2, then queue the spin."""
+def prepare_round(before=None) -> None:
+    """The unmeasured part of a round: ``before()`` where given (what the callable needs in
+    place, e.g. a polled mailbox restored), flush L2, then queue the spin."""
     device_clock.reset()
+    if before is not None:
+        before()
     flush_l2()
     torch.cuda._sleep(SPIN_CYCLES)
 
 
-def measure(benchmark, fn, *, rounds: int = 50, warmup_rounds: int = 3) -> float:
+def measure(benchmark, fn, *, rounds: int = 50, warmup_rounds: int = 3,
+            before=None) -> float:
     """Time ``fn`` into ``benchmark``'s statistics (device seconds per round, see the
     module docstring) and return the median in microseconds.
 
-    ``fn`` is called once first (compilation, allocator warm-up), outside the statistics.
+    ``fn`` is called once first (compilation, allocator warm-up), outside the statistics;
+    ``before`` (optional) runs ahead of every call, outside the measured region.
     The test must carry :func:`device_timed`; :mod:`benchmarks.conftest` refuses a
     ``benchmark_gpu`` case timed by another clock."""
+    if before is not None:
+        before()
     fn()
     torch.cuda.synchronize()
-    benchmark.pedantic(fn, setup=prepare_round, rounds=rounds, warmup_rounds=warmup_rounds)
+    benchmark.pedantic(fn, setup=lambda: prepare_round(before), rounds=rounds,
+                       warmup_rounds=warmup_rounds)
     return benchmark.stats.stats.median * 1e6
 
 
-def median_device_us(fn, reps: int = 30, warmup: int = 3) -> float:
+def median_device_us(fn, reps: int = 30, warmup: int = 3, before=None) -> float:
     """Median device microseconds of ``fn()`` over ``reps`` rounds, each prepared and
     timed as in :func:`measure` (for figures kept in ``extra_info``: peers, copies)."""
     for _ in range(warmup):
+        if before is not None:
+            before()
         fn()
     times = []
     for _ in range(reps):
-        prepare_round()
+        prepare_round(before)
         start = device_clock()
         fn()
         times.append((device_clock() - start) * 1e6)
