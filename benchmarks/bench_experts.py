@@ -27,25 +27,12 @@ import pytest
 import torch
 
 from benchmarks import gpu_timing
-from fast import backend
+from benchmarks.peers import triton_moe
 
 #: mode -> (first local expert, local experts, intermediate shard, batches)
 MODES = {"dep16": (0, 56, (0, 1), (1, 16, 64)), "tp8": (0, 896, (0, 8), (65, 1024))}
 CASES = [(mode, size) for mode, (*_, sizes) in MODES.items() for size in sizes]
 _STATE: dict = {}
-
-
-def _skip_reason():
-    ok, why = backend.device_supported()
-    return None if ok else why
-
-
-@pytest.fixture(scope="module")
-def copy_gbs():
-    why = _skip_reason()
-    if why:
-        pytest.skip(why)
-    return gpu_timing.copy_bandwidth_gbs()
 
 
 def _weights():
@@ -69,32 +56,9 @@ def _mode(mode: str):
         prepared = prepare_experts(w, "cuda", experts=(first, count), shard=shard)
         rows = max(sizes) * (16 if mode == "dep16" else 1)
         engine = ExpertsEngine(prepared, max_rows=rows)
-        peers, why = _triton(w, first, count, shard)
+        peers, why = triton_moe.rank_moes(w, first, count, shard)
         _STATE.update(mode=mode, built=(engine, peers, why))
     return _STATE["built"]
-
-
-def _triton(w, first: int, count: int, shard) -> tuple[dict, str]:
-    """``triton_kernels`` ``matmul_ogs`` over the same experts and slice at ``num_warps``
-    4 and 8 (``benchmarks.peers.triton_moe``), or ``({}, why)``."""
-    try:
-        from benchmarks.peers import triton_moe
-    except Exception as error:  # noqa: BLE001 (stated in the case's extra_info)
-        return {}, f"benchmarks.peers.triton_moe does not import: {error!r}"
-    ok, why = triton_moe.available()
-    if not ok:
-        return {}, why
-    c = w.config
-    inter = c.intermediate // shard[1]
-    lo, sl = shard[0] * inter, slice(first, first + count)
-    i = c.intermediate
-    w13 = torch.cat([w.w13[sl, lo:lo + inter], w.w13[sl, i + lo:i + lo + inter]], 1)
-    s13 = torch.cat([w.w13_scales[sl, lo:lo + inter], w.w13_scales[sl, i + lo:i + lo + inter]], 1)
-    w2 = w.w2[sl, :, lo // 2:(lo + inter) // 2].contiguous()
-    s2 = w.w2_scales[sl, :, lo // 32:(lo + inter) // 32].contiguous()
-    return {nw: triton_moe.TritonMoE(w13.contiguous(), s13.contiguous(), w2, s2, first=0,
-                                     count=count, n_experts_total=c.experts, num_warps=nw,
-                                     device="cuda") for nw in (4, 8)}, ""
 
 
 @gpu_timing.device_timed

@@ -29,24 +29,11 @@ import pytest
 import torch
 
 from benchmarks import gpu_timing
-from fast import backend
+from benchmarks.peers import triton_moe
 
 DEP_TOKENS, DEP_RANKS = (1, 64), 16
 WIDE_ROWS, WIDE_RANKS = (65, 1024), 8
 _STATE: dict = {}
-
-
-def _skip_reason():
-    ok, why = backend.device_supported()
-    return None if ok else why
-
-
-@pytest.fixture(scope="module")
-def copy_gbs():
-    why = _skip_reason()
-    if why:
-        pytest.skip(why)
-    return gpu_timing.copy_bandwidth_gbs()
 
 
 def _weights():
@@ -75,27 +62,6 @@ def _layer(kind: str):
     return _STATE["layer"]
 
 
-def _triton(layer, first: int, count: int, rank: int = 0, ranks: int = 1) -> tuple[dict, str]:
-    """triton_kernels over the rank's experts (DEP: ``[first, first + count)`` whole;
-    wide: every expert's ``rank``-th of ``ranks`` intermediate slices), or ``({}, why)``."""
-    try:
-        from benchmarks.peers import triton_moe
-    except Exception as error:  # noqa: BLE001 (stated in the case's extra_info)
-        return {}, f"benchmarks.peers.triton_moe does not import: {error!r}"
-    ok, why = triton_moe.available()
-    if not ok:
-        return {}, why
-    w = _weights()
-    if ranks > 1:
-        from benchmarks.wide_table import triton_slice_moes
-
-        moes, why = triton_slice_moes(w, rank, ranks)
-        return {int(k[-1]): m for k, m in moes.items()}, why
-    return {nw: triton_moe.TritonMoE(w.w13, w.w13_scales, w.w2, w.w2_scales, first=first,
-                                     count=count, n_experts_total=w.config.experts,
-                                     num_warps=nw, device="cuda") for nw in (4, 8)}, ""
-
-
 def _record(benchmark, *, schedule, batch, nbytes, fast_us, copy_gbs, stock_us, why_not,
             touched):
     info = gpu_timing.bandwidth_info(schedule=schedule, batch=batch, nbytes=nbytes,
@@ -122,7 +88,7 @@ def test_dep_rank(benchmark, tokens, copy_gbs):
     received = outputs[0].recv_ids
     touched = int(torch.unique(received[(received >= 0) & (received < layer.per)]).numel())
     nbytes = layer.dense.dense_bytes + touched * layer.engines[0].prepared.expert_bytes()
-    moes, why_not = _triton(layer, 0, layer.per)
+    moes, why_not = triton_moe.rank_moes(_weights(), 0, layer.per)
     stock_us = None
     if moes:
         times = []
@@ -152,7 +118,7 @@ def test_wide_rank(benchmark, rows, copy_gbs):
     x = x.bfloat16().cuda()
     case, before = wide_table.published_case(layer, x, rows, read_gbs=1.0, flush=lambda: None)
     restore = before["rank_beside"]
-    moes, why_not = _triton(layer, 0, c.experts, rank=0, ranks=WIDE_RANKS)
+    moes, why_not = triton_moe.rank_moes(_weights(), 0, c.experts, (0, WIDE_RANKS))
     stock_us = None
     if moes:
         stock = wide_table.StockRank(layer, next(iter(moes.values())), rows)

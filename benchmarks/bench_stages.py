@@ -18,7 +18,6 @@ import torch
 
 from benchmarks import gpu_timing
 from reference.config import LatentMoEConfig
-from fast import backend
 
 _REAL = LatentMoEConfig.kimi_k3()
 LATENT, EXPERTS, TOP_K, SHARED_I = _REAL.latent, _REAL.experts, _REAL.top_k, _REAL.shared_intermediate
@@ -99,27 +98,11 @@ def _torch_situ(h):
     return (BETA * torch.tanh(g / BETA) * torch.sigmoid(g) * (LINEAR_BETA * torch.tanh(u / LINEAR_BETA))).bfloat16()
 
 
-def _skip_reason():
-    ok, why = backend.device_supported()
-    return None if ok else why
-
-
-@pytest.fixture(scope="session")
-def copy_gbs():
-    why = _skip_reason()
-    if why:
-        pytest.skip(why)
-    return gpu_timing.copy_bandwidth_gbs()
-
-
 @gpu_timing.device_timed
 @pytest.mark.parametrize("t", BENCH_BATCHES)
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_stage(benchmark, kernel, t, copy_gbs):
     """The fast kernel's device time (statistics) and the PyTorch op's (``peers``)."""
-    why = _skip_reason()
-    if why:
-        pytest.skip(why)
     _, fast_fn, torch_fn, nbytes = make_case(kernel, t)
     torch_us = gpu_timing.median_device_us(torch_fn, reps=30, warmup=3)
     fast_us = gpu_timing.measure(benchmark, fast_fn)

@@ -40,6 +40,19 @@ def pytest_collection_modifyitems(config, items):
                 "gpu_timing.measure)")
 
 
+@pytest.fixture(scope="session")
+def copy_gbs():
+    """The device-to-device copy bandwidth of this session (GB/s), measured once, for a GPU
+    case's ``extra_info``; a case that asks for it is skipped with the reason where the
+    fast kernels cannot run (``fast.backend.device_supported``)."""
+    from fast import backend
+
+    ok, why = backend.device_supported()
+    if not ok:
+        pytest.skip(why)
+    return gpu_timing.copy_bandwidth_gbs()
+
+
 def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["machine"] = os.environ.get("BENCH_MACHINE", "unnamed (not run by benchmarks.run)")
     machine_info.update(history.software_info())

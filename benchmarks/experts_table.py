@@ -249,20 +249,13 @@ def main(argv=None):
         engine = ExpertsEngine(prepared, max_rows=max_rows)
         inter = I // shard[1]
         lo = shard[0] * inter
-        sl = slice(first, first + count)
         peers_built = {}
         if triton is not None:
-            w13 = torch.cat([w.w13[sl, lo:lo + inter], w.w13[sl, I + lo:I + lo + inter]], 1)
-            s13 = torch.cat([w.w13_scales[sl, lo:lo + inter], w.w13_scales[sl, I + lo:I + lo + inter]], 1)
-            w2 = w.w2[sl, :, lo // 2:(lo + inter) // 2].contiguous()
-            s2 = w.w2_scales[sl, :, lo // 32:(lo + inter) // 32].contiguous()
-            for nw in (4, 8):
-                try:
-                    peers_built[f"triton_w{nw}"] = triton.TritonMoE(
-                        w13.contiguous(), s13.contiguous(), w2, s2, first=0, count=count,
-                        n_experts_total=E, num_warps=nw, device="cuda")
-                except Exception as error:
-                    print(f"triton num_warps={nw} build failed: {error!r}", flush=True)
+            try:
+                moes, _ = triton.rank_moes(w, first, count, shard)
+                peers_built.update({f"triton_w{nw}": moe for nw, moe in moes.items()})
+            except Exception as error:  # reported, not hidden
+                print(f"triton build failed: {error!r}", flush=True)
         if "grouped_mm" in peers:
             from reference.mx import dequantize_mxfp4
 

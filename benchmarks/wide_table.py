@@ -158,30 +158,13 @@ class StockRank:
 
 
 def triton_slice_moes(w, rank: int, ranks: int) -> tuple[dict, str]:
-    """triton_kernels ``matmul_ogs`` experts over rank ``rank``'s TP slice of the
-    intermediate of every expert (of ``ranks``), ``num_warps`` 4 and 8, named
-    ``stock_triton_w4`` / ``stock_triton_w8``; ``({}, why)`` where triton_kernels cannot
-    run, else ``(moes, "")``."""
+    """triton_kernels ``matmul_ogs`` over rank ``rank``'s TP slice of the intermediate of
+    every expert (of ``ranks``), ``num_warps`` 4 and 8, named ``stock_triton_w4`` /
+    ``stock_triton_w8``; ``({}, why)`` where triton_kernels cannot run, else ``(moes, "")``."""
     from benchmarks.peers import triton_moe
 
-    ok, why = triton_moe.available()
-    if not ok:
-        return {}, why
-    c = w.config
-    inter = c.intermediate // ranks
-    lo = rank * inter  # the rank's slice of I
-    w13 = torch.cat([w.w13[:, lo:lo + inter], w.w13[:, c.intermediate + lo:
-                                                   c.intermediate + lo + inter]], 1)
-    w13_s = torch.cat([w.w13_scales[:, lo:lo + inter],
-                       w.w13_scales[:, c.intermediate + lo:c.intermediate + lo + inter]], 1)
-    w2 = w.w2[:, :, lo // 2:(lo + inter) // 2]
-    w2_s = w.w2_scales[:, :, lo // 32:(lo + inter) // 32]
-    moes = {}
-    for nw in (4, 8):
-        moes[f"stock_triton_w{nw}"] = triton_moe.TritonMoE(
-            w13, w13_s, w2.contiguous(), w2_s.contiguous(), num_warps=nw,
-            n_experts_total=c.experts, device="cuda")
-    return moes, ""
+    moes, why = triton_moe.rank_moes(w, 0, w.config.experts, (rank, ranks))
+    return {f"stock_triton_w{nw}": moe for nw, moe in moes.items()}, why
 
 
 def rank_dense_bytes(layer, r: int) -> int:

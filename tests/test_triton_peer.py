@@ -518,3 +518,35 @@ def test_check_forward_gpu(num_warps, activation):
     _gpu_or_skip()
     res = tm.check_forward(num_warps=num_warps, activation=activation)
     assert res["ok"], res
+
+
+def test_rank_moes_slices_a_ranks_experts(monkeypatch):
+    """``rank_moes``: one peer per ``num_warps`` over experts ``[first, first + count)`` and
+    the ``(rank, ranks)`` slice of their intermediate (gate rows, the same up rows, those
+    ``w2`` columns); where the peer cannot run, no peer and the reason."""
+    from types import SimpleNamespace
+
+    e, lat, inter = 6, 64, 128
+    g = torch.Generator().manual_seed(0)
+    w = SimpleNamespace(
+        config=SimpleNamespace(experts=e, intermediate=inter),
+        w13=torch.randint(0, 256, (e, 2 * inter, lat // 2), generator=g, dtype=torch.uint8),
+        w13_scales=torch.randint(0, 256, (e, 2 * inter, lat // 32), generator=g, dtype=torch.uint8),
+        w2=torch.randint(0, 256, (e, lat, inter // 2), generator=g, dtype=torch.uint8),
+        w2_scales=torch.randint(0, 256, (e, lat, inter // 32), generator=g, dtype=torch.uint8))
+    monkeypatch.setattr(tm, "available", lambda: (False, "no GPU here"))
+    assert tm.rank_moes(w, 0, e) == ({}, "no GPU here")
+    built = []
+    monkeypatch.setattr(tm, "available", lambda: (True, ""))
+    monkeypatch.setattr(tm, "TritonMoE", lambda *args, **kw: built.append((args, kw)) or len(built))
+    moes, why = tm.rank_moes(w, 2, 3, (1, 2), device="cpu")
+    assert why == "" and moes == {4: 1, 8: 2}
+    (w13, s13, w2, s2), kw = built[0]
+    assert kw == dict(first=0, count=3, n_experts_total=e, num_warps=4, device="cpu")
+    half = inter // 2  # rank 1 of 2: intermediate [64, 128)
+    assert torch.equal(w13, torch.cat([w.w13[2:5, half:inter], w.w13[2:5, inter + half:]], 1))
+    assert torch.equal(s13, torch.cat([w.w13_scales[2:5, half:inter],
+                                       w.w13_scales[2:5, inter + half:]], 1))
+    assert torch.equal(w2, w.w2[2:5, :, half // 2:]) and torch.equal(s2, w.w2_scales[2:5, :, half // 32:])
+    assert all(t.is_contiguous() for t in (w13, s13, w2, s2))
+    assert built[1][1]["num_warps"] == 8

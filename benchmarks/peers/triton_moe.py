@@ -128,6 +128,7 @@ __all__ = [
     "bytes_streamed",
     "check_routing_inputs",
     "convert_weight",
+    "rank_moes",
     "TritonMoE",
     "random_weights",
     "random_routing",
@@ -702,6 +703,29 @@ class TritonMoE:
         """Our MXFP4 weight bytes one call must read for ``ids`` (touched local experts x
         ``bytes_per_expert``; host sync)."""
         return touched_experts(ids, self.first, self.count) * self.bytes_per_expert
+
+
+def rank_moes(weights, first: int, count: int, shard: tuple[int, int] = (0, 1), *,
+              warps=(4, 8), device="cuda") -> tuple[dict, str]:
+    """The peer over one rank's experts of a ``reference.weights.LatentMoEWeights``: experts
+    ``[first, first + count)``, the ``shard = (rank, ranks)`` slice of their intermediate
+    (the gate and up rows of the slice, the matching ``w2`` columns), one ``TritonMoE`` per
+    ``num_warps`` in ``warps``: ``({num_warps: TritonMoE}, "")``, or ``({}, why)`` where the
+    peer cannot run here (:func:`available`)."""
+    ok, why = available()
+    if not ok:
+        return {}, why
+    c = weights.config
+    inter = c.intermediate // shard[1]
+    lo, full, sl = shard[0] * inter, c.intermediate, slice(first, first + count)
+    w13 = torch.cat([weights.w13[sl, lo:lo + inter],
+                     weights.w13[sl, full + lo:full + lo + inter]], 1).contiguous()
+    s13 = torch.cat([weights.w13_scales[sl, lo:lo + inter],
+                     weights.w13_scales[sl, full + lo:full + lo + inter]], 1).contiguous()
+    w2 = weights.w2[sl, :, lo // 2:(lo + inter) // 2].contiguous()
+    s2 = weights.w2_scales[sl, :, lo // 32:(lo + inter) // 32].contiguous()
+    return {nw: TritonMoE(w13, s13, w2, s2, first=0, count=count, n_experts_total=c.experts,
+                          num_warps=nw, device=device) for nw in warps}, ""
 
 
 # --------------------------------------------------------------------------------------
