@@ -12,13 +12,13 @@ per rank, in the order of ``reference.schedules.wide.wide_rank``::
     main  : front_stage    front_r = x @ [gate_r; down_r]^T (cuBLAS, FP32 out)             │
             publish_stage  PublishKernel: front_r into every rank's mailbox (Lamport)      │
             route_stage    PolledRouteKernel: poll own mailbox, re-arm -> logits [T, E]    │
-                           FP32, latent [T, L] BF16 -> MXFP8 plan rows, ids, weights,       │
-                           the engine's plan rows and routing lists                         │
-            experts_stage  fast.experts engine, TP slice (its own routing lists, windows   │
-                           of 8 tokens per expert) -> rows [T*K, L] BF16 partial rows       │
-            finalize_stage fast.finalize -> routed_partial [T, L] BF16                      │
-            latent_stage   LatentAllReduceNormKernel (every rank's partial, rank order,     │
-                           fused RMSNorm) -> routed, normed ; (wait side) up_r =  ◄─────────┘
+                           FP32, latent [T, L] BF16 -> MXFP8 codes, ids, weights, the      │
+                           engine's BF16 plan rows and each pair on its routing list       │
+            experts_stage  fast.experts engine, TP slice, from its plan kernel on (windows │
+                           of 8 tokens per expert) -> rows [T*K, L] BF16 partial rows      │
+            finalize_stage fast.finalize -> routed_partial [T, L] BF16                     │
+            latent_stage   LatentAllReduceNormKernel (every rank's partial, rank order,    │
+                           fused RMSNorm) -> routed, normed ; (wait side) up_r =  ◄────────┘
                            shared_r[:, cols_r] + normed @ up_r^T (cuBLAS addmm, BF16)
             hidden_stage   HiddenAllReduceKernel: every rank's hidden partial (shared_o,
                            rank o's columns taken from up_o), rank order -> out [T, H]
