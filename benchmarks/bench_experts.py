@@ -9,8 +9,9 @@ change to the engine must not slow down:
 * ``tp8``: one TP8 rank (all 896 experts, intermediate slice ``[0, 384)``), 65 and 1024 rows.
 
 Uniform routing (``verify.cases.routing``, the seed fixed per case), random MXFP4 codes with
-scale codes 118..124 (``verify.cases.device_weights``). The engine's call (routing lists,
-plan, the fused FC1/FC2 grid) is captured in a CUDA graph and ``graph.replay`` timed
+scale codes 118..124 (the session's ``kimi_weights``, ``benchmarks/conftest.py``). The
+engine's call (routing lists, plan, the fused FC1/FC2 grid) is captured in a CUDA graph
+and ``graph.replay`` timed
 (``benchmarks/README.md``: a multi-launch callable is timed as a graph). ``bytes`` is the
 touched experts' bytes (their weights and scales, this rank's slice), the traffic a call
 must stream; ``peers["triton_kernels"]`` is the faster of ``num_warps`` 4 and 8, timed the
@@ -35,15 +36,7 @@ CASES = [(mode, size) for mode, (*_, sizes) in MODES.items() for size in sizes]
 _STATE: dict = {}
 
 
-def _weights():
-    if "weights" not in _STATE:
-        from verify import cases
-
-        _STATE["weights"] = cases.device_weights("kimi_k3", 7)
-    return _STATE["weights"]
-
-
-def _mode(mode: str):
+def _mode(mode: str, w):
     """(engine, triton peers or None, why not) of ``mode``, built once; the other mode's
     are dropped first (device memory)."""
     if _STATE.get("mode") != mode:
@@ -52,7 +45,6 @@ def _mode(mode: str):
         _STATE.pop("built", None)
         torch.cuda.empty_cache()
         first, count, shard, sizes = MODES[mode]
-        w = _weights()
         prepared = prepare_experts(w, "cuda", experts=(first, count), shard=shard)
         rows = max(sizes) * (16 if mode == "dep16" else 1)
         engine = ExpertsEngine(prepared, max_rows=rows)
@@ -63,13 +55,13 @@ def _mode(mode: str):
 
 @gpu_timing.device_timed
 @pytest.mark.parametrize("mode,size", CASES, ids=[f"{m}-{s}" for m, s in CASES])
-def test_experts(benchmark, mode, size, copy_gbs):
+def test_experts(benchmark, mode, size, copy_gbs, kimi_weights):
     """The engine's device time (statistics) and triton_kernels' best (``peers``)."""
     from benchmarks.experts_table import capture_graph
     from reference.mx import quantize_mxfp8
     from verify import cases
 
-    engine, triton, why_not = _mode(mode)
+    engine, triton, why_not = _mode(mode, kimi_weights)
     c = engine.config
     first, count, _, _ = MODES[mode]
     rows = size * 16 if mode == "dep16" else size

@@ -36,20 +36,11 @@ WIDE_ROWS, WIDE_RANKS = (65, 1024), 8
 _STATE: dict = {}
 
 
-def _weights():
-    if "weights" not in _STATE:
-        from verify import cases
-
-        _STATE["weights"] = cases.device_weights("kimi_k3")
-    return _STATE["weights"]
-
-
-def _layer(kind: str):
+def _layer(kind: str, w):
     """The ``kind`` layer, built once (the other kind's dropped first: device memory)."""
     if _STATE.get("kind") != kind:
         _STATE.pop("layer", None)
         torch.cuda.empty_cache()
-        w = _weights()
         if kind == "dep":
             from fast.schedules.dep import DepLayer
 
@@ -75,12 +66,12 @@ def _record(benchmark, *, schedule, batch, nbytes, fast_us, copy_gbs, stock_us, 
 
 @gpu_timing.device_timed
 @pytest.mark.parametrize("tokens", DEP_TOKENS)
-def test_dep_rank(benchmark, tokens, copy_gbs):
+def test_dep_rank(benchmark, tokens, copy_gbs, kimi_weights):
     """A DEP16 rank's step (statistics) and the stock composition's (``peers``)."""
     from benchmarks import dep_table
     from benchmarks.experts_table import capture_graph
 
-    layer = _layer("dep")
+    layer = _layer("dep", kimi_weights)
     c = layer.config
     g = torch.Generator().manual_seed(tokens)
     xs = [torch.randn(tokens, c.hidden, generator=g).bfloat16().cuda() for _ in range(DEP_RANKS)]
@@ -88,7 +79,7 @@ def test_dep_rank(benchmark, tokens, copy_gbs):
     received = outputs[0].recv_ids
     touched = int(torch.unique(received[(received >= 0) & (received < layer.per)]).numel())
     nbytes = layer.dense.dense_bytes + touched * layer.engines[0].prepared.expert_bytes()
-    moes, why_not = triton_moe.rank_moes(_weights(), 0, layer.per)
+    moes, why_not = triton_moe.rank_moes(kimi_weights, 0, layer.per)
     stock_us = None
     if moes:
         times = []
@@ -106,19 +97,19 @@ def test_dep_rank(benchmark, tokens, copy_gbs):
 
 @gpu_timing.device_timed
 @pytest.mark.parametrize("rows", WIDE_ROWS)
-def test_wide_rank(benchmark, rows, copy_gbs):
+def test_wide_rank(benchmark, rows, copy_gbs, kimi_weights):
     """A TP8 rank's step, the shared expert beside the experts (statistics), and the stock
     composition's (``peers``)."""
     from benchmarks import wide_table
     from benchmarks.experts_table import capture_graph
 
-    layer = _layer("wide")
+    layer = _layer("wide", kimi_weights)
     c = layer.config
     x = torch.randn(rows, c.hidden, generator=torch.Generator().manual_seed(rows))
     x = x.bfloat16().cuda()
     case, before = wide_table.published_case(layer, x, rows, read_gbs=1.0, flush=lambda: None)
     restore = before["rank_beside"]
-    moes, why_not = triton_moe.rank_moes(_weights(), 0, c.experts, (0, WIDE_RANKS))
+    moes, why_not = triton_moe.rank_moes(kimi_weights, 0, c.experts, (0, WIDE_RANKS))
     stock_us = None
     if moes:
         stock = wide_table.StockRank(layer, next(iter(moes.values())), rows)
@@ -129,6 +120,6 @@ def test_wide_rank(benchmark, rows, copy_gbs):
         stock_us = min(times)
     replay = capture_graph(wide_table.fast_stages(layer, x, rows)["rank_beside"], restore)
     fast_us = gpu_timing.measure(benchmark, replay, before=restore)
-    wide_table.rearm_peers(layer, rows)
+    wide_table.rearm_peers(layer)
     _record(benchmark, schedule="wide", batch=rows, nbytes=case["bytes"], fast_us=fast_us,
             copy_gbs=copy_gbs, stock_us=stock_us, why_not=why_not, touched=case["touched"])

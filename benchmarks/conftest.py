@@ -53,6 +53,16 @@ def copy_gbs():
     return gpu_timing.copy_bandwidth_gbs()
 
 
+@pytest.fixture(scope="session")
+def kimi_weights(copy_gbs):
+    """The real layer's weights on the GPU (``verify.cases.device_weights("kimi_k3")``:
+    random MXFP4 expert codes, scale codes 118..124), made once per session and shared by
+    every case that streams them (about 16 GB); skipped as ``copy_gbs`` is."""
+    from verify import cases
+
+    return cases.device_weights("kimi_k3")
+
+
 def pytest_benchmark_update_machine_info(config, machine_info):
     machine_info["machine"] = os.environ.get("BENCH_MACHINE", "unnamed (not run by benchmarks.run)")
     machine_info.update(history.software_info())

@@ -259,15 +259,13 @@ def published_case(layer, x, tokens: int, read_gbs: float, flush):
     return case, before
 
 
-def rearm_peers(layer, tokens: int) -> None:
+def rearm_peers(layer) -> None:
     """Rank 0's last poll re-armed its mailbox; the other ranks' still hold every publish of
-    the case: poll them empty (so the next case starts armed), drop those polls'
-    routing-list appends (no experts stage follows them) and check the error record."""
-    for r in range(1, layer.ranks):
-        layer.route_stage(r, tokens)
+    the case: check the error record (rank 0's polls), then re-arm every mailbox and drop
+    every engine's unconsumed routing-list appends (``WideLayer.reset``), so the next case
+    starts as a fresh layer does."""
     layer.check()
-    for r in range(1, layer.ranks):
-        layer.engines[r].live_counts().zero_()
+    layer.reset()
 
 
 def render(result: dict) -> str:
@@ -324,7 +322,7 @@ def main(argv=None):
         for name, fn in fast_stages(layer, x, tokens).items():
             case["times"][name] = device_time_us(fn, reps=args.reps,
                                                  flush=before.get(name, flush))
-        rearm_peers(layer, tokens)
+        rearm_peers(layer)
         for name, moe in peers.items():
             try:
                 stock_rank = StockRank(layer, moe, tokens)

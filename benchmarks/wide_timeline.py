@@ -160,7 +160,7 @@ def main(argv=None):
                    for e in prof.events() if e.device_type.name == "CUDA"]
         summary = summarize(replays_from_records(records, start_marker="neg_kernel",
                                                  end_marker="exp_kernel"))
-        rearm_peers(layer, tokens)
+        rearm_peers(layer)
         result["cases"].append(case | {"summary": summary})
         print(f"T {tokens}: step {summary['step']:.1f} us", flush=True)
     with open(args.out, "w") as f:
