@@ -247,13 +247,13 @@ MUTATIONS = [
          needs_gpu=True),
     _one("fast experts engine: the plan kernel's stale-lists guard off (lists appended by "
          "two route stages are planned as one call's)",
-         "fast/experts/kernels.py",
+         "fast/experts/lists.py",
          "            if run_c > pairs:\n",
          "            if run_c > pairs + (1 << 30):\n",
          ["verify/test_wide_fast.py::test_wide_fast_route_without_experts"], needs_gpu=True),
     _one("fast experts engine: a routing list over its capacity still planned (clamped, "
          "its refused pairs' rows missing, the others computed)",
-         "fast/experts/kernels.py",
+         "fast/experts/lists.py",
          "                c = capacity\n                p.sts_i32(stale, 1)\n",
          "                c = capacity\n",
          ["verify/test_experts.py::test_experts_bad_input"], needs_gpu=True),

@@ -11,7 +11,8 @@ serves both schedules:
 * **wide TP slice**: every expert, this rank's ``1/TP`` slice of the intermediate
   (``shard=(rank, ranks)``), partial rows.
 
-One call is four launches on the current stream:
+One call is four launches on the current stream (the first two in ``fast.experts.lists``,
+the GEMMs in ``fast.experts.kernels``):
 
 1. ``RoutingListsKernel``: the routing lists (per local expert, the pairs that use it,
    claimed with atomics) and the BF16 plan rows (the MXFP8 latent dequantized exactly);

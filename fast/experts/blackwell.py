@@ -91,7 +91,9 @@ from fast.experts.blackwell_layout import (
     sfb_smem_offset,
 )
 from fast.experts.engine import check_ctas
-from fast.experts.kernels import WINDOW, ExpertsGemmKernel, Workspace
+from fast.experts.kernels import ExpertsGemmKernel
+from fast.experts.layout import WINDOW
+from fast.experts.lists import Workspace
 
 __all__ = ["BlockScaledExpertsKernel", "BlackwellExpertsEngine", "compile_blackwell"]
 
@@ -116,7 +118,7 @@ class BlockScaledExpertsKernel:
     ``BlackwellExperts`` tensors of this GEMM); ``act`` / ``act_scales``: FC1 the call's
     E4M3 rows ``[R, L]`` and their E8M0 scales ``[R, L/32]``, FC2 the hidden codes ``[R*K,
     I_s]`` and scales ``[R*K, I_s/32]``; ``lists``, ``work``: the routing lists and work
-    table (``fast.experts.kernels``); ``out`` / ``out_scales``: FC1 the hidden codes and
+    table (``fast.experts.lists``); ``out`` / ``out_scales``: FC1 the hidden codes and
     scales (row ``offs[e] + slot``), FC2 the BF16 rows ``[R*K, L]`` (``out_scales``
     unused); ``cap_*``: with ``capture``, FC1's FP32 outputs ``[R*K, 2 I_s]`` (gate columns,
     then up), E4M3 codes and E8M0 scales per pair.

@@ -183,14 +183,14 @@ def _compiled(kind: str, arch: str, params: tuple):
     import cutlass.cute as cute
     from cutlass import Int32, Int64
 
-    from fast.experts import kernels
+    from fast.experts import kernels, lists
 
     kw = dict(params)
     if kind == "lists":
-        obj = kernels.RoutingListsKernel(**kw)
+        obj = lists.RoutingListsKernel(**kw)
         args = [Int64(0)] * 6 + [Int32(1), Int32(1)]
     elif kind == "plan":
-        obj = kernels.PlanKernel(**kw)
+        obj = lists.PlanKernel(**kw)
         args = [Int64(0), Int32(1), Int32(1)]
     elif kind == "fused":
         obj = kernels.FusedExpertsKernel(kernels.ExpertsGemmKernel(**dict(kw["fc1"])),
@@ -254,14 +254,14 @@ class EngineScratch:
     (the layers of a model run one after another; each call re-initializes what it reads,
     and the routing-lists and plan kernels leave the counters armed for the next call):
 
-    * ``work``: int32 work table (``fast.experts.kernels.Workspace``), zeroed once;
+    * ``work``: int32 work table (``fast.experts.lists.Workspace``), zeroed once;
     * ``lists``: int32 ``[count, max_rows]`` routing lists (pair indices);
     * ``plan``: BF16 ``[max_rows, L]`` plan rows;
     * ``hidden``: BF16 ``[max_rows * K, I_s]`` the FC1 -> FC2 hidden rows.
     """
 
     def __init__(self, geometry, *, max_rows: int, device):
-        from fast.experts.kernels import Workspace
+        from fast.experts.lists import Workspace
 
         if not isinstance(max_rows, int) or max_rows < 1:
             raise ValueError(f"EngineScratch: max_rows must be a positive int, got {max_rows!r}")
@@ -416,7 +416,7 @@ class ExpertsEngine:
             capture: also return the intermediates (``Capture``; for verification).
             listed: the caller's kernel, launched before on this stream, already did the
                 routing-lists kernel's work for exactly these ``ids``, ``codes`` and
-                ``scales``: a ``kernels.RoutingListsKernel(**list_params())`` emitted into
+                ``scales``: a ``lists.RoutingListsKernel(**list_params())`` emitted into
                 it appended every pair to this engine's ``lists`` (its ``work`` counters)
                 and wrote its ``plan`` rows (``fast.schedules.wide_route``); the call
                 then launches from the plan kernel on.
@@ -498,7 +498,7 @@ class ExpertsEngine:
         return self.work[at:at + self.geometry.count]
 
     def list_params(self) -> dict:
-        """The ``kernels.RoutingListsKernel`` parameters of this engine's calls (a kernel
+        """The ``lists.RoutingListsKernel`` parameters of this engine's calls (a kernel
         that does its work for a ``listed`` call builds one from them)."""
         c, g = self.config, self.geometry
         return dict(latent=g.latent, top_k=c.top_k, experts=c.experts, first=g.first,
@@ -532,9 +532,9 @@ class ExpertsEngine:
         """Raise ``EngineError`` if a call since the last check met a bad routing entry or
         (tactic ``fused``) an FC2 item's wait for its expert timed out (synchronizes the
         device), and clear the error."""
-        from fast.experts.kernels import (ERROR_GATE_TIMEOUT, ERROR_ID_RANGE,
-                                          ERROR_LIST_OVERFLOW, ERROR_STALE_LISTS,
-                                          GATE_SPIN_LIMIT)
+        from fast.experts.kernels import GATE_SPIN_LIMIT
+        from fast.experts.lists import (ERROR_GATE_TIMEOUT, ERROR_ID_RANGE, ERROR_LIST_OVERFLOW,
+                                        ERROR_STALE_LISTS)
 
         at = self.layout.error
         code, pair, value = (int(v) for v in self.work[at:at + 3].tolist())

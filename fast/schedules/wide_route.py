@@ -15,7 +15,7 @@ output is bitwise what the separate kernels write (and what their contracts chec
 3. ``fast.router.RouterKernel.route_row`` over the staged logits: ``ids [T, k]``,
    ``weights [T, k]``;
 4. with ``lists`` (the experts engine's ``list_params()``), the engine's routing-lists
-   kernel's work for the token (``fast.experts.kernels.RoutingListsKernel``'s code): the
+   kernel's work for the token (``fast.experts.lists.RoutingListsKernel``'s code): the
    quantizer threads also write the token's BF16 plan row (``plan_granule`` of their
    codes), and after a barrier threads ``r < k`` append pair ``t k + r`` (its id read back
    from ``ids``) to its expert's routing list (``_list_pair``: the engine's counters and
@@ -39,7 +39,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from fast import mx
 from fast.experts import _ptx as p
-from fast.experts.kernels import RoutingListsKernel
+from fast.experts.lists import RoutingListsKernel
 from fast.router import RouterKernel
 from fast.schedules.wide_kernels import PollKernel
 
