@@ -36,7 +36,7 @@ import torch
 
 from verify import backends as backend_registry
 from verify.recorder import Recorder
-from verify.report import Report, format_table, write_report
+from verify.report import Report, format_table, format_totals, write_report
 from verify.seeds import seed_of
 
 REPORT_KEY = pytest.StashKey[Report]()
@@ -250,11 +250,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(about.get("load_error")
                                     or f"backend {name}: {about['version']} ({about['source']})")
     terminalreporter.write_line(format_table(report.sorted_rows()))
-    totals = report.totals()
-    terminalreporter.write_line(
-        "rows {rows}, cases {cases}: {passed} passed, {failed} failed, {skipped} skipped; "
-        "accepted routing flips {flips}".format(**totals)
-    )
+    terminalreporter.write_line(format_totals(report))
     if rank == 0:
         out = Path(os.environ.get("LATENTMOE_REPORT_DIR", config.rootpath))
         paths = write_report(report, out, _environment())

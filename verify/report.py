@@ -6,6 +6,15 @@ Each contract test records what it compared through the ``contract`` fixture
 end of the session, print :func:`format_table` and write ``verify-report.json`` and
 ``verify-report.md`` (:func:`write_report`).
 
+A suite run in parts (one pytest process per file or group, each with its own
+``LATENTMOE_REPORT_DIR``: a job time limit, or one GPU per part) is joined into one report
+by :func:`merge_reports`, from the command line::
+
+    python -m verify.report merge OUT_DIR PART/verify-report.json ...
+
+It refuses parts of another commit, device or software version, and exits 1 when a row
+failed (2 when the parts cannot be joined).
+
 A row's columns:
 
 * ``cases`` / ``passed`` / ``failed`` / ``skipped`` — test cases of that row and their
@@ -48,6 +57,8 @@ class Row:
     flips: int = 0
     decisions: int = 0
     figures: dict = dataclasses.field(default_factory=dict)
+    #: per figure, which end is the worst ("min" or "max"): how parts of a run are joined
+    figure_worst: dict = dataclasses.field(default_factory=dict)
     skip_reasons: list = dataclasses.field(default_factory=list)
     failures: list = dataclasses.field(default_factory=list)
 
@@ -64,6 +75,9 @@ class Row:
     def add_figure(self, name: str, value: float | None, *, worst: str):
         """Keep the worst value of a tracked figure (``worst`` is "min" or "max"); ``None``
         marks a figure that does not apply to this row (0 by construction), shown "n/a"."""
+        if worst not in ("min", "max"):
+            raise ValueError(f"add_figure: worst must be 'min' or 'max', got {worst!r}")
+        self.figure_worst.setdefault(name, worst)
         if value is None:
             self.figures.setdefault(name, None)
             return
@@ -72,6 +86,42 @@ class Row:
             self.figures[name] = value
         else:
             self.figures[name] = min(old, value) if worst == "min" else max(old, value)
+
+    def merge(self, other: "Row") -> None:
+        """Add the cases of ``other`` (the same contract, backend and config, from another
+        part of the run): counts add up, the worst ULP, bound ratio and figures are the
+        worse of the two, skip reasons and failing node ids are joined."""
+        if (other.contract, other.backend, other.config) != (self.contract, self.backend,
+                                                              self.config):
+            raise ValueError(f"Row.merge: {other.contract}/{other.backend}/{other.config} is "
+                             f"not {self.contract}/{self.backend}/{self.config}")
+        for name in ("cases", "passed", "failed", "skipped", "bitwise", "flips", "decisions"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        if other.worst_ulp is not None:
+            self.worst_ulp = max(self.worst_ulp or 0, other.worst_ulp)
+        if other.worst_ratio is not None:
+            self.worst_ratio = max(self.worst_ratio or 0.0, other.worst_ratio)
+        self.bound = self.bound or other.bound
+        for name, value in other.figures.items():
+            worst = other.figure_worst.get(name) or self.figure_worst.get(name)
+            if name not in self.figures:  # nothing to compare with: taken as it is
+                self.figures[name] = value
+                if worst is not None:
+                    self.figure_worst[name] = worst
+                continue
+            if worst is None:
+                raise ValueError(f"Row.merge: figure {name!r} of {self.contract} has a value "
+                                 f"in both parts and neither says which end is the worst (a "
+                                 f"report written before figure_worst was recorded)")
+            self.add_figure(name, value, worst=worst)
+        self.skip_reasons += [r for r in other.skip_reasons if r not in self.skip_reasons]
+        self.failures += [n for n in other.failures if n not in self.failures]
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Row":
+        """A row as ``verify-report.json`` lists it (its ``status`` is recomputed)."""
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in fields})
 
     def status(self) -> str:
         if self.failed:
@@ -158,6 +208,12 @@ def format_table(rows: Iterable[Row]) -> str:
     return "\n".join(lines)
 
 
+def format_totals(report: Report) -> str:
+    """The one-line count under the table."""
+    return ("rows {rows}, cases {cases}: {passed} passed, {failed} failed, {skipped} skipped; "
+            "accepted routing flips {flips}".format(**report.totals()))
+
+
 def format_markdown(rows: Iterable[Row]) -> str:
     """The same table in Markdown (``verify-report.md``)."""
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
@@ -195,3 +251,78 @@ def write_report(report: Report, directory: Path, environment: dict) -> tuple[Pa
         + "\n\n" + format_markdown(rows) + "\n"
     )
     return json_path, md_path
+
+
+#: Environment keys every part of one merged report must share (``world_size`` may not:
+#: a multi-GPU part and a single-GPU part of one node's run are one report).
+SHARED_ENVIRONMENT = ("commit", "python", "torch", "device", "capability")
+
+
+def merge_reports(payloads: Iterable[tuple[str, dict]]) -> tuple[dict, Report]:
+    """Join the parts of one run: ``(name, verify-report.json contents)`` of each part ->
+    ``(environment, report)``. Each row is the sum of that row's parts
+    (:meth:`Row.merge`).
+
+    Raises:
+        ValueError: no part; parts of another commit, Python, torch, device or capability
+            (the key and the two parts named); one backend at two versions or sources.
+    """
+    payloads = list(payloads)
+    if not payloads:
+        raise ValueError("merge_reports: no report to merge")
+    first_name, first = payloads[0]
+    environment = dict(first["environment"])
+    report = Report()
+    for name, payload in payloads:
+        env = payload["environment"]
+        for key in SHARED_ENVIRONMENT:
+            if env.get(key) != first["environment"].get(key):
+                raise ValueError(f"merge_reports: {name} has {key}={env.get(key)!r}, "
+                                 f"{first_name} has {first['environment'].get(key)!r}: parts "
+                                 f"of one report must come from one commit and machine")
+        sizes = sorted({*str(environment.get("world_size", "")).split(","),
+                        str(env.get("world_size", ""))} - {""})
+        if sizes:
+            environment["world_size"] = ",".join(sizes)
+        for backend, about in payload["backends"].items():
+            known = report.backends.setdefault(backend, about)
+            if (known.get("version"), known.get("source")) != (about.get("version"),
+                                                               about.get("source")):
+                raise ValueError(f"merge_reports: backend {backend!r} is {about.get('version')} "
+                                 f"({about.get('source')}) in {name}, {known.get('version')} "
+                                 f"({known.get('source')}) in an earlier part")
+        for data in payload["rows"]:
+            row = Row.from_dict(data)
+            report.row(row.contract, row.backend, row.config).merge(row)
+    environment["parts"] = len(payloads)
+    return environment, report
+
+
+def main(argv=None) -> int:
+    """``python -m verify.report merge OUT_DIR PART.json ...``: write the merged
+    ``verify-report.json`` / ``.md`` into OUT_DIR and print the table. Exit status 0 when no
+    row failed, 1 when one did, 2 when the parts cannot be joined."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m verify.report")
+    sub = ap.add_subparsers(dest="command", required=True)
+    merge = sub.add_parser("merge", help="join the verify-report.json files of one run's parts")
+    merge.add_argument("out_dir", type=Path)
+    merge.add_argument("parts", type=Path, nargs="+")
+    args = ap.parse_args(argv)
+    try:
+        payloads = [(str(p), json.loads(p.read_text())) for p in args.parts]
+        environment, report = merge_reports(payloads)
+    except (OSError, ValueError, KeyError) as e:
+        print(f"verify.report merge: {e}", file=sys.stderr)
+        return 2
+    paths = write_report(report, args.out_dir, environment)
+    print(format_table(report.sorted_rows()))
+    print(format_totals(report))
+    print("written: " + ", ".join(str(p) for p in paths))
+    return 1 if report.totals()["failed"] else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
