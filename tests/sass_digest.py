@@ -2,13 +2,15 @@
 
 A change that leaves every kernel's SASS byte for byte the same (a module split, a rename,
 a comment, a refactor of the host code) leaves every GPU result of the kernels standing.
-This tool proves that on a CPU: it compiles each kernel of a fixed set (the experts
-engine at three geometries and tactics, the wide layer's polled route) with CuTe DSL's
-cubin dump, and prints one line per kernel with the SHA-1 of its ``.text`` sections (the
-SASS; the symbol names, which carry the Python module path, and the debug sections are
-left out)::
+This tool proves that on a CPU: it compiles each kernel of a fixed set with CuTe DSL's
+cubin dump, for sm_90a and sm_100a, and prints one line per kernel with the SHA-1 of its
+``.text`` sections (the SASS; the symbol names, which carry the Python module path, and
+the debug sections are left out). The set (``SETS``): the stage kernels at the real widths
+(``fast.backend.KERNELS``), the experts engine at three geometries and tactics
+(``ENGINES``), the DEP16 and TP8 schedules' own kernels for virtual and real ranks, and
+every ``fast.gemm`` shape a ``DenseFront`` compiles by default::
 
-    python tests/sass_digest.py before.txt          # on the old tree
+    python tests/sass_digest.py before.txt          # on the old tree (--only experts,...)
     python tests/sass_digest.py after.txt           # on the new one
     diff before.txt after.txt                       # empty: no kernel changed
 
@@ -32,35 +34,56 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ARCHS = ("sm_90a", "sm_100a")
 
-#: name -> (geometry: "dep16" or "tp8", windows, strict, empty_rows, tactic)
+#: experts engine name -> (geometry: "dep16" or "tp8", windows, strict, empty_rows, tactic)
 ENGINES = {
     "dep16-fused-w1": ("dep16", 1, False, True, {"fused": 1, "pdl_chain": 1}),
     "dep16-two-w4-strict": ("dep16", 4, True, True, {"fused": 0, "pdl_chain": 0}),
     "tp8-walk4-w2": ("tp8", 2, False, False, {"walk": 4}),
 }
+#: every kernel set: (family, name); a set's kernels are listed by its "?" compile
+SETS = ([("stage", "real")] + [("experts", name) for name in ENGINES]
+        + [("dep", "dep16"), ("dep", "dep16-peers"), ("wide", "tp8"), ("wide", "tp8-peers"),
+           ("gemm", "dense-auto")])
 
 _COMPILE = """
 import sys
 from reference.config import LatentMoEConfig
-from fast.experts import engine
-from fast.experts.layout import Geometry
-from fast.schedules import wide
 
 c = LatentMoEConfig.kimi_k3()
-arch, name, kind = sys.argv[1:4]
-if name == "wide-route":
-    wide._compiled("route", arch, wide.kernel_params(c, 8)["route"])
-    sys.exit()
-geometry, windows, strict, empty_rows, tactic = {engines}[name]
-g = (Geometry(latent=c.latent, inter=c.intermediate, first=0, count=56, shard=(0, 1))
-     if geometry == "dep16" else
-     Geometry(latent=c.latent, inter=c.intermediate // 8, first=0, count=896, shard=(0, 8)))
-params = engine._kernel_params(g, c, windows, False, strict, engine.complete_tactic(tactic, arch),
-                               empty_rows=empty_rows)
+arch, family, name, kind = sys.argv[1:5]
+if family == "stage":  # the stage kernels at the real widths
+    from fast import backend
+    kinds = list(backend.KERNELS)
+    build = lambda k: backend.compile_for_target(k, arch)
+elif family in ("dep", "wide"):  # a schedule's own kernels, DEP16 / TP8, virtual or peers
+    from fast.schedules import dep, wide
+    module, ranks = (dep, 16) if family == "dep" else (wide, 8)
+    params = module.kernel_params(c, ranks, peers=name.endswith("-peers"))
+    kinds = list(params)
+    build = lambda k: module._compiled(k, arch, params[k])
+elif family == "gemm":  # every fast.gemm shape a DenseFront compiles by default
+    from fast.gemm.host import compile_kernel
+    from fast.schedules import dense
+    shapes = [p for p in dense.fast_kernel_params(c, "auto")
+              if arch == "sm_90a" or not p.get("wgmma")]
+    kinds = [str(i) for i in range(len(shapes))]
+    build = lambda k: compile_kernel(arch, **shapes[int(k)])
+else:  # the experts engine
+    from fast.experts import engine
+    from fast.experts.layout import Geometry
+    geometry, windows, strict, empty_rows, tactic = {engines}[name]
+    g = (Geometry(latent=c.latent, inter=c.intermediate, first=0, count=56, shard=(0, 1))
+         if geometry == "dep16" else
+         Geometry(latent=c.latent, inter=c.intermediate // 8, first=0, count=896,
+                  shard=(0, 8)))
+    params = engine._kernel_params(g, c, windows, False, strict,
+                                   engine.complete_tactic(tactic, arch), empty_rows=empty_rows)
+    kinds = list(params)
+    build = lambda k: engine._compiled(k, arch, params[k])
 if kind == "?":
-    print(" ".join(params))
+    print(" ".join(kinds))
 else:
-    engine._compiled(kind, arch, params[kind])
+    build(kind)
 """
 
 
@@ -97,38 +120,38 @@ def text_digest(cubin: bytes) -> tuple[str, int]:
     return sha.hexdigest(), size
 
 
-def digest(arch: str, name: str, kind: str) -> list[str]:
-    """One line per cubin the compile of ``kind`` of engine ``name`` dumps."""
+def digest(arch: str, family: str, name: str, kind: str) -> list[str]:
+    """One line per cubin the compile of kernel ``kind`` of set ``(family, name)`` dumps."""
     with tempfile.TemporaryDirectory() as tmp:
-        _python([arch, name, kind], Path(tmp))
+        _python([arch, family, name, kind], Path(tmp))
         cubins = sorted(Path(tmp).rglob("*.cubin"))
         if not cubins:
-            raise RuntimeError(f"{arch} {name} {kind}: the compile dumped no cubin")
+            raise RuntimeError(f"{arch} {family} {name} {kind}: the compile dumped no cubin")
         lines = []
         for path in cubins:
             match = re.search(r"([A-Z][A-Za-z0-9]*Kernel)", path.name)
             sha, size = text_digest(path.read_bytes())
-            lines.append(f"{arch} {name} {kind} {match.group(1) if match else path.name} "
+            lines.append(f"{arch} {family}:{name} {kind} {match.group(1) if match else path.name} "
                          f"{sha} {size}")
         return lines
 
 
-def jobs(archs=ARCHS) -> list[tuple[str, str, str]]:
-    """(arch, engine or "wide-route", kernel kind) of every kernel in the set."""
-    out = []
-    for name in ENGINES:
-        kinds = _python(["sm_90a", name, "?"]).split()
-        out += [(arch, name, kind) for arch in archs for kind in kinds]
-    return out + [(arch, "wide-route", "route") for arch in archs]
+def jobs(archs=ARCHS, sets=SETS) -> list[tuple[str, str, str, str]]:
+    """(arch, family, name, kernel kind) of every kernel of ``sets``."""
+    return [(arch, family, name, kind) for family, name in sets for arch in archs
+            for kind in _python([arch, family, name, "?"]).split()]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out", type=Path, help="the digest file to write")
     ap.add_argument("--arch", default=",".join(ARCHS), help="comma-separated targets")
+    ap.add_argument("--only", default="", help="comma-separated families (" +
+                    ", ".join(sorted({f for f, _ in SETS})) + "); default: all")
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
-    todo = jobs(tuple(args.arch.split(",")))
+    only = set(filter(None, args.only.split(",")))
+    todo = jobs(tuple(args.arch.split(",")), [s for s in SETS if not only or s[0] in only])
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
         lines = [line for result in pool.map(lambda j: digest(*j), todo) for line in result]
     args.out.write_text("\n".join(sorted(lines)) + "\n")

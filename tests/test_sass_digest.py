@@ -52,8 +52,8 @@ def test_text_digest_reads_only_the_text_sections():
 def test_digest_is_stable_and_sees_a_changed_kernel():
     """The plan kernel compiled twice gives one digest; the same kernel with the fused
     grid's extra counter zeroing (another code) gives another."""
-    first = digest("sm_90a", "dep16-fused-w1", "plan")
-    assert first == digest("sm_90a", "dep16-fused-w1", "plan")
+    first = digest("sm_90a", "experts", "dep16-fused-w1", "plan")
+    assert first == digest("sm_90a", "experts", "dep16-fused-w1", "plan")
     assert len(first) == 1 and " PlanKernel " in first[0]
-    other = digest("sm_90a", "dep16-two-w4-strict", "plan")
+    other = digest("sm_90a", "experts", "dep16-two-w4-strict", "plan")
     assert first[0].split()[4] != other[0].split()[4]
