@@ -1,6 +1,7 @@
-"""The PTX the CuTe DSL emits for a kernel (its own dump, ``CUTE_DSL_KEEP=ptx``), for the
-tests that check which instructions a kernel issues. The compile runs in a subprocess so
-that its dump directory is its own (no GPU needed)."""
+"""What the CuTe DSL emits for a kernel (its own dump, ``CUTE_DSL_KEEP``): the PTX, for the
+tests that check which instructions a kernel issues, and the cubins of
+``tests/sass_digest.py``. The compile runs in a subprocess so that its dump directory is
+its own (no GPU needed)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,27 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def run_compile(script: str, args=(), *, keep: str | None = None, dump_dir: Path | None = None,
+                timeout: float = 1800) -> str:
+    """Run ``script`` (Python that calls ``cute.compile``) in a fresh interpreter with the
+    repository on ``PYTHONPATH``, the arguments ``args`` and, with ``keep``, the DSL's dump
+    of those artifacts (``CUTE_DSL_KEEP``, e.g. "ptx", "cubin") into the existing directory
+    ``dump_dir``; its standard output. A failed script raises with the end of its stderr."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
+                                                                    os.environ.get("PYTHONPATH")])))
+    if keep is not None:
+        env.update(CUTE_DSL_KEEP=keep, CUTE_DSL_DUMP_DIR=str(dump_dir))
+    done = subprocess.run([sys.executable, "-c", script, *map(str, args)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"compile {list(args)} failed:\n{done.stderr[-2000:]}")
+    return done.stdout
+
+
 def dump_ptx(script: str, directory: Path, pattern: str = "*.ptx") -> list[Path]:
-    """Run ``script`` (Python that calls ``cute.compile``) with the DSL's PTX dump into
-    ``directory``; the dumps whose names match ``pattern``. The script's errors fail."""
-    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(directory),
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=directory,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
+    """Run ``script`` with the DSL's PTX dump into ``directory`` (:func:`run_compile`); the
+    dumps whose names match ``pattern``."""
+    run_compile(script, keep="ptx", dump_dir=directory, timeout=600)
     return sorted(directory.glob(pattern))
 
 

@@ -26,12 +26,11 @@ import hashlib
 import os
 import re
 import struct
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from ptx_dump import run_compile
+
 ARCHS = ("sm_90a", "sm_100a")
 
 #: experts engine name -> (geometry: "dep16" or "tp8", windows, strict, empty_rows, tactic)
@@ -87,16 +86,10 @@ else:
 """
 
 
-def _python(args, dump_dir: Path | None = None) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
-                                                                    os.environ.get("PYTHONPATH")])))
-    if dump_dir is not None:
-        env.update(CUTE_DSL_KEEP="cubin", CUTE_DSL_DUMP_DIR=str(dump_dir))
-    done = subprocess.run([sys.executable, "-c", _COMPILE.format(engines=ENGINES), *args],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise RuntimeError(f"compile {args} failed:\n{done.stderr[-2000:]}")
-    return done.stdout
+def _compile(args, dump_dir: Path | None = None) -> str:
+    """Run ``_COMPILE`` with ``args``; with ``dump_dir``, the cubins dumped there."""
+    return run_compile(_COMPILE.format(engines=ENGINES), args,
+                       keep=None if dump_dir is None else "cubin", dump_dir=dump_dir)
 
 
 def text_digest(cubin: bytes) -> tuple[str, int]:
@@ -123,7 +116,7 @@ def text_digest(cubin: bytes) -> tuple[str, int]:
 def digest(arch: str, family: str, name: str, kind: str) -> list[str]:
     """One line per cubin the compile of kernel ``kind`` of set ``(family, name)`` dumps."""
     with tempfile.TemporaryDirectory() as tmp:
-        _python([arch, family, name, kind], Path(tmp))
+        _compile([arch, family, name, kind], Path(tmp))
         cubins = sorted(Path(tmp).rglob("*.cubin"))
         if not cubins:
             raise RuntimeError(f"{arch} {family} {name} {kind}: the compile dumped no cubin")
@@ -136,10 +129,9 @@ def digest(arch: str, family: str, name: str, kind: str) -> list[str]:
         return lines
 
 
-def jobs(archs=ARCHS, sets=SETS) -> list[tuple[str, str, str, str]]:
-    """(arch, family, name, kernel kind) of every kernel of ``sets``."""
-    return [(arch, family, name, kind) for family, name in sets for arch in archs
-            for kind in _python([arch, family, name, "?"]).split()]
+def kinds(arch: str, family: str, name: str) -> list[tuple[str, str, str, str]]:
+    """(arch, family, name, kernel kind) of every kernel of one set."""
+    return [(arch, family, name, kind) for kind in _compile([arch, family, name, "?"]).split()]
 
 
 def main(argv=None) -> int:
@@ -151,8 +143,9 @@ def main(argv=None) -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
     only = set(filter(None, args.only.split(",")))
-    todo = jobs(tuple(args.arch.split(",")), [s for s in SETS if not only or s[0] in only])
+    sets = [(arch, *s) for s in SETS if not only or s[0] in only for arch in args.arch.split(",")]
     with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        todo = [job for listed in pool.map(lambda s: kinds(*s), sets) for job in listed]
         lines = [line for result in pool.map(lambda j: digest(*j), todo) for line in result]
     args.out.write_text("\n".join(sorted(lines)) + "\n")
     print(f"{len(lines)} kernels -> {args.out}")

@@ -280,10 +280,6 @@ def merge_reports(payloads: Iterable[tuple[str, dict]]) -> tuple[dict, Report]:
                 raise ValueError(f"merge_reports: {name} has {key}={env.get(key)!r}, "
                                  f"{first_name} has {first['environment'].get(key)!r}: parts "
                                  f"of one report must come from one commit and machine")
-        sizes = sorted({*str(environment.get("world_size", "")).split(","),
-                        str(env.get("world_size", ""))} - {""})
-        if sizes:
-            environment["world_size"] = ",".join(sizes)
         for backend, about in payload["backends"].items():
             known = report.backends.setdefault(backend, about)
             if (known.get("version"), known.get("source")) != (about.get("version"),
@@ -294,6 +290,9 @@ def merge_reports(payloads: Iterable[tuple[str, dict]]) -> tuple[dict, Report]:
         for data in payload["rows"]:
             row = Row.from_dict(data)
             report.row(row.contract, row.backend, row.config).merge(row)
+    sizes = {str(p["environment"].get("world_size", "")) for _, p in payloads} - {""}
+    if sizes:
+        environment["world_size"] = ",".join(sorted(sizes))
     environment["parts"] = len(payloads)
     return environment, report
 
