@@ -17,7 +17,7 @@ __all__ = [
     "cp_async_16", "cp_async_4", "cp_async_4z", "lds_u16", "lds_u8", "lds_v4", "sts_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
     "mma_bf16", "rotr", "prmt", "mul_bf16x2", "atomic_add", "atomic_max", "shfl_xor", "shfl_up",
     "e4m3x2_to_f32", "f32x2_to_e4m3x2", "f32_to_bf16_bits",
-    "smem_matrix_descriptor", "wgmma_bf16", "wgmma_bf16_ss", "wgmma_settle", "ld_relaxed_gpu",
+    "smem_matrix_descriptor", "smem_descriptor_offset", "wgmma_bf16", "wgmma_bf16_ss", "wgmma_settle", "ld_relaxed_gpu",
     "fence_acq_rel_gpu",
     "red_release_gpu_add",
 ]
@@ -278,6 +278,16 @@ def smem_matrix_descriptor(address, leading: int, stride: int):
     high = Int64((stride >> 4) << 32)
     low = Int64(((Int32(address) >> 4) & Int32(0x3FFF)) | Int32((leading >> 4) << 16))
     return high | low
+
+
+def smem_descriptor_offset(descriptor, offset: int):
+    """``descriptor`` (``smem_matrix_descriptor``) moved ``offset`` bytes on (a multiple of
+    16): its start-address field plus ``offset >> 4``, one add. The caller keeps the start
+    below 256 KiB (the field's 14 bits; shared memory is at most 228 KiB), so the add never
+    carries out of the field."""
+    if offset % 16 or offset < 0:
+        raise ValueError(f"descriptor offsets are non-negative multiples of 16, got {offset}")
+    return descriptor + Int64(offset >> 4)
 
 
 def _ir(value):

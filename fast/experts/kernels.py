@@ -52,9 +52,9 @@ class ExpertsGemmKernel:
        ``offs[e] + slot``);
     2. main loop over ``stages`` of ``64 * chunks_per_stage`` k: the B operand of the
        window group is copied to shared memory by ``cp.async`` into a ring of ``RING``
-       stages (zero-filled past the group's tokens), in the lanes' fragment order; each
-       warp streams its m-tiles' prepared weights one stage ahead into registers
-       (``ld.global.nc.L1::no_allocate.v4``, 16 bytes per lane per chunk), decodes them
+       stages (zero-filled past the group's tokens), in the lanes' fragment order, and
+       with it each lane's 16-byte piece of its warp's prepared weights per m-tile and
+       chunk (``cp.async``, read back by the same lane); each warp decodes them
        (``fast.experts.layout``: three bit operations and a multiply per word, one
        ``mul.rn.bf16x2`` by the scale factor per BF16 pair) and issues 4 ``mma.m16n8k16``
        per chunk, m-tile and window into FP32 accumulators (exact products, FP32 sums);
@@ -722,17 +722,13 @@ class ExpertsGemmKernel:
             odd = (lane & 1) != 0
             x = cutlass.select_(odd, other | (own << Uint32(bits)), own | (other << Uint32(bits)))
             xs.append(x + bias)
+        if cutlass.const_expr(self.wgmma):
+            self._compute_wgmma(acc, xs, wslot, bslot, live)
+            return
         for cc in cutlass.range_constexpr(SC):
             frags = []
             for mt in cutlass.range_constexpr(MT):
-                f0 = self._factor(xs[mt], 2 * cc)
-                f1 = self._factor(xs[mt], 2 * cc + 1)
-                words = p.lds_v4(wslot + (mt * SC + cc) * 512)
-                r0 = self._decode(words[0]) + self._decode(words[1])
-                r1 = self._decode(words[2]) + self._decode(words[3])
-                frags.append(([p.mul_bf16x2(v, f0) for v in r0], [p.mul_bf16x2(v, f1) for v in r1]))
-                if cutlass.const_expr(self.wgmma):
-                    self._wgmma_mtile(acc, frags[mt], bslot, cc, mt, live)
+                frags.append(self._fragment(xs[mt], cc, wslot + (mt * SC + cc) * 512))
             if cutlass.const_expr(not self.wgmma):
                 # B fragments of every live window, then the MMAs step-major so that the
                 # (m-tile, window) accumulator chains interleave (a chain's consecutive
@@ -744,20 +740,57 @@ class ExpertsGemmKernel:
                 for j in cutlass.range_constexpr(4):
                     for w in cutlass.range_constexpr(live):
                         self._mma_step(acc, frags, bs[w], j, w)
-        if cutlass.const_expr(self.wgmma):
-            # the ring slot is refilled after the next barrier: every MMA reading it done
-            warpgroup.wait_group(0)
-            self._wgmma_settle(acc, live)
 
     @cute.jit
-    def _wgmma_mtile(self, acc, frag, slot, cc: int, mt: int, live: int):
+    def _fragment(self, x, cc: int, words):
+        """This lane's A fragment of chunk ``cc`` of an m-tile: its four prepared ``words``
+        (or their shared-memory address, read after the scale factors) decoded
+        (``_decode``) and scaled by the chunk's two scale factors of ``x``."""
+        f0 = self._factor(x, 2 * cc)
+        f1 = self._factor(x, 2 * cc + 1)
+        if cutlass.const_expr(not isinstance(words, list)):
+            words = p.lds_v4(words)
+        r0 = self._decode(words[0]) + self._decode(words[1])
+        r1 = self._decode(words[2]) + self._decode(words[3])
+        return ([p.mul_bf16x2(v, f0) for v in r0], [p.mul_bf16x2(v, f1) for v in r1])
+
+    @cute.jit
+    def _compute_wgmma(self, acc, xs, wslot, bslot, live: int):
+        """``_compute`` with warpgroup MMAs: one group per (chunk, m-tile) in chunk order
+        (``_wgmma_mtile``), each waited for (``wait_group 1``) once the next is issued, so
+        two decoded fragments are live. Every word of the stage is read from shared memory
+        before the first group, so the wait is followed by the next fragment's decode, not
+        by a shared-memory round trip; the B descriptors are the slot's plus constants. The
+        stage ends with every group done (the ring slot is refilled after the next
+        barrier)."""
+        SC: cutlass.Constexpr = self.stage_chunks
+        MT: cutlass.Constexpr = self.mtiles
+        words = [[list(p.lds_v4(wslot + (mt * SC + cc) * 512)) for mt in range(MT)]
+                 for cc in range(SC)]
+        # the B descriptor of the slot's start; each MMA's is it plus a constant
+        _, leading, stride = wgmma_b_descriptor(0, 0, SC)
+        slot_desc = p.smem_matrix_descriptor(bslot, leading, stride)
+        order = [(cc, mt) for cc in range(SC) for mt in range(MT)]
+        ahead = self._fragment(xs[0], 0, words[0][0])
+        for i in cutlass.range_constexpr(len(order)):
+            cc, mt = order[i]
+            self._wgmma_mtile(acc, ahead, slot_desc, cc, mt, live)
+            warpgroup.wait_group(1)  # the group before: its fragment's registers are free
+            if cutlass.const_expr(i + 1 < len(order)):
+                ncc, nmt = order[i + 1]
+                ahead = self._fragment(xs[nmt], ncc, words[ncc][nmt])
+        warpgroup.wait_group(0)
+        self._wgmma_settle(acc, live)
+
+    @cute.jit
+    def _wgmma_mtile(self, acc, frag, slot_desc, cc: int, mt: int, live: int):
         """M-tile ``mt`` of chunk ``cc`` as one group of warpgroup MMAs: per MMA step j (16
         k) one ``wgmma m64n(8 live)k16`` whose 64 rows are m-tile ``mt`` of each of the
         warpgroup's 4 warps (A: this warp's decoded fragment in registers) and whose B is
         the live windows' tokens in the slot (core matrices: ``leading`` 128 bytes to the
         next 8 k, ``stride`` one window). Each output adds the chunk's steps in order 0..3.
-        At most one group stays in flight (``wait_group(1)`` after the commit), so the
-        registers of one decoded fragment are free again when the next is decoded."""
+        The caller waits (``wait_group(1)`` after the commit), so at most one group stays
+        in flight and one decoded fragment's registers are free again for the next."""
         SC: cutlass.Constexpr = self.stage_chunks
         W: cutlass.Constexpr = self.windows
         r0, r1 = frag
@@ -765,13 +798,12 @@ class ExpertsGemmKernel:
         warpgroup.fence()  # this fragment and the accumulators were written by this thread
         for j in cutlass.range_constexpr(4):
             start, leading, stride = wgmma_b_descriptor(cc, j, SC)
-            desc = p.smem_matrix_descriptor(slot + start, leading, stride)
+            desc = p.smem_descriptor_offset(slot_desc, start)
             d = p.wgmma_bf16([acc[base + i] for i in range(4 * live)],
                              (r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1]), desc, 8 * live)
             for i in cutlass.range_constexpr(4 * live):
                 acc[base + i] = d[i]
         warpgroup.commit_group()
-        warpgroup.wait_group(1)
 
     @cute.jit
     def _wgmma_settle(self, acc, live: int):
