@@ -29,8 +29,9 @@ slice) and a tensor-parallel shard (``verify.interface.Backend.expert_rows``). B
 For every claim, rows of pairs whose expert is not local stay NaN, and the rows are batch
 invariant (alone, in a window, in a large batch), deterministic and independent of the
 routing-list order (rows permuted). The fast engine's own contracts: every window count
-and FC kernel shape stage by stage, shapes that change no bit, the decode of every scale
-code, and bad input raising before (or, for ids, right after) the launch.
+and FC kernel shape stage by stage, shapes that change no bit, the two MMA kinds
+(``mma.sync``, ``wgmma``) giving the same bits, the decode of every scale code, and bad
+input raising before (or, for ids, right after) the launch.
 
 The reference's rows are checked against the same pair loop in
 ``verify/test_experts_reference.py``.
@@ -324,6 +325,42 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
                 contract.bitwise(_bits(engine(*args, windows=windows, tactic=tactic)),
                                  _bits(base), what=f"tactic {tactic} vs the default shape, "
                                  f"windows {windows}", index_names=("pair", "column"))
+
+
+@pytest.mark.gpu
+@pytest.mark.backends("fast")
+@pytest.mark.config("small")
+@pytest.mark.parametrize("spread", (0, 12), ids=("plain", "spread"))
+def test_experts_mma_kinds_same_bits(backend, seed, contract, spread):
+    """``mma.sync`` (the default) and ``wgmma`` (4 warps, and 8 warps of 2 m-tiles) give
+    the same FP32 FC1 and the same rows, at one and at four windows. Both add each 16-k
+    step's exact products to the FP32 accumulator on the tensor cores, in the same step
+    order; this contract is what allows a tactic to change the MMA kind with the batch
+    without breaking a pair's batch invariance. ``spread``: each 32-element block of a
+    latent row scaled by ``2^u``, ``u`` uniform in -12..12, so one step adds products of
+    very different exponents (where an adder's alignment and truncation show)."""
+    from fast.backend import gpu_arch
+
+    _skip_unless_wgmma(dict(wgmma=1), gpu_arch())
+    engine = engine_for("small", 0, 64, (0, 1), 256)
+    cfg = engine.config
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(256, cfg.latent, generator=g)
+    if spread:
+        u = torch.randint(-spread, spread + 1, (256, cfg.latent // 32), generator=g)
+        x = x * torch.exp2(u.float()).repeat_interleave(32, dim=1)
+    codes, scales = quantize_mxfp8(x.to(torch.bfloat16))
+    ids = cases.routing(cfg, 256, seed, skew=0.5)
+    args = (codes.cuda(), scales.cuda(), ids.cuda())
+    for windows in (1, 4):
+        rows, cap = engine(*args, windows=windows, capture=True)
+        for tactic in (dict(wgmma=1), dict(wgmma=1, warps=8, mtiles=2)):
+            other, other_cap = engine(*args, windows=windows, capture=True, tactic=tactic)
+            what = f"{tactic} vs mma.sync, windows {windows}"
+            contract.bitwise(other_cap.fc1.view(torch.int32), cap.fc1.view(torch.int32),
+                             what=f"FC1 of {what}", index_names=("pair", "column"))
+            contract.bitwise(_bits(other), _bits(rows), what=f"rows of {what}",
+                             index_names=("pair", "column"))
 
 
 REAL_TACTIC_CASES = [
