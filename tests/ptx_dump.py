@@ -6,6 +6,7 @@ its own (no GPU needed)."""
 from __future__ import annotations
 
 import os
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -28,6 +29,21 @@ def run_compile(script: str, args=(), *, keep: str | None = None, dump_dir: Path
     if done.returncode != 0:
         raise RuntimeError(f"compile {list(args)} failed:\n{done.stderr[-2000:]}")
     return done.stdout
+
+
+def elf_sections(cubin: bytes) -> dict[bytes, bytes]:
+    """Name -> contents of every section of an ELF64 cubin (section headers at ``e_shoff``,
+    their size, count and string-table index at 0x3A)."""
+    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
+    entsize, count, names_at = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
+    strtab = headers[names_at][4]
+
+    def name(offset: int) -> bytes:
+        start = strtab + offset
+        return cubin[start:cubin.index(b"\0", start)]
+
+    return {name(h[0]): cubin[h[4]:h[4] + h[5]] for h in headers}
 
 
 def dump_ptx(script: str, directory: Path, pattern: str = "*.ptx") -> list[Path]:

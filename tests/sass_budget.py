@@ -33,7 +33,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ptx_dump import run_compile
+from ptx_dump import elf_sections, run_compile
 
 #: instruction kinds, by opcode (the first word, modifiers dropped)
 KINDS = {
@@ -83,20 +83,6 @@ def nvdisasm() -> str:
         raise RuntimeError("sass_budget: nvdisasm not found: install the dev extra "
                            "(nvidia-cuda-nvdisasm) or put a CUDA toolkit's bin on PATH")
     return found
-
-
-def elf_sections(cubin: bytes) -> dict[bytes, bytes]:
-    """Name -> contents of every section of an ELF64 cubin."""
-    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
-    entsize, count, names_at = struct.unpack_from("<HHH", cubin, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
-    strtab = headers[names_at][4]
-
-    def name(offset: int) -> bytes:
-        start = strtab + offset
-        return cubin[start:cubin.index(b"\0", start)]
-
-    return {name(h[0]): cubin[h[4]:h[4] + h[5]] for h in headers}
 
 
 def kernel_attributes(cubin: bytes) -> dict[str, int]:
@@ -228,18 +214,28 @@ class LoopBudget:
         return (self.instructions if name is None else self.kinds.get(name, 0)) / self.units
 
 
+def main_loops(instructions: list[Instruction], labels: dict[str, int],
+               units: int) -> list[tuple[list[int], int]]:
+    """(instruction indices, live windows) of every main loop: the innermost loops with
+    MMA instructions, whose iteration streams ``units`` 512-byte chunks per warp; the live
+    windows are ``N / 8`` of a ``wgmma m64nNk16``, or an ``mma.sync`` loop's MMAs over 4 per
+    chunk and window."""
+    found = []
+    for indices in loops(instructions, labels):
+        mma = [instructions[i] for i in indices if instructions[i].opcode in KINDS["mma"]]
+        if mma:
+            wide = re.search(r"HGMMA\.64x(\d+)x16", mma[0].text)
+            found.append((indices, int(wide.group(1)) // 8 if wide else len(mma) // (4 * units)))
+    return found
+
+
 def loop_budgets(sass: str, units: int) -> list[LoopBudget]:
-    """The main loops (those with MMA instructions) of a listing whose loop iteration
-    streams ``units`` 512-byte chunks per warp, by live windows."""
+    """The main loops of a listing whose loop iteration streams ``units`` 512-byte chunks
+    per warp (:func:`main_loops`), by live windows."""
     instructions, labels = parse(sass)
     budgets = []
-    for indices in loops(instructions, labels):
+    for indices, live in main_loops(instructions, labels, units):
         body = [instructions[i] for i in indices]
-        mma = [i for i in body if i.opcode in KINDS["mma"]]
-        if not mma:
-            continue
-        wide = re.search(r"HGMMA\.64x(\d+)x16", mma[0].text)
-        live = int(wide.group(1)) // 8 if wide else len(mma) // (4 * units)
         counts: dict[str, int] = {}
         for i in body:
             counts[kind(i.opcode)] = counts.get(kind(i.opcode), 0) + 1
@@ -333,16 +329,10 @@ def ncu_regions(path: Path, units: float,
 
     everything = region(range(len(records)))[1]
     out, inside = [], set()
-    for indices in loops(instructions, labels):
-        body = [instructions[i] for i in indices]
-        mma = [i for i in body if i.opcode in KINDS["mma"]]
-        if not mma:
-            continue
-        wide = re.search(r"HGMMA\.64x(\d+)x16", mma[0].text)
+    for indices, live in main_loops(instructions, labels, loop_units):
         per_unit, samples, stalls = region(indices)
         if samples == 0 and per_unit == 0:
             continue
-        live = int(wide.group(1)) // 8 if wide else len(mma) // (4 * loop_units)
         out.append((f"main loop, {live} live window{'s' * (live > 1)}",
                     per_unit, samples / everything, stalls))
         inside.update(indices)

@@ -25,11 +25,10 @@ import concurrent.futures
 import hashlib
 import os
 import re
-import struct
 import tempfile
 from pathlib import Path
 
-from ptx_dump import run_compile
+from ptx_dump import elf_sections, run_compile
 
 ARCHS = ("sm_90a", "sm_100a")
 
@@ -94,20 +93,11 @@ def _compile(args, dump_dir: Path | None = None) -> str:
 
 def text_digest(cubin: bytes) -> tuple[str, int]:
     """SHA-1 (hex) and total size of the ``.text*`` sections of an ELF64 cubin."""
-    shoff = struct.unpack_from("<Q", cubin, 0x28)[0]
-    entsize, count, names_at = struct.unpack_from("<HHH", cubin, 0x3A)
-    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * entsize) for i in range(count)]
-    strtab = headers[names_at][4]
-
-    def name(offset: int) -> bytes:
-        start = strtab + offset
-        return cubin[start:cubin.index(b"\0", start)]
-
     sha, size = hashlib.sha1(), 0
-    for name_at, _type, _flags, _addr, offset, length in headers:
-        if name(name_at).startswith(b".text"):
-            sha.update(cubin[offset:offset + length])
-            size += length
+    for name, data in elf_sections(cubin).items():
+        if name.startswith(b".text"):
+            sha.update(data)
+            size += len(data)
     if size == 0:
         raise ValueError("text_digest: the cubin has no .text section")
     return sha.hexdigest(), size
