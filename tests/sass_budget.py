@@ -7,7 +7,7 @@ stack frame.
     python tests/sass_budget.py --geometry tp8 --windows 2 --tactic walk=4
     python tests/sass_budget.py --tactic wgmma=1 --kernels fc1
 
-The kernels are compiled for ``--arch`` with the DSL's cubin dump (``ptx_dump.run_compile``)
+The kernels are compiled for ``--arch`` by ``sass_digest``'s compile (the DSL's cubin dump)
 and disassembled by ``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel of the dev extra, or
 one on ``PATH``). A loop is a block that branches back to its own start; the engine's main
 loops are the loops that hold MMA instructions, one copy per count of live windows
@@ -24,6 +24,7 @@ give the dynamic ones on a GPU.
 from __future__ import annotations
 
 import argparse
+import ast
 import re
 import shutil
 import struct
@@ -33,7 +34,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ptx_dump import elf_sections, run_compile
+from ptx_dump import elf_sections
+from sass_digest import _compile
 
 #: instruction kinds, by opcode (the first word, modifiers dropped)
 KINDS = {
@@ -44,27 +46,6 @@ KINDS = {
     "sync": {"BAR", "DEPBAR", "WARPGROUP", "WARPSYNC", "SHFL", "MEMBAR", "FENCE"},
 }
 KIND_ORDER = ("decode", "mma", "shared", "copy", "sync", "other")
-
-_COMPILE = """
-import sys
-from reference.config import LatentMoEConfig
-from fast.experts import engine
-from fast.experts.layout import Geometry
-
-c = LatentMoEConfig.kimi_k3()
-arch, geometry, windows, tactic, kind = sys.argv[1:6]
-g = (Geometry(latent=c.latent, inter=c.intermediate, first=0, count=56, shard=(0, 1))
-     if geometry == "dep16" else
-     Geometry(latent=c.latent, inter=c.intermediate // 8, first=0, count=896, shard=(0, 8)))
-tactic = dict((k, int(v)) for k, v in (kv.split("=") for kv in tactic.split(",") if kv))
-params = engine._kernel_params(g, c, int(windows), False, False,
-                               engine.complete_tactic(tactic, arch), empty_rows=True)
-if kind == "?":
-    print(repr(params))
-else:
-    engine._compiled(kind, arch, params[kind])
-"""
-
 
 def nvdisasm() -> str:
     """The ``nvdisasm`` executable: the dev extra's ``nvidia-cuda-nvdisasm`` wheel, else
@@ -244,22 +225,27 @@ def loop_budgets(sass: str, units: int) -> list[LoopBudget]:
     return sorted(budgets, key=lambda b: b.live)
 
 
-def compile_cubin(arch: str, geometry: str, windows: int, tactic: str, kernel: str,
+def _spec(geometry: str, windows: int, tactic: dict) -> dict:
+    """``sass_digest``'s experts engine spec of one budget (not strict, empty rows)."""
+    return {"budget": (geometry, windows, False, True, tactic)}
+
+
+def compile_cubin(arch: str, geometry: str, windows: int, tactic: dict, kernel: str,
                   directory: Path) -> Path:
-    """Compile one engine kernel into ``directory``; its cubin."""
-    run_compile(_COMPILE, [arch, geometry, windows, tactic, kernel], keep="cubin",
-                dump_dir=directory)
+    """Compile one engine kernel into ``directory`` (``sass_digest``'s compile); its cubin."""
+    _compile([arch, "experts", "budget", kernel], directory, _spec(geometry, windows, tactic))
     cubins = sorted(directory.rglob("*.cubin"))
     if len(cubins) != 1:
         raise RuntimeError(f"{kernel}: expected one cubin, the compile dumped {len(cubins)}")
     return cubins[0]
 
 
-def kernel_units(arch: str, geometry: str, windows: int, tactic: str) -> dict[str, int]:
+def kernel_units(arch: str, geometry: str, windows: int, tactic: dict) -> dict[str, int]:
     """512-byte chunks per warp and main-loop iteration of the FC1 and FC2 kernels."""
     from fast.experts.kernels import ExpertsGemmKernel
 
-    params = eval(run_compile(_COMPILE, [arch, geometry, windows, tactic, "?"]))  # noqa: S307
+    params = ast.literal_eval(_compile([arch, "experts", "budget", "?params"],
+                                       engines=_spec(geometry, windows, tactic)))
     units = {}
     for name in ("fc1", "fc2"):
         k = ExpertsGemmKernel(**dict(params[name]))
@@ -269,9 +255,12 @@ def kernel_units(arch: str, geometry: str, windows: int, tactic: str) -> dict[st
 
 def budget(arch: str, geometry: str, windows: int, tactic: str,
            kernels=("fc1", "fc2")) -> list[tuple[str, dict, list[LoopBudget]]]:
-    """(kernel, attributes, loop budgets) of each of ``kernels`` (the two-kernel path:
-    the fused grid holds both GEMMs' loops, so ``fused=0`` is added to ``tactic``)."""
-    tactic = ",".join(filter(None, [tactic, "fused=0"]))
+    """(kernel, attributes, loop budgets) of each of ``kernels`` at ``tactic``
+    (``'wgmma=1,warps=8'``; the two-kernel path: the fused grid holds both GEMMs' loops,
+    so ``fused=0`` is added)."""
+    from benchmarks.experts_table import parse_tactic
+
+    tactic = {**parse_tactic(tactic), "fused": 0}
     units = kernel_units(arch, geometry, windows, tactic)
     out = []
     for name in kernels:

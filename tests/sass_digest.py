@@ -80,14 +80,17 @@ else:  # the experts engine
     build = lambda k: engine._compiled(k, arch, params[k])
 if kind == "?":
     print(" ".join(kinds))
+elif kind == "?params":  # every kernel's parameters (the experts engine's, for sass_budget)
+    print(repr(params))
 else:
     build(kind)
 """
 
 
-def _compile(args, dump_dir: Path | None = None) -> str:
-    """Run ``_COMPILE`` with ``args``; with ``dump_dir``, the cubins dumped there."""
-    return run_compile(_COMPILE.format(engines=ENGINES), args,
+def _compile(args, dump_dir: Path | None = None, engines: dict | None = None) -> str:
+    """Run ``_COMPILE`` with ``args``; with ``dump_dir``, the cubins dumped there;
+    ``engines``: the experts engine specs (name -> as ``ENGINES``), default ``ENGINES``."""
+    return run_compile(_COMPILE.format(engines=ENGINES if engines is None else engines), args,
                        keep=None if dump_dir is None else "cubin", dump_dir=dump_dir)
 
 

@@ -214,6 +214,12 @@ MUTATIONS = [
          "slot_desc = p.smem_matrix_descriptor(bslot, leading, stride)",
          "slot_desc = p.smem_matrix_descriptor(bslot, 2 * leading, stride)",
          ["verify/test_experts.py::test_experts_stages_every_window_count"], needs_gpu=True),
+    _one("fast experts engine (wgmma): every MMA step reads the slot's first B step "
+         "(the per-step descriptor offset dropped)",
+         "fast/experts/kernels.py",
+         "desc = p.smem_descriptor_offset(slot_desc, start)",
+         "desc = p.smem_descriptor_offset(slot_desc, 0)",
+         ["verify/test_experts.py::test_experts_stages_every_window_count"], needs_gpu=True),
     _one("fast experts engine (fused): an FC1 item never counted at its expert",
          "fast/experts/kernels.py",
          "p.red_release_gpu_add(work + Int64(self.ws.ready + expert) * 4, 1)",

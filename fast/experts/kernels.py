@@ -729,17 +729,16 @@ class ExpertsGemmKernel:
             frags = []
             for mt in cutlass.range_constexpr(MT):
                 frags.append(self._fragment(xs[mt], cc, wslot + (mt * SC + cc) * 512))
-            if cutlass.const_expr(not self.wgmma):
-                # B fragments of every live window, then the MMAs step-major so that the
-                # (m-tile, window) accumulator chains interleave (a chain's consecutive
-                # MMAs are not back to back); each chain still adds its steps in order 0..3.
-                bs = []
+            # B fragments of every live window, then the MMAs step-major so that the
+            # (m-tile, window) accumulator chains interleave (a chain's consecutive MMAs
+            # are not back to back); each chain still adds its steps in order 0..3.
+            bs = []
+            for w in cutlass.range_constexpr(live):
+                address = bslot + (((w * SC + cc) * 2) * 32 + lane) * 16
+                bs.append(list(p.lds_v4(address)) + list(p.lds_v4(address + 512)))
+            for j in cutlass.range_constexpr(4):
                 for w in cutlass.range_constexpr(live):
-                    address = bslot + (((w * SC + cc) * 2) * 32 + lane) * 16
-                    bs.append(list(p.lds_v4(address)) + list(p.lds_v4(address + 512)))
-                for j in cutlass.range_constexpr(4):
-                    for w in cutlass.range_constexpr(live):
-                        self._mma_step(acc, frags, bs[w], j, w)
+                    self._mma_step(acc, frags, bs[w], j, w)
 
     @cute.jit
     def _fragment(self, x, cc: int, words):
@@ -797,7 +796,7 @@ class ExpertsGemmKernel:
         base = mt * W * 4
         warpgroup.fence()  # this fragment and the accumulators were written by this thread
         for j in cutlass.range_constexpr(4):
-            start, leading, stride = wgmma_b_descriptor(cc, j, SC)
+            start = wgmma_b_descriptor(cc, j, SC)[0]  # leading and stride: slot_desc's
             desc = p.smem_descriptor_offset(slot_desc, start)
             d = p.wgmma_bf16([acc[base + i] for i in range(4 * live)],
                              (r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1]), desc, 8 * live)
