@@ -3,7 +3,7 @@
 warp's m-tile chunk: 16 rows x 64 k of MXFP4), by kind, with the kernel's registers and
 stack frame.
 
-    python tests/sass_budget.py                                   # DEP16 FC1/FC2, 4 windows
+    python tests/sass_budget.py                       # DEP16 FC1/FC2, 4 windows, mma.sync
     python tests/sass_budget.py --geometry tp8 --windows 2 --tactic walk=4
     python tests/sass_budget.py --tactic wgmma=1 --kernels fc1
 
@@ -375,7 +375,8 @@ def main(argv=None) -> int:
     rows = budget(args.arch, args.geometry, args.windows, args.tactic,
                   tuple(args.kernels.split(",")))
     print(render(f"{args.arch} {args.geometry}, {args.windows} windows, tactic "
-                 f"'{args.tactic or 'default'}' (two kernels)", rows), end="")
+                 f"'{args.tactic or 'none: mma.sync, 4 warps of 2 m-tiles'}' (two kernels)",
+                 rows), end="")
     return 0
 
 

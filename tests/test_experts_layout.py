@@ -194,11 +194,14 @@ def test_fused_gate_polls_relaxed_then_fences(tmp_path):
 @pytest.mark.parametrize("geometry,windows,tactic", [
     ("dep16", 1, dict(wgmma=1, warps=4, mtiles=1)), ("dep16", 2, dict(wgmma=1)),
     ("dep16", 4, dict(wgmma=1, pdl_chain=1)), ("tp8", 1, dict(wgmma=1, warps=8, mtiles=1)),
-    ("dep16", 4, dict(wgmma=1, fused=1)), ("dep16", 8, dict(wgmma=1)),
-    ("tp8", 8, dict(wgmma=1, fused=1))])
+    ("dep16", 8, dict(wgmma=1)), ("tp8", 8, dict(wgmma=1, fused=1)),
+    # the sm_90a defaults at four windows (ExpertsEngine.default_tactic)
+    ("dep16", 4, dict(wgmma=1, warps=8, mtiles=2, fused=1, pdl_chain=1)),
+    ("tp8", 4, dict(wgmma=1, warps=8, mtiles=2, walk=7))])
 def test_engine_wgmma_kernels_compile(geometry, windows, tactic):
-    """The warpgroup-MMA tactic (with the launch chain at 4 windows) compiles for sm_90a
-    and is refused, by name, for the Blackwell targets (which have no wgmma)."""
+    """The warpgroup-MMA tactic (with the launch chain at 4 windows, and as the default
+    of four-window calls) compiles for sm_90a and is refused, by name, for the Blackwell
+    targets (which have no wgmma)."""
     from fast.experts.engine import compile_all
     from fast.experts.layout import Geometry
 
@@ -228,33 +231,46 @@ def test_default_tactic_per_mode():
     """A call's default tactic: a DEP owner (whole experts) runs the fused grid with the
     launch chain and no walk; a TP8 slice walks 4 FC2 tiles and, so walking, runs the fused
     grid too up to two windows of pairs per expert (896 rows), not at 1024; a TP2 slice (no
-    walk) keeps the two kernels; the engine's own tactic wins, key by key, as over a DEP
-    owner's default; with ``claim_ahead`` no walk."""
+    walk) keeps the two kernels; at four windows per item (DEP16 T > 56, TP8 above 896
+    rows) the warpgroup MMA with 8 warps of 2 m-tiles on sm_90a only (a TP8 slice's
+    256-row tiles walk 7), not when the call asks for fewer windows or the engine's own
+    tactic names the tile or the MMA; the engine's own tactic wins, key by key, as over a
+    DEP owner's default; with ``claim_ahead`` no walk."""
     from types import SimpleNamespace
 
     from fast.experts.engine import ExpertsEngine
 
     c = LatentMoEConfig.kimi_k3()
+    wgmma8 = dict(wgmma=1, warps=8, mtiles=2)
 
-    def default(first, count, tp, rows, own=None):
+    def default(first, count, tp, rows, own=None, arch="sm_90a", windows=None):
         geometry = SimpleNamespace(inter=c.intermediate // tp, latent=c.latent,
                                    shard=(0, tp), count=count, first=first)
-        engine = SimpleNamespace(config=c, geometry=geometry, tactic=own or {})
-        return ExpertsEngine.default_tactic(engine, rows)
+        engine = SimpleNamespace(config=c, geometry=geometry, tactic=own or {}, arch=arch)
+        return ExpertsEngine.default_tactic(engine, rows, windows)
 
-    assert default(0, 56, 1, 16 * 64) == dict(fused=1, pdl_chain=1)
+    assert default(0, 56, 1, 16 * 56) == dict(fused=1, pdl_chain=1)  # 16 pairs per expert
+    assert default(0, 56, 1, 16 * 57) == dict(wgmma8, fused=1, pdl_chain=1)
+    assert default(0, 56, 1, 16 * 64) == dict(wgmma8, fused=1, pdl_chain=1)
+    assert default(0, 56, 1, 16 * 64, windows=2) == dict(fused=1, pdl_chain=1)
+    assert default(0, 56, 1, 16 * 64, arch="sm_100a") == dict(fused=1, pdl_chain=1)
     assert default(0, 56, 1, 16) == dict(warps=4, mtiles=1, fused=1, pdl_chain=1)
     assert default(0, 896, 8, 512) == dict(walk=4, fused=1, pdl_chain=1)
     assert default(0, 896, 16, 65) == dict(walk=4, fused=1, pdl_chain=1)
     assert default(0, 896, 8, 896) == dict(walk=4, fused=1, pdl_chain=1)
-    assert default(0, 896, 8, 897) == dict(walk=4)
-    assert default(0, 896, 8, 1024) == dict(walk=4)
+    assert default(0, 896, 8, 897) == dict(wgmma8, walk=7)
+    assert default(0, 896, 8, 1024) == dict(wgmma8, walk=7)
+    assert default(0, 896, 8, 1024, arch="sm_100a") == dict(walk=4)
+    assert default(0, 896, 16, 1024) == dict(walk=4)  # FC1's 384 rows: no 256-row tiles
     assert default(0, 896, 2, 512) == {}
     assert default(0, 896, 8, 512, own=dict(fused=0)) == dict(fused=0, pdl_chain=1, walk=4)
-    assert default(0, 56, 1, 16 * 64, own=dict(fused=0)) == dict(fused=0, pdl_chain=1)
-    assert default(0, 896, 8, 1024, own=dict(walk=2)) == dict(walk=2)  # over 896 rows: two kernels
+    assert default(0, 56, 1, 16 * 64, own=dict(fused=0)) == dict(wgmma8, fused=0, pdl_chain=1)
+    assert default(0, 896, 8, 1024, own=dict(walk=2)) == dict(wgmma8, walk=2)  # two kernels
     assert default(0, 896, 8, 512, own=dict(warps=8, mtiles=1)) == dict(
         warps=8, mtiles=1, walk=4, fused=1, pdl_chain=1)
+    for own in (dict(chains=2), dict(wgmma=0), dict(mtiles=2), dict(warps=4)):
+        assert "wgmma" not in default(0, 896, 8, 1024, own=own) or own.get("wgmma") == 0
+    assert default(0, 896, 8, 1024, own=dict(wgmma=0)) == dict(wgmma=0, walk=4)
     assert default(0, 896, 8, 512, own=dict(claim_ahead=1)) == dict(claim_ahead=1)
 
 

@@ -380,7 +380,9 @@ def test_experts_tactics_change_no_bit_real(backend, config_name, first, count, 
     launch chain, the fused grid and the claim ahead give the two kernels' bits, and the
     fused grid with wgmma gives wgmma's: the small config's tactic contract where the
     number of work items and of concurrent waits is a real rank's (the fused kernel's
-    first gate faulted only there and at two or more windows)."""
+    first gate faulted only there and at two or more windows). The call's default
+    (``default_tactic``: at DEP16 T = 64, four windows, wgmma with 8 warps on sm_90a) gives
+    the ``mma.sync`` two kernels' bits too."""
     engine = engine_for(config_name, first, count, shard, rows)
     codes, scales = latent_rows(engine.config, rows, seed)
     ids = cases.routing(engine.config, rows, seed, skew=skew)
@@ -397,8 +399,12 @@ def test_experts_tactics_change_no_bit_real(backend, config_name, first, count, 
     for tactic in shapes:
         wgmma = bool(tactic.get("wgmma"))
         contract.bitwise(_bits(engine(*args, tactic=tactic)), base[wgmma],
-                         what=f"{config_name} rows {rows}: tactic {tactic} vs the default",
+                         what=f"{config_name} rows {rows}: tactic {tactic} vs the two kernels",
                          index_names=("pair", "column"))
+    contract.bitwise(_bits(engine(*args)), base[False],
+                     what=f"{config_name} rows {rows}: the call's default "
+                          f"{engine.default_tactic(rows)} vs mma.sync's two kernels",
+                     index_names=("pair", "column"))
 
 
 # --- invariances ------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from fast.experts.layout import WINDOW, PreparedExperts
 
 __all__ = ["ExpertsEngine", "EngineScratch", "Capture", "EngineError", "choose_windows",
            "choose_tile", "choose_tactic", "choose_walk", "complete_tactic", "check_tactic",
-           "TACTIC_KEYS"]
+           "TACTIC_KEYS", "WGMMA_TILE_ROWS"]
 
 _TOP_K = 16
 
@@ -47,22 +47,44 @@ def choose_windows(rows: int, top_k: int, experts: int) -> int:
     return 1 if tokens <= 8 else 2 if tokens <= 16 else 4
 
 
-def choose_tile(rows: int, top_k: int, experts: int, local: int) -> dict:
-    """The tile part of ``choose_tactic`` (what ``choose_walk`` depends on)."""
+def choose_tile(rows: int, top_k: int, experts: int, local: int, *, windows: int,
+                wgmma: bool) -> dict:
+    """The tile and MMA part of ``choose_tactic`` (what ``choose_walk`` depends on), for
+    a call of ``windows`` windows per item; ``wgmma``: the warpgroup MMA may be chosen
+    (sm_90a, its 256-row tiles divide both GEMMs' rows, and the caller's own tactic
+    leaves the tile and the MMA kind open: ``ExpertsEngine.default_tactic``)."""
     pairs = rows * top_k * local / experts
-    return dict(warps=4, mtiles=1) if pairs <= 24 else {}
+    if pairs <= 24:
+        return dict(warps=4, mtiles=1)
+    if wgmma and windows == 4:
+        return dict(wgmma=1, warps=8, mtiles=WGMMA_TILE_ROWS // (16 * 8))
+    return {}
 
 
-def choose_tactic(rows: int, top_k: int, experts: int, local: int, *,
-                  sliced: bool = False, walk: int = 1) -> dict:
-    """The FC kernels' default shape for a call whose FC2 items walk ``walk`` row tiles
-    (``choose_walk``; the walk itself is in the result when it is more than one).
+#: The rows of the default warpgroup-MMA tile (``choose_tile``): 8 warps of 2 m-tiles.
+WGMMA_TILE_ROWS = 256
+
+
+def choose_tactic(rows: int, top_k: int, experts: int, local: int, *, windows: int,
+                  wgmma: bool, sliced: bool = False, walk: int = 1) -> dict:
+    """The FC kernels' default shape for a call of ``windows`` windows per item whose FC2
+    items walk ``walk`` row tiles (``choose_walk``; the walk itself is in the result when
+    it is more than one); ``wgmma`` as ``choose_tile``.
 
     Tile: 64-row tiles of 4 warps of one m-tile each when the call has so few pairs that
     the 128-row tiles' work items would not fill the persistent grid twice (measured on
     the H200 at DEP16 T = 1: 113 us against 124 us for 2 warps of 2 m-tiles and 129 us for
     128-row tiles; from T = 2 on the 128-row tiles are as fast or faster), else 4 warps of
     2 m-tiles.
+
+    MMA: ``mma.sync``, except at four windows per item on sm_90a (DEP16 T > 56, TP8 above
+    896 rows), where the warpgroup MMA with 8 warps of 2 m-tiles (256-row tiles) is
+    faster on the H200: as the default, 419.1 against 464.2 us at DEP16 T = 64 and 847.7
+    against 898.6 us at TP8 1024 rows (walking 7 tiles;
+    ``benchmarks/results/experts/h200_engine_v16_wgmma_default.md``), but 301.2 against
+    263.2 us at T = 16 (two windows; ``h200_engine_v15_wgmma.md``). Switching the kind
+    with the batch keeps a pair's rows batch invariant because the two kinds give the same bits
+    (``verify/test_experts.py::test_experts_mma_kinds_same_bits``).
 
     Grid: an engine of whole experts (a DEP owner; ``sliced`` False) runs FC1 and FC2 in
     one persistent grid with the launch chain (``fused`` and ``pdl_chain``): measured on
@@ -79,7 +101,7 @@ def choose_tactic(rows: int, top_k: int, experts: int, local: int, *,
     per FC2 item it was 3-5% slower (403.3 against 392.5 us at TP8 65 rows), so an unwalked
     slice keeps the two kernels. No tactic changes a bit (the contracts check each)."""
     pairs = rows * top_k * local / experts
-    tactic = choose_tile(rows, top_k, experts, local)
+    tactic = choose_tile(rows, top_k, experts, local, windows=windows, wgmma=wgmma)
     if walk > 1:
         tactic["walk"] = walk
     if not sliced or (walk > 1 and pairs <= 2 * WINDOW * local):
@@ -147,13 +169,13 @@ def check_tactic(tactic, arch: str, owner: str) -> dict:
 def complete_tactic(tactic: dict, arch: str) -> dict:
     """``tactic`` with the MMA instruction filled in where the caller left it out:
     ``mma.sync`` (``wgmma`` False). Warpgroup MMA (``wgmma=1``: A from registers, B from
-    the ring, sm_90a only, whole warpgroups and one accumulator chain) is a tactic to ask
-    for: its contracts pass on the H200, but it measured 1-11% slower than ``mma.sync``
-    there (``docs/stages/experts.md``), so it is not the default. ``arch`` is checked for
-    it. ``pdl_chain`` (default False; contracts pass on the H200, within 2 us of the
-    default): the plan kernel and FC1 launched with programmatic dependent launch too (the
-    list kernel lets the plan kernel be scheduled at once; the plan kernel waits for it,
-    then lets FC1 be scheduled; FC1 waits for the plan before its first claim), so the two
+    the ring, sm_90a only, whole warpgroups and one accumulator chain; its contracts pass
+    on the H200) is ``choose_tactic``'s default only at four windows per item, with 8
+    warps; at four warps it measured 0-6% slower than ``mma.sync`` there
+    (``docs/stages/experts.md``). ``arch`` is checked for it. ``pdl_chain`` (default
+    False; contracts pass on the H200, within 2 us of the default): the plan kernel and
+    FC1 launched with programmatic dependent launch too (the list kernel lets the plan
+    kernel be scheduled at once; the plan kernel waits for it, then lets FC1 be scheduled; FC1 waits for the plan before its first claim), so the two
     launch gaps of a call overlap the kernels before them. ``fused`` (default False here;
     ``choose_tactic`` turns it on with ``pdl_chain`` for an engine of whole experts and for a
     slice whose FC2 walks, up to two windows of pairs per expert; its
@@ -449,7 +471,7 @@ class ExpertsEngine:
             return (out, self._capture_buffers(0)) if capture else out
         c, g = self.config, self.geometry
         if tactic is None:
-            tactic = self.default_tactic(rows)
+            tactic = self.default_tactic(rows, windows)
         else:
             tactic = check_tactic(tactic, self.arch, "ExpertsEngine")
         tactic = complete_tactic(tactic, self.arch)
@@ -515,18 +537,26 @@ class ExpertsEngine:
         for kind, p in params.items():
             _compiled(kind, self.arch, p)
 
-    def default_tactic(self, rows: int) -> dict:
-        """The tactic of a call of ``rows`` rows that passes none: ``choose_tactic``'s
-        (sliced when the engine holds a slice of each expert; FC2's walk from
-        ``choose_walk`` for the call's tile, none with ``claim_ahead``), under the engine's
-        own ``tactic``."""
+    def default_tactic(self, rows: int, windows: int | None = None) -> dict:
+        """The tactic of a call of ``rows`` rows and ``windows`` windows per item (default
+        ``choose_windows``) that passes none: ``choose_tactic``'s (sliced when the engine
+        holds a slice of each expert; the warpgroup MMA allowed on sm_90a where its
+        256-row tiles divide FC1's ``2 I_s`` and FC2's ``L`` rows (not a TP16 slice's 384)
+        and the engine's own tactic names neither the tile nor the MMA: ``warps``,
+        ``mtiles``, ``chains`` or ``wgmma``; FC2's walk from ``choose_walk`` for the call's
+        tile, none with ``claim_ahead``), under the engine's own ``tactic``."""
         c, g, own = self.config, self.geometry, self.tactic
+        windows = windows or choose_windows(rows, c.top_k, c.experts)
+        wgmma = (self.arch == "sm_90a" and (2 * g.inter) % WGMMA_TILE_ROWS == 0
+                 and g.latent % WGMMA_TILE_ROWS == 0
+                 and not own.keys() & {"warps", "mtiles", "chains", "wgmma"})
         walk = own.get("walk", 1)
         if "walk" not in own and not own.get("claim_ahead"):
-            tile = {**choose_tile(rows, c.top_k, c.experts, g.count), **own}
+            tile = {**choose_tile(rows, c.top_k, c.experts, g.count, windows=windows,
+                                  wgmma=wgmma), **own}
             walk = choose_walk(g.inter, g.latent, 16 * tile.get("warps", 4) * tile.get("mtiles", 2))
-        return {**choose_tactic(rows, c.top_k, c.experts, g.count, sliced=g.shard[1] > 1,
-                                walk=walk), **own}
+        return {**choose_tactic(rows, c.top_k, c.experts, g.count, windows=windows, wgmma=wgmma,
+                                sliced=g.shard[1] > 1, walk=walk), **own}
 
     def check(self) -> None:
         """Raise ``EngineError`` if a call since the last check met a bad routing entry or
