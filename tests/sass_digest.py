@@ -6,8 +6,8 @@ This tool proves that on a CPU: it compiles each kernel of a fixed set with CuTe
 cubin dump, for sm_90a and sm_100a, and prints one line per kernel with the SHA-1 of its
 ``.text`` sections (the SASS; the symbol names, which carry the Python module path, and
 the debug sections are left out). The set (``SETS``): the stage kernels at the real widths
-(``fast.backend.KERNELS``), the experts engine at three geometries and tactics
-(``ENGINES``), the DEP16 and TP8 schedules' own kernels for virtual and real ranks, and
+(``fast.backend.KERNELS``), the experts engine at five geometries and tactics
+(``ENGINES``; the warpgroup-MMA ones for sm_90a only), the DEP16 and TP8 schedules' own kernels for virtual and real ranks, and
 every ``fast.gemm`` shape a ``DenseFront`` compiles by default::
 
     python tests/sass_digest.py before.txt          # on the old tree (--only experts,...)
@@ -37,6 +37,11 @@ ENGINES = {
     "dep16-fused-w1": ("dep16", 1, False, True, {"fused": 1, "pdl_chain": 1}),
     "dep16-two-w4-strict": ("dep16", 4, True, True, {"fused": 0, "pdl_chain": 0}),
     "tp8-walk4-w2": ("tp8", 2, False, False, {"walk": 4}),
+    # the sm_90a defaults at four windows (ExpertsEngine.default_tactic): warpgroup MMA
+    "dep16-wgmma8-fused-w4": ("dep16", 4, False, True,
+                              {"wgmma": 1, "warps": 8, "mtiles": 2, "fused": 1, "pdl_chain": 1}),
+    "tp8-wgmma8-walk7-w4": ("tp8", 4, False, False, {"wgmma": 1, "warps": 8, "mtiles": 2,
+                                                     "walk": 7}),
 }
 #: every kernel set: (family, name); a set's kernels are listed by its "?" compile
 SETS = ([("stage", "real")] + [("experts", name) for name in ENGINES]
@@ -74,8 +79,9 @@ else:  # the experts engine
          if geometry == "dep16" else
          Geometry(latent=c.latent, inter=c.intermediate // 8, first=0, count=896,
                   shard=(0, 8)))
-    params = engine._kernel_params(g, c, windows, False, strict,
-                                   engine.complete_tactic(tactic, arch), empty_rows=empty_rows)
+    params = (dict() if tactic.get("wgmma") and arch != "sm_90a" else  # wgmma: Hopper only
+              engine._kernel_params(g, c, windows, False, strict,
+                                    engine.complete_tactic(tactic, arch), empty_rows=empty_rows))
     kinds = list(params)
     build = lambda k: engine._compiled(k, arch, params[k])
 if kind == "?":
