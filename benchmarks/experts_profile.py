@@ -37,7 +37,7 @@ def main(argv=None):
     ids = table.routing(rows, 1000 + rows, args.skew).cuda()
     codes, scales = quantize_mxfp8((torch.randn(rows, table.L, device="cuda") * 2).bfloat16())
     out = torch.empty(rows * table.K, table.L, dtype=torch.bfloat16, device="cuda")
-    tactic = {**engine.default_tactic(rows), **table.parse_tactic(args.tactic)}
+    tactic = engine.default_tactic(rows, args.windows, over=table.parse_tactic(args.tactic))
     for _ in range(args.calls):
         engine(codes, scales, ids, out=out, windows=args.windows, validate=False, tactic=tactic)
     torch.cuda.synchronize()

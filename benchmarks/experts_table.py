@@ -293,8 +293,8 @@ def main(argv=None):
                     tac = parse_tactic(spec)
                     # a spec may set the windows too (8 needs wgmma): 'wgmma=1,windows=8'
                     spec_win = tac.pop("windows", win)
-                    # on top of the call's default tactic (engine.default_tactic)
-                    tac = {**engine.default_tactic(rows), **tac}
+                    # over the call's default tactic (engine.default_tactic's rules)
+                    tac = engine.default_tactic(rows, spec_win, over=tac)
                     engine(codes, scales, ids, out=out, windows=spec_win, tactic=tac)  # validated
                     case["times"]["engine_" + spec.replace("=", "").replace(",", "_")] = device_time_us(
                         lambda: engine(codes, scales, ids, out=out, windows=spec_win,

@@ -167,7 +167,7 @@ def main(argv=None):
             touched = int(torch.unique(flat[(flat >= first) & (flat < first + count)]).numel())
             limit_us = touched * prepared.expert_bytes() / (result["read_gbs"] * 1e9) * 1e6
             for tactic in tactics:
-                full = {**engine.default_tactic(rows), **tactic}
+                full = engine.default_tactic(rows, over=tactic)
                 engine(codes, scales, ids, out=out, tactic=full)  # validated once
                 def call():
                     engine(codes, scales, ids, out=out, tactic=full, validate=False)

@@ -243,11 +243,11 @@ def test_default_tactic_per_mode():
     c = LatentMoEConfig.kimi_k3()
     wgmma8 = dict(wgmma=1, warps=8, mtiles=2)
 
-    def default(first, count, tp, rows, own=None, arch="sm_90a", windows=None):
+    def default(first, count, tp, rows, own=None, arch="sm_90a", windows=None, over=None):
         geometry = SimpleNamespace(inter=c.intermediate // tp, latent=c.latent,
                                    shard=(0, tp), count=count, first=first)
         engine = SimpleNamespace(config=c, geometry=geometry, tactic=own or {}, arch=arch)
-        return ExpertsEngine.default_tactic(engine, rows, windows)
+        return ExpertsEngine.default_tactic(engine, rows, windows, over=over)
 
     assert default(0, 56, 1, 16 * 56) == dict(fused=1, pdl_chain=1)  # 16 pairs per expert
     assert default(0, 56, 1, 16 * 57) == dict(wgmma8, fused=1, pdl_chain=1)
@@ -272,6 +272,13 @@ def test_default_tactic_per_mode():
         assert "wgmma" not in default(0, 896, 8, 1024, own=own) or own.get("wgmma") == 0
     assert default(0, 896, 8, 1024, own=dict(wgmma=0)) == dict(wgmma=0, walk=4)
     assert default(0, 896, 8, 512, own=dict(claim_ahead=1)) == dict(claim_ahead=1)
+    # a variant laid over the engine's own tactic follows the same rules (the benchmarks')
+    assert default(0, 896, 8, 1024, over=dict(chains=2)) == dict(chains=2, walk=4)
+    assert default(0, 896, 8, 1024, over=dict(warps=4)) == dict(warps=4, walk=4)
+    assert default(0, 896, 8, 1024, own=dict(fused=0), over=dict(ring=6)) == dict(
+        wgmma8, fused=0, ring=6, walk=7)
+    with pytest.raises(ValueError, match="unknown tactic keys"):
+        default(0, 896, 8, 1024, over=dict(window=4))
 
 
 @pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")

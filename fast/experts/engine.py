@@ -537,15 +537,20 @@ class ExpertsEngine:
         for kind, p in params.items():
             _compiled(kind, self.arch, p)
 
-    def default_tactic(self, rows: int, windows: int | None = None) -> dict:
+    def default_tactic(self, rows: int, windows: int | None = None,
+                       over: dict | None = None) -> dict:
         """The tactic of a call of ``rows`` rows and ``windows`` windows per item (default
         ``choose_windows``) that passes none: ``choose_tactic``'s (sliced when the engine
         holds a slice of each expert; the warpgroup MMA allowed on sm_90a where its
         256-row tiles divide FC1's ``2 I_s`` and FC2's ``L`` rows (not a TP16 slice's 384)
         and the engine's own tactic names neither the tile nor the MMA: ``warps``,
         ``mtiles``, ``chains`` or ``wgmma``; FC2's walk from ``choose_walk`` for the call's
-        tile, none with ``claim_ahead``), under the engine's own ``tactic``."""
-        c, g, own = self.config, self.geometry, self.tactic
+        tile, none with ``claim_ahead``), under the engine's own ``tactic``. ``over``: keys
+        laid over the engine's own tactic first, under the same rules (a variant of the
+        default, as the benchmarks time them: ``{"chains": 2}`` gives ``mma.sync``, and
+        ``{"warps": 4}`` the walk of 128-row tiles)."""
+        c, g = self.config, self.geometry
+        own = {**self.tactic, **check_tactic(over or {}, self.arch, "default_tactic")}
         windows = windows or choose_windows(rows, c.top_k, c.experts)
         wgmma = (self.arch == "sm_90a" and (2 * g.inter) % WGMMA_TILE_ROWS == 0
                  and g.latent % WGMMA_TILE_ROWS == 0
