@@ -7,8 +7,9 @@ cubin dump, for sm_90a and sm_100a, and prints one line per kernel with the SHA-
 ``.text`` sections (the SASS; the symbol names, which carry the Python module path, and
 the debug sections are left out). The set (``SETS``): the stage kernels at the real widths
 (``fast.backend.KERNELS``), the experts engine at five geometries and tactics
-(``ENGINES``; the warpgroup-MMA ones for sm_90a only), the DEP16 and TP8 schedules' own kernels for virtual and real ranks, and
-every ``fast.gemm`` shape a ``DenseFront`` compiles by default::
+(``ENGINES``; the warpgroup-MMA ones for sm_90a only), the DEP16 and TP8 schedules' own
+kernels for virtual and real ranks, and every ``fast.gemm`` shape a ``DenseFront``
+compiles by default::
 
     python tests/sass_digest.py before.txt          # on the old tree (--only experts,...)
     python tests/sass_digest.py after.txt           # on the new one

@@ -83,8 +83,8 @@ def choose_tactic(rows: int, top_k: int, experts: int, local: int, *, windows: i
     against 898.6 us at TP8 1024 rows (walking 7 tiles;
     ``benchmarks/results/experts/h200_engine_v16_wgmma_default.md``), but 301.2 against
     263.2 us at T = 16 (two windows; ``h200_engine_v15_wgmma.md``). Switching the kind
-    with the batch keeps a pair's rows batch invariant because the two kinds give the same bits
-    (``verify/test_experts.py::test_experts_mma_kinds_same_bits``).
+    with the batch keeps a pair's rows batch invariant because the two kinds give the same
+    bits (``verify/test_experts.py::test_experts_mma_kinds_same_bits``).
 
     Grid: an engine of whole experts (a DEP owner; ``sliced`` False) runs FC1 and FC2 in
     one persistent grid with the launch chain (``fused`` and ``pdl_chain``): measured on
@@ -175,9 +175,10 @@ def complete_tactic(tactic: dict, arch: str) -> dict:
     (``docs/stages/experts.md``). ``arch`` is checked for it. ``pdl_chain`` (default
     False; contracts pass on the H200, within 2 us of the default): the plan kernel and
     FC1 launched with programmatic dependent launch too (the list kernel lets the plan
-    kernel be scheduled at once; the plan kernel waits for it, then lets FC1 be scheduled; FC1 waits for the plan before its first claim), so the two
-    launch gaps of a call overlap the kernels before them. ``fused`` (default False here;
-    ``choose_tactic`` turns it on with ``pdl_chain`` for an engine of whole experts and for a
+    kernel be scheduled at once; the plan kernel waits for it, then lets FC1 be scheduled;
+    FC1 waits for the plan before its first claim), so the two launch gaps of a call
+    overlap the kernels before them. ``fused`` (default False here; ``choose_tactic``
+    turns it on with ``pdl_chain`` for an engine of whole experts and for a
     slice whose FC2 walks, up to two windows of pairs per expert; its
     contracts pass on the H200): FC1 and FC2 in one persistent grid
     (``kernels.FusedExpertsKernel``), an FC2 item waiting only for its own expert's FC1
