@@ -240,11 +240,14 @@ def _run_stages(backend, contract, name, first, count, shard, rows, skew, seed, 
 @pytest.mark.backends("fast")
 @pytest.mark.config("small")
 @pytest.mark.parametrize("windows,tactic", [(1, None), (2, None), (4, None),
-                                            (4, dict(wgmma=1)), (8, dict(wgmma=1))],
-                         ids=("w1", "w2", "w4", "w4-wgmma", "w8-wgmma"))
+                                            (4, dict(wgmma=0)), (4, dict(wgmma=1)),
+                                            (8, dict(wgmma=1))],
+                         ids=("w1", "w2", "w4", "w4-mma.sync", "w4-wgmma", "w8-wgmma"))
 def test_experts_stages_every_window_count(backend, windows, tactic, seed, contract):
-    """Every compiled window count, on skewed routing (experts with several groups); 8
-    windows only with wgmma (refused without it)."""
+    """Every compiled window count, on skewed routing (experts with several groups): the
+    call's default at each (on sm_90a the four-window default is ``wgmma`` with 8 warps),
+    ``mma.sync`` and ``wgmma`` (4 warps) at four named; 8 windows only with wgmma
+    (refused without it)."""
     from fast.backend import gpu_arch
 
     _skip_unless_wgmma(tactic or {}, gpu_arch())
@@ -332,8 +335,9 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
 @pytest.mark.config("small")
 @pytest.mark.parametrize("spread", (0, 12), ids=("plain", "spread"))
 def test_experts_mma_kinds_same_bits(backend, seed, contract, spread):
-    """``mma.sync`` (the default) and ``wgmma`` (4 warps, and 8 warps of 2 m-tiles) give
-    the same FP32 FC1 and the same rows, at one and at four windows. Both add each 16-k
+    """``mma.sync`` (named: at four windows the default is ``wgmma``) and ``wgmma`` (4
+    warps, and 8 warps of 2 m-tiles) give the same FP32 FC1 and the same rows, at one and
+    at four windows. Both add each 16-k
     step's exact products to the FP32 accumulator on the tensor cores, in the same step
     order; this contract is what allows a tactic to change the MMA kind with the batch
     without breaking a pair's batch invariance. ``spread``: each 32-element block of a
@@ -353,7 +357,7 @@ def test_experts_mma_kinds_same_bits(backend, seed, contract, spread):
     ids = cases.routing(cfg, 256, seed, skew=0.5)
     args = (codes.cuda(), scales.cuda(), ids.cuda())
     for windows in (1, 4):
-        rows, cap = engine(*args, windows=windows, capture=True)
+        rows, cap = engine(*args, windows=windows, capture=True, tactic=dict(wgmma=0))
         for tactic in (dict(wgmma=1), dict(wgmma=1, warps=8, mtiles=2)):
             other, other_cap = engine(*args, windows=windows, capture=True, tactic=tactic)
             what = f"{tactic} vs mma.sync, windows {windows}"
@@ -497,11 +501,14 @@ def test_experts_deterministic(backend, seed, contract):
 @pytest.mark.gpu
 @pytest.mark.backends("fast")
 @pytest.mark.config("small")
-@pytest.mark.parametrize("tactic", (None, dict(wgmma=1)), ids=("default", "wgmma"))
+@pytest.mark.parametrize("tactic", (dict(wgmma=0), dict(wgmma=1), None),
+                         ids=("mma.sync", "wgmma", "default"))
 def test_experts_decode_range(backend, contract, tactic):
     """Every E2M1 code under every supported scale code (0..128) decodes exactly: FC1 of
     one-hot latent rows returns each weight itself (one exact product plus zeros), with
-    each MMA kind (the BF16 subnormals of scale codes 0 and 1 must survive it)."""
+    each MMA kind named and with the call's default (256 rows on 16 experts: four windows,
+    ``wgmma`` with 8 warps on sm_90a); the BF16 subnormals of scale codes 0 and 1 must
+    survive each."""
     from fast.backend import gpu_arch
     from fast.experts import ExpertsEngine, prepare_experts
 

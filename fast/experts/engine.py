@@ -14,7 +14,7 @@ from fast.experts.layout import WINDOW, PreparedExperts
 
 __all__ = ["ExpertsEngine", "EngineScratch", "Capture", "EngineError", "choose_windows",
            "choose_tile", "choose_tactic", "choose_walk", "complete_tactic", "check_tactic",
-           "TACTIC_KEYS", "WGMMA_TILE_ROWS"]
+           "TACTIC_KEYS", "WGMMA_TILE", "WGMMA_TILE_ROWS"]
 
 _TOP_K = 16
 
@@ -57,12 +57,14 @@ def choose_tile(rows: int, top_k: int, experts: int, local: int, *, windows: int
     if pairs <= 24:
         return dict(warps=4, mtiles=1)
     if wgmma and windows == 4:
-        return dict(wgmma=1, warps=8, mtiles=WGMMA_TILE_ROWS // (16 * 8))
+        return dict(WGMMA_TILE)
     return {}
 
 
-#: The rows of the default warpgroup-MMA tile (``choose_tile``): 8 warps of 2 m-tiles.
-WGMMA_TILE_ROWS = 256
+#: The default warpgroup-MMA tile of a four-window call (``choose_tile``), and its rows
+#: (16 per warp and m-tile).
+WGMMA_TILE = {"wgmma": 1, "warps": 8, "mtiles": 2}
+WGMMA_TILE_ROWS = 16 * WGMMA_TILE["warps"] * WGMMA_TILE["mtiles"]
 
 
 def choose_tactic(rows: int, top_k: int, experts: int, local: int, *, windows: int,
@@ -551,7 +553,8 @@ class ExpertsEngine:
         default, as the benchmarks time them: ``{"chains": 2}`` gives ``mma.sync``, and
         ``{"warps": 4}`` the walk of 128-row tiles)."""
         c, g = self.config, self.geometry
-        own = {**self.tactic, **check_tactic(over or {}, self.arch, "default_tactic")}
+        own = ({**self.tactic, **check_tactic(over, self.arch, "ExpertsEngine.default_tactic")}
+               if over else self.tactic)
         windows = windows or choose_windows(rows, c.top_k, c.experts)
         wgmma = (self.arch == "sm_90a" and (2 * g.inter) % WGMMA_TILE_ROWS == 0
                  and g.latent % WGMMA_TILE_ROWS == 0
