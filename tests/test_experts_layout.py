@@ -309,3 +309,60 @@ def test_walk_resident_b_keeps_the_shared_memory_and_the_occupancy(windows):
     g = Geometry(c.latent, inter, 0, c.experts, (0, 8))
     assert all(compile_all(g, c, windows=windows, arch="sm_90a",
                            tactic=dict(walk=4, resident_b=0)))
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+def test_slot_stages_pairs_the_ring_and_keeps_the_occupancy():
+    """Two stages per ring slot (tactic ``slot_stages=2``): FC1 and an unwalked FC2 of a
+    DEP16 owner at one window (``mma.sync``, also for sm_100a) and at four (the sm_90a
+    default's wgmma with 8 warps, fused), and FC1 of a TP8 slice whose FC2 walks (there
+    FC2 keeps single-stage slots). The ring of 2 two-stage slots holds the bytes of the
+    default's 4 (one window) or 3 (four windows) slots, within the CTAs per multiprocessor
+    the default gets."""
+    from fast.experts import engine
+    from fast.experts.engine import compile_all
+    from fast.experts.kernels import ExpertsGemmKernel
+    from fast.experts.layout import Geometry
+
+    c = LatentMoEConfig.kimi_k3()
+    dep = Geometry(c.latent, c.intermediate, 56, 56, (0, 1))
+    tp8 = Geometry(c.latent, c.intermediate // 8, 0, c.experts, (0, 8))
+    wgmma8 = dict(wgmma=1, warps=8, mtiles=2)
+    assert all(compile_all(dep, c, windows=4, arch="sm_90a",
+                           tactic=dict(wgmma8, fused=1, pdl_chain=1, slot_stages=2)))
+    assert all(compile_all(dep, c, windows=1, arch="sm_100a", tactic=dict(slot_stages=2)))
+    params = engine._kernel_params(tp8, c, 4, False, False, dict(wgmma8, walk=7, slot_stages=2))
+    assert dict(params["fc1"])["slot_stages"] == 2 and "slot_stages" not in dict(params["fc2"])
+    params = engine._kernel_params(dep, c, 4, False, False, dict(slot_stages=2))
+    assert dict(params["fc2"])["slot_stages"] == 2  # 24 stages, no walk: paired too
+    for windows, tile in ((1, {}), (4, dict(wgmma=True, warps=8, mtiles=2))):
+        kw = dict(fc1=True, rows=2 * c.intermediate, k=c.latent, inter=c.intermediate,
+                  latent=c.latent, count=56, windows=windows, **tile)
+        single, paired = ExpertsGemmKernel(**kw), ExpertsGemmKernel(**kw, slot_stages=2)
+        assert paired.RING == 2 and paired.ring_slot_bytes == 2 * paired.slot_bytes
+        assert paired.smem_bytes == 2 * paired.ring_slot_bytes
+        assert paired.smem_bytes <= single.smem_bytes + single.slot_bytes
+        assert paired.occupancy == single.occupancy
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+def test_slot_stages_refused_where_it_does_not_apply():
+    """``slot_stages`` other than 1 or 2, with a walk, or where a GEMM's stages do not
+    pair up (the tiny config's FC1 has one stage) is refused by name."""
+    from fast.experts.kernels import ExpertsGemmKernel
+
+    c = LatentMoEConfig.kimi_k3()
+    inter = c.intermediate // 8
+    fc2 = dict(fc1=False, rows=c.latent, k=inter, inter=inter, latent=c.latent,
+               count=c.experts, windows=1)
+    with pytest.raises(ValueError, match="slot_stages .* must be 1 or 2"):
+        ExpertsGemmKernel(**fc2, slot_stages=3)
+    with pytest.raises(ValueError, match="stages pair up, without walk"):
+        ExpertsGemmKernel(**fc2, walk=4, slot_stages=2)
+    with pytest.raises(ValueError, match="got 3 stages"):  # a TP8 FC2 tile: 3 stages
+        ExpertsGemmKernel(**fc2, slot_stages=2)
+    t = LatentMoEConfig.tiny()
+    fc1 = dict(fc1=True, rows=2 * t.intermediate, k=t.latent, inter=t.intermediate,
+               latent=t.latent, count=t.experts, windows=1, warps=4, mtiles=1)
+    with pytest.raises(ValueError, match="got 1 stages"):
+        ExpertsGemmKernel(**fc1, slot_stages=2)

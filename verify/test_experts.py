@@ -275,7 +275,10 @@ TACTICS = [dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtile
            # FC2 items of several row tiles (2 of the small config's 128-row tiles, 4 of
            # its 64-row ones), the ring running across each tile boundary
            dict(walk=2), dict(walk=4, warps=4, mtiles=1), dict(walk=2, ctas=3),
-           dict(walk=2, wgmma=1), dict(walk=2, fused=1, pdl_chain=1, ctas=3)]
+           dict(walk=2, wgmma=1), dict(walk=2, fused=1, pdl_chain=1, ctas=3),
+           # two stages per ring slot (both GEMMs: the small config's have 2 stages each)
+           dict(slot_stages=2), dict(slot_stages=2, ring=3), dict(slot_stages=2, wgmma=1),
+           dict(slot_stages=2, wgmma=1, warps=8, mtiles=2, fused=1, pdl_chain=1, ctas=3)]
 
 
 def _skip_unless_wgmma(tactic: dict, arch: str) -> None:
@@ -299,10 +302,10 @@ def test_experts_stages_every_tactic(backend, tactic, seed, contract):
 @pytest.mark.backends("fast")
 @pytest.mark.config("small")
 def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
-    """Tile shape, ring depth, occupancy, the launch chain, the fused grid, the claim
-    ahead, the grid's size and FC2's walk over several row tiles never change a bit (the sum order of each output is the
-    chunk order); only the number of accumulator chains does. Checked for each MMA kind
-    against itself."""
+    """Tile shape, ring depth, two stages per ring slot, occupancy, the launch chain, the
+    fused grid, the claim ahead, the grid's size and FC2's walk over several row tiles
+    never change a bit (the sum order of each output is the chunk order); only the number
+    of accumulator chains does. Checked for each MMA kind against itself."""
     engine = engine_for("small", 0, 64, (0, 1), 256)
     codes, scales = latent_rows(engine.config, 96, seed)
     ids = cases.routing(engine.config, 96, seed, skew=1.0)
@@ -310,7 +313,8 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
     # mma.sync (the default) and, on sm_90a, wgmma, each against itself over the shapes
     # that run it
     walks = (dict(walk=2), dict(walk=4, warps=4, mtiles=1), dict(walk=2, ctas=2),
-             dict(walk=2, ring=2), dict(walk=2, fused=1, ctas=2))
+             dict(walk=2, ring=2), dict(walk=2, fused=1, ctas=2),
+             dict(slot_stages=2), dict(slot_stages=2, ring=3), dict(slot_stages=2, fused=1, ctas=2))
     shapes = {True: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(ring=2),
                      dict(ring=6, occupancy=1), dict(pdl_chain=1), dict(fused=1),
                      dict(claim_ahead=1), dict(fused=1, ctas=2), dict(claim_ahead=1, ctas=2),
@@ -381,8 +385,9 @@ REAL_TACTIC_CASES = [
 def test_experts_tactics_change_no_bit_real(backend, config_name, first, count, shard, rows,
                                             skew, seed, contract):
     """At the real widths and batches (items of several windows, thousands of them), the
-    launch chain, the fused grid and the claim ahead give the two kernels' bits, and the
-    fused grid with wgmma gives wgmma's: the small config's tactic contract where the
+    launch chain, the fused grid, the claim ahead and two stages per ring slot give the two
+    kernels' bits, and the fused grid with wgmma (with 8 warps and two-stage slots too)
+    gives wgmma's: the small config's tactic contract where the
     number of work items and of concurrent waits is a real rank's (the fused kernel's
     first gate faulted only there and at two or more windows). The call's default
     (``default_tactic``: at DEP16 T = 64, four windows, wgmma with 8 warps on sm_90a) gives
@@ -394,12 +399,14 @@ def test_experts_tactics_change_no_bit_real(backend, config_name, first, count, 
     # against the two kernels of the default tile, named explicitly (a DEP owner's default
     # call runs the fused grid, one of the shapes under test)
     base = {False: _bits(engine(*args, tactic={}))}
-    shapes = [dict(pdl_chain=1), dict(fused=1), dict(fused=1, pdl_chain=1), dict(claim_ahead=1)]
+    shapes = [dict(pdl_chain=1), dict(fused=1), dict(fused=1, pdl_chain=1), dict(claim_ahead=1),
+              dict(slot_stages=2), dict(slot_stages=2, fused=1, pdl_chain=1)]
     if shard[1] > 1:  # a TP slice: FC2 has 3 stages per tile, so its items may walk tiles
         shapes += [dict(walk=4), dict(walk=7), dict(walk=4, fused=1)]
     if engine.arch == "sm_90a":
         base[True] = _bits(engine(*args, tactic=dict(wgmma=1)))
-        shapes += [dict(wgmma=1, fused=1)]
+        shapes += [dict(wgmma=1, fused=1),
+                   dict(wgmma=1, warps=8, mtiles=2, fused=1, pdl_chain=1, slot_stages=2)]
     for tactic in shapes:
         wgmma = bool(tactic.get("wgmma"))
         contract.bitwise(_bits(engine(*args, tactic=tactic)), base[wgmma],

@@ -10,7 +10,7 @@ import functools
 import torch
 
 from fast import backend
-from fast.experts.layout import WINDOW, PreparedExperts
+from fast.experts.layout import WINDOW, PreparedExperts, chunks_per_stage
 
 __all__ = ["ExpertsEngine", "EngineScratch", "Capture", "EngineError", "choose_windows",
            "choose_tile", "choose_tactic", "choose_walk", "complete_tactic", "check_tactic",
@@ -128,7 +128,6 @@ def choose_walk(inter: int, latent: int, tile_rows: int) -> int:
     12% off a TP8 rank's two kernels there, and 7 tiles measured the same as 4
     (``h200_engine_v11_walk.md``)."""
     from fast.experts.kernels import WALK_MAX_STAGES
-    from fast.experts.layout import chunks_per_stage
 
     stages = inter // 64 // chunks_per_stage(inter)
     tiles = latent // tile_rows
@@ -140,7 +139,7 @@ def choose_walk(inter: int, latent: int, tile_rows: int) -> int:
 
 #: The keys of an FC kernel tactic (``ExpertsEngine.__call__``).
 TACTIC_KEYS = ("warps", "mtiles", "ring", "chains", "occupancy", "pdl", "wgmma", "pdl_chain",
-               "fused", "claim_ahead", "ctas", "walk", "resident_b")
+               "fused", "claim_ahead", "ctas", "walk", "resident_b", "slot_stages")
 
 
 def check_ctas(ctas, owner: str) -> None:
@@ -191,6 +190,9 @@ def complete_tactic(tactic: dict, arch: str) -> dict:
     ``fused``. ``resident_b`` (default on; only with ``walk``): a walked FC2 item copies its
     B operand once and keeps it in shared memory for all its row tiles (``resident_b=0``:
     copied again with every tile, as before it measured 1-4% slower at TP8 256..1024 rows).
+    ``slot_stages`` (default 1; its contracts pass on the H200): 2 stages per ring slot,
+    which takes 10% of the main loop's instructions per weight byte at four windows and
+    measured 2% faster there, 0-11% slower at one and two (``docs/stages/experts.md``).
     No tactic changes a bit."""
     tactic = {"wgmma": False, "pdl_chain": False, "fused": False, **tactic}
     if tactic["fused"] and tactic.get("claim_ahead"):
@@ -255,6 +257,12 @@ def _kernel_params(g, config, windows: int, capture: bool, strict: bool,
     common.update(tactic or {})
     common.pop("ctas", None)  # a launch size, not a kernel parameter
     walk = common.pop("walk", 1)  # FC2's row tiles per item (FC1's items are long)
+    # two stages per ring slot: FC1 (its 28 stages at L = 3584), and FC2 where it does not
+    # walk and its stages pair up
+    slot_stages = common.pop("slot_stages", 1)
+    fc2_stages = g.inter // 64 // chunks_per_stage(g.inter)
+    fc1_slot = {"slot_stages": slot_stages} if slot_stages != 1 else {}
+    fc2_slot = fc1_slot if walk == 1 and fc2_stages % slot_stages == 0 else {}
     chain = bool(common.pop("pdl_chain", False))
     fused = bool(common.pop("fused", False))
     params = {
@@ -264,10 +272,10 @@ def _kernel_params(g, config, windows: int, capture: bool, strict: bool,
         "plan": tuple(sorted(dict(count=g.count, windows=windows, pdl_chain=chain,
                                   fused=fused).items())),
         "fc1": tuple(sorted(dict(common, fc1=True, rows=2 * g.inter, k=g.latent,
-                                 beta=float(config.situ_beta), pdl_chain=chain,
+                                 **fc1_slot, beta=float(config.situ_beta), pdl_chain=chain,
                                  linear_beta=float(config.situ_linear_beta)).items())),
         "fc2": tuple(sorted(dict(common, fc1=False, rows=g.latent, k=g.inter, capture=False,
-                                 walk=walk).items())),
+                                 walk=walk, **fc2_slot).items())),
     }
     if fused:  # one persistent grid for both GEMMs (kernels.FusedExpertsKernel)
         params["fused"] = (("fc1", params.pop("fc1")), ("fc2", params.pop("fc2")))
@@ -447,7 +455,7 @@ class ExpertsEngine:
                 then launches from the plan kernel on.
             tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
                 "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "claim_ahead", "ctas",
-                "walk", "resident_b"}``
+                "walk", "resident_b", "slot_stages"}``
                 (defaults: ``default_tactic``'s tile and grid, a ring of 4 stages for one
                 window and 3 for more, one accumulator chain, CTAs per multiprocessor
                 from the shared memory, ``pdl`` on: FC1 lets FC2 launch early, and FC2
@@ -458,9 +466,13 @@ class ExpertsEngine:
                 items, as at a real rank's batch; ``walk``: FC2 row tiles per work item,
                 streamed back to back through one ring, for FC2 GEMMs of at most
                 ``kernels.WALK_MAX_STAGES`` stages, not with ``claim_ahead``;
-                ``resident_b``: a walked item's B operand copied once, default on). Warps,
-                m-tiles, ring, occupancy, pdl, pdl_chain, fused, claim_ahead, ctas, walk
-                and resident_b never change a bit; ``chains``
+                ``resident_b``: a walked item's B operand copied once, default on;
+                ``slot_stages``: 2 puts two stages in each ring slot, so the ring's wait,
+                barrier and loop step come once per two stages, for FC1 and for an FC2
+                that does not walk and has an even number of stages (the others keep one
+                stage per slot; default 1, a ring of 2 two-stage slots). Warps, m-tiles,
+                ring, occupancy, pdl, pdl_chain, fused, claim_ahead, ctas, walk,
+                resident_b and slot_stages never change a bit; ``chains``
                 changes the summation order (within the same bound), so a call with a
                 non-default ``chains`` is not batch invariant with the default; ``wgmma``
                 changes the instruction (the contracts hold each MMA kind batch invariant

@@ -83,6 +83,10 @@ class ExpertsGemmKernel:
     weights and scales, and every tile reads it there (``resident_b=False``: copied again
     with every tile's stages). Each output's sum is the same chunk order: no bit changes.
 
+    Slots of two stages (``slot_stages=2``, not with a walk): each ring slot holds two
+    consecutive stages, so the ring's wait, barrier, commit group and loop step are paid
+    once per two stages; the stages are computed in order, so no bit changes.
+
     Constraints: rows % (16 * warps * mtiles) == 0; K % 64 == 0; for FC1, the CTA's
     ``8 * warps * mtiles / 2`` intermediate columns are whole MXFP8 blocks; ``walk``
     divides the tiles, and a walked GEMM has at most ``WALK_MAX_STAGES`` stages per tile
@@ -94,10 +98,15 @@ class ExpertsGemmKernel:
                  ring: int | None = None, chains: int = 1, occupancy: int | None = None,
                  capture: bool = False, beta: float = 4.0, linear_beta: float = 25.0,
                  pdl: bool = False, wgmma: bool = False, pdl_chain: bool = False,
-                 claim_ahead: bool = False, walk: int = 1, resident_b: bool = True):
+                 claim_ahead: bool = False, walk: int = 1, resident_b: bool = True,
+                 slot_stages: int = 1):
         # measured on the H200: a 4-stage ring for one window, 3 stages (one more CTA per
-        # multiprocessor) for more; the ring depth never changes a bit
-        ring = ring or (4 if windows == 1 else 3)
+        # multiprocessor) for more; with two stages per slot, 2 slots (the same bytes in
+        # flight as 3 single-stage slots); the ring depth never changes a bit
+        if slot_stages not in (1, 2):
+            raise ValueError(f"slot_stages (stages per ring slot) must be 1 or 2, got "
+                             f"{slot_stages!r}")
+        ring = ring or (2 if slot_stages == 2 else 4 if windows == 1 else 3)
         if chains not in (1, 2, 4) or ring < 2:
             raise ValueError(f"chains must be 1, 2 or 4 and ring >= 2, got {chains}, {ring}")
         self.RING, self.chains = ring, chains
@@ -142,6 +151,14 @@ class ExpertsGemmKernel:
             raise ValueError(f"walk > 1 is for FC2 GEMMs of at most {WALK_MAX_STAGES} stages "
                              f"without claim_ahead (got fc1={fc1}, {self.stages} stages, "
                              f"claim_ahead={claim_ahead})")
+        #: stages per ring slot (one barrier, one commit group and one loop iteration per
+        #: slot): 2 halves the ring's per-stage costs; the stages of a slot are computed in
+        #: order, so the sums and the bits are those of single-stage slots
+        self.slot_stages = slot_stages
+        if slot_stages > 1 and (walk > 1 or claim_ahead or self.stages % slot_stages):
+            raise ValueError(f"slot_stages={slot_stages} needs a GEMM whose stages pair up, "
+                             f"without walk or claim_ahead (got {self.stages} stages, "
+                             f"walk={walk}, claim_ahead={claim_ahead})")
         #: work items per window group: tiles // walk
         self.item_tiles = self.tiles // walk
         #: bytes of one row tile's weights and of its scales (a walk's stride between tiles)
@@ -158,10 +175,12 @@ class ExpertsGemmKernel:
         #: (tactic ``resident_b=0``: copied again at every tile, as before; no bit changes)
         self.resident_b = walk > 1 and bool(resident_b)
         self.w_offset = 0 if self.resident_b else self.b_bytes  # weights' offset in a slot
-        self.slot_bytes = self.w_offset + self.w_bytes + self.s_bytes
+        self.slot_bytes = self.w_offset + self.w_bytes + self.s_bytes  # one stage's
+        #: one ring slot: ``slot_stages`` stages' blocks back to back
+        self.ring_slot_bytes = slot_stages * self.slot_bytes
         self.granules = WINDOW * windows * 8 * self.stage_chunks  # 16-byte B copies per stage
         # dynamic: the ring, then (walked) the resident B operand
-        self.smem_bytes = ring * self.slot_bytes + (self.stages * self.b_bytes
+        self.smem_bytes = ring * self.ring_slot_bytes + (self.stages * self.b_bytes
                                                     if self.resident_b else 0)
         items = 2 if self.claim_ahead else 1  # item buffers (info, token table)
         static = 4 * (8 * items + 3 * WINDOW * windows * items
@@ -404,7 +423,9 @@ class ExpertsGemmKernel:
     def _main_loop(self, acc, src, dst, ok, wbase, sbase, ring, warp, lane, live: int, first,
                    work: Int64, info, tid, lists: Int64, capacity, ahead=None):
         """Every stage of one item through the ``RING``-slot ring: copies issued
-        ``RING - 1`` stages ahead, then the stage's MMAs for the first ``live`` windows.
+        ``RING - 1`` slots ahead, then the stage's MMAs for the first ``live`` windows
+        (``slot_stages`` P: each slot, one barrier and one commit group hold P stages,
+        copied and computed in stage order).
 
         FC2 launched with programmatic dependent launch (``pdl``), on its CTA's ``first``
         item: the weights of the first ``RING - 1`` stages are requested, then
@@ -416,7 +437,8 @@ class ExpertsGemmKernel:
         locates the CTA's next item into ``ahead[0]``; after stage 1's barrier the first
         ``tokens`` threads fill its token table ``ahead[1]`` (``_item`` does it after the
         loop when the GEMM has one stage)."""
-        NS: cutlass.Constexpr = self.stages
+        P: cutlass.Constexpr = self.slot_stages
+        NS: cutlass.Constexpr = self.stages // P  # ring slots' worth of stages
         RING: cutlass.Constexpr = self.RING
         self._fill_ring(src, dst, ok, wbase, sbase, ring, warp, lane, first, work, info, tid)
         for s in cutlass.range(NS, unroll=1):
@@ -434,10 +456,14 @@ class ExpertsGemmKernel:
                         self._token_table_at(lists, work, ahead[1], ahead[0], capacity, tid)
             issue = s + RING - 1
             if issue < NS:
-                self._issue(src, dst, ok, wbase, sbase, ring + (issue % RING) * self.slot_bytes,
-                            issue, warp, lane)
+                for j in cutlass.range_constexpr(P):
+                    self._issue(src, dst, ok, wbase, sbase,
+                                ring + (issue % RING) * self.ring_slot_bytes + j * self.slot_bytes,
+                                issue * P + j, warp, lane)
             cute.arch.cp_async_commit_group()
-            self._compute(acc, ring + (s % RING) * self.slot_bytes, warp, lane, live)
+            for j in cutlass.range_constexpr(P):
+                self._compute(acc, ring + (s % RING) * self.ring_slot_bytes + j * self.slot_bytes,
+                              warp, lane, live)
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit
@@ -506,28 +532,32 @@ class ExpertsGemmKernel:
             self._prologue(src, dst, ok, wbase, sbase, ring, warp, lane)
 
     def _prologue(self, src, dst, ok, wbase, sbase, ring, warp, lane, wait=None):
-        """The ring's first ``RING - 1`` virtual stages: virtual stage ``v`` is stage
+        """The ring's first ``RING - 1`` slots: slot ``v`` holds virtual stage ``v``, stage
         ``v % stages`` of the item's tile ``v // stages`` (tiles beyond the first only in
-        a walk), in slot ``v``. Without ``wait``, one commit group each. With ``wait`` (the
+        a walk), or with ``slot_stages`` P > 1 the stages ``P v .. P v + P - 1`` of the
+        item's one tile. Without ``wait``, one commit group each. With ``wait`` (the
         B operand must wait: traced here, a grid dependency or a ready count) their weights
         are requested, then ``wait()``, then their B copies, all in the first of the
         ``RING - 1`` commit groups (the others empty), so the loop's waits count groups as
         after the plain prologue."""
         # a plain method (its callable argument is traced where it is called): the loops
         # and tests are Python's, over compile-time ints
-        virtual = range(min(self.RING - 1, self.walk * self.stages))
+        P = self.slot_stages  # stages per slot (1 in a walk)
+        virtual = range(min(self.RING - 1, self.walk * self.stages // P))
 
         def issue(v, operand_b=True, weights=True):
-            g, st = divmod(v, self.stages)
+            g, st = divmod(v, self.stages // P)
             w, sc = wbase, sbase
             if g:
                 w, sc = wbase + g * self.tile_weight_bytes, sbase + g * self.tile_scale_bytes
             if self.resident_b:  # the B operand once, with the first tile's stages
                 operand_b = operand_b and g == 0
             if operand_b or weights:
-                self._issue(src, dst, ok, w, sc, ring + v * self.slot_bytes, st, warp, lane,
-                            operand_b=operand_b, weights=weights,
-                            bslot=self._b_slot(ring, st) if self.resident_b else None)
+                for j in range(P):
+                    self._issue(src, dst, ok, w, sc,
+                                ring + v * self.ring_slot_bytes + j * self.slot_bytes, st * P + j,
+                                warp, lane, operand_b=operand_b, weights=weights,
+                                bslot=self._b_slot(ring, st) if self.resident_b else None)
 
         if wait is None:
             for v in range(self.RING - 1):
