@@ -251,6 +251,13 @@ MUTATIONS = [
          "live, bslot=self._b_slot(ring, 0) if self.resident_b else None)",
          ["verify/test_experts.py::test_experts_stages_every_tactic[fast-walk=2]"],
          needs_gpu=True),
+    _one("fast experts engine (two-stage ring slots): each slot's first stage computed twice "
+         "and its second never (half of the k of every item dropped)",
+         "fast/experts/kernels.py",
+         "self._compute(acc, slot + j * self.slot_bytes, warp, lane, live)",
+         "self._compute(acc, slot, warp, lane, live)",
+         ["verify/test_experts.py::test_experts_stages_every_tactic[fast-slot_stages=2]"],
+         needs_gpu=True),
     _one("fast experts engine: the plan kernel's stale-lists guard off (lists appended by "
          "two route stages are planned as one call's)",
          "fast/experts/lists.py",

@@ -10,7 +10,7 @@ import functools
 import torch
 
 from fast import backend
-from fast.experts.layout import WINDOW, PreparedExperts, chunks_per_stage
+from fast.experts.layout import WINDOW, PreparedExperts, stages_of
 
 __all__ = ["ExpertsEngine", "EngineScratch", "Capture", "EngineError", "choose_windows",
            "choose_tile", "choose_tactic", "choose_walk", "complete_tactic", "check_tactic",
@@ -129,7 +129,7 @@ def choose_walk(inter: int, latent: int, tile_rows: int) -> int:
     (``h200_engine_v11_walk.md``)."""
     from fast.experts.kernels import WALK_MAX_STAGES
 
-    stages = inter // 64 // chunks_per_stage(inter)
+    stages = stages_of(inter)
     tiles = latent // tile_rows
     if stages > WALK_MAX_STAGES:
         return 1
@@ -260,9 +260,8 @@ def _kernel_params(g, config, windows: int, capture: bool, strict: bool,
     # two stages per ring slot: FC1 (its 28 stages at L = 3584), and FC2 where it does not
     # walk and its stages pair up
     slot_stages = common.pop("slot_stages", 1)
-    fc2_stages = g.inter // 64 // chunks_per_stage(g.inter)
     fc1_slot = {"slot_stages": slot_stages} if slot_stages != 1 else {}
-    fc2_slot = fc1_slot if walk == 1 and fc2_stages % slot_stages == 0 else {}
+    fc2_slot = fc1_slot if walk == 1 and stages_of(g.inter) % slot_stages == 0 else {}
     chain = bool(common.pop("pdl_chain", False))
     fused = bool(common.pop("fused", False))
     params = {

@@ -20,7 +20,7 @@ from fast import _cute as h
 from fast.experts import _ptx as p
 from fast.experts.layout import (CHUNK, DECODE_MASK, PAIR3_GATHER, PAIR3_MULTIPLIER,
                                  WGMMA_WORD_STRIDE, WINDOW, b_offset_mma, b_offset_wgmma,
-                                 chunks_per_stage, wgmma_b_descriptor)
+                                 chunks_per_stage, stages_of, wgmma_b_descriptor)
 from fast.experts.lists import ERROR_GATE_TIMEOUT, Workspace, e8m0_f32_bits
 
 __all__ = ["GATE_SPIN_LIMIT", "WALK_MAX_STAGES", "ExpertsGemmKernel", "FusedExpertsKernel"]
@@ -141,7 +141,7 @@ class ExpertsGemmKernel:
         self.m_tiles = rows // 16
         self.chunks = k // CHUNK
         self.stage_chunks = chunks_per_stage(k)
-        self.stages = self.chunks // self.stage_chunks
+        self.stages = stages_of(k)
         #: consecutive row tiles per work item (FC2; see the class docstring)
         self.walk = walk
         if not isinstance(walk, int) or walk < 1 or self.tiles % walk:
@@ -155,6 +155,7 @@ class ExpertsGemmKernel:
         #: slot): 2 halves the ring's per-stage costs; the stages of a slot are computed in
         #: order, so the sums and the bits are those of single-stage slots
         self.slot_stages = slot_stages
+        self.slots_per_tile = self.stages // slot_stages  # ring slots' worth of one tile
         if slot_stages > 1 and (walk > 1 or claim_ahead or self.stages % slot_stages):
             raise ValueError(f"slot_stages={slot_stages} needs a GEMM whose stages pair up, "
                              f"without walk or claim_ahead (got {self.stages} stages, "
@@ -437,8 +438,7 @@ class ExpertsGemmKernel:
         locates the CTA's next item into ``ahead[0]``; after stage 1's barrier the first
         ``tokens`` threads fill its token table ``ahead[1]`` (``_item`` does it after the
         loop when the GEMM has one stage)."""
-        P: cutlass.Constexpr = self.slot_stages
-        NS: cutlass.Constexpr = self.stages // P  # ring slots' worth of stages
+        NS: cutlass.Constexpr = self.slots_per_tile
         RING: cutlass.Constexpr = self.RING
         self._fill_ring(src, dst, ok, wbase, sbase, ring, warp, lane, first, work, info, tid)
         for s in cutlass.range(NS, unroll=1):
@@ -456,14 +456,10 @@ class ExpertsGemmKernel:
                         self._token_table_at(lists, work, ahead[1], ahead[0], capacity, tid)
             issue = s + RING - 1
             if issue < NS:
-                for j in cutlass.range_constexpr(P):
-                    self._issue(src, dst, ok, wbase, sbase,
-                                ring + (issue % RING) * self.ring_slot_bytes + j * self.slot_bytes,
-                                issue * P + j, warp, lane)
+                self._issue_slot(src, dst, ok, wbase, sbase,
+                                 ring + (issue % RING) * self.ring_slot_bytes, issue, warp, lane)
             cute.arch.cp_async_commit_group()
-            for j in cutlass.range_constexpr(P):
-                self._compute(acc, ring + (s % RING) * self.ring_slot_bytes + j * self.slot_bytes,
-                              warp, lane, live)
+            self._compute_slot(acc, ring + (s % RING) * self.ring_slot_bytes, warp, lane, live)
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit
@@ -542,22 +538,19 @@ class ExpertsGemmKernel:
         after the plain prologue."""
         # a plain method (its callable argument is traced where it is called): the loops
         # and tests are Python's, over compile-time ints
-        P = self.slot_stages  # stages per slot (1 in a walk)
-        virtual = range(min(self.RING - 1, self.walk * self.stages // P))
+        virtual = range(min(self.RING - 1, self.walk * self.slots_per_tile))
 
         def issue(v, operand_b=True, weights=True):
-            g, st = divmod(v, self.stages // P)
+            g, st = divmod(v, self.slots_per_tile)
             w, sc = wbase, sbase
             if g:
                 w, sc = wbase + g * self.tile_weight_bytes, sbase + g * self.tile_scale_bytes
             if self.resident_b:  # the B operand once, with the first tile's stages
                 operand_b = operand_b and g == 0
             if operand_b or weights:
-                for j in range(P):
-                    self._issue(src, dst, ok, w, sc,
-                                ring + v * self.ring_slot_bytes + j * self.slot_bytes, st * P + j,
-                                warp, lane, operand_b=operand_b, weights=weights,
-                                bslot=self._b_slot(ring, st) if self.resident_b else None)
+                self._issue_slot(src, dst, ok, w, sc, ring + v * self.ring_slot_bytes, st,
+                                 warp, lane, operand_b=operand_b, weights=weights,
+                                 bslot=self._b_slot(ring, st) if self.resident_b else None)
 
         if wait is None:
             for v in range(self.RING - 1):
@@ -572,6 +565,21 @@ class ExpertsGemmKernel:
             issue(v, weights=False)
         for _ in range(self.RING - 1):
             cute.arch.cp_async_commit_group()
+
+    def _issue_slot(self, src, dst, ok, wbase, sbase, slot, index, warp, lane,
+                    operand_b=True, weights=True, bslot=None):
+        """``_issue`` for each stage of ring slot ``slot``, which holds stages
+        ``slot_stages * index ..`` of the tile, one after another. A plain method (loops
+        over compile-time ints), traced where it is called."""
+        for j in range(self.slot_stages):
+            self._issue(src, dst, ok, wbase, sbase, slot + j * self.slot_bytes,
+                        index * self.slot_stages + j, warp, lane, operand_b=operand_b,
+                        weights=weights, bslot=bslot)
+
+    def _compute_slot(self, acc, slot, warp, lane, live: int):
+        """``_compute`` for each stage of ring slot ``slot``, in stage order."""
+        for j in range(self.slot_stages):
+            self._compute(acc, slot + j * self.slot_bytes, warp, lane, live)
 
     def _b_slot(self, ring, stage):
         """Shared address of a walked item's resident B operand of ``stage``: after the

@@ -84,6 +84,7 @@ __all__ = [
     "pack_tiles",
     "decode_tiles",
     "chunks_per_stage",
+    "stages_of",
     "mma_physical_k",
     "b_offset_mma",
     "b_offset_wgmma",
@@ -171,6 +172,11 @@ def chunks_per_stage(k: int) -> int:
     if k % CHUNK:
         raise ValueError(f"the experts engine needs K % 64 == 0, got K={k}")
     return 2 if k % (2 * CHUNK) == 0 else 1
+
+
+def stages_of(k: int) -> int:
+    """Pipeline stages of a GEMM of depth ``k`` (``chunks_per_stage`` chunks each)."""
+    return k // CHUNK // chunks_per_stage(k)
 
 
 @dataclasses.dataclass(frozen=True)
