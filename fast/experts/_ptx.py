@@ -167,6 +167,10 @@ def cp_async_4z(smem_address, global_address, valid):
          [Int32(smem_address), Int64(global_address), Int32(size)])
 
 
+def lds_u32(smem_address):
+    return _asm("ld.shared.u32 {$w0}, [{$r0}];", [Uint32], [Int32(smem_address)])
+
+
 def lds_u16(smem_address):
     return _asm("{ .reg .b16 t; ld.shared.u16 t, [{$r0}]; cvt.u32.u16 {$w0}, t; }", [Uint32],
                 [Int32(smem_address)])

@@ -746,19 +746,18 @@ class ExpertsGemmKernel:
             bslot = slot
         SC: cutlass.Constexpr = self.stage_chunks
         MT: cutlass.Constexpr = self.mtiles
-        bits: cutlass.Constexpr = 8 * SC
         bias = Uint32(0x7E7E7E7E) if SC == 2 else Uint32(0x7E7E)
         wslot = slot + self.w_offset + warp * (MT * SC * 512) + lane * 16
-        sslot = slot + self.w_offset + self.w_bytes + warp * (MT * 32 * SC) + lane * SC
+        # the scale bytes X of lanes 2i and 2i + 1 (each stores half of it, the even lane
+        # the low half: layout docstring) are adjacent in the slot, so both lanes read X
+        # whole with one load at the even lane's bytes (no shuffle)
+        sslot = slot + self.w_offset + self.w_bytes + warp * (MT * 32 * SC) + (lane & ~1) * SC
         xs = []
         for mt in cutlass.range_constexpr(MT):
             if cutlass.const_expr(SC == 2):
-                own = p.lds_u16(sslot + mt * 64)
+                x = p.lds_u32(sslot + mt * 64)
             else:
-                own = p.lds_u8(sslot + mt * 32)
-            other = p.shfl_xor(own, 1)
-            odd = (lane & 1) != 0
-            x = cutlass.select_(odd, other | (own << Uint32(bits)), own | (other << Uint32(bits)))
+                x = p.lds_u16(sslot + mt * 32)
             xs.append(x + bias)
         if cutlass.const_expr(self.wgmma):
             self._compute_wgmma(acc, xs, wslot, bslot, live)

@@ -57,7 +57,8 @@ whole range 0..128 on the device.
 lanes ``4g + 2h + p`` (h, p in {0, 1}) need the scale bytes ``X = [s(r0, b_c), s(r1, b_c)
 for each chunk c of the stage]`` with ``b_c = 2c + h`` (lane q's 16 k lie in block
 ``2c + q // 2``). Lane ``p = 0`` stores the first half of X and ``p = 1`` the second; one
-shuffle with the partner lane rebuilds X, so no byte is stored twice. Prepared scale
+load at the even lane's bytes gives both lanes X whole (the two halves are adjacent, the
+low one first), so no byte is stored twice and no shuffle is needed. Prepared scale
 bytes: ``[M-tiles, stages, 32 lanes, chunks_per_stage]``.
 """
 
