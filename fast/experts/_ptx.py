@@ -167,6 +167,12 @@ def cp_async_4z(smem_address, global_address, valid):
          [Int32(smem_address), Int64(global_address), Int32(size)])
 
 
+def pinned_i32(value):
+    """``value`` through an opaque move: the compiler keeps the result in a register (or
+    spills it) instead of recomputing the expression that made it inside a loop."""
+    return _asm("mov.b32 {$w0}, {$r0};", [Int32], [Int32(value)])
+
+
 def lds_u32(smem_address):
     return _asm("ld.shared.u32 {$w0}, [{$r0}];", [Uint32], [Int32(smem_address)])
 

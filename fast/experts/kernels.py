@@ -296,7 +296,7 @@ class ExpertsGemmKernel:
         """(ring, info, table, red): the dynamic ring and the static per-item tables."""
         TOK: cutlass.Constexpr = WINDOW * self.windows
         items: cutlass.Constexpr = 2 if self.claim_ahead else 1
-        ring = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=128).toint()
+        ring = p.pinned_i32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=128).toint())
         info = cute.arch.alloc_smem(Int32, 8 * items, alignment=16).toint()
         table = cute.arch.alloc_smem(Int32, 3 * TOK * items, alignment=16).toint()
         red = cute.arch.alloc_smem(Float32, self.warps * self.mtiles * TOK, alignment=16).toint()
