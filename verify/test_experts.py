@@ -298,40 +298,47 @@ def test_experts_stages_every_tactic(backend, tactic, seed, contract):
     _run_stages(backend, contract, "small", 0, 64, (0, 1), 96, 1.0, seed, tactic=tactic)
 
 
+_CHAIN_FREE_WALKS = (dict(walk=2), dict(walk=4, warps=4, mtiles=1), dict(walk=2, ctas=2),
+                     dict(walk=2, ring=2), dict(walk=2, fused=1, ctas=2),
+                     dict(slot_stages=2), dict(slot_stages=2, ring=3),
+                     dict(slot_stages=2, fused=1, ctas=2))
+# the shapes each MMA kind runs (wgmma has no 2-warp, 2-m-tile shape)
+_CHAIN_FREE_SHAPES = {
+    1: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(ring=2),
+        dict(ring=6, occupancy=1), dict(pdl_chain=1), dict(fused=1), dict(claim_ahead=1),
+        dict(fused=1, ctas=2), dict(claim_ahead=1, ctas=2), *_CHAIN_FREE_WALKS),
+    0: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
+        dict(ring=2), dict(ring=6, occupancy=1), dict(pdl_chain=1), dict(fused=1),
+        dict(claim_ahead=1), dict(fused=1, ctas=2), dict(claim_ahead=1, ctas=2),
+        *_CHAIN_FREE_WALKS)}
+# (mma kind, window count): mma.sync runs up to four windows, wgmma up to eight
+_CHAIN_FREE_CASES = [(0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4), (1, 8)]
+
+
 @pytest.mark.gpu
 @pytest.mark.backends("fast")
 @pytest.mark.config("small")
-def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract):
+@pytest.mark.parametrize("wgmma,windows", _CHAIN_FREE_CASES,
+                         ids=[f"{'wgmma' if k else 'mma.sync'}-w{w}" for k, w in _CHAIN_FREE_CASES])
+def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract, wgmma, windows):
     """Tile shape, ring depth, two stages per ring slot, occupancy, the launch chain, the
     fused grid, the claim ahead, the grid's size and FC2's walk over several row tiles
     never change a bit (the sum order of each output is the chunk order); only the number
-    of accumulator chains does. Checked for each MMA kind against itself."""
+    of accumulator chains does. Checked for each MMA kind against itself, one case per
+    (kind, window count)."""
+    from fast.backend import gpu_arch
+
+    _skip_unless_wgmma(dict(wgmma=wgmma), gpu_arch())
     engine = engine_for("small", 0, 64, (0, 1), 256)
     codes, scales = latent_rows(engine.config, 96, seed)
     ids = cases.routing(engine.config, 96, seed, skew=1.0)
     args = (codes.cuda(), scales.cuda(), ids.cuda())
-    # mma.sync (the default) and, on sm_90a, wgmma, each against itself over the shapes
-    # that run it
-    walks = (dict(walk=2), dict(walk=4, warps=4, mtiles=1), dict(walk=2, ctas=2),
-             dict(walk=2, ring=2), dict(walk=2, fused=1, ctas=2),
-             dict(slot_stages=2), dict(slot_stages=2, ring=3), dict(slot_stages=2, fused=1, ctas=2))
-    shapes = {True: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(ring=2),
-                     dict(ring=6, occupancy=1), dict(pdl_chain=1), dict(fused=1),
-                     dict(claim_ahead=1), dict(fused=1, ctas=2), dict(claim_ahead=1, ctas=2),
-                     *walks),
-              False: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
-                      dict(ring=2), dict(ring=6, occupancy=1), dict(pdl_chain=1),
-                      dict(fused=1), dict(claim_ahead=1), dict(fused=1, ctas=2),
-                      dict(claim_ahead=1, ctas=2), *walks)}
-    kinds = (False, True) if engine.arch == "sm_90a" else (False,)
-    for wgmma in kinds:
-        for windows in (1, 2, 4, 8) if wgmma else (1, 2, 4):
-            base = engine(*args, windows=windows, tactic=dict(wgmma=wgmma))
-            for tactic in shapes[wgmma]:
-                tactic = dict(tactic, wgmma=wgmma)
-                contract.bitwise(_bits(engine(*args, windows=windows, tactic=tactic)),
-                                 _bits(base), what=f"tactic {tactic} vs the default shape, "
-                                 f"windows {windows}", index_names=("pair", "column"))
+    base = engine(*args, windows=windows, tactic=dict(wgmma=wgmma))
+    for tactic in _CHAIN_FREE_SHAPES[wgmma]:
+        tactic = dict(tactic, wgmma=wgmma)
+        contract.bitwise(_bits(engine(*args, windows=windows, tactic=tactic)), _bits(base),
+                         what=f"tactic {tactic} vs the default shape, windows {windows}",
+                         index_names=("pair", "column"))
 
 
 @pytest.mark.gpu
