@@ -298,19 +298,15 @@ def test_experts_stages_every_tactic(backend, tactic, seed, contract):
     _run_stages(backend, contract, "small", 0, 64, (0, 1), 96, 1.0, seed, tactic=tactic)
 
 
-_CHAIN_FREE_WALKS = (dict(walk=2), dict(walk=4, warps=4, mtiles=1), dict(walk=2, ctas=2),
-                     dict(walk=2, ring=2), dict(walk=2, fused=1, ctas=2),
-                     dict(slot_stages=2), dict(slot_stages=2, ring=3),
-                     dict(slot_stages=2, fused=1, ctas=2))
-# the shapes each MMA kind runs (wgmma has no 2-warp, 2-m-tile shape)
-_CHAIN_FREE_SHAPES = {
-    1: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(ring=2),
-        dict(ring=6, occupancy=1), dict(pdl_chain=1), dict(fused=1), dict(claim_ahead=1),
-        dict(fused=1, ctas=2), dict(claim_ahead=1, ctas=2), *_CHAIN_FREE_WALKS),
-    0: (dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
-        dict(ring=2), dict(ring=6, occupancy=1), dict(pdl_chain=1), dict(fused=1),
-        dict(claim_ahead=1), dict(fused=1, ctas=2), dict(claim_ahead=1, ctas=2),
-        *_CHAIN_FREE_WALKS)}
+# the shapes both MMA kinds run; mma.sync also runs 2 warps of 2 m-tiles (wgmma has no
+# such shape)
+_CHAIN_FREE_SHAPES = (
+    dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(ring=2), dict(ring=6, occupancy=1),
+    dict(pdl_chain=1), dict(fused=1), dict(claim_ahead=1), dict(fused=1, ctas=2),
+    dict(claim_ahead=1, ctas=2), dict(walk=2), dict(walk=4, warps=4, mtiles=1),
+    dict(walk=2, ctas=2), dict(walk=2, ring=2), dict(walk=2, fused=1, ctas=2),
+    dict(slot_stages=2), dict(slot_stages=2, ring=3), dict(slot_stages=2, fused=1, ctas=2))
+_MMA_SYNC_ONLY_SHAPES = (dict(warps=2, mtiles=2),)
 # (mma kind, window count): mma.sync runs up to four windows, wgmma up to eight
 _CHAIN_FREE_CASES = [(0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4), (1, 8)]
 
@@ -334,7 +330,7 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract, wgmma
     ids = cases.routing(engine.config, 96, seed, skew=1.0)
     args = (codes.cuda(), scales.cuda(), ids.cuda())
     base = engine(*args, windows=windows, tactic=dict(wgmma=wgmma))
-    for tactic in _CHAIN_FREE_SHAPES[wgmma]:
+    for tactic in _CHAIN_FREE_SHAPES + (() if wgmma else _MMA_SYNC_ONLY_SHAPES):
         tactic = dict(tactic, wgmma=wgmma)
         contract.bitwise(_bits(engine(*args, windows=windows, tactic=tactic)), _bits(base),
                          what=f"tactic {tactic} vs the default shape, windows {windows}",
