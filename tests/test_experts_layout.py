@@ -346,6 +346,35 @@ def test_slot_stages_pairs_the_ring_and_keeps_the_occupancy():
 
 
 @pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+def test_ablation_is_for_the_measurement_script_only():
+    """The kernels' ``ablate`` parameter (parts of the work left out, wrong rows) is
+    reachable only by ``benchmarks.experts_ablation``'s wrapper, for its own calls: the
+    engine's tactics refuse it by name, an unknown part is refused by name, the wrapper
+    leaves the engine's parameters as they were, and an ablated kernel compiles."""
+    from benchmarks.experts_ablation import ablated
+    from fast.experts import engine
+    from fast.experts.kernels import ExpertsGemmKernel
+    from fast.experts.layout import Geometry
+
+    c = LatentMoEConfig.kimi_k3()
+    kw = dict(fc1=True, rows=2 * c.intermediate, k=c.latent, inter=c.intermediate,
+              latent=c.latent, count=56, windows=4)
+    with pytest.raises(ValueError, match="unknown parts \\['fc2'\\]"):
+        ExpertsGemmKernel(**kw, ablate=("fc2",))
+    with pytest.raises(ValueError, match="unknown tactic keys \\['ablate'\\]"):
+        engine.check_tactic({"ablate": 1}, "sm_90a", "ExpertsEngine")
+    dep = Geometry(c.latent, c.intermediate, 56, 56, (0, 1))
+    tactic = engine.complete_tactic(dict(wgmma=1, warps=8, mtiles=2, fused=1), "sm_90a")
+    plain = engine._kernel_params(dep, c, 4, False, False, tactic)
+    with ablated(("decode", "situ")):
+        params = engine._kernel_params(dep, c, 4, False, False, tactic)
+    assert engine._kernel_params(dep, c, 4, False, False, tactic) == plain
+    assert all(dict(p)["ablate"] == ("decode", "situ") for _, p in params["fused"])
+    assert all("ablate" not in dict(p) for _, p in plain["fused"])
+    if _cute_error is None:
+        engine._compiled("fused", "sm_90a", params["fused"])
+
+
 def test_slot_stages_refused_where_it_does_not_apply():
     """``slot_stages`` other than 1 or 2, with a walk, or where a GEMM's stages do not
     pair up (the tiny config's FC1 has one stage) is refused by name."""

@@ -99,7 +99,7 @@ class ExpertsGemmKernel:
                  capture: bool = False, beta: float = 4.0, linear_beta: float = 25.0,
                  pdl: bool = False, wgmma: bool = False, pdl_chain: bool = False,
                  claim_ahead: bool = False, walk: int = 1, resident_b: bool = True,
-                 slot_stages: int = 1):
+                 slot_stages: int = 1, ablate: tuple = ()):
         # measured on the H200: a 4-stage ring for one window, 3 stages (one more CTA per
         # multiprocessor) for more; with two stages per slot, 2 slots (the same bytes in
         # flight as 3 single-stage slots); the ring depth never changes a bit
@@ -114,6 +114,18 @@ class ExpertsGemmKernel:
         if self.wgmma and (warps % 4 or chains != 1):
             raise ValueError(f"wgmma needs whole warpgroups (warps % 4 == 0) and one accumulator "
                              f"chain, got warps={warps}, chains={chains}")
+        #: measurement only (``benchmarks/experts_ablation.py``), never from the engine's
+        #: tactics: parts of the work left out to time the rest; the rows are WRONG.
+        #: ``decode``: the prepared words go to the MMA as they are (no bit operations, no
+        #: scale multiplies); ``situ``: FC1's activation is its gate sum (no SiTU math);
+        #: ``bcopy``: no B-operand copies (the MMAs read what the ring holds); ``wcopy``: no
+        #: weight or scale copies (the decode reads what the ring holds); ``mma8``: the MMAs
+        #: of the first window only (one ``m64n8k16`` per step, or ``mma.sync``'s window 0)
+        self.ablate = tuple(sorted(ablate))
+        unknown = set(self.ablate) - {"decode", "situ", "bcopy", "wcopy", "mma8"}
+        if unknown:
+            raise ValueError(f"ablate: unknown parts {sorted(unknown)}; the parts are "
+                             f"'decode', 'situ', 'bcopy', 'wcopy', 'mma8'")
         self.fc1, self.rows, self.k, self.inter, self.latent = fc1, rows, k, inter, latent
         self.count, self.windows, self.top_k = count, windows, top_k
         self.warps, self.mtiles, self.capture = warps, mtiles, capture
@@ -689,7 +701,7 @@ class ExpertsGemmKernel:
         MT: cutlass.Constexpr = self.mtiles
         copies: cutlass.Constexpr = (self.granules + self.threads - 1) // self.threads
         offset = Int64(stage) * (64 * SC * 2)
-        if cutlass.const_expr(operand_b):
+        if cutlass.const_expr(operand_b and "bcopy" not in self.ablate):
             for i in cutlass.range_constexpr(copies):
                 if ok[i] >= 0:
                     if cutlass.const_expr(self.wgmma):
@@ -699,7 +711,7 @@ class ExpertsGemmKernel:
                                           src[i] + offset + 4 * m, ok[i] != 0)
                     else:
                         p.cp_async_16(bslot + dst[i], src[i] + offset, ok[i] != 0)
-        if cutlass.const_expr(weights):
+        if cutlass.const_expr(weights and "wcopy" not in self.ablate):
             wslot = slot + self.w_offset + warp * (MT * SC * 512) + lane * 16
             for mt in cutlass.range_constexpr(MT):
                 for cc in cutlass.range_constexpr(SC):
@@ -773,8 +785,10 @@ class ExpertsGemmKernel:
             for w in cutlass.range_constexpr(live):
                 address = bslot + (((w * SC + cc) * 2) * 32 + lane) * 16
                 bs.append(list(p.lds_v4(address)) + list(p.lds_v4(address + 512)))
+            # (measurement only, ``mma8``: window 0's MMAs alone)
+            issued = 1 if "mma8" in self.ablate else live
             for j in cutlass.range_constexpr(4):
-                for w in cutlass.range_constexpr(live):
+                for w in cutlass.range_constexpr(issued):
                     self._mma_step(acc, frags, bs[w], j, w)
 
     @cute.jit
@@ -786,6 +800,9 @@ class ExpertsGemmKernel:
         f1 = self._factor(x, 2 * cc + 1)
         if cutlass.const_expr(not isinstance(words, list)):
             words = p.lds_v4(words)
+        if cutlass.const_expr("decode" in self.ablate):  # measurement only: wrong rows
+            return ([words[0], words[1], words[0], words[1]] * 2,
+                    [words[2], words[3], words[2], words[3]] * 2)
         r0 = self._decode(words[0]) + self._decode(words[1])
         r1 = self._decode(words[2]) + self._decode(words[3])
         return ([p.mul_bf16x2(v, f0) for v in r0], [p.mul_bf16x2(v, f1) for v in r1])
@@ -831,13 +848,14 @@ class ExpertsGemmKernel:
         W: cutlass.Constexpr = self.windows
         r0, r1 = frag
         base = mt * W * 4
+        n = 1 if "mma8" in self.ablate else live  # (measurement only)
         warpgroup.fence()  # this fragment and the accumulators were written by this thread
         for j in cutlass.range_constexpr(4):
             start = wgmma_b_descriptor(cc, j, SC)[0]  # leading and stride: slot_desc's
             desc = p.smem_descriptor_offset(slot_desc, start)
-            d = p.wgmma_bf16([acc[base + i] for i in range(4 * live)],
-                             (r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1]), desc, 8 * live)
-            for i in cutlass.range_constexpr(4 * live):
+            d = p.wgmma_bf16([acc[base + i] for i in range(4 * n)],
+                             (r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1]), desc, 8 * n)
+            for i in cutlass.range_constexpr(4 * n):
                 acc[base + i] = d[i]
         warpgroup.commit_group()
 
@@ -886,7 +904,10 @@ class ExpertsGemmKernel:
         TOK: cutlass.Constexpr = WINDOW * W
         at = (mt * W + w) * 4
         for t in cutlass.range_constexpr(2):
-            a = self._situ(acc[at + t], acc[at + 2 + t])
+            if cutlass.const_expr("situ" in self.ablate):  # measurement only: wrong rows
+                a = acc[at + t]
+            else:
+                a = self._situ(acc[at + t], acc[at + 2 + t])
             act[(mt * W + w) * 2 + t] = a
             m = h.bits(a) & Uint32(0x7FFFFFFF)
             for o in (4, 8, 16):

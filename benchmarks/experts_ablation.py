@@ -1,0 +1,134 @@
+"""What each part of the experts engine's work costs at the real dimensions (GPU node).
+
+    python -m benchmarks.experts_ablation --out ablation.json
+
+The call's default kernels are timed as they are and with parts of their work left out
+(``fast.experts.kernels.ExpertsGemmKernel(ablate=...)``, in FC1 and FC2 alike), in one
+run, the same way as ``benchmarks.experts_table`` (CUDA graph, L2 flushed before every
+replay, median of ``--reps``):
+
+* ``decode``: the prepared weight words go to the MMAs as they are: no bit operations and
+  no scale multiplies;
+* ``situ``: FC1's activation is its gate sum: no SiTU (the block maxima, the MXFP8
+  re-quantization and the stores stay);
+* ``bcopy``: no copies of the B operand (the token rows) into the ring;
+* ``wcopy``: no copies of the weights and their scales (the decode reads whatever the
+  ring holds): with ``bcopy``, the kernels without their memory traffic;
+* ``mma8``: the MMAs of each item's first window only (``m64n8k16`` instead of
+  ``m64n(8 live)k16``): the tensor cores' share at several windows.
+
+Parts combine with ``+`` (``decode+situ``). The rows of an ablated call are WRONG: this is
+a measurement of where the time goes, nothing more. The engine's tactics cannot reach the
+parameter; this script sets it by wrapping the engine's kernel parameters for its own
+calls only (``ablated``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import time
+
+import torch
+
+from benchmarks.experts_table import (K, L, device_time_us, l2_flush, random_weights,
+                                      read_bandwidth_gbs, routing)
+
+PARTS = ("decode", "situ", "bcopy", "wcopy", "mma8")
+
+
+@contextlib.contextmanager
+def ablated(parts: tuple[str, ...]):
+    """Within the block, every engine call's FC1 and FC2 kernels leave ``parts`` out."""
+    from fast.experts import engine as engine_module
+
+    unknown = set(parts) - set(PARTS)
+    if unknown:
+        raise ValueError(f"unknown parts {sorted(unknown)}; the parts are {PARTS}")
+    original = engine_module._kernel_params
+
+    def with_parts(*args, **kwargs):
+        params = original(*args, **kwargs)
+
+        def add(entry):
+            return tuple(sorted({**dict(entry), "ablate": tuple(sorted(parts))}.items()))
+
+        for kind in ("fc1", "fc2"):
+            if kind in params:
+                params[kind] = add(params[kind])
+        if "fused" in params:
+            params["fused"] = tuple((kind, add(entry)) for kind, entry in params["fused"])
+        return params
+
+    engine_module._kernel_params = with_parts
+    try:
+        yield
+    finally:
+        engine_module._kernel_params = original
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="experts_ablation.json")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--dep-tokens", default="8,64")
+    ap.add_argument("--wide-rows", default="256,1024")
+    ap.add_argument("--ablations", default="decode;situ;bcopy;decode+situ",
+                    help="';'-separated sets of parts, each '+'-joined")
+    args = ap.parse_args(argv)
+
+    from fast.experts import ExpertsEngine, prepare_experts
+    from reference.mx import quantize_mxfp8
+
+    torch.manual_seed(0)
+    flush = l2_flush()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "python": platform.python_version(), "cases": []}
+    t0 = time.time()
+    result["read_gbs"] = read_bandwidth_gbs()
+    print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
+    w = random_weights()
+    sets = [tuple(filter(None, spec.split("+"))) for spec in args.ablations.split(";") if spec]
+
+    def run_mode(mode, first, count, shard, sizes):
+        prepared = prepare_experts(w, "cuda", experts=(first, count), shard=shard)
+        per_expert = prepared.expert_bytes()
+        engine = ExpertsEngine(prepared, max_rows=max(sizes) * (16 if mode == "dep16" else 1))
+        for size in sizes:
+            rows = size * 16 if mode == "dep16" else size
+            ids = routing(rows, 1000 + rows, 0.0).cuda()
+            codes, scales = quantize_mxfp8((torch.randn(rows, L, device="cuda") * 2).bfloat16())
+            flat = ids.reshape(-1).long()
+            touched = int(torch.unique(flat[(flat >= first) & (flat < first + count)]).numel())
+            limit_us = touched * per_expert / (result["read_gbs"] * 1e9) * 1e6
+            case = {"mode": mode, "size": size, "rows": rows, "touched": touched,
+                    "limit_us": limit_us, "tactic": engine.default_tactic(rows), "times": {}}
+            out = torch.empty(rows * K, L, dtype=torch.bfloat16, device="cuda")
+            for parts in [()] + sets:
+                with ablated(parts):
+                    engine(codes, scales, ids, out=out)  # compiles; validated
+                    case["times"]["+".join(parts) or "full"] = device_time_us(
+                        lambda: engine(codes, scales, ids, out=out, validate=False),
+                        reps=args.reps, flush=flush)
+            case["median_us"] = {k: statistics.median(v) for k, v in case["times"].items()}
+            full = case["median_us"]["full"]
+            print(f"{mode:5s} size {size:5d} limit {limit_us:6.1f}us "
+                  + " | ".join(f"{k} {v:7.1f}us ({v / full:4.2f})"
+                               for k, v in case["median_us"].items()), flush=True)
+            result["cases"].append(case)
+
+    if args.dep_tokens:
+        run_mode("dep16", 0, 56, (0, 1), [int(v) for v in args.dep_tokens.split(",")])
+        torch.cuda.empty_cache()
+    if args.wide_rows:
+        run_mode("tp8", 0, 896, (0, 8), [int(v) for v in args.wide_rows.split(",")])
+    result["wall_s"] = time.time() - t0
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
