@@ -15,7 +15,10 @@ replay, median of ``--reps``):
 * ``wcopy``: no copies of the weights and their scales (the decode reads whatever the
   ring holds): with ``bcopy``, the kernels without their memory traffic;
 * ``mma8``: the MMAs of each item's first window only (``m64n8k16`` instead of
-  ``m64n(8 live)k16``): the tensor cores' share at several windows.
+  ``m64n(8 live)k16``): the tensor cores' share at several windows;
+* ``bcopy16`` (warpgroup MMA only): each 16-byte piece of a token row copied whole into the
+  core matrix of its 8 k instead of as four 4-byte words into four (the copies B rows
+  stored in the MMA's k order would need; the k order of this measurement is wrong).
 
 Parts combine with ``+`` (``decode+situ``). The rows of an ablated call are WRONG: this is
 a measurement of where the time goes, nothing more. The engine's tactics cannot reach the
@@ -34,10 +37,10 @@ import time
 
 import torch
 
-from benchmarks.experts_table import (K, L, device_time_us, l2_flush, random_weights,
-                                      read_bandwidth_gbs, routing)
+from benchmarks.experts_table import (K, L, device_time_us, l2_flush, parse_tactic,
+                                      random_weights, read_bandwidth_gbs, routing)
 
-PARTS = ("decode", "situ", "bcopy", "wcopy", "mma8")
+PARTS = ("decode", "situ", "bcopy", "wcopy", "mma8", "bcopy16")
 
 
 @contextlib.contextmanager
@@ -70,15 +73,43 @@ def ablated(parts: tuple[str, ...]):
         engine_module._kernel_params = original
 
 
+def render(result: dict) -> str:
+    """The markdown table of a result: per case the full call's time (fraction of the
+    byte limit) and each ablated call's time over it."""
+    names = [k for k in result["cases"][0]["median_us"] if k != "full"]
+    lines = [f"{result['device']}, read bandwidth {result['read_gbs']:.0f} GB/s; each column: "
+             "the call without those parts (`+`-joined; `@` a tactic over the default), us "
+             "(time over the full call's; wrong rows: a measurement only)", "",
+             "| rank | T / rows | touched | limit us | full us (fraction) | "
+             + " | ".join(names) + " |",
+             "|---" * (5 + len(names)) + "|"]
+    for case in result["cases"]:
+        med = case["median_us"]
+        full = med["full"]
+        size = case["size"]
+        lines.append(f"| {case['mode'].upper()} | {size} | {case['touched']} | "
+                     f"{case['limit_us']:.1f} | {full:.1f} ({case['limit_us'] / full:.2f}) | "
+                     + " | ".join(f"{med[n]:.1f} ({med[n] / full:.2f})" for n in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser()
+    ap.add_argument("--render", help="print the markdown table of a result JSON and exit")
     ap.add_argument("--out", default="experts_ablation.json")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--dep-tokens", default="8,64")
     ap.add_argument("--wide-rows", default="256,1024")
     ap.add_argument("--ablations", default="decode;situ;bcopy;decode+situ",
                     help="';'-separated sets of parts, each '+'-joined")
+    ap.add_argument("--tactics", default="",
+                    help="';'-separated engine tactics over the call's default (e.g. 'ring=4'): "
+                         "every set of parts is timed at each, after the default")
     args = ap.parse_args(argv)
+    if args.render:
+        with open(args.render) as f:
+            print(render(json.load(f)), end="")
+        return
 
     from fast.experts import ExpertsEngine, prepare_experts
     from reference.mx import quantize_mxfp8
@@ -92,6 +123,7 @@ def main(argv=None):
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     w = random_weights()
     sets = [tuple(filter(None, spec.split("+"))) for spec in args.ablations.split(";") if spec]
+    overs = [("", {})] + [(spec, parse_tactic(spec)) for spec in args.tactics.split(";") if spec]
 
     def run_mode(mode, first, count, shard, sizes):
         prepared = prepare_experts(w, "cuda", experts=(first, count), shard=shard)
@@ -107,12 +139,15 @@ def main(argv=None):
             case = {"mode": mode, "size": size, "rows": rows, "touched": touched,
                     "limit_us": limit_us, "tactic": engine.default_tactic(rows), "times": {}}
             out = torch.empty(rows * K, L, dtype=torch.bfloat16, device="cuda")
-            for parts in [()] + sets:
-                with ablated(parts):
-                    engine(codes, scales, ids, out=out)  # compiles; validated
-                    case["times"]["+".join(parts) or "full"] = device_time_us(
-                        lambda: engine(codes, scales, ids, out=out, validate=False),
-                        reps=args.reps, flush=flush)
+            for spec, over in overs:
+                tactic = engine.default_tactic(rows, over=over) if over else None
+                for parts in [()] + sets:
+                    name = ("+".join(parts) or "full") + (f" @{spec}" if spec else "")
+                    with ablated(parts):
+                        engine(codes, scales, ids, out=out, tactic=tactic)  # compiles
+                        case["times"][name] = device_time_us(
+                            lambda: engine(codes, scales, ids, out=out, validate=False,
+                                           tactic=tactic), reps=args.reps, flush=flush)
             case["median_us"] = {k: statistics.median(v) for k, v in case["times"].items()}
             full = case["median_us"]["full"]
             print(f"{mode:5s} size {size:5d} limit {limit_us:6.1f}us "

@@ -100,3 +100,16 @@ def test_experts_table_renders_tactic_variants():
     text = render(result)
     assert "| mode | size | skew | default us | wgmma1_warps8_mtiles2 | windows2 |" in text
     assert "| dep16 | 64 | 0.0 | 400.0 | 380.0 (0.95) | 440.0 (1.10) |" in text
+
+
+def test_experts_ablation_renders_each_part_over_the_full_call():
+    """``benchmarks.experts_ablation.render``: per case the full call (fraction of the byte
+    limit), then each ablated call's time and its ratio to the full call's."""
+    from benchmarks.experts_ablation import render
+
+    case = {"mode": "dep16", "size": 64, "touched": 56, "limit_us": 200.0,
+            "median_us": {"full": 400.0, "decode": 360.0, "decode+mma8 @ring=4": 300.0}}
+    text = render({"device": "X", "read_gbs": 4500.0, "cases": [case]})
+    assert "| rank | T / rows | touched | limit us | full us (fraction) | decode | " \
+           "decode+mma8 @ring=4 |" in text
+    assert "| DEP16 | 64 | 56 | 200.0 | 400.0 (0.50) | 360.0 (0.90) | 300.0 (0.75) |" in text

@@ -120,12 +120,14 @@ class ExpertsGemmKernel:
         #: scale multiplies); ``situ``: FC1's activation is its gate sum (no SiTU math);
         #: ``bcopy``: no B-operand copies (the MMAs read what the ring holds); ``wcopy``: no
         #: weight or scale copies (the decode reads what the ring holds); ``mma8``: the MMAs
-        #: of the first window only (one ``m64n8k16`` per step, or ``mma.sync``'s window 0)
+        #: of the first window only (one ``m64n8k16`` per step, or ``mma.sync``'s window 0);
+        #: ``bcopy16`` (wgmma): each 16-byte token piece copied whole into one core matrix
+        #: (the traffic of B rows stored in the MMA's k order; the k order is then wrong)
         self.ablate = tuple(sorted(ablate))
-        unknown = set(self.ablate) - {"decode", "situ", "bcopy", "wcopy", "mma8"}
+        unknown = set(self.ablate) - {"decode", "situ", "bcopy", "wcopy", "mma8", "bcopy16"}
         if unknown:
             raise ValueError(f"ablate: unknown parts {sorted(unknown)}; the parts are "
-                             f"'decode', 'situ', 'bcopy', 'wcopy', 'mma8'")
+                             f"'decode', 'situ', 'bcopy', 'wcopy', 'mma8', 'bcopy16'")
         self.fc1, self.rows, self.k, self.inter, self.latent = fc1, rows, k, inter, latent
         self.count, self.windows, self.top_k = count, windows, top_k
         self.warps, self.mtiles, self.capture = warps, mtiles, capture
@@ -355,7 +357,10 @@ class ExpertsGemmKernel:
             n = token % WINDOW
             cc = gi // 8
             kk = gi % 8
-            if cutlass.const_expr(self.wgmma):
+            if cutlass.const_expr(self.wgmma and "bcopy16" in self.ablate):
+                # (measurement only) each piece whole, to the core matrix of its 8 k
+                dst[i] = ((window * SC + cc) * 8 + kk) * 128 + n * 16
+            elif cutlass.const_expr(self.wgmma):
                 dst[i] = b_offset_wgmma(window, n, cc, kk, SC)
             else:
                 dst[i] = b_offset_mma(window, n, cc, kk, SC)
@@ -704,7 +709,7 @@ class ExpertsGemmKernel:
         if cutlass.const_expr(operand_b and "bcopy" not in self.ablate):
             for i in cutlass.range_constexpr(copies):
                 if ok[i] >= 0:
-                    if cutlass.const_expr(self.wgmma):
+                    if cutlass.const_expr(self.wgmma and "bcopy16" not in self.ablate):
                         # the piece's four words to four core matrices (b_offset_wgmma)
                         for m in cutlass.range_constexpr(4):
                             p.cp_async_4z(bslot + dst[i] + m * WGMMA_WORD_STRIDE,
