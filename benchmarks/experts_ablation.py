@@ -31,14 +31,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import statistics
 import time
 
 import torch
 
-from benchmarks.experts_table import (K, L, device_time_us, l2_flush, parse_tactic,
-                                      random_weights, read_bandwidth_gbs, routing)
+from benchmarks.experts_table import (K, L, device_time_us, l2_flush, new_result,
+                                      parse_tactic, random_weights, routing)
 
 PARTS = ("decode", "situ", "bcopy", "wcopy", "mma8", "bcopy16")
 
@@ -116,10 +115,8 @@ def main(argv=None):
 
     torch.manual_seed(0)
     flush = l2_flush()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "python": platform.python_version(), "cases": []}
     t0 = time.time()
-    result["read_gbs"] = read_bandwidth_gbs()
+    result = new_result()
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     w = random_weights()
     sets = [tuple(filter(None, spec.split("+"))) for spec in args.ablations.split(";") if spec]

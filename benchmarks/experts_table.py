@@ -120,6 +120,15 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 20) -> float:
     return nbytes / (statistics.median(times) * 1e-6) / 1e9
 
 
+def new_result() -> dict:
+    """A run's result record: the device, the software, an empty case list, and the read
+    bandwidth measured now (``read_gbs``, the byte limits' rate)."""
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "python": platform.python_version(), "cases": []}
+    result["read_gbs"] = read_bandwidth_gbs()
+    return result
+
+
 def random_weights(seed=7):
     """The real layer with uniformly random MXFP4 expert codes, scale codes 118..124
     (``verify.cases.device_weights``; the engine reads only the experts)."""
@@ -218,10 +227,8 @@ def main(argv=None):
 
     torch.manual_seed(0)
     flush = l2_flush()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "python": platform.python_version(), "cases": []}
     t0 = time.time()
-    result["read_gbs"] = read_bandwidth_gbs()
+    result = new_result()
     result["copy_gbs"] = copy_bandwidth_gbs()
     print(f"read {result['read_gbs']:.0f} GB/s, copy {result['copy_gbs']:.0f} GB/s", flush=True)
     w = random_weights()
