@@ -77,8 +77,8 @@ def render(result: dict) -> str:
     byte limit) and each ablated call's time over it."""
     names = [k for k in result["cases"][0]["median_us"] if k != "full"]
     lines = [f"{result['device']}, read bandwidth {result['read_gbs']:.0f} GB/s; each column: "
-             "the call without those parts (`+`-joined; `@` a tactic over the default), us "
-             "(time over the full call's; wrong rows: a measurement only)", "",
+             "the call with those parts left out or cut down (`+`-joined; `@` a tactic over "
+             "the default), us (time over the full call's; wrong rows: a measurement only)", "",
              "| rank | T / rows | touched | limit us | full us (fraction) | "
              + " | ".join(names) + " |",
              "|---" * (5 + len(names)) + "|"]
