@@ -37,19 +37,15 @@ import time
 import torch
 
 from benchmarks.experts_table import (K, L, device_time_us, l2_flush, new_result,
-                                      parse_tactic, random_weights, routing)
-
-PARTS = ("decode", "situ", "bcopy", "wcopy", "mma8", "bcopy16")
+                                      parse_tactic, random_weights, rank_case)
 
 
 @contextlib.contextmanager
 def ablated(parts: tuple[str, ...]):
-    """Within the block, every engine call's FC1 and FC2 kernels leave ``parts`` out."""
+    """Within the block, every engine call's FC1 and FC2 kernels leave ``parts`` out (one
+    of ``fast.experts.kernels.ABLATION_PARTS`` each; the kernels refuse any other)."""
     from fast.experts import engine as engine_module
 
-    unknown = set(parts) - set(PARTS)
-    if unknown:
-        raise ValueError(f"unknown parts {sorted(unknown)}; the parts are {PARTS}")
     original = engine_module._kernel_params
 
     def with_parts(*args, **kwargs):
@@ -111,7 +107,6 @@ def main(argv=None):
         return
 
     from fast.experts import ExpertsEngine, prepare_experts
-    from reference.mx import quantize_mxfp8
 
     torch.manual_seed(0)
     flush = l2_flush()
@@ -127,12 +122,9 @@ def main(argv=None):
         per_expert = prepared.expert_bytes()
         engine = ExpertsEngine(prepared, max_rows=max(sizes) * (16 if mode == "dep16" else 1))
         for size in sizes:
-            rows = size * 16 if mode == "dep16" else size
-            ids = routing(rows, 1000 + rows, 0.0).cuda()
-            codes, scales = quantize_mxfp8((torch.randn(rows, L, device="cuda") * 2).bfloat16())
-            flat = ids.reshape(-1).long()
-            touched = int(torch.unique(flat[(flat >= first) & (flat < first + count)]).numel())
-            limit_us = touched * per_expert / (result["read_gbs"] * 1e9) * 1e6
+            inputs = rank_case(mode, size, 0.0, first, count, per_expert, result["read_gbs"])
+            rows, ids, limit_us = inputs["rows"], inputs["ids"], inputs["limit_us"]
+            codes, scales, touched = inputs["codes"], inputs["scales"], inputs["touched"]
             case = {"mode": mode, "size": size, "rows": rows, "touched": touched,
                     "limit_us": limit_us, "tactic": engine.default_tactic(rows), "times": {}}
             out = torch.empty(rows * K, L, dtype=torch.bfloat16, device="cuda")

@@ -144,6 +144,29 @@ def routing(rows: int, seed: int, skew: float) -> torch.Tensor:
     return cases.routing(LatentMoEConfig.kimi_k3(), rows, seed, skew=skew)
 
 
+def rank_case(mode: str, size: int, skew: float, first: int, count: int, expert_bytes: int,
+              read_gbs: float, device: str = "cuda") -> dict:
+    """One case's inputs and byte limit: ``size`` tokens per DEP16 rank (``16 size`` rows)
+    or ``size`` rows of a TP8 rank, routed by ``routing`` (seed ``1000 + rows``), latent rows
+    ``2 N(0, 1)`` in BF16 (``x``) and their MXFP8 ``codes`` and ``scales``; the pairs and
+    touched experts of the local experts ``[first, first + count)``, the bytes those stream
+    (``expert_bytes`` each) and the time they take at ``read_gbs`` (``limit_us``); every
+    tensor on ``device``."""
+    from reference.mx import quantize_mxfp8
+
+    rows = size * 16 if mode == "dep16" else size
+    ids = routing(rows, 1000 + rows, skew).to(device)
+    x = (torch.randn(rows, L, device=device) * 2).bfloat16()
+    codes, scales = quantize_mxfp8(x)
+    flat = ids.reshape(-1).long()
+    local = flat[(flat >= first) & (flat < first + count)]
+    touched = int(torch.unique(local).numel())
+    nbytes = touched * expert_bytes
+    return {"rows": rows, "ids": ids, "x": x, "codes": codes, "scales": scales,
+            "pairs": int(local.numel()), "touched": touched, "bytes": nbytes,
+            "limit_us": nbytes / (read_gbs * 1e9) * 1e6}
+
+
 class GroupedMM:
     """``torch._grouped_mm`` experts over BF16-resident weights: rows sorted by expert,
     FC1, SiTU (PyTorch ops), FC2, rows scattered back (the PyTorch path a user has)."""
@@ -223,7 +246,6 @@ def main(argv=None):
         return
 
     from fast.experts import ExpertsEngine, prepare_experts
-    from reference.mx import quantize_mxfp8
 
     torch.manual_seed(0)
     flush = l2_flush()
@@ -276,19 +298,15 @@ def main(argv=None):
             peers_built["grouped_mm"] = GroupedMM(w13b, w2b, first, count)
         for skew in skews:
             for size in sizes:
-                rows = size * 16 if mode == "dep16" else size
-                ids = routing(rows, 1000 + rows, skew).cuda()
-                x = (torch.randn(rows, L, device="cuda") * 2).bfloat16()
+                inputs = rank_case(mode, size, skew, first, count, per_expert,
+                                   result["read_gbs"])
+                rows, ids, x = inputs["rows"], inputs["ids"], inputs["x"]
+                codes, scales, limit_us = inputs["codes"], inputs["scales"], inputs["limit_us"]
+                touched = inputs["touched"]
                 rw = torch.rand(rows, K, device="cuda") + 0.01
                 rw = rw / rw.sum(1, keepdim=True)
-                codes, scales = quantize_mxfp8(x)
-                flat = ids.reshape(-1).long()
-                local = flat[(flat >= first) & (flat < first + count)]
-                touched = int(torch.unique(local).numel())
-                nbytes = touched * per_expert
-                limit_us = nbytes / (result["read_gbs"] * 1e9) * 1e6
                 case = {"mode": mode, "size": size, "rows": rows, "skew": skew,
-                        "pairs": int(local.numel()), "touched": touched, "bytes": nbytes,
+                        "pairs": inputs["pairs"], "touched": touched, "bytes": inputs["bytes"],
                         "limit_us": limit_us, "times": {}}
                 out = torch.empty(rows * K, L, dtype=torch.bfloat16, device="cuda")
                 win = None if args.windows == "auto" else int(args.windows)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 
 from benchmarks.experts_table import parse_tactic
@@ -142,13 +141,10 @@ def main(argv=None):
 
     from benchmarks import experts_table as table
     from fast.experts import ExpertsEngine, prepare_experts
-    from reference.mx import quantize_mxfp8
 
     torch.manual_seed(0)
     flush = table.l2_flush()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "python": platform.python_version(), "reps": args.reps, "cases": [],
-              "read_gbs": table.read_bandwidth_gbs()}
+    result = {**table.new_result(), "reps": args.reps}
     w = table.random_weights()
     modes = []
     if args.dep_tokens:
@@ -159,13 +155,11 @@ def main(argv=None):
         prepared = prepare_experts(w, "cuda", experts=(first, count), shard=shard)
         engine = ExpertsEngine(prepared, max_rows=max(sizes) * (16 if mode == "dep16" else 1))
         for size in sizes:
-            rows = size * 16 if mode == "dep16" else size
-            ids = table.routing(rows, 1000 + rows, 0.0).cuda()
-            codes, scales = quantize_mxfp8((torch.randn(rows, table.L, device="cuda") * 2).bfloat16())
+            inputs = table.rank_case(mode, size, 0.0, first, count, prepared.expert_bytes(),
+                                     result["read_gbs"])
+            rows, ids, limit_us = inputs["rows"], inputs["ids"], inputs["limit_us"]
+            codes, scales, touched = inputs["codes"], inputs["scales"], inputs["touched"]
             out = torch.empty(rows * table.K, table.L, dtype=torch.bfloat16, device="cuda")
-            flat = ids.reshape(-1)
-            touched = int(torch.unique(flat[(flat >= first) & (flat < first + count)]).numel())
-            limit_us = touched * prepared.expert_bytes() / (result["read_gbs"] * 1e9) * 1e6
             for tactic in tactics:
                 full = engine.default_tactic(rows, over=tactic)
                 engine(codes, scales, ids, out=out, tactic=full)  # validated once

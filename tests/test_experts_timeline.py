@@ -4,6 +4,7 @@ their medians, the rendered table and the tactic syntax (the GPU part runs on a 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from benchmarks import experts_timeline as tl
 from benchmarks.experts_table import parse_tactic
@@ -113,3 +114,26 @@ def test_experts_ablation_renders_each_part_over_the_full_call():
     assert "| rank | T / rows | touched | limit us | full us (fraction) | decode | " \
            "decode+mma8 @ring=4 |" in text
     assert "| DEP16 | 64 | 56 | 200.0 | 400.0 (0.50) | 360.0 (0.90) | 300.0 (0.75) |" in text
+
+
+def test_rank_case_counts_the_local_pairs_and_their_byte_limit():
+    """``benchmarks.experts_table.rank_case`` (the experts table's, timeline's and
+    ablation's inputs): 16 rows per token of a DEP16 rank, the pairs and distinct experts
+    among the rank's local ones, their bytes at ``expert_bytes`` each, the time those take
+    at ``read_gbs``, and latent rows whose MXFP8 codes are those of ``x``."""
+    from benchmarks.experts_table import L, rank_case
+    from reference.mx import quantize_mxfp8
+
+    case = rank_case("dep16", 2, 0.0, 56, 56, 1000, 2.0, device="cpu")
+    ids = case["ids"]
+    assert case["rows"] == 32 and tuple(ids.shape) == (32, 16)
+    local = ids[(ids >= 56) & (ids < 112)]
+    assert case["pairs"] == local.numel()
+    assert case["touched"] == torch.unique(local).numel() > 0
+    assert case["bytes"] == 1000 * case["touched"]
+    assert case["limit_us"] == pytest.approx(case["bytes"] / 2e9 * 1e6)
+    assert tuple(case["x"].shape) == (32, L)
+    codes, scales = quantize_mxfp8(case["x"])
+    assert torch.equal(codes.view(torch.uint8), case["codes"].view(torch.uint8))
+    assert torch.equal(scales, case["scales"])
+    assert rank_case("tp8", 65, 0.0, 0, 896, 1, 1.0, device="cpu")["rows"] == 65

@@ -35,6 +35,11 @@ GATE_SPIN_LIMIT = 1 << 22
 WALK_MAX_STAGES = 8
 
 
+#: The parts of the work ``ExpertsGemmKernel(ablate=...)`` can leave out or cut down
+#: (measurement only: ``benchmarks/experts_ablation.py``; the constructor says what each is).
+ABLATION_PARTS = ("decode", "situ", "bcopy", "wcopy", "mma8", "bcopy16")
+
+
 class ExpertsGemmKernel:
     """One GEMM of the engine over all work items of a call: FC1 (``fc1=True``: SiTU, MXFP8
     re-quantization, BF16 hidden rows) or FC2 (BF16 expert rows).
@@ -124,10 +129,10 @@ class ExpertsGemmKernel:
         #: ``bcopy16`` (wgmma): each 16-byte token piece copied whole into one core matrix
         #: (the traffic of B rows stored in the MMA's k order; the k order is then wrong)
         self.ablate = tuple(sorted(ablate))
-        unknown = set(self.ablate) - {"decode", "situ", "bcopy", "wcopy", "mma8", "bcopy16"}
+        unknown = set(self.ablate) - set(ABLATION_PARTS)
         if unknown:
             raise ValueError(f"ablate: unknown parts {sorted(unknown)}; the parts are "
-                             f"'decode', 'situ', 'bcopy', 'wcopy', 'mma8', 'bcopy16'")
+                             f"{ABLATION_PARTS}")
         self.fc1, self.rows, self.k, self.inter, self.latent = fc1, rows, k, inter, latent
         self.count, self.windows, self.top_k = count, windows, top_k
         self.warps, self.mtiles, self.capture = warps, mtiles, capture
