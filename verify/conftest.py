@@ -22,10 +22,20 @@
   where the machine lacks them.
 * ``process_group``: under ``torchrun``, the world process group (NCCL with one GPU per
   process where CUDA is available, else gloo), initialised once per session.
+* pytest-xdist (``pytest verify/ -n N``): each worker hands its rows to
+  the controller when it finishes, and the controller prints and writes the one merged
+  report (``verify.report.merge_reports``); a worker that ends without handing them over
+  is a failed row of its own.
+* ``real_dimensions``: the marker of every case at the real dimensions (config
+  ``kimi_k3``), added at collection, so that ``-m real_dimensions`` / ``-m "not
+  real_dimensions"`` split a GPU run: each process keeps the real layer's weights it built
+  (tens of GB of GPU memory), so many workers on one GPU take the small cases and one
+  process the real ones (docs/gpu-node.md).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
@@ -36,11 +46,18 @@ import torch
 
 from verify import backends as backend_registry
 from verify.recorder import Recorder
-from verify.report import Report, format_table, format_totals, write_report
+from verify.report import (Report, format_table, format_totals, merge_reports, report_payload,
+                           write_report)
 from verify.seeds import seed_of
 
 REPORT_KEY = pytest.StashKey[Report]()
 SELECTED_KEY = pytest.StashKey[list]()
+#: pytest-xdist controller: each finished worker's (name, report payload)
+WORKER_PARTS_KEY = pytest.StashKey[list]()
+#: the key of a worker's report payload in its ``workeroutput``
+WORKER_OUTPUT = "latentmoe_report"
+#: the config of the real-dimension cases (marker ``real_dimensions``)
+REAL_DIMENSIONS = "kimi_k3"
 VERIFY_DIR = Path(__file__).resolve().parent
 #: The parameter of a contract none of whose backends is selected (the item is deselected).
 NOT_SELECTED = "not-selected"
@@ -60,6 +77,7 @@ def pytest_configure(config):
     specs = config.getoption("backend", default=None)
     selected = backend_registry.select(specs)
     config.stash[SELECTED_KEY] = selected
+    config.stash[WORKER_PARTS_KEY] = []
     for b in selected:
         report.backends[b.name] = b.describe()
     config.addinivalue_line(
@@ -73,6 +91,10 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "config(name): the layer config a contract without a config_name "
         "parameter runs (its report rows are labelled with it)"
+    )
+    config.addinivalue_line(
+        "markers", "real_dimensions: a case at the real dimensions (config kimi_k3; added at "
+        "collection): -m 'not real_dimensions' for many workers on one GPU"
     )
 
 
@@ -107,6 +129,7 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("backend", chosen or [NOT_SELECTED], ids=str, indirect=True)
 
 
+@pytest.hookimpl(tryfirst=True)  # the marker before ``-m`` selects by it
 def pytest_collection_modifyitems(config, items):
     """Deselect the contracts of backends the run did not select: a contract none of whose
     backends is selected, and, when ``--backend`` leaves ``reference`` out, the contracts
@@ -122,6 +145,9 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    for item in items:
+        if Path(str(item.path)).parent == VERIFY_DIR and row_key(item)[2] == REAL_DIMENSIONS:
+            item.add_marker(pytest.mark.real_dimensions)
 
 
 def _cuda_capability():
@@ -240,8 +266,49 @@ def _environment() -> dict:
     }
 
 
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its report to the controller (``workeroutput``)."""
+    output = getattr(session.config, "workeroutput", None)
+    if output is not None:
+        # as JSON text: execnet carries only plain types (a backend's version may be a
+        # str subclass such as torch's TorchVersion), and the report file is JSON anyway
+        output[WORKER_OUTPUT] = json.dumps(
+            report_payload(session.config.stash[REPORT_KEY], _environment()), default=str)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    """The pytest-xdist controller keeps a finished worker's report; a worker that ended
+    without one (it crashed, or was killed) becomes a failed row, so a merged report can
+    never look whole without it."""
+    name = node.gateway.id
+    text = getattr(node, "workeroutput", {}).get(WORKER_OUTPUT)
+    if text is None:
+        why = str(error).strip().splitlines()[-1] if error else "no output"
+        lost = Report()
+        lost.outcome(lost.row("xdist_worker_report", "-", "-"), "failed",
+                     nodeid=f"worker {name} ended without its report: {why}")
+        payload = report_payload(lost, _environment())
+    else:
+        payload = json.loads(text)
+    node.config.stash[WORKER_PARTS_KEY].append((f"worker {name}", payload))
+
+
+def _merged_worker_report(config) -> tuple[Report, dict]:
+    """(report, environment) of the run: this process's, or on a pytest-xdist controller
+    the merge of its workers' (``environment["workers"]``: how many)."""
+    parts = config.stash[WORKER_PARTS_KEY]
+    if not parts:
+        return config.stash[REPORT_KEY], _environment()
+    environment, report = merge_reports(parts)
+    environment["workers"] = environment.pop("parts")
+    return report, environment
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    report = config.stash[REPORT_KEY]
+    if hasattr(config, "workeroutput"):
+        return  # a pytest-xdist worker: the controller writes the report
+    report, environment = _merged_worker_report(config)
     if not report.rows:
         return
     rank = int(os.environ.get("RANK", "0"))
@@ -253,5 +320,5 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(format_totals(report))
     if rank == 0:
         out = Path(os.environ.get("LATENTMOE_REPORT_DIR", config.rootpath))
-        paths = write_report(report, out, _environment())
+        paths = write_report(report, out, environment)
         terminalreporter.write_line("written: " + ", ".join(str(p) for p in paths))

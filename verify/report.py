@@ -6,9 +6,12 @@ Each contract test records what it compared through the ``contract`` fixture
 end of the session, print :func:`format_table` and write ``verify-report.json`` and
 ``verify-report.md`` (:func:`write_report`).
 
-A suite run in parts (one pytest process per file or group, each with its own
-``LATENTMOE_REPORT_DIR``: a job time limit, or one GPU per part) is joined into one report
-by :func:`merge_reports`, from the command line::
+A run over pytest-xdist workers (``pytest verify/ -n 8``) is joined by the
+controller: each worker hands its payload over when it finishes (``verify/conftest.py``),
+and the controller merges them (:func:`merge_reports`) into the one report it prints and
+writes. A suite run in parts (one pytest process per file or group, each with its own
+``LATENTMOE_REPORT_DIR``: a job time limit, or one GPU per part) is joined the same way
+from the command line::
 
     python -m verify.report merge OUT_DIR PART/verify-report.json ...
 
@@ -228,18 +231,25 @@ def _backend_line(name: str, about: dict) -> str:
     return f"* `{name}` {about['version']} ({about['source']})"
 
 
-def write_report(report: Report, directory: Path, environment: dict) -> tuple[Path, Path]:
-    """Write ``verify-report.json`` (machine-readable: the environment, every backend of the
-    run with its version and source, every row with its skip reasons and failing node ids)
-    and ``verify-report.md`` into ``directory`` (made if missing)."""
-    rows = report.sorted_rows()
-    directory.mkdir(parents=True, exist_ok=True)
-    payload = {
+def report_payload(report: Report, environment: dict) -> dict:
+    """The contents of ``verify-report.json``: the environment, every backend of the run
+    with its version and source, the totals, every row with its skip reasons and failing
+    node ids. :func:`merge_reports` joins such payloads (the parts of a run in several
+    processes)."""
+    return {
         "environment": environment,
         "backends": report.backends,
         "totals": report.totals(),
-        "rows": [dataclasses.asdict(r) | {"status": r.status()} for r in rows],
+        "rows": [dataclasses.asdict(r) | {"status": r.status()} for r in report.sorted_rows()],
     }
+
+
+def write_report(report: Report, directory: Path, environment: dict) -> tuple[Path, Path]:
+    """Write ``verify-report.json`` (:func:`report_payload`) and ``verify-report.md`` into
+    ``directory`` (made if missing)."""
+    rows = report.sorted_rows()
+    directory.mkdir(parents=True, exist_ok=True)
+    payload = report_payload(report, environment)
     json_path = directory / "verify-report.json"
     md_path = directory / "verify-report.md"
     json_path.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
