@@ -47,6 +47,8 @@ import time
 
 import torch
 
+from benchmarks.experts_table import rendered
+
 FLUSH_BYTES = 256 << 20
 GEMMS = ("front", "router", "shared_down", "up")
 DEFAULT_TOKENS = "1,2,3,4,6,8,12,16,24,32,40,48,56,64"
@@ -176,9 +178,7 @@ def main(argv=None):
                     help="also time the wgmma version of every candidate with 4 or 8 warps "
                          "(sm_90a; labels end in ',wgmma'; not used for the best-tactic rows)")
     args = ap.parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            print(render(json.load(f)), end="")
+    if rendered(args, render):
         return
 
     from benchmarks.experts_table import copy_bandwidth_gbs, device_time_us, read_bandwidth_gbs

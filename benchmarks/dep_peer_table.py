@@ -34,7 +34,7 @@ import statistics
 import torch
 
 from benchmarks.experts_table import capture_graph, copy_bandwidth_gbs, l2_flush, \
-    read_bandwidth_gbs, replay_times_us, parse_tactic
+    read_bandwidth_gbs, replay_times_us, parse_tactic, rendered
 
 
 def replay_times_us_in_step(replay, *, reps: int, flush) -> list[float]:
@@ -135,9 +135,7 @@ def main(argv=None):
                          "(ExpertsEngine tactic; default the engine's)")
     ap.add_argument("--peers", default="triton")
     args = ap.parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            print(render(json.load(f)), end="")
+    if rendered(args, render):
         return
 
     import torch.distributed as dist

@@ -38,7 +38,7 @@ import statistics
 import torch
 
 from benchmarks.experts_table import copy_bandwidth_gbs, device_time_us, l2_flush, \
-    read_bandwidth_gbs, parse_tactic
+    read_bandwidth_gbs, parse_tactic, rendered
 
 STAGES = ("dense", "dispatch", "experts", "partial", "home", "rank")
 
@@ -158,9 +158,7 @@ def main(argv=None):
     ap.add_argument("--dense-gemm", default="auto", choices=("auto", "cublas", "fast"),
                     help="the dense GEMMs' backend (DepLayer(dense_gemm=...)); default auto")
     args = ap.parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            print(render(json.load(f)), end="")
+    if rendered(args, render):
         return
 
     from fast.schedules.dep import DepLayer

@@ -37,7 +37,8 @@ import time
 import torch
 
 from benchmarks.experts_table import (K, L, device_time_us, l2_flush, new_result,
-                                      parse_tactic, random_weights, rank_case)
+                                      parse_tactic, random_weights, rank_case,
+                                      rendered)
 
 
 @contextlib.contextmanager
@@ -101,9 +102,7 @@ def main(argv=None):
                     help="';'-separated engine tactics over the call's default (e.g. 'ring=4'): "
                          "every set of parts is timed at each, after the default")
     args = ap.parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            print(render(json.load(f)), end="")
+    if rendered(args, render):
         return
 
     from fast.experts import ExpertsEngine, prepare_experts

@@ -120,6 +120,15 @@ def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 20) -> float:
     return nbytes / (statistics.median(times) * 1e-6) / 1e9
 
 
+def rendered(args, render) -> bool:
+    """With ``--render``: print ``render`` of that result JSON and return True (no run)."""
+    if not args.render:
+        return False
+    with open(args.render) as f:
+        print(render(json.load(f)), end="")
+    return True
+
+
 def new_result() -> dict:
     """A run's result record: the device, the software, an empty case list, and the read
     bandwidth measured now (``read_gbs``, the byte limits' rate)."""
@@ -240,9 +249,7 @@ def main(argv=None):
                     help="extra engine tactics, e.g. 'ring=6;warps=8,mtiles=1;wgmma=1,windows=8' "
                          "(windows=N sets that variant's window count)")
     args = ap.parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            print(render(json.load(f)), end="")
+    if rendered(args, render):
         return
 
     from fast.experts import ExpertsEngine, prepare_experts

@@ -29,7 +29,7 @@ import argparse
 import json
 import statistics
 
-from benchmarks.experts_table import parse_tactic
+from benchmarks.experts_table import parse_tactic, rendered
 
 #: The engine's kernels by class name (what CuTe DSL puts in the kernel symbol).
 KERNELS = {"RoutingListsKernel": "lists", "PlanKernel": "plan", "ExpertsGemmKernel": "gemm",
@@ -131,9 +131,7 @@ def main(argv=None):
     ap.add_argument("--tactics", default=";wgmma=1;pdl_chain=1;fused=1;wgmma=1,pdl_chain=1,fused=1",
                     help="';'-separated tactics, '' = the default")
     args = ap.parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            print(render(json.load(f)), end="")
+    if rendered(args, render):
         return
     tactics = [parse_tactic(t) for t in args.tactics.split(";")]
 

@@ -58,7 +58,7 @@ import torch
 
 from benchmarks.dep_peer_table import replay_times_us_in_step
 from benchmarks.experts_table import capture_graph, copy_bandwidth_gbs, l2_flush, \
-    read_bandwidth_gbs, parse_tactic
+    read_bandwidth_gbs, parse_tactic, rendered
 from benchmarks.wide_table import rank_dense_bytes, stock_step, triton_slice_moes
 
 STAGES = ("shared", "front", "publish", "route", "experts", "finalize", "latent", "hidden")
@@ -464,9 +464,7 @@ def _write(result: dict, path: str) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.render:
-        with open(args.render) as f:
-            print(render(json.load(f)), end="")
+    if rendered(args, render):
         return
     if "LOCAL_RANK" not in os.environ:
         raise SystemExit("benchmarks.wide_peer_table: launch with torchrun, one process per GPU: "

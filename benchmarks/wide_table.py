@@ -38,7 +38,7 @@ import statistics
 import torch
 
 from benchmarks.experts_table import copy_bandwidth_gbs, device_time_us, l2_flush, \
-    read_bandwidth_gbs, parse_tactic
+    read_bandwidth_gbs, parse_tactic, rendered
 
 STAGES = ("shared", "front", "publish", "route", "experts", "finalize", "latent", "hidden",
           "rank")
@@ -186,15 +186,6 @@ def rank_arguments(ap, *, out: str, tokens: str, reps: int) -> None:
     ap.add_argument("--experts-tactic", default="",
                     help="the experts engine's tactic in the layer, e.g. 'wgmma=1,fused=1' "
                          "(ExpertsEngine tactic; default the engine's)")
-
-
-def rendered(args, render) -> bool:
-    """With ``--render``: print ``render`` of that result JSON and return True (no run)."""
-    if not args.render:
-        return False
-    with open(args.render) as f:
-        print(render(json.load(f)), end="")
-    return True
 
 
 def measured_layer(ranks: int, tokens_list, experts_tactic: str):

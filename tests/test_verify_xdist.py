@@ -37,7 +37,7 @@ def test_report_over_workers_is_the_plain_runs(tmp_path):
     # every row, its counts, comparisons, worst ratios and skip reasons
     assert workers["rows"] == plain["rows"]
     assert workers["totals"] == plain["totals"]
-    assert workers["backends"] == json.loads(json.dumps(plain["backends"], default=str))
+    assert workers["backends"] == plain["backends"]
     assert workers["environment"]["workers"] == 2
     assert "workers" not in plain["environment"]
 

@@ -133,21 +133,21 @@ def pytest_generate_tests(metafunc):
 def pytest_collection_modifyitems(config, items):
     """Deselect the contracts of backends the run did not select: a contract none of whose
     backends is selected, and, when ``--backend`` leaves ``reference`` out, the contracts
-    without a backend parameter (they check the reference)."""
+    without a backend parameter (they check the reference). Mark the cases at the real
+    dimensions ``real_dimensions``."""
     names = {b.name for b in config.stash[SELECTED_KEY]}
     keep, drop = [], []
     for item in items:
         if Path(str(item.path)).parent != VERIFY_DIR:
             keep.append(item)
             continue
-        _, backend, _ = row_key(item)
+        _, backend, config_name = row_key(item)
+        if config_name == REAL_DIMENSIONS:
+            item.add_marker(pytest.mark.real_dimensions)
         (keep if backend in names else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
-    for item in items:
-        if Path(str(item.path)).parent == VERIFY_DIR and row_key(item)[2] == REAL_DIMENSIONS:
-            item.add_marker(pytest.mark.real_dimensions)
 
 
 def _cuda_capability():
@@ -294,7 +294,7 @@ def pytest_testnodedown(node, error):
     node.config.stash[WORKER_PARTS_KEY].append((f"worker {name}", payload))
 
 
-def _merged_worker_report(config) -> tuple[Report, dict]:
+def _run_report(config) -> tuple[Report, dict]:
     """(report, environment) of the run: this process's, or on a pytest-xdist controller
     the merge of its workers' (``environment["workers"]``: how many)."""
     parts = config.stash[WORKER_PARTS_KEY]
@@ -308,7 +308,7 @@ def _merged_worker_report(config) -> tuple[Report, dict]:
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     if hasattr(config, "workeroutput"):
         return  # a pytest-xdist worker: the controller writes the report
-    report, environment = _merged_worker_report(config)
+    report, environment = _run_report(config)
     if not report.rows:
         return
     rank = int(os.environ.get("RANK", "0"))
