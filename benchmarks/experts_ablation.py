@@ -98,6 +98,8 @@ def main(argv=None):
     ap.add_argument("--wide-rows", default="256,1024")
     ap.add_argument("--ablations", default="decode;situ;bcopy;decode+situ",
                     help="';'-separated sets of parts, each '+'-joined")
+    ap.add_argument("--skew", type=float, default=0.0,
+                    help="the routing's Zipf exponent (rank_case; 0: uniform)")
     ap.add_argument("--tactics", default="",
                     help="';'-separated engine tactics over the call's default (e.g. 'ring=4'): "
                          "every set of parts is timed at each, after the default")
@@ -121,10 +123,12 @@ def main(argv=None):
         per_expert = prepared.expert_bytes()
         engine = ExpertsEngine(prepared, max_rows=max(sizes) * (16 if mode == "dep16" else 1))
         for size in sizes:
-            inputs = rank_case(mode, size, 0.0, first, count, per_expert, result["read_gbs"])
+            inputs = rank_case(mode, size, args.skew, first, count, per_expert,
+                               result["read_gbs"])
             rows, ids, limit_us = inputs["rows"], inputs["ids"], inputs["limit_us"]
             codes, scales, touched = inputs["codes"], inputs["scales"], inputs["touched"]
-            case = {"mode": mode, "size": size, "rows": rows, "touched": touched,
+            case = {"mode": mode, "size": size, "rows": rows, "skew": args.skew,
+                    "touched": touched, "max_pairs": inputs["max_pairs"],
                     "limit_us": limit_us, "tactic": engine.default_tactic(rows), "times": {}}
             out = torch.empty(rows * K, L, dtype=torch.bfloat16, device="cuda")
             for spec, over in overs:

@@ -6,7 +6,8 @@ Cases (Kimi-K3 latent MoE, L = 3584, I = 3072, E = 896, top-16):
 
 * DEP16 rank: experts [0, 56) of a rank over ``16 T`` received rows, T = 1..64 tokens per
   rank, uniform routing and a skewed one (Zipf-like popularity, exponent 1.0);
-* TP8 rank: all 896 experts, the intermediate slice [0, 384), 65..1024 rows.
+* TP8 rank: all 896 experts, the intermediate slice [0, 384), 65..1024 rows, uniform
+  routing (``--wide-skews`` adds skewed ones).
 
 Contestants, each captured in a CUDA graph and timed by CUDA events around one replay,
 L2 flushed (a 256 MiB streaming read, ``l2_flush``) before every replay, median of ``--reps``:
@@ -170,9 +171,11 @@ def rank_case(mode: str, size: int, skew: float, first: int, count: int, expert_
     flat = ids.reshape(-1).long()
     local = flat[(flat >= first) & (flat < first + count)]
     touched = int(torch.unique(local).numel())
+    max_pairs = int(torch.bincount(local - first).max()) if local.numel() else 0
     nbytes = touched * expert_bytes
     return {"rows": rows, "ids": ids, "x": x, "codes": codes, "scales": scales,
-            "pairs": int(local.numel()), "touched": touched, "bytes": nbytes,
+            "pairs": int(local.numel()), "touched": touched, "max_pairs": max_pairs,
+            "bytes": nbytes,
             "limit_us": nbytes / (read_gbs * 1e9) * 1e6}
 
 
@@ -243,6 +246,8 @@ def main(argv=None):
     ap.add_argument("--dep-tokens", default="1,2,4,8,16,32,64")
     ap.add_argument("--wide-rows", default="65,128,256,512,1024")
     ap.add_argument("--skews", default="0,1.0")
+    ap.add_argument("--wide-skews", default="0",
+                    help="the TP8 rank's routing skews (default uniform only)")
     ap.add_argument("--peers", default="triton,grouped_mm")
     ap.add_argument("--windows", default="auto")
     ap.add_argument("--tactics", default="",
@@ -313,7 +318,8 @@ def main(argv=None):
                 rw = torch.rand(rows, K, device="cuda") + 0.01
                 rw = rw / rw.sum(1, keepdim=True)
                 case = {"mode": mode, "size": size, "rows": rows, "skew": skew,
-                        "pairs": inputs["pairs"], "touched": touched, "bytes": inputs["bytes"],
+                        "pairs": inputs["pairs"], "touched": touched,
+                        "max_pairs": inputs["max_pairs"], "bytes": inputs["bytes"],
                         "limit_us": limit_us, "times": {}}
                 out = torch.empty(rows * K, L, dtype=torch.bfloat16, device="cuda")
                 win = None if args.windows == "auto" else int(args.windows)
@@ -339,7 +345,8 @@ def main(argv=None):
                         print(f"{name} failed at {mode} {size}: {error!r}", flush=True)
                 med = {k: statistics.median(v) for k, v in case["times"].items()}
                 case["median_us"] = med
-                line = f"{mode:5s} size {size:5d} skew {skew:3.1f} touched {touched:4d} limit {limit_us:7.1f}us"
+                line = (f"{mode:5s} size {size:5d} skew {skew:3.1f} touched {touched:4d} "
+                        f"max {inputs['max_pairs']:4d} limit {limit_us:7.1f}us")
                 for k, v in med.items():
                     line += f" | {k} {v:7.1f}us ({limit_us / v:4.2f})"
                 print(line, flush=True)
@@ -350,7 +357,8 @@ def main(argv=None):
         run_mode("dep16", 0, 56, (0, 1), [int(v) for v in args.dep_tokens.split(",")], skews)
         torch.cuda.empty_cache()  # the mode's engine and peers are gone with its scope
     if args.wide_rows:
-        run_mode("tp8", 0, 896, (0, 8), [int(v) for v in args.wide_rows.split(",")], [0.0])
+        run_mode("tp8", 0, 896, (0, 8), [int(v) for v in args.wide_rows.split(",")],
+                 [float(s) for s in args.wide_skews.split(",")])
     result["wall_s"] = time.time() - t0
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

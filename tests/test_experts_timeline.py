@@ -118,8 +118,8 @@ def test_experts_ablation_renders_each_part_over_the_full_call():
 
 def test_rank_case_counts_the_local_pairs_and_their_byte_limit():
     """``benchmarks.experts_table.rank_case`` (the experts table's, timeline's and
-    ablation's inputs): 16 rows per token of a DEP16 rank, the pairs and distinct experts
-    among the rank's local ones, their bytes at ``expert_bytes`` each, the time those take
+    ablation's inputs): 16 rows per token of a DEP16 rank, the pairs, distinct experts and
+    most pairs of one expert among the rank's local ones, their bytes at ``expert_bytes`` each, the time those take
     at ``read_gbs``, and latent rows whose MXFP8 codes are those of ``x``."""
     from benchmarks.experts_table import L, rank_case
     from reference.mx import quantize_mxfp8
@@ -130,6 +130,7 @@ def test_rank_case_counts_the_local_pairs_and_their_byte_limit():
     local = ids[(ids >= 56) & (ids < 112)]
     assert case["pairs"] == local.numel()
     assert case["touched"] == torch.unique(local).numel() > 0
+    assert case["max_pairs"] == int(torch.unique(local, return_counts=True)[1].max())
     assert case["bytes"] == 1000 * case["touched"]
     assert case["limit_us"] == pytest.approx(case["bytes"] / 2e9 * 1e6)
     assert tuple(case["x"].shape) == (32, L)
