@@ -138,3 +138,31 @@ def test_rank_case_counts_the_local_pairs_and_their_byte_limit():
     assert torch.equal(codes.view(torch.uint8), case["codes"].view(torch.uint8))
     assert torch.equal(scales, case["scales"])
     assert rank_case("tp8", 65, 0.0, 0, 896, 1, 1.0, device="cpu")["rows"] == 65
+
+
+def test_heavy_split_partitions_the_local_pairs_by_expert_weight():
+    """``benchmarks.experts_heavy_split.split_ids``: every local pair is in exactly one of
+    the light and heavy calls, by its expert's pair count; every other slot is -1."""
+    from benchmarks.experts_heavy_split import split_ids
+
+    ids = torch.tensor([[0, 1, 9], [0, 2, 8], [0, 1, 7], [3, 1, 0]], dtype=torch.int32)
+    light, heavy, n_heavy = split_ids(ids, 0, 4, 2)  # experts 0..3; 0 has 4 pairs, 1 has 3
+    assert n_heavy == 2
+    assert torch.equal(heavy, torch.tensor([[0, 1, -1], [0, -1, -1], [0, 1, -1], [-1, 1, 0]],
+                                           dtype=torch.int32))
+    assert torch.equal(light, torch.tensor([[-1, -1, -1], [-1, 2, -1], [-1, -1, -1],
+                                            [3, -1, -1]], dtype=torch.int32))
+
+
+def test_heavy_split_table_states_each_call_against_the_default_and_the_bits():
+    from benchmarks.experts_heavy_split import render
+
+    case = {"mode": "dep16", "size": 8, "skew": 1.0, "touched": 33, "heavy_experts": 3,
+            "max_pairs": 101, "limit_us": 120.0,
+            "median_us": {"default": 240.0, "light": 120.0, "heavy_w2": 96.0,
+                          "split_w2": 180.0},
+            "same_bits": {"split_w2": False}}
+    text = render({"device": "H", "torch": "t", "read_gbs": 4500.0, "heavy_pairs": 8,
+                   "cases": [case]})
+    assert ("| dep16 | 8 | 1.0 | 33 | 3 | 101 | 120.0 | 240.0 (0.50) | 120.0 (0.50) | "
+            "96.0 (0.40) | 180.0 (0.75) | NO |") in text
