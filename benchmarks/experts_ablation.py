@@ -28,17 +28,13 @@ calls only (``ablated``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import statistics
-import time
 
 import torch
 
-from benchmarks.experts_table import (K, L, device_time_us, l2_flush, new_result,
-                                      parse_tactic, random_weights, rank_case,
-                                      rendered)
+from benchmarks.experts_table import (K, L, device_time_us, parse_tactic, rank_case,
+                                      rank_arguments, rendered, run_ranks, start_run)
 
 
 @contextlib.contextmanager
@@ -90,12 +86,7 @@ def render(result: dict) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--render", help="print the markdown table of a result JSON and exit")
-    ap.add_argument("--out", default="experts_ablation.json")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--dep-tokens", default="8,64")
-    ap.add_argument("--wide-rows", default="256,1024")
+    ap = rank_arguments("experts_ablation.json", 20, "8,64", "256,1024")
     ap.add_argument("--ablations", default="decode;situ;bcopy;decode+situ",
                     help="';'-separated sets of parts, each '+'-joined")
     ap.add_argument("--skew", type=float, default=0.0,
@@ -109,12 +100,7 @@ def main(argv=None):
 
     from fast.experts import ExpertsEngine, prepare_experts
 
-    torch.manual_seed(0)
-    flush = l2_flush()
-    t0 = time.time()
-    result = new_result()
-    print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
-    w = random_weights()
+    flush, t0, result, w = start_run()
     sets = [tuple(filter(None, spec.split("+"))) for spec in args.ablations.split(";") if spec]
     overs = [("", {})] + [(spec, parse_tactic(spec)) for spec in args.tactics.split(";") if spec]
 
@@ -147,14 +133,7 @@ def main(argv=None):
                                for k, v in case["median_us"].items()), flush=True)
             result["cases"].append(case)
 
-    if args.dep_tokens:
-        run_mode("dep16", 0, 56, (0, 1), [int(v) for v in args.dep_tokens.split(",")])
-        torch.cuda.empty_cache()
-    if args.wide_rows:
-        run_mode("tp8", 0, 896, (0, 8), [int(v) for v in args.wide_rows.split(",")])
-    result["wall_s"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    run_ranks(args, run_mode, result, t0)
 
 
 if __name__ == "__main__":

@@ -20,15 +20,12 @@ not, so the pair's time is an upper bound of what such a grid would take.
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
-import time
 
 import torch
 
-from benchmarks.experts_table import (K, L, device_time_us, l2_flush, new_result,
-                                      random_weights, rank_case, rendered)
+from benchmarks.experts_table import (K, L, device_time_us, rank_arguments, rank_case,
+                                      rendered, run_ranks, start_run)
 
 
 def split_ids(ids: torch.Tensor, first: int, count: int, heavy_pairs: int):
@@ -69,12 +66,7 @@ def render(result: dict) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--render", help="print the markdown table of a result JSON and exit")
-    ap.add_argument("--out", default="experts_heavy_split.json")
-    ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--dep-tokens", default="8,32,64")
-    ap.add_argument("--wide-rows", default="256,512,1024")
+    ap = rank_arguments("experts_heavy_split.json", 20, "8,32,64", "256,512,1024")
     ap.add_argument("--skews", default="1.0,0")
     ap.add_argument("--heavy-pairs", type=int, default=8,
                     help="an expert with more pairs than this is heavy (8: one window)")
@@ -85,13 +77,8 @@ def main(argv=None):
 
     from fast.experts import ExpertsEngine, prepare_experts
 
-    torch.manual_seed(0)
-    flush = l2_flush()
-    t0 = time.time()
-    result = new_result()
+    flush, t0, result, w = start_run()
     result["heavy_pairs"] = args.heavy_pairs
-    print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
-    w = random_weights()
     heavy_windows = [int(v) for v in args.heavy_windows.split(",")]
 
     def run_mode(mode, first, count, shard, sizes):
@@ -139,14 +126,7 @@ def main(argv=None):
                                    for k, v in med.items()), flush=True)
                 result["cases"].append(case)
 
-    if args.dep_tokens:
-        run_mode("dep16", 0, 56, (0, 1), [int(v) for v in args.dep_tokens.split(",")])
-        torch.cuda.empty_cache()
-    if args.wide_rows:
-        run_mode("tp8", 0, 896, (0, 8), [int(v) for v in args.wide_rows.split(",")])
-    result["wall_s"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    run_ranks(args, run_mode, result, t0)
 
 
 if __name__ == "__main__":

@@ -179,6 +179,46 @@ def rank_case(mode: str, size: int, skew: float, first: int, count: int, expert_
             "limit_us": nbytes / (read_gbs * 1e9) * 1e6}
 
 
+def run_ranks(args, run_mode, result: dict, started: float) -> None:
+    """``run_mode(mode, first, count, shard, sizes)`` for one DEP16 rank (its 56 experts,
+    whole, at ``args.dep_tokens`` tokens per rank) and one TP8 rank (all 896 experts, the
+    first of 8 slices, at ``args.wide_rows`` rows), each where its sizes are given; then
+    ``result``, with its wall time since ``started``, written to ``args.out``."""
+    if args.dep_tokens:
+        run_mode("dep16", 0, 56, (0, 1), [int(v) for v in args.dep_tokens.split(",")])
+        torch.cuda.empty_cache()  # the mode's engine and peers are gone with its scope
+    if args.wide_rows:
+        run_mode("tp8", 0, 896, (0, 8), [int(v) for v in args.wide_rows.split(",")])
+    result["wall_s"] = time.time() - started
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def rank_arguments(out: str, reps: int, dep_tokens: str,
+                   wide_rows: str) -> argparse.ArgumentParser:
+    """The parser of a script timed over ``run_ranks``'s two ranks: ``--render``, ``--out``,
+    ``--reps``, ``--dep-tokens`` and ``--wide-rows`` with these defaults."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--render", help="print the markdown table of a result JSON and exit")
+    ap.add_argument("--out", default=out)
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--dep-tokens", default=dep_tokens)
+    ap.add_argument("--wide-rows", default=wide_rows)
+    return ap
+
+
+def start_run():
+    """A GPU run's start: the seed, the L2 flush, the start time, ``new_result()`` (its
+    read bandwidth printed) and the random layer weights: ``(flush, started, result,
+    weights)``."""
+    torch.manual_seed(0)
+    flush = l2_flush()
+    started = time.time()
+    result = new_result()
+    print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
+    return flush, started, result, random_weights()
+
+
 class GroupedMM:
     """``torch._grouped_mm`` experts over BF16-resident weights: rows sorted by expert,
     FC1, SiTU (PyTorch ops), FC2, rows scattered back (the PyTorch path a user has)."""
@@ -239,12 +279,7 @@ def render(result: dict) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--render", help="print the markdown table of a result JSON and exit")
-    ap.add_argument("--out", default="experts_table.json")
-    ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--dep-tokens", default="1,2,4,8,16,32,64")
-    ap.add_argument("--wide-rows", default="65,128,256,512,1024")
+    ap = rank_arguments("experts_table.json", 30, "1,2,4,8,16,32,64", "65,128,256,512,1024")
     ap.add_argument("--skews", default="0,1.0")
     ap.add_argument("--wide-skews", default="0",
                     help="the TP8 rank's routing skews (default uniform only)")
@@ -259,13 +294,9 @@ def main(argv=None):
 
     from fast.experts import ExpertsEngine, prepare_experts
 
-    torch.manual_seed(0)
-    flush = l2_flush()
-    t0 = time.time()
-    result = new_result()
+    flush, t0, result, w = start_run()
     result["copy_gbs"] = copy_bandwidth_gbs()
-    print(f"read {result['read_gbs']:.0f} GB/s, copy {result['copy_gbs']:.0f} GB/s", flush=True)
-    w = random_weights()
+    print(f"copy {result['copy_gbs']:.0f} GB/s", flush=True)
     peers = [p for p in args.peers.split(",") if p]
     triton = None
     if "triton" in peers:
@@ -352,16 +383,9 @@ def main(argv=None):
                 print(line, flush=True)
                 result["cases"].append(case)
 
-    skews = [float(s) for s in args.skews.split(",")]
-    if args.dep_tokens:
-        run_mode("dep16", 0, 56, (0, 1), [int(v) for v in args.dep_tokens.split(",")], skews)
-        torch.cuda.empty_cache()  # the mode's engine and peers are gone with its scope
-    if args.wide_rows:
-        run_mode("tp8", 0, 896, (0, 8), [int(v) for v in args.wide_rows.split(",")],
-                 [float(s) for s in args.wide_skews.split(",")])
-    result["wall_s"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    skews = {"dep16": [float(s) for s in args.skews.split(",")],
+             "tp8": [float(s) for s in args.wide_skews.split(",")]}
+    run_ranks(args, lambda mode, *rank: run_mode(mode, *rank, skews[mode]), result, t0)
 
 
 if __name__ == "__main__":
