@@ -28,13 +28,14 @@ calls only (``ablated``).
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import statistics
 
 import torch
 
-from benchmarks.experts_table import (K, L, device_time_us, parse_tactic, rank_case,
-                                      rank_arguments, rendered, run_ranks, start_run)
+from benchmarks.experts_table import (K, L, device_time_us, experts_arguments, parse_tactic,
+                                      rank_case, rendered, run_ranks, start_run)
 
 
 @contextlib.contextmanager
@@ -86,7 +87,8 @@ def render(result: dict) -> str:
 
 
 def main(argv=None):
-    ap = rank_arguments("experts_ablation.json", 20, "8,64", "256,1024")
+    ap = argparse.ArgumentParser()
+    experts_arguments(ap, out="experts_ablation.json", reps=20, dep_tokens="8,64", wide_rows="256,1024")
     ap.add_argument("--ablations", default="decode;situ;bcopy;decode+situ",
                     help="';'-separated sets of parts, each '+'-joined")
     ap.add_argument("--skew", type=float, default=0.0,

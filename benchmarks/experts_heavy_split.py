@@ -20,11 +20,12 @@ not, so the pair's time is an upper bound of what such a grid would take.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 
 import torch
 
-from benchmarks.experts_table import (K, L, device_time_us, rank_arguments, rank_case,
+from benchmarks.experts_table import (K, L, device_time_us, experts_arguments, rank_case,
                                       rendered, run_ranks, start_run)
 
 
@@ -66,7 +67,8 @@ def render(result: dict) -> str:
 
 
 def main(argv=None):
-    ap = rank_arguments("experts_heavy_split.json", 20, "8,32,64", "256,512,1024")
+    ap = argparse.ArgumentParser()
+    experts_arguments(ap, out="experts_heavy_split.json", reps=20, dep_tokens="8,32,64", wide_rows="256,512,1024")
     ap.add_argument("--skews", default="1.0,0")
     ap.add_argument("--heavy-pairs", type=int, default=8,
                     help="an expert with more pairs than this is heavy (8: one window)")
@@ -102,19 +104,20 @@ def main(argv=None):
                 calls = {"default": lambda: engine(codes, scales, ids, out=out, validate=False),
                          "light": lambda: engine(codes, scales, light, out=out, windows=1,
                                                  validate=False)}
+                # both calls' rows, validated, against the default call's at every local
+                # pair: the light rows once, each heavy call's over them
+                out.fill_(float("nan"))
+                engine(codes, scales, light, out=out, windows=1)
+                pairs = ids.reshape(-1)
+                local = (pairs >= first) & (pairs < first + count)
                 for hw in heavy_windows:
                     calls[f"heavy_w{hw}"] = (lambda hw=hw: engine(
                         codes, scales, heavy, out=out, windows=hw, validate=False))
                     calls[f"split_w{hw}"] = (lambda hw=hw: (calls["light"](),
                                                            calls[f"heavy_w{hw}"]()))
-                    # both calls' rows, validated, against the default call's
-                    out.fill_(float("nan"))
-                    engine(codes, scales, light, out=out, windows=1)
                     engine(codes, scales, heavy, out=out, windows=hw)
-                    pairs = ids.reshape(-1)
-                    sel = (pairs >= first) & (pairs < first + count)
                     case["same_bits"][f"split_w{hw}"] = bool(torch.equal(
-                        out[sel].view(torch.int16), want[sel].view(torch.int16)))
+                        out[local].view(torch.int16), want[local].view(torch.int16)))
                 for name, fn in calls.items():
                     case["times"][name] = device_time_us(fn, reps=args.reps, flush=flush)
                 case["median_us"] = {k: statistics.median(v) for k, v in case["times"].items()}

@@ -194,17 +194,16 @@ def run_ranks(args, run_mode, result: dict, started: float) -> None:
         json.dump(result, f, indent=1)
 
 
-def rank_arguments(out: str, reps: int, dep_tokens: str,
-                   wide_rows: str) -> argparse.ArgumentParser:
-    """The parser of a script timed over ``run_ranks``'s two ranks: ``--render``, ``--out``,
-    ``--reps``, ``--dep-tokens`` and ``--wide-rows`` with these defaults."""
-    ap = argparse.ArgumentParser()
+def experts_arguments(ap: argparse.ArgumentParser, *, out: str, reps: int, dep_tokens: str,
+                      wide_rows: str) -> None:
+    """The options of a run over ``run_ranks``'s two ranks: ``--render`` (a result JSON to
+    print as markdown instead of a run: :func:`rendered`), ``--out``, ``--reps``,
+    ``--dep-tokens`` and ``--wide-rows``."""
     ap.add_argument("--render", help="print the markdown table of a result JSON and exit")
     ap.add_argument("--out", default=out)
     ap.add_argument("--reps", type=int, default=reps)
     ap.add_argument("--dep-tokens", default=dep_tokens)
     ap.add_argument("--wide-rows", default=wide_rows)
-    return ap
 
 
 def start_run():
@@ -279,7 +278,9 @@ def render(result: dict) -> str:
 
 
 def main(argv=None):
-    ap = rank_arguments("experts_table.json", 30, "1,2,4,8,16,32,64", "65,128,256,512,1024")
+    ap = argparse.ArgumentParser()
+    experts_arguments(ap, out="experts_table.json", reps=30, dep_tokens="1,2,4,8,16,32,64",
+                      wide_rows="65,128,256,512,1024")
     ap.add_argument("--skews", default="0,1.0")
     ap.add_argument("--wide-skews", default="0",
                     help="the TP8 rank's routing skews (default uniform only)")

@@ -119,8 +119,9 @@ def test_experts_ablation_renders_each_part_over_the_full_call():
 def test_rank_case_counts_the_local_pairs_and_their_byte_limit():
     """``benchmarks.experts_table.rank_case`` (the experts table's, timeline's and
     ablation's inputs): 16 rows per token of a DEP16 rank, the pairs, distinct experts and
-    most pairs of one expert among the rank's local ones, their bytes at ``expert_bytes`` each, the time those take
-    at ``read_gbs``, and latent rows whose MXFP8 codes are those of ``x``."""
+    most pairs of one expert among the rank's local ones, their bytes at ``expert_bytes``
+    each, the time those take at ``read_gbs``, and latent rows whose MXFP8 codes are those
+    of ``x``."""
     from benchmarks.experts_table import L, rank_case
     from reference.mx import quantize_mxfp8
 
