@@ -41,6 +41,8 @@ from benchmarks.experts_table import copy_bandwidth_gbs, device_time_us, l2_flus
     read_bandwidth_gbs, parse_tactic, rendered
 
 STAGES = ("dense", "dispatch", "experts", "partial", "home", "rank")
+#: Timed apart as well, inside a stage above: the combine kernel alone (in "home").
+PARTS = ("combine",)
 
 
 def fast_stages(layer, x, tokens: int) -> dict:
@@ -64,6 +66,7 @@ def fast_stages(layer, x, tokens: int) -> dict:
         "experts": lambda: layer.experts_stage(0, tokens),
         "partial": lambda: layer.partial_stage(0, tokens),
         "home": lambda: layer.home_stage(0, dense, tokens),
+        "combine": lambda: layer.combine_stage(0, dense, tokens),
         "rank": rank,
     }
 
@@ -126,16 +129,20 @@ def render(result: dict) -> str:
     dense = (f"dense GEMMs: --dense-gemm {mode} (per T: router/front/shared down/up)"
              if mode else "dense GEMMs: cuBLAS (a run from before --dense-gemm)")
     planned = all("dense_plan" in c for c in result["cases"]) and mode is not None
+    # runs made before the combine was timed apart have no "combine" column
+    parts = [p for p in PARTS if all(p in c["median_us"] for c in result["cases"])]
+    columns = [*STAGES[:-2], *parts, STAGES[-2]]
     lines = [f"Device {result['device']}, torch {result['torch']}; {result['ranks']} virtual "
              f"ranks; read bandwidth {result['read_gbs']:.0f} GB/s (this run); fraction = "
-             f"byte limit / time; {dense}.", "",
-             "| T | limit us | dense | dispatch | experts | partial | home | rank us (frac) | "
+             f"byte limit / time; {dense}" + ("; combine: the combine kernel alone, part of "
+                                              "home" if parts else "") + ".", "",
+             "| T | limit us | " + " | ".join(columns) + " | rank us (frac) | "
              "stock us (frac) | speed-up |" + (" dense GEMMs |" if planned else ""),
-             "|" + "---|" * (11 if planned else 10)]
+             "|" + "---|" * (len(columns) + 5 + planned)]
     for c in result["cases"]:
         med, lim = c["median_us"], c["limit_us"]
         stock = min((v for k, v in med.items() if k.startswith("stock")), default=None)
-        cells = " | ".join(f"{med[s]:.1f}" for s in STAGES[:-1])
+        cells = " | ".join(f"{med[s]:.1f}" for s in columns)
         st = f"{stock:.1f} ({lim / stock:.2f})" if stock else "-"
         up = f"{stock / med['rank']:.2f}x" if stock else "-"
         plan = f" {_plan_cell(c['dense_plan'])} |" if planned else ""

@@ -295,6 +295,21 @@ MUTATIONS = [
          "            torch.cuda.current_stream(self.device).wait_event(dense.shared_ready)",
          "        if dense.shared_ready is not None:\n            pass",
          ["verify/test_dep_fast.py::test_dep_fast_stream_orders"], needs_gpu=True),
+    _one("fast GEMM: the tokens loaded before griddepcontrol.wait", "fast/gemm/kernel.py",
+         "        cute.arch.griddepcontrol_wait()\n"
+         "        cute.arch.griddepcontrol_launch_dependents()\n"
+         "        for st in cutlass.range_constexpr(RING - 1):\n"
+         "            if st < stages:\n"
+         "                self._issue_b(xbase, src, dst, ring + st * SLOT, st)\n"
+         "            cute.arch.cp_async_commit_group()\n",
+         "        cute.arch.griddepcontrol_launch_dependents()\n"
+         "        for st in cutlass.range_constexpr(RING - 1):\n"
+         "            if st < stages:\n"
+         "                self._issue_b(xbase, src, dst, ring + st * SLOT, st)\n"
+         "            cute.arch.cp_async_commit_group()\n"
+         "        cute.arch.griddepcontrol_wait()\n",
+         ["verify/test_gemm_fast.py::test_gemm_fast_chain_waits_for_the_previous_kernel"],
+         needs_gpu=True),
     _one("fast wide layer: the poll does not re-arm the slots it read",
          "fast/schedules/wide_kernels.py",
          "                    p.stg_v4(at, [armed] * 4)\n",

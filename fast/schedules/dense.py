@@ -10,7 +10,7 @@ What runs, for one rank's BF16 tokens ``x [T, H]`` (the order of ``reference.sch
                                                   act = fast.activation.situ_and_mul(front[:, :2S])
                                                   shared = act @ shared_down^T
     ... the routed part (dispatch waits for the router) ...
-    out = shared + normed @ up^T   (waits for the shared expert)
+    out = shared + normed @ up^T   (after a wait for the shared expert)
 
 The four GEMMs (``GEMMS``: ``router``, ``front``, ``shared_down``, ``up``) each run on one
 of two backends, chosen per GEMM and per batch size ``T``:
@@ -307,8 +307,8 @@ class DenseFront:
 
         With ``order="side"`` the router and the shared expert run on the side stream; the
         current stream waits for the router before returning (the dispatch reads ids and
-        weights) and for the shared expert only through ``shared_ready`` (:meth:`up_projection`
-        waits on it). ``side_delay_cycles`` starts each side segment with a spin of that
+        weights) and for the shared expert only through ``shared_ready`` (:meth:`wait_for_shared`,
+        which :meth:`up_projection` calls unless its caller did). ``side_delay_cycles`` starts each side segment with a spin of that
         many clock cycles, so a missing wait shows as wrong data (the stream-order contract).
         """
         if order not in ("side", "serial"):
@@ -342,12 +342,24 @@ class DenseFront:
             main.wait_event(route_ready)
         return DenseOutputs(logits, weights, ids, front, shared, codes, scales, shared_ready)
 
-    def up_projection(self, dense: DenseOutputs, normed: torch.Tensor) -> torch.Tensor:
-        """``shared + normed @ up^T`` (BF16 ``[T, H]``) for BF16 ``normed [T, L]``, after the
-        shared expert of ``dense`` is ready. fast.gemm adds ``shared`` to the FP32 sum before
-        its one rounding; cuBLAS's ``addmm`` rounds the product, then the sum."""
+    def wait_for_shared(self, dense: DenseOutputs) -> None:
+        """Make the current stream wait for the side stream's shared expert of ``dense``
+        (nothing when it ran on the main stream)."""
         if dense.shared_ready is not None:
             torch.cuda.current_stream(self.device).wait_event(dense.shared_ready)
+
+    def up_projection(self, dense: DenseOutputs, normed: torch.Tensor, *,
+                      wait_shared: bool = True) -> torch.Tensor:
+        """``shared + normed @ up^T`` (BF16 ``[T, H]``) for BF16 ``normed [T, L]``, after the
+        shared expert of ``dense`` is ready. fast.gemm adds ``shared`` to the FP32 sum before
+        its one rounding; cuBLAS's ``addmm`` rounds the product, then the sum.
+
+        ``wait_shared=False``: the caller already made the current stream wait
+        (:meth:`wait_for_shared`) before the kernel that writes ``normed``, so the GEMM
+        follows that kernel with no event wait between them, and at ``T <=
+        fast.gemm.host.PDL_MAX_TOKENS`` its programmatic dependent launch overlaps it."""
+        if wait_shared:
+            self.wait_for_shared(dense)
         if self.backend("up", normed.shape[0]) == "fast":
             return self.fast_gemms["up"](normed, addend=dense.shared)
         return stock.addmm_bf16(dense.shared, normed, self.up)

@@ -12,9 +12,9 @@ What runs, per rank ``r`` of ``N`` (the order of ``reference.schedules.dep``)::
     routed : DispatchKernel  -> every owner's receive rows ``r*T + t`` (data or poison)
              owner o: fast.experts engine (DEP owner mode, empty rows allowed) over its
              N*T receive rows, OwnerFinalizeKernel -> BF16 partial per receive row
-             home r : CombineKernel (owners in rank order, FP32) -> routed, fused with the
-                      RMSNorm (fast.norm's exact tree) -> normed ; out = shared + normed @ up^T
-                      (DenseFront.up_projection)
+             home r : (wait for the shared expert) CombineKernel (owners in rank order,
+                      FP32) -> routed, fused with the RMSNorm (fast.norm's exact tree) ->
+                      normed ; out = shared + normed @ up^T (DenseFront.up_projection)
 
 Rounding points differ from the reference only where a GEMM's accumulation order does
 (the dense GEMMs, cuBLAS or fast.gemm, and the experts engine's FC1/FC2: bounded by the
@@ -291,20 +291,28 @@ class DepLayer:
             Int64(b["partials"].data_ptr()), Int64(0), Int32(o * self.per), Int32(self.per),
             Int32(tokens), Int32(self.ranks * tokens), backend.stream(self.device))
 
-    def home_stage(self, r: int, dense: tuple, tokens: int) -> tuple:
-        """Home ``r``'s combine fused with the RMSNorm, and the up-projection:
-        ``(routed, normed, out)``."""
+    def combine_stage(self, r: int, dense: tuple, tokens: int) -> tuple:
+        """Home ``r``'s combine of its owners' partials fused with the RMSNorm (the kernel
+        alone): ``(routed, normed)``."""
         from cutlass import Float32, Int32, Int64
 
         c = self.config
-        ids = dense.ids
         routed = torch.empty(tokens, c.latent, dtype=torch.bfloat16, device=self.device)
         normed = torch.empty_like(routed)
-        self._fn["combine"](Int64(ids.data_ptr()), Int64(self.combine_table.data_ptr()),
+        self._fn["combine"](Int64(dense.ids.data_ptr()), Int64(self.combine_table.data_ptr()),
                             Int64(routed.data_ptr()), Int64(self.dense.latent_norm.data_ptr()),
                             Int64(normed.data_ptr()), Float32(c.rms_eps), Int32(r),
                             Int32(tokens), backend.stream(self.device))
-        return routed, normed, self.dense.up_projection(dense, normed)
+        return routed, normed
+
+    def home_stage(self, r: int, dense: tuple, tokens: int) -> tuple:
+        """Home ``r``'s combine fused with the RMSNorm, and the up-projection:
+        ``(routed, normed, out)``. The wait for the side stream's shared expert comes before
+        the combine, so the up-projection follows the combine directly (and overlaps it
+        where it launches with programmatic dependent launch)."""
+        self.dense.wait_for_shared(dense)
+        routed, normed = self.combine_stage(r, dense, tokens)
+        return routed, normed, self.dense.up_projection(dense, normed, wait_shared=False)
 
     def _outputs(self, r: int, dense: tuple, routed, normed, out, tokens: int) -> DepRankOutputs:
         logits, weights, ids, front, shared, codes, scales, _ = dense

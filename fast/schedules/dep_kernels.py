@@ -191,6 +191,12 @@ class CombineKernel:
     3. ``normed[t]`` = ``fast.norm.normalize_row`` of the BF16 routed row (the RMSNorm
        kernel's exact reduction tree and rounding points).
 
+    Every CTA first lets the stream's next grid launch (``griddepcontrol.launch_dependents``):
+    the up-projection that follows, launched with programmatic dependent launch, then
+    streams its first weight stages while the combine runs, and waits
+    (``griddepcontrol.wait``: this grid complete, its stores visible) before it reads
+    ``normed``. A next grid launched without it waits for this one as usual.
+
     Constraints: ``L % 256 == 0``, ``L <= 8192``; ``ranks <= 32``; ids int32 ``[T, K]``;
     partial buffers BF16 ``[N*T, L]``; routed, normed BF16 ``[T, L]``; norm weight BF16
     ``[L]``; table int64 ``[N]``.
@@ -211,6 +217,7 @@ class CombineKernel:
                normed: Int64, eps: Float32, source: Int32, tokens: Int32):
         from fast.norm import normalize_row
 
+        cute.arch.griddepcontrol_launch_dependents()
         tid = cute.arch.thread_idx()[0]
         t = cute.arch.block_idx()[0]
         latent: cutlass.Constexpr = self.latent

@@ -258,12 +258,13 @@ class DepPeerLayer:
                                    Int32(self.rank * self.per), Int32(self.per), Int32(tokens),
                                    Int32(received), stream)
         self._wait(1, tokens, stream)
+        self.dense.wait_for_shared(dense)  # here, so the up-projection follows the combine
         routed = torch.empty(tokens, c.latent, dtype=torch.bfloat16, device=self.device)
         normed = torch.empty_like(routed)
         self._fn["combine"](ptr(dense.ids), ptr(self.combine_table), ptr(routed),
                             ptr(self.dense.latent_norm), ptr(normed), Float32(c.rms_eps),
                             Int32(self.rank), Int32(tokens), stream)
-        out = self.dense.up_projection(dense, normed)
+        out = self.dense.up_projection(dense, normed, wait_shared=False)
         if check:
             self.check()
         return DepRankOutputs(
