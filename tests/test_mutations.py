@@ -295,6 +295,11 @@ MUTATIONS = [
          "            torch.cuda.current_stream(self.device).wait_event(dense.shared_ready)",
          "        if dense.shared_ready is not None:\n            pass",
          ["verify/test_dep_fast.py::test_dep_fast_stream_orders"], needs_gpu=True),
+    _one("fast DEP combine: a staged partial read back from its owner's slot, not its own",
+         "fast/schedules/dep_kernels.py",
+         "got = p.lds_v4(stage + (slot * threads + tid) * 16)",
+         "got = p.lds_v4(stage + (o * threads + tid) * 16)",
+         ["verify/test_dep_fast.py::test_dep_fast_stages"], needs_gpu=True),
     _one("fast GEMM: the tokens loaded before griddepcontrol.wait", "fast/gemm/kernel.py",
          "        cute.arch.griddepcontrol_wait()\n"
          "        cute.arch.griddepcontrol_launch_dependents()\n"

@@ -23,7 +23,7 @@ from fast import _cute as h
 from fast.experts import _ptx as p
 
 __all__ = ["DispatchKernel", "OwnerFinalizeKernel", "CombineKernel", "ArrivalWaitKernel",
-           "POISON_WORDS", "TABLE_FIELDS", "WAIT_ERROR_FIELDS", "wait_timeout_message"]
+           "STAGE_LIMIT", "POISON_WORDS", "TABLE_FIELDS", "WAIT_ERROR_FIELDS", "wait_timeout_message"]
 
 #: The four receive buffers of an owner, in the order of a table row: E4M3 codes
 #: ``[N*T, L]``, E8M0 scales ``[N*T, L/32]``, int32 ids ``[N*T, K]``, FP32 weights ``[N*T, K]``.
@@ -34,6 +34,8 @@ POISON_WORDS = {"codes": 0x7F7F7F7F, "scales": 0xFFFFFFFF, "ids": 0xFFFFFFFF,
                 "weights": 0x7FC00000}
 
 _THREADS = 128
+#: The dynamic shared memory one CTA of the H100/H200 (and B200) may take (227 KB).
+STAGE_LIMIT = 227 * 1024
 
 
 def _signal_arrival(counter: Int64, tid):
@@ -183,8 +185,11 @@ class CombineKernel:
     Token ``t`` of source ``s``:
 
     1. the partial rows ``s * T + t`` of the owners that hold one of the token's experts
-       are loaded up front (independent 16-byte loads per thread, addresses from the
-       table; branches on presence are uniform over the CTA), so no load waits on another;
+       are copied into shared memory all at once (``cp.async``, 16 bytes per thread and
+       owner, addresses from the table; branches on presence are uniform over the CTA),
+       with this thread's norm weights, and each thread reads its own bytes back after one
+       wait: one round trip for every owner. (Loaded into registers, the compiler had issued them one or two at a time,
+       each waiting for the last: the SASS interleaved the loads with the additions.)
     2. for owners ``o`` = 0 .. N-1 in order, when one of the token's ids lies in ``o``'s
        range: the first present partial is widened exactly to FP32, each later one added
        (``add.rn.f32``); one RNE rounding to BF16 -> ``routed[t]``;
@@ -197,7 +202,9 @@ class CombineKernel:
     (``griddepcontrol.wait``: this grid complete, its stores visible) before it reads
     ``normed``. A next grid launched without it waits for this one as usual.
 
-    Constraints: ``L % 256 == 0``, ``L <= 8192``; ``ranks <= 32``; ids int32 ``[T, K]``;
+    Constraints: ``L % 256 == 0``, ``L <= 8192``; ``ranks <= 32``; ``(min(N, K) + 1) * L * 2``
+    bytes of shared memory (the present owners' rows and the norm weights) at most
+    ``STAGE_LIMIT``; ids int32 ``[T, K]``;
     partial buffers BF16 ``[N*T, L]``; routed, normed BF16 ``[T, L]``; norm weight BF16
     ``[L]``; table int64 ``[N]``.
     """
@@ -205,12 +212,20 @@ class CombineKernel:
     def __init__(self, latent: int, top_k: int, ranks: int, per: int):
         self.latent, self.top_k, self.ranks, self.per = latent, top_k, ranks, per
         self.threads = latent // 8
+        #: at most this many owners hold one of a token's ``top_k`` experts
+        self.slots = min(ranks, top_k)
+        self.stage_bytes = (self.slots + 1) * latent * 2  # and the norm weights
+        if self.stage_bytes > STAGE_LIMIT:
+            raise ValueError(f"CombineKernel: min(ranks={ranks}, top_k={top_k}) partial rows "
+                             f"and the norm weights of latent={latent} need {self.stage_bytes} "
+                             f"bytes of shared memory, more than {STAGE_LIMIT}")
 
     @cute.jit
     def __call__(self, ids: Int64, table: Int64, routed: Int64, norm_weight: Int64,
                  normed: Int64, eps: Float32, source: Int32, tokens: Int32, stream):
         self.kernel(ids, table, routed, norm_weight, normed, eps, source, tokens).launch(
-            grid=(tokens, 1, 1), block=(self.threads, 1, 1), stream=stream)
+            grid=(tokens, 1, 1), block=(self.threads, 1, 1), stream=stream,
+            smem=self.stage_bytes)
 
     @cute.kernel
     def kernel(self, ids: Int64, table: Int64, routed: Int64, norm_weight: Int64,
@@ -224,18 +239,37 @@ class CombineKernel:
         top_k: cutlass.Constexpr = self.top_k
         row = Int64(source) * Int64(tokens) + Int64(t)
         ranks: cutlass.Constexpr = self.ranks
+        # the owners' partial-buffer addresses, loaded with the ids (they depend on nothing)
+        bases = [p.ldg_u64(table + 8 * o) for o in range(ranks)]
         present = cute.make_rmem_tensor((ranks,), Int32)
-        words = cute.make_rmem_tensor((ranks * 4,), Uint32)
         for o in cutlass.range_constexpr(ranks):
             present[o] = _owner_of_any(ids + Int64(t) * (top_k * 4), top_k, o * self.per,
                                        (o + 1) * self.per)
+        # the present owners' 16 bytes of this thread's columns, into consecutive slots
+        # (slot-major, so a warp's reads back are conflict-free), all copies in flight
+        stage = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=16).toint()
+        threads: cutlass.Constexpr = self.threads
+        slot = Int32(0)
+        for o in cutlass.range_constexpr(ranks):
+            if present[o] != 0:  # the same for the whole CTA: no divergence
+                p.cp_async_16(stage + (slot * threads + tid) * 16,
+                              bases[o] + (row * latent + tid * 8) * 2, True)
+            slot = slot + present[o]
+        # the norm weights too (a register load of them was issued only where they are used)
+        p.cp_async_16(stage + (self.slots * threads + tid) * 16, norm_weight + tid * 16, True)
+        cute.arch.cp_async_commit_group()
+        cute.arch.cp_async_wait_group(0)  # this thread's copies, visible to this thread
+        ww = p.lds_v4(stage + (self.slots * threads + tid) * 16)
+        words = cute.make_rmem_tensor((ranks * 4,), Uint32)
+        slot = Int32(0)
         for o in cutlass.range_constexpr(ranks):
             for i in cutlass.range_constexpr(4):
                 words[o * 4 + i] = Uint32(0)
-            if present[o] != 0:  # the same for the whole CTA: no divergence
-                got = p.ldg_stream_v4(p.ldg_u64(table + 8 * o) + (row * latent + tid * 8) * 2)
+            if present[o] != 0:
+                got = p.lds_v4(stage + (slot * threads + tid) * 16)
                 for i in cutlass.range_constexpr(4):
                     words[o * 4 + i] = got[i]
+            slot = slot + present[o]
         acc = cute.make_rmem_tensor((8,), Float32)
         for i in cutlass.range_constexpr(8):
             acc[i] = Float32(0.0)
@@ -253,7 +287,6 @@ class CombineKernel:
             seen = seen | present[o]
         packed = [h.pack_bf16x2(acc[2 * i], acc[2 * i + 1]) for i in range(4)]
         p.stg_v4(routed + (Int64(t) * latent + tid * 8) * 2, packed)
-        ww = p.ldg_stream_v4(norm_weight + tid * 16)
         out = normalize_row(packed, ww, eps, latent, self.threads // 32)
         p.stg_v4(normed + (Int64(t) * latent + tid * 8) * 2, out)
 
