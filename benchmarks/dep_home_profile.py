@@ -46,8 +46,9 @@ def main(argv=None):
         layer.home_stage(0, dense, args.tokens)
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
+    up = layer.dense.plan(args.tokens)["up"].backend
     print(f"home stage of rank 0: {args.calls} calls at T={args.tokens}, "
-          f"{args.ranks} virtual ranks, up-projection on {layer.dense.plan(args.tokens)['up'].backend}")
+          f"{args.ranks} virtual ranks, up-projection on {up}")
 
 
 if __name__ == "__main__":

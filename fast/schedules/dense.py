@@ -307,9 +307,10 @@ class DenseFront:
 
         With ``order="side"`` the router and the shared expert run on the side stream; the
         current stream waits for the router before returning (the dispatch reads ids and
-        weights) and for the shared expert only through ``shared_ready`` (:meth:`wait_for_shared`,
-        which :meth:`up_projection` calls unless its caller did). ``side_delay_cycles`` starts each side segment with a spin of that
-        many clock cycles, so a missing wait shows as wrong data (the stream-order contract).
+        weights) and for the shared expert only through ``shared_ready``
+        (:meth:`wait_for_shared`, which :meth:`up_projection` calls unless its caller did).
+        ``side_delay_cycles`` starts each side segment with a spin of that many clock
+        cycles, so a missing wait shows as wrong data (the stream-order contract).
         """
         if order not in ("side", "serial"):
             raise ValueError(f"DenseFront: order must be 'side' or 'serial', got {order!r}")

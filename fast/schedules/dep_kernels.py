@@ -23,7 +23,8 @@ from fast import _cute as h
 from fast.experts import _ptx as p
 
 __all__ = ["DispatchKernel", "OwnerFinalizeKernel", "CombineKernel", "ArrivalWaitKernel",
-           "STAGE_LIMIT", "POISON_WORDS", "TABLE_FIELDS", "WAIT_ERROR_FIELDS", "wait_timeout_message"]
+           "STAGE_LIMIT", "POISON_WORDS", "TABLE_FIELDS", "WAIT_ERROR_FIELDS",
+           "wait_timeout_message"]
 
 #: The four receive buffers of an owner, in the order of a table row: E4M3 codes
 #: ``[N*T, L]``, E8M0 scales ``[N*T, L/32]``, int32 ids ``[N*T, K]``, FP32 weights ``[N*T, K]``.
@@ -188,8 +189,9 @@ class CombineKernel:
        are copied into shared memory all at once (``cp.async``, 16 bytes per thread and
        owner, addresses from the table; branches on presence are uniform over the CTA),
        with this thread's norm weights, and each thread reads its own bytes back after one
-       wait: one round trip for every owner. (Loaded into registers, the compiler had issued them one or two at a time,
-       each waiting for the last: the SASS interleaved the loads with the additions.)
+       wait: one round trip for every owner. (Loaded into registers, the compiler had
+       issued them one or two at a time, each waiting for the last: the SASS interleaved
+       the loads with the additions.)
     2. for owners ``o`` = 0 .. N-1 in order, when one of the token's ids lies in ``o``'s
        range: the first present partial is widened exactly to FP32, each later one added
        (``add.rn.f32``); one RNE rounding to BF16 -> ``routed[t]``;
@@ -204,9 +206,8 @@ class CombineKernel:
 
     Constraints: ``L % 256 == 0``, ``L <= 8192``; ``ranks <= 32``; ``(min(N, K) + 1) * L * 2``
     bytes of shared memory (the present owners' rows and the norm weights) at most
-    ``STAGE_LIMIT``; ids int32 ``[T, K]``;
-    partial buffers BF16 ``[N*T, L]``; routed, normed BF16 ``[T, L]``; norm weight BF16
-    ``[L]``; table int64 ``[N]``.
+    ``STAGE_LIMIT``; ids int32 ``[T, K]``; partial buffers BF16 ``[N*T, L]``; routed,
+    normed BF16 ``[T, L]``; norm weight BF16 ``[L]``; table int64 ``[N]``.
     """
 
     def __init__(self, latent: int, top_k: int, ranks: int, per: int):
