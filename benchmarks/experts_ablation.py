@@ -88,7 +88,8 @@ def render(result: dict) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    experts_arguments(ap, out="experts_ablation.json", reps=20, dep_tokens="8,64", wide_rows="256,1024")
+    experts_arguments(ap, out="experts_ablation.json", reps=20, dep_tokens="8,64",
+                      wide_rows="256,1024")
     ap.add_argument("--ablations", default="decode;situ;bcopy;decode+situ",
                     help="';'-separated sets of parts, each '+'-joined")
     ap.add_argument("--skew", type=float, default=0.0,

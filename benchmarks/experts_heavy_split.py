@@ -68,7 +68,8 @@ def render(result: dict) -> str:
 
 def main(argv=None):
     ap = argparse.ArgumentParser()
-    experts_arguments(ap, out="experts_heavy_split.json", reps=20, dep_tokens="8,32,64", wide_rows="256,512,1024")
+    experts_arguments(ap, out="experts_heavy_split.json", reps=20, dep_tokens="8,32,64",
+                      wide_rows="256,512,1024")
     ap.add_argument("--skews", default="1.0,0")
     ap.add_argument("--heavy-pairs", type=int, default=8,
                     help="an expert with more pairs than this is heavy (8: one window)")

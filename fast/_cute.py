@@ -44,6 +44,7 @@ from reference.exp_tanh import (
 )
 
 __all__ = [
+    "SMEM_PER_CTA",
     "Float32",
     "Int32",
     "Uint32",
@@ -67,6 +68,10 @@ __all__ = [
     "tanh_rn",
     "sigmoid_rn",
 ]
+
+#: The most shared memory one CTA may take on the H100/H200 and the B200 (227 KB, dynamic
+#: plus static): the budget of every kernel that sizes its own shared memory.
+SMEM_PER_CTA = 227 << 10
 
 
 def _ptx_f32(value: float) -> str:

@@ -143,7 +143,7 @@ class BlockScaledExpertsKernel:
         self.b_bytes = self.ktiles * self.tokens * K_STAGE  # whole-K B operand
         self.sfb_bytes = self.ktiles * 512  # one 128x4 scale chunk per k stage
         self.stage_bytes = TILE_ROWS * K_STAGE + 512  # unpacked A stage + its scales
-        budget = (227 << 10) - self.b_bytes - self.sfb_bytes - 4096
+        budget = h.SMEM_PER_CTA - self.b_bytes - self.sfb_bytes - 4096
         ring = ring or max(2, min(8, budget // self.stage_bytes))
         if ring < 2 or ring * self.stage_bytes > budget:
             raise ValueError(f"a ring of {ring} stages ({self.stage_bytes} B each) does not fit "

@@ -206,7 +206,7 @@ class ExpertsGemmKernel:
         static = 4 * (8 * items + 3 * WINDOW * windows * items
                       + warps * mtiles * WINDOW * windows) + 1024
         #: CTAs per multiprocessor the kernel is built for (launch bounds; the grid size)
-        self.occupancy = occupancy or max(1, min(8, (227 << 10) // (self.smem_bytes + static)))
+        self.occupancy = occupancy or max(1, min(8, h.SMEM_PER_CTA // (self.smem_bytes + static)))
         self.ws = Workspace(count)
         self.search_steps = max(1, math.ceil(math.log2(count + 1)))
 

@@ -308,7 +308,7 @@ class DenseFront:
         With ``order="side"`` the router and the shared expert run on the side stream; the
         current stream waits for the router before returning (the dispatch reads ids and
         weights) and for the shared expert only through ``shared_ready``
-        (:meth:`wait_for_shared`, which :meth:`up_projection` calls unless its caller did).
+        (:meth:`wait_for_shared`, before :meth:`up_projection`'s input is made).
         ``side_delay_cycles`` starts each side segment with a spin of that many clock
         cycles, so a missing wait shows as wrong data (the stream-order contract).
         """
@@ -349,18 +349,15 @@ class DenseFront:
         if dense.shared_ready is not None:
             torch.cuda.current_stream(self.device).wait_event(dense.shared_ready)
 
-    def up_projection(self, dense: DenseOutputs, normed: torch.Tensor, *,
-                      wait_shared: bool = True) -> torch.Tensor:
-        """``shared + normed @ up^T`` (BF16 ``[T, H]``) for BF16 ``normed [T, L]``, after the
-        shared expert of ``dense`` is ready. fast.gemm adds ``shared`` to the FP32 sum before
-        its one rounding; cuBLAS's ``addmm`` rounds the product, then the sum.
+    def up_projection(self, dense: DenseOutputs, normed: torch.Tensor) -> torch.Tensor:
+        """``shared + normed @ up^T`` (BF16 ``[T, H]``) for BF16 ``normed [T, L]``. fast.gemm
+        adds ``shared`` to the FP32 sum before its one rounding; cuBLAS's ``addmm`` rounds
+        the product, then the sum.
 
-        ``wait_shared=False``: the caller already made the current stream wait
+        The caller has made the current stream wait for the shared expert
         (:meth:`wait_for_shared`) before the kernel that writes ``normed``, so the GEMM
         follows that kernel with no event wait between them, and at ``T <=
         fast.gemm.host.PDL_MAX_TOKENS`` its programmatic dependent launch overlaps it."""
-        if wait_shared:
-            self.wait_for_shared(dense)
         if self.backend("up", normed.shape[0]) == "fast":
             return self.fast_gemms["up"](normed, addend=dense.shared)
         return stock.addmm_bf16(dense.shared, normed, self.up)

@@ -312,7 +312,7 @@ class DepLayer:
         where it launches with programmatic dependent launch)."""
         self.dense.wait_for_shared(dense)
         routed, normed = self.combine_stage(r, dense, tokens)
-        return routed, normed, self.dense.up_projection(dense, normed, wait_shared=False)
+        return routed, normed, self.dense.up_projection(dense, normed)
 
     def _outputs(self, r: int, dense: tuple, routed, normed, out, tokens: int) -> DepRankOutputs:
         logits, weights, ids, front, shared, codes, scales, _ = dense

@@ -23,8 +23,7 @@ from fast import _cute as h
 from fast.experts import _ptx as p
 
 __all__ = ["DispatchKernel", "OwnerFinalizeKernel", "CombineKernel", "ArrivalWaitKernel",
-           "STAGE_LIMIT", "POISON_WORDS", "TABLE_FIELDS", "WAIT_ERROR_FIELDS",
-           "wait_timeout_message"]
+           "POISON_WORDS", "TABLE_FIELDS", "WAIT_ERROR_FIELDS", "wait_timeout_message"]
 
 #: The four receive buffers of an owner, in the order of a table row: E4M3 codes
 #: ``[N*T, L]``, E8M0 scales ``[N*T, L/32]``, int32 ids ``[N*T, K]``, FP32 weights ``[N*T, K]``.
@@ -35,8 +34,6 @@ POISON_WORDS = {"codes": 0x7F7F7F7F, "scales": 0xFFFFFFFF, "ids": 0xFFFFFFFF,
                 "weights": 0x7FC00000}
 
 _THREADS = 128
-#: The dynamic shared memory one CTA of the H100/H200 (and B200) may take (227 KB).
-STAGE_LIMIT = 227 * 1024
 
 
 def _signal_arrival(counter: Int64, tid):
@@ -206,7 +203,7 @@ class CombineKernel:
 
     Constraints: ``L % 256 == 0``, ``L <= 8192``; ``ranks <= 32``; ``(min(N, K) + 1) * L * 2``
     bytes of shared memory (the present owners' rows and the norm weights) at most
-    ``STAGE_LIMIT``; ids int32 ``[T, K]``; partial buffers BF16 ``[N*T, L]``; routed,
+    ``fast._cute.SMEM_PER_CTA``; ids int32 ``[T, K]``; partial buffers BF16 ``[N*T, L]``; routed,
     normed BF16 ``[T, L]``; norm weight BF16 ``[L]``; table int64 ``[N]``.
     """
 
@@ -216,10 +213,10 @@ class CombineKernel:
         #: at most this many owners hold one of a token's ``top_k`` experts
         self.slots = min(ranks, top_k)
         self.stage_bytes = (self.slots + 1) * latent * 2  # and the norm weights
-        if self.stage_bytes > STAGE_LIMIT:
+        if self.stage_bytes > h.SMEM_PER_CTA:
             raise ValueError(f"CombineKernel: min(ranks={ranks}, top_k={top_k}) partial rows "
                              f"and the norm weights of latent={latent} need {self.stage_bytes} "
-                             f"bytes of shared memory, more than {STAGE_LIMIT}")
+                             f"bytes of shared memory, more than {h.SMEM_PER_CTA}")
 
     @cute.jit
     def __call__(self, ids: Int64, table: Int64, routed: Int64, norm_weight: Int64,

@@ -264,7 +264,7 @@ class DepPeerLayer:
         self._fn["combine"](ptr(dense.ids), ptr(self.combine_table), ptr(routed),
                             ptr(self.dense.latent_norm), ptr(normed), Float32(c.rms_eps),
                             Int32(self.rank), Int32(tokens), stream)
-        out = self.dense.up_projection(dense, normed, wait_shared=False)
+        out = self.dense.up_projection(dense, normed)
         if check:
             self.check()
         return DepRankOutputs(
