@@ -230,13 +230,25 @@ def main(argv=None):
                 case["times"][name] = device_time_us(
                     lambda: eng(a, out_dtype=out_dtype, addend=addend, out=out, tactic=t),
                     reps=args.reps, flush=flush)
+            if args.wgmma:  # does warpgroup MMA give mma.sync's bits at the same splits?
+                case["wgmma_same_bits"] = {}
+                for t in timed(tuple(weight.shape)):
+                    if t.wgmma and t.serves(tokens):
+                        plain = dataclasses.replace(t, wgmma=False)
+                        got = [eng(a, out_dtype=out_dtype, addend=addend, tactic=v).clone()
+                               for v in (t, plain)]
+                        case["wgmma_same_bits"][t.label()] = bool(torch.equal(
+                            got[0].view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
+                            got[1].view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)))
             case["median_us"] = {k: statistics.median(v) for k, v in case["times"].items()}
             med = case["median_us"]
             tact = {k: v for k, v in med.items() if k.startswith("r") and not k.endswith("wgmma")}
             best = min(tact, key=tact.get)
             wg = {k: v for k, v in med.items() if k.endswith("wgmma")}
+            same = case.get("wgmma_same_bits", {})
             wg_best = (f" | wgmma best {min(wg, key=wg.get)} {min(wg.values()):6.1f} "
-                       f"({limit / min(wg.values()):.2f})") if wg else ""
+                       f"({limit / min(wg.values()):.2f}), bits = mma.sync: "
+                       f"{sum(same.values())}/{len(same)}") if wg else ""
             print(f"T {tokens:3d} {g:11s} limit {limit:6.1f}us | cublas {med['cublas']:6.1f} "
                   f"({limit / med['cublas']:.2f}) | default {case['default']} {med['default']:6.1f} "
                   f"({limit / med['default']:.2f}) | best {best} {tact[best]:6.1f} "

@@ -128,6 +128,8 @@ def render(result: dict) -> str:
     mode = result.get("dense_gemm")
     dense = (f"dense GEMMs: --dense-gemm {mode} (per T: router/front/shared down/up)"
              if mode else "dense GEMMs: cuBLAS (a run from before --dense-gemm)")
+    if result.get("batch_invariant"):
+        dense += "; batch invariant (--batch-invariant: one K split per GEMM at every T)"
     planned = all("dense_plan" in c for c in result["cases"]) and mode is not None
     # runs made before the combine was timed apart have no "combine" column
     parts = [p for p in PARTS if all(p in c["median_us"] for c in result["cases"])]
@@ -164,6 +166,9 @@ def main(argv=None):
     ap.add_argument("--peers", default="triton")
     ap.add_argument("--dense-gemm", default="auto", choices=("auto", "cublas", "fast"),
                     help="the dense GEMMs' backend (DepLayer(dense_gemm=...)); default auto")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="DepLayer(batch_invariant=True): every dense GEMM on fast.gemm, one K "
+                         "split per GEMM at every T")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
@@ -176,14 +181,17 @@ def main(argv=None):
     flush = l2_flush()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "ranks": args.ranks,
-              "dense_gemm": args.dense_gemm, "cases": []}
+              "dense_gemm": args.dense_gemm, "batch_invariant": args.batch_invariant,
+              "cases": []}
     result["read_gbs"] = read_bandwidth_gbs()
     result["copy_gbs"] = copy_bandwidth_gbs()
     print(f"read {result['read_gbs']:.0f} GB/s, copy {result['copy_gbs']:.0f} GB/s", flush=True)
     w = cases.device_weights("kimi_k3")
     c = w.config
     layer = DepLayer(w, ranks=args.ranks, max_tokens=max(tokens_list), dense_gemm=args.dense_gemm,
+                     batch_invariant=args.batch_invariant,
                      experts_tactic=parse_tactic(args.experts_tactic))
+    result["dense_gemm"] = layer.dense.gemm
     result["experts_tactic"] = args.experts_tactic or "default"
     per = layer.per
     dense_bytes = layer.dense.dense_bytes

@@ -55,6 +55,20 @@ def test_dense_backends_follow_the_committed_measurements():
                              f"fast.gemm {fast_us:.1f} us, table says {got}")
 
 
+def test_batch_invariant_mode_runs_one_order_per_gemm():
+    """``DenseFront(batch_invariant=True)``'s mode (``"fast"``) runs every GEMM of both DEP
+    configs on fast.gemm at every T = 1..64 with one K split per GEMM; ``"auto"`` does not
+    (it moves GEMMs between cuBLAS and fast.gemm at bucket edges: not batch invariant)."""
+    for config in (LatentMoEConfig.kimi_k3(), LatentMoEConfig.small()):
+        plan = dense.fast_tactics(config, "fast")
+        assert set(plan) == set(dense.GEMMS)
+        for name, per_t in plan.items():
+            assert sorted(per_t) == list(range(1, 65)), name
+            assert len({t.splits for t in per_t.values()}) == 1, name
+    auto = dense.fast_tactics(LatentMoEConfig.kimi_k3(), "auto")
+    assert any(len(per_t) < 64 for per_t in auto.values())
+
+
 def test_choose_backend_modes():
     """Forced modes choose their backend everywhere; ``auto`` gives cuBLAS to shapes the
     table does not list and to batches above its buckets; a bad mode is refused."""

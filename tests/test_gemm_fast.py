@@ -240,6 +240,20 @@ def test_default_tactics_fit_their_shapes():
             assert choose_tactic(n, k, tokens).serves(tokens), (n, k, tokens)
 
 
+def test_default_tactics_one_split_per_shape():
+    """The default tactic of a shape sums every output element in one order at every batch
+    (what the layers' batch invariance rests on): one ``splits`` per shape over T = 1..64,
+    in the measured table and in the fallback rule, on an H200 and on a 148-multiprocessor
+    GPU alike."""
+    from fast.gemm.host import DEFAULT_TACTICS, choose_tactic, splits_of
+
+    shapes = list(DEFAULT_TACTICS) + [(512, 256), (768, 512), (256, 256), (15872, 3584)]
+    for n, k in shapes:
+        for sms in (132, 148):
+            got = {choose_tactic(n, k, t, sms).splits for t in range(1, lay.MAX_TOKENS + 1)}
+            assert got == {splits_of(n, k, sms)}, (n, k, sms, got)
+
+
 def test_weight_checked_before_anything_runs():
     from fast.gemm import DenseGemm
 

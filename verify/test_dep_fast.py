@@ -30,6 +30,7 @@ layer (DEP16) runs ``"auto"``, which mixes the two (``DENSE_BACKENDS``).
 | out | cuBLAS: within the two-rounding bound of its BF16 ``addmm``; fast.gemm: as the other GEMMs, ``shared`` the addend |
 | CUDA graph | replays on new inputs bitwise equal to eager calls on those inputs (no stale scratch) |
 | stream orders | serialized, side stream, side stream delayed by a spin, graph replay: bitwise equal |
+| batch invariance (``batch_invariant=True``) | every rank's first ``t`` tokens as a batch of ``t``: every stage bitwise the same tokens' at ``T = 64`` (home: logits to out; owner: received ids/weights, local expert rows, partials), every ``t`` on the small config, both sides of every bucket edge at the real one |
 """
 
 from __future__ import annotations
@@ -57,12 +58,13 @@ MMA_BOUND = ("verify.bounds.mma_matmul_bound: gamma_{c+c/16+splits-1(+1)}(2^-23)
 DENSE_GEMMS = ("cublas", "fast")
 
 
-def _layer(config_name: str, ranks: int, max_tokens: int, dense_gemm: str):
+def _layer(config_name: str, ranks: int, max_tokens: int, dense_gemm: str, **options):
     from fast.schedules.dep import DepLayer
 
     # the real layer from the GPU generator (the CPU one takes minutes at that size)
     w = cases.layer_weights(config_name)
-    return DepLayer(w, ranks=ranks, max_tokens=max_tokens, device="cuda", dense_gemm=dense_gemm)
+    return DepLayer(w, ranks=ranks, max_tokens=max_tokens, device="cuda", dense_gemm=dense_gemm,
+                    **options)
 
 
 def _gemm(contract, layer, name, got, a, b, out_dtype, what, addend=None):
@@ -293,3 +295,95 @@ def test_dep_fast_bad_input(backend):
         _layer("small", 2, 4, "cuBLAS")
     with pytest.raises(ValueError, match="serves at most 64 tokens, but max_tokens=65"):
         _layer("small", 2, 65, "fast")
+    with pytest.raises(ValueError, match="batch_invariant=True runs every dense GEMM on fast.gemm"):
+        _layer("small", 2, 4, "cublas", batch_invariant=True)
+    with pytest.raises(ValueError, match="batch_invariant must be a bool"):
+        _layer("small", 2, 4, "auto", batch_invariant=1)
+
+
+# -- batch invariance --------------------------------------------------------------------
+
+#: The home rank's stage outputs whose rows are that rank's tokens (``DepRankOutputs``).
+HOME_STAGES = ("logits", "weights", "ids", "front", "shared", "codes", "scales", "routed",
+               "normed", "out")
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The bits of ``t`` as integers of its width (NaN poison and -0 compare as bits)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _snapshot(out) -> dict:
+    """Clones of one rank's outputs (the layer's buffers are reused by the next call)."""
+    return {f.name: getattr(out, f.name).clone() for f in dataclasses.fields(out)}
+
+
+def check_batch_invariant(contract, layer, xs, batches) -> None:
+    """Every rank's first ``t`` tokens decoded as a batch of ``t`` (each ``t`` of
+    ``batches``) against the same tokens in the batch of ``T = len(xs[0])``, bit for bit at
+    every stage: as home (``HOME_STAGES``: logits, routing, front, shared, MXFP8 latent,
+    combine, norm, output) and as owner (each source's receive rows ``s*t + i`` against
+    ``s*T + i``: ids, weights, the local pairs' expert rows, the partials of sent rows)."""
+    n, k, top = layer.ranks, layer.config.top_k, xs[0].shape[0]
+    want = [_snapshot(o) for o in layer(xs)]
+    for t in batches:
+        outs = layer([x[:t].contiguous() for x in xs])
+        for r, o in enumerate(outs):
+            for name in HOME_STAGES:
+                contract.bitwise(_raw(getattr(o, name)), _raw(want[r][name][:t]),
+                                 what=f"rank {r} {name}: T={t} vs the same tokens at T={top}",
+                                 index_names=ROWS)
+            got_rows, want_rows = o.rows.view(n * t, k, -1), want[r]["rows"].view(n * top, k, -1)
+            for s in range(n):
+                mine, theirs = slice(s * t, s * t + t), slice(s * top, s * top + t)
+                ids = o.recv_ids[mine]
+                contract.bitwise(ids, want[r]["recv_ids"][theirs],
+                                 what=f"owner {r} ids received from {s}: T={t} vs T={top}")
+                contract.bitwise(_raw(o.recv_weights[mine]), _raw(want[r]["recv_weights"][theirs]),
+                                 what=f"owner {r} weights received from {s}: T={t} vs T={top}")
+                local = (ids >= r * layer.per) & (ids < (r + 1) * layer.per)
+                contract.bitwise(_raw(got_rows[mine][local]), _raw(want_rows[theirs][local]),
+                                 what=f"owner {r} expert rows of {s}'s local pairs: T={t} vs "
+                                      f"T={top}", index_names=("pair", "column"))
+                sent = ids[:, 0] >= 0
+                contract.bitwise(_raw(o.partials[mine][sent]),
+                                 _raw(want[r]["partials"][theirs][sent]),
+                                 what=f"owner {r} partials of {s}'s rows: T={t} vs T={top}",
+                                 index_names=ROWS)
+
+
+@pytest.mark.config("small")
+@pytest.mark.parametrize("ranks", (1, 4, 16))
+def test_dep_fast_batch_invariant(backend, ranks, seed, contract):
+    """``DepLayer(batch_invariant=True)``: every T = 1..63 against T = 64 (every window and
+    bucket edge of the GEMMs and the engine), every stage of every rank, and the check
+    itself: the layer reports the mode and runs every dense GEMM on fast.gemm with one K
+    split per GEMM."""
+    from fast.gemm.layout import MAX_TOKENS
+
+    cfg = cases.config("small")
+    layer = _layer("small", ranks, MAX_TOKENS, "auto", batch_invariant=True)
+    assert layer.dense.batch_invariant
+    plans = [layer.dense.plan(t) for t in range(1, MAX_TOKENS + 1)]
+    for name in plans[0]:
+        assert {p[name].backend for p in plans} == {"fast"}, name
+        assert len({p[name].tactic.splits for p in plans}) == 1, name
+    xs = cases.rank_rows(cfg, ranks, MAX_TOKENS, seed, "cuda")
+    check_batch_invariant(contract, layer, xs, range(1, MAX_TOKENS))
+
+
+@pytest.mark.config("kimi_k3")
+def test_dep_fast_real_dep16_batch_invariant(backend, seed, contract):
+    """The real layer over 16 virtual ranks with ``batch_invariant=True``: T = 1, 2, 8, 9,
+    16, 17, 24, 25, 32, 33, 63 (both sides of every bucket edge of ``DEFAULT_TACTICS`` and
+    of the engine's windows) against T = 64, every stage of every rank; then one batch of
+    T = 2 passes every stage contract (each dense GEMM on fast.gemm at the real widths)."""
+    cfg = cases.config("kimi_k3")
+    w = cases.layer_weights("kimi_k3")
+    from fast.schedules.dep import DepLayer
+
+    layer = DepLayer(w, ranks=16, max_tokens=64, device="cuda", batch_invariant=True)
+    xs = cases.rank_rows(cfg, 16, 64, seed, "cuda")
+    check_batch_invariant(contract, layer, xs, (1, 2, 8, 9, 16, 17, 24, 25, 32, 33, 63))
+    few = [x[:2].contiguous() for x in xs]
+    check_dep_fast(contract, layer, layer(few), few)

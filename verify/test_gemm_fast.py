@@ -23,7 +23,8 @@ tactic of 4 m-tiles per warp serves up to 40 tokens):
 * **batch invariance** (what the design promises, bit for bit): a token's row is the same
   at every T the tactic serves and whatever its batch-mates (rows 1..63 replaced by other values 1000 times
   larger), and the same for every tactic of the same ``splits`` (the tile, the ring, the
-  stage width and the occupancy move no bit).
+  stage width and the occupancy move no bit); the default tactic, which follows the
+  batch bucket, at every T = 1..64 (its ``splits`` is one per shape).
 * **determinism**: reruns, and a CUDA graph replayed with new inputs (the tile counters
   re-arm themselves), are bitwise equal to the eager call.
 * **programmatic dependent launch**: a call that reads the previous call's output on the
@@ -187,6 +188,30 @@ def test_gemm_fast_tactics_same_splits_same_bits(backend, gemm, contract):
                 contract.bitwise(_bits(run(gemm, tokens, t)), _bits(first),
                                  what=f"{gemm} T={tokens}: {t.label()} vs {tactics[0].label()}",
                                  index_names=ROWS)
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_gemm_fast_default_batch_invariant(backend, gemm, contract):
+    """The default tactic (what the layers run) at every T = 1..64, across every bucket
+    edge of ``DEFAULT_TACTICS``: each batch's rows are bitwise the first rows of the T = 64
+    call, and the first token keeps its bits among batch-mates 1000 times larger. (The
+    per-tactic contract above holds a tactic fixed; this one lets the tactic follow the
+    batch, as a layer does, so a K split that changed with the bucket fails here.)"""
+    from fast.gemm.layout import MAX_TOKENS
+
+    weight, x, addend, out_dtype = case(gemm)
+    full = run(gemm, MAX_TOKENS, None)
+    g = torch.Generator(device=DEVICE).manual_seed(6)
+    mates = x.clone()
+    mates[1:] = (torch.randn(mates[1:].shape, generator=g, device=DEVICE) * 1000).to(torch.bfloat16)
+    for tokens in range(1, MAX_TOKENS):
+        label = engine(gemm).tactic(tokens).label()
+        contract.bitwise(_bits(run(gemm, tokens, None)), _bits(full[:tokens]),
+                         what=f"{gemm} default ({label}): T={tokens} vs the first rows of T=64",
+                         index_names=ROWS)
+        contract.bitwise(_bits(run(gemm, tokens, None, x=mates)[:1]), _bits(full[:1]),
+                         what=f"{gemm} default ({label}): token 0 among other batch-mates, "
+                              f"T={tokens}", index_names=ROWS)
 
 
 @pytest.mark.parametrize("gemm", GEMMS)

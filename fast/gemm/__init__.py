@@ -15,7 +15,9 @@ token's bits never depend on the other tokens of the call). The weights stream t
 ``cp.async`` ring of shared memory (``fast.gemm.layout``), one CTA per (tile, split), one
 wave; one compiled kernel per window count ``ceil(T / 8)``; programmatic dependent launch up
 to ``PDL_MAX_TOKENS`` tokens. Tactics per batch bucket: ``fast.gemm.host.DEFAULT_TACTICS``;
-only ``splits`` changes bits.
+only ``splits`` changes bits, and a shape's default ``splits`` is the same at every batch
+(``splits_of``), so the default GEMM is batch invariant: a token's output bits do not
+depend on the batch it was computed in.
 
 Status (H200, ``benchmarks/results/dense/h200_2026-11-30_v2.md``): the four GEMMs in one
 graph at T <= 8 take 106.8-109.7 us, 0.77-0.79 of the byte limit at the measured read
@@ -30,11 +32,12 @@ timing: ``python -m benchmarks.dense_table``.
 from fast.gemm.layout import MAX_TOKENS, Tactic, windows_for
 
 __all__ = ["DenseGemm", "Tactic", "choose_tactic", "MAX_TOKENS", "windows_for",
-           "compile_kernel", "kernel_shapes", "DEFAULT_TACTICS"]
+           "compile_kernel", "kernel_shapes", "DEFAULT_TACTICS", "splits_of"]
 
 
 def __getattr__(name):
-    if name in ("DenseGemm", "choose_tactic", "compile_kernel", "kernel_shapes", "DEFAULT_TACTICS"):
+    if name in ("DenseGemm", "choose_tactic", "compile_kernel", "kernel_shapes", "DEFAULT_TACTICS",
+                "splits_of"):
         from fast.gemm import host
 
         return getattr(host, name)

@@ -11,8 +11,8 @@ import torch
 from fast import backend
 from fast.gemm.layout import MAX_ACCUMULATORS, MAX_TOKENS, MAX_WINDOWS, Tactic, windows_for
 
-__all__ = ["DenseGemm", "choose_tactic", "CANDIDATES", "DEFAULT_TACTICS", "PDL_MAX_TOKENS",
-           "compile_kernel", "kernel_shapes"]
+__all__ = ["DenseGemm", "choose_tactic", "splits_of", "CANDIDATES", "DEFAULT_TACTICS",
+           "PDL_MAX_TOKENS", "compile_kernel", "kernel_shapes"]
 
 _R64, _R128 = dict(warps=2, mtiles=2), dict(warps=4, mtiles=2)
 _R128M4, _R256M4 = dict(warps=2, mtiles=4), dict(warps=4, mtiles=4, occupancy=1)
@@ -42,19 +42,29 @@ CANDIDATES: dict[tuple[int, int], tuple[Tactic, ...]] = {
         Tactic(**_R64DEEP, splits=1)),
 }
 
-#: Default tactic per shape and batch bucket (largest T of the bucket -> tactic): the
-#: candidate with the least time over the bucket's batches in two runs on the H200
-#: (benchmarks/results/dense/h200_2026-11-30_v2*.json), except the front above T = 32,
-#: which keeps split 1 where split 2 was 0.7 us (1%) faster.
+#: Default tactic per shape and batch bucket (largest T of the bucket -> tactic). **One
+#: ``splits`` per shape at every T**, so a token's bits never depend on the batch it is
+#: computed in (the tile shape, which is all the buckets change, moves no bit; the GPU
+#: contracts ``verify/test_gemm_fast.py`` and ``verify/test_dep_fast.py`` check it). Per
+#: shape, the split whose best tactic took the least time over T = 1..64 in two runs on the
+#: H200 (benchmarks/results/dense/h200_2026-11-30_v2*.json), and per bucket the fastest
+#: tactic of that split. Against the fastest tactic of any split, per T: the front (split 1)
+#: 2.7-2.9 us slower at T = 56-64 (than split 2), shared down and up (split 2) 0.5-1.5 us
+#: slower at T <= 8 (than split 1) and up to 1.8 us at T = 64 (than split 4).
 DEFAULT_TACTICS: dict[tuple[int, int], dict[int, Tactic]] = {
-    # split 1 at every T: a front row's bits never depend on the batch size (<= 64)
     (15872, 7168): {16: Tactic(**_R64, splits=1), 64: Tactic(**_R128, splits=1)},
-    # split 8 at every T (likewise)
     (896, 7168): {64: Tactic(**_R64, splits=8)},
-    (7168, 6144): {8: Tactic(**_R64, splits=1), 32: Tactic(**_R64, splits=2),
-                   64: Tactic(**_R128, splits=4)},
-    (7168, 3584): {8: Tactic(**_R64, splits=1), 64: Tactic(**_R128, splits=2)},
+    (7168, 6144): {24: Tactic(**_R64, splits=2), 64: Tactic(**_R128, splits=2)},
+    (7168, 3584): {24: Tactic(**_R64, splits=2), 64: Tactic(**_R128, splits=2)},
 }
+
+
+def splits_of(n: int, k: int, sms: int = 132) -> int:
+    """The K splits of an ``[N, K]`` weight's default tactic, the same at every batch (one
+    summation order per output element: ``DEFAULT_TACTICS``' rule, and the fallback of
+    ``choose_tactic``, which depends on N, K and ``sms`` only)."""
+    return choose_tactic(n, k, 1, sms).splits
+
 
 #: Calls of at most this many tokens launch with programmatic dependent launch by default
 #: (``DenseGemm(pdl=None)``). Measured on the H200 (the four GEMMs in one graph): 3.5-4 us
@@ -66,7 +76,9 @@ PDL_MAX_TOKENS = 16
 def choose_tactic(n: int, k: int, tokens: int, sms: int = 132) -> Tactic:
     """The default tactic of an ``[N, K]`` weight at ``tokens`` rows: the measured table for
     the layer's shapes; otherwise 64-row tiles (128 where N allows one wave of them) with
-    the fewest K splits (dividing K into multiples of 64) that give at least ``sms`` CTAs."""
+    the fewest K splits (dividing K into multiples of 64) that give at least ``sms`` CTAs.
+    Either way its ``splits`` does not depend on ``tokens`` (``splits_of``): the default
+    GEMM is batch invariant."""
     table = DEFAULT_TACTICS.get((n, k))
     if table:
         for top in sorted(table):

@@ -22,12 +22,21 @@ of two backends, chosen per GEMM and per batch size ``T``:
   tactic ``fast.gemm.choose_tactic``): per K split an ``mma.sync`` chain in k order, the
   splits' FP32 partials added in split order, one rounding to the output type; ``up`` adds
   ``shared`` to the FP32 sum before its one BF16 rounding (``reference.gemm.addmm``'s
-  definition). Only the tactic's ``splits`` moves bits; a token's row never depends on its
-  batch-mates.
+  definition). Only the tactic's ``splits`` moves bits, and a GEMM's ``splits`` is the
+  same at every batch (``fast.gemm.splits_of``): a token's row depends neither on its
+  batch-mates nor on the batch size.
 
 ``DenseFront(gemm="auto")`` (the default) takes each GEMM's backend at ``T`` from
 ``DENSE_BACKENDS`` (measured on the H200), ``"cublas"`` / ``"fast"`` force one backend for
-all four (the contracts and the benchmark run both). ``DenseFront.plan(T)`` says what a call
+all four (the contracts and the benchmark run both).
+
+**Batch invariance.** With every GEMM on fast.gemm (``gemm="fast"``, or
+``batch_invariant=True``) every output of the dense part is, for each token, bitwise the
+same at every batch size and whatever its batch-mates: each GEMM sums every output
+element in one order at every ``T``, and the router, SiTU and MXFP8 kernels work row by
+row. ``"auto"`` is not batch invariant: cuBLAS picks its kernel (and its split of K) per
+batch, and ``DENSE_BACKENDS`` moves a GEMM between the two backends at a bucket edge, so a
+token's logits (and, near a tie, its experts) can change with ``T``. ``DenseFront.plan(T)`` says what a call
 of ``T`` tokens runs. A GEMM whose chosen backend is ``"fast"`` never falls back to cuBLAS:
 input it cannot take raises.
 
@@ -93,11 +102,11 @@ DENSE_BACKENDS: dict[tuple[str, int, int], dict[int, str]] = {
     ("front", 15872, 7168): {1: "fast", 64: "cublas"},
     # cuBLAS 8.8-10.5 us against 10.1-16.9 at every T
     ("router", 896, 7168): {64: "cublas"},
-    # fast.gemm 27.2-28.0 us against cuBLAS 28.8-29.2 at T <= 8; from T = 12 on cuBLAS
-    # 26.1-29.6 against 29.9-39.5
+    # fast.gemm (split 2) 28.5-28.8 us against cuBLAS 28.8-29.3 at T <= 8; from T = 12 on
+    # cuBLAS 26.2-29.6 against 29.9-41.2
     ("shared_down", 7168, 6144): {8: "fast", 64: "cublas"},
-    # (+ shared) fast.gemm 18.8-19.5 us against cuBLAS 21.2-21.7 at T <= 8; from T = 12 on
-    # cuBLAS 18.8-19.8 against 21.5-29.6
+    # (+ shared) fast.gemm (split 2) 19.6-20.1 us against cuBLAS 21.4-22.0 at T <= 8; from
+    # T = 12 on cuBLAS 18.8-19.9 against 21.2-29.6
     ("up", 7168, 3584): {8: "fast", 64: "cublas"},
 }
 
@@ -205,17 +214,29 @@ class DenseFront:
             ``FAST_MAX_TOKENS`` = 64, so above that only cuBLAS runs).
         gemm: ``"auto"`` (``DENSE_BACKENDS``), ``"cublas"`` or ``"fast"`` (``GEMM_MODES``);
             ``"fast"`` needs ``max_tokens <= 64`` (None is taken as 64).
+        batch_invariant: every token's outputs bitwise independent of its batch (size and
+            batch-mates): every GEMM on fast.gemm (``gemm`` ``"auto"`` is taken as
+            ``"fast"``; ``"cublas"`` is refused). ``gemm="fast"`` alone gives the same.
 
     Raises:
-        ValueError: a bad ``gemm`` or ``max_tokens``; from ``fast.gemm.DenseGemm``, a
+        ValueError: a bad ``gemm``, ``max_tokens`` or ``batch_invariant``; from ``fast.gemm.DenseGemm``, a
             weight the fast GEMM cannot take where it is chosen (N or K not a multiple of
             64); RuntimeError: the fast kernels cannot run on this device where chosen.
     """
 
     def __init__(self, weights: LatentMoEWeights, device: torch.device, *,
-                 max_tokens: int | None = None, gemm: str = "auto"):
+                 max_tokens: int | None = None, gemm: str = "auto",
+                 batch_invariant: bool = False):
         if gemm not in GEMM_MODES:
             raise ValueError(f"DenseFront: gemm must be one of {GEMM_MODES}, got {gemm!r}")
+        if not isinstance(batch_invariant, bool):
+            raise ValueError(f"DenseFront: batch_invariant must be a bool, got {batch_invariant!r}")
+        if batch_invariant:
+            if gemm == "cublas":
+                raise ValueError("DenseFront: batch_invariant=True runs every dense GEMM on "
+                                 "fast.gemm (one K split per GEMM at every batch); gemm='cublas' "
+                                 "picks its kernel per batch and cannot give it")
+            gemm = "fast"
         if max_tokens is not None and (isinstance(max_tokens, bool)
                                        or not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"DenseFront: max_tokens must be None or a positive int, got "
@@ -264,6 +285,12 @@ class DenseFront:
                 if self.backend(name, t) == "fast":
                     compile_kernel(g.arch, **g.tactic(t).kernel_params(windows_for(t)))
         return gemms
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether every token's outputs are bitwise independent of its batch: every GEMM on
+        fast.gemm at every batch (``gemm == "fast"``; the module docstring says why)."""
+        return self.gemm == "fast"
 
     # -- which backend --------------------------------------------------------------------
 

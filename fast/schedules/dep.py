@@ -32,7 +32,9 @@ the default); ``order="serial"`` runs everything on one stream with the same bit
 
 The dense GEMMs run on cuBLAS or on the project's split-K GEMM (``fast.gemm``), per GEMM
 and batch: ``DepLayer(dense_gemm="auto")`` takes ``fast.schedules.dense.DENSE_BACKENDS``
-(measured on the H200), ``"cublas"`` / ``"fast"`` force one backend. Real ranks over
+(measured on the H200), ``"cublas"`` / ``"fast"`` force one backend.
+``DepLayer(batch_invariant=True)`` (all four on fast.gemm) makes every token's outputs
+bitwise independent of the batch it is decoded in (``verify/test_dep_fast.py``). Real ranks over
 symmetric memory: ``fast.schedules.dep_peer``.
 """
 
@@ -157,6 +159,13 @@ class DepLayer:
         dense_gemm: the dense GEMMs' backend (``fast.schedules.dense.DenseFront``'s
             ``gemm``): ``"auto"`` (per GEMM and batch, ``DENSE_BACKENDS``), ``"cublas"`` or
             ``"fast"`` (fast.gemm, ``max_tokens <= 64``).
+        batch_invariant: every token's outputs, at every stage, bitwise independent of the
+            batch it is decoded in (its size and its batch-mates), routing included: every
+            dense GEMM on fast.gemm, whose K split is the same at every batch
+            (``fast.schedules.dense.DenseFront``'s ``batch_invariant``; ``dense_gemm``
+            ``"auto"`` is then taken as ``"fast"``, ``"cublas"`` is refused). The routed
+            part is batch invariant in every mode (each pair's expert row, the owner's
+            finalize and the combine read only that token's rows).
         experts_tactic: the experts engine's FC kernel settings for every call
             (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
             the engine's defaults.
@@ -164,7 +173,7 @@ class DepLayer:
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_tokens: int,
                  device: str | torch.device = "cuda", dense_gemm: str = "auto",
-                 experts_tactic: dict | None = None):
+                 batch_invariant: bool = False, experts_tactic: dict | None = None):
         from fast.experts import ExpertsEngine, prepare_experts
 
         if not isinstance(weights, LatentMoEWeights):
@@ -187,7 +196,8 @@ class DepLayer:
         self.per = c.experts // ranks
         self.arch = backend.device_arch(device)
         on = dict(device=device)
-        self.dense = DenseFront(weights, device, max_tokens=max_tokens, gemm=dense_gemm)
+        self.dense = DenseFront(weights, device, max_tokens=max_tokens, gemm=dense_gemm,
+                                batch_invariant=batch_invariant)
         rows = ranks * max_tokens
         self.engines = [
             ExpertsEngine(prepare_experts(weights, device, experts=(r * self.per, self.per)),

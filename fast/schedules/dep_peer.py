@@ -134,6 +134,13 @@ class DepPeerLayer:
             the first layer's ``.scratch`` to the others); default: a new one.
         dense_gemm: the dense GEMMs' backend (``fast.schedules.dense.DenseFront``'s
             ``gemm``: ``"auto"`` per GEMM and batch, ``"cublas"`` or ``"fast"``).
+        batch_invariant: every token's outputs, at every stage, bitwise independent of the
+            batch it is decoded in (its size and its batch-mates), routing included: every
+            dense GEMM on fast.gemm, whose K split is the same at every batch
+            (``fast.schedules.dense.DenseFront``'s ``batch_invariant``; ``dense_gemm``
+            ``"auto"`` is then taken as ``"fast"``, ``"cublas"`` is refused). The routed
+            part is batch invariant in every mode (each pair's expert row, the owner's
+            finalize and the combine read only that token's rows).
         experts_tactic: the experts engine's FC kernel settings for every call
             (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
             the engine's defaults.
@@ -144,7 +151,7 @@ class DepPeerLayer:
     def __init__(self, weights: LatentMoEWeights, *, max_tokens: int | None = None, group=None,
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
                  scratch: DepPeerScratch | None = None, dense_gemm: str = "auto",
-                 experts_tactic: dict | None = None):
+                 batch_invariant: bool = False, experts_tactic: dict | None = None):
         from fast.experts import ExpertsEngine, prepare_experts
         from fast.experts.engine import EngineScratch
 
@@ -174,7 +181,7 @@ class DepPeerLayer:
         self.per = c.experts // self.ranks
         self.arch = backend.device_arch(self.device)
         self.dense = DenseFront(weights, self.device, max_tokens=self.max_tokens,
-                                gemm=dense_gemm)
+                                gemm=dense_gemm, batch_invariant=batch_invariant)
         prepared = prepare_experts(weights, self.device, experts=(self.rank * self.per, self.per))
         rows = self.ranks * self.max_tokens
         if scratch.engine is None:
