@@ -281,3 +281,40 @@ def test_gpu_check_forward(combine):
     _gpu_or_skip()
     assert mm.check_forward(combine=combine)["ok"]
     assert mm.check_forward(combine=combine, first=0, count=32, block_size_m=48)["ok"]
+
+
+# --------------------------------------------------------------------------------------
+# the experts table
+# --------------------------------------------------------------------------------------
+
+def test_experts_table_renders_marlin_best_block_size_and_the_peers():
+    """``benchmarks.experts_table.render`` with Marlin timed: two more columns (its best
+    ``block_size_m`` named, the engine's speed-up over it) and each peer's configuration
+    under the table; a result without Marlin renders as before."""
+    from benchmarks.experts_table import best_of, render
+
+    case = {"mode": "dep16", "size": 4, "skew": 0.0, "touched": 50, "limit_us": 200.0,
+            "median_us": {"engine": 250.0, "triton_w8": 500.0, "marlin_bm8": 420.0, "marlin_bm16": 400.0}}
+    result = {"device": "X", "torch": "t", "read_gbs": 4500.0, "cases": [case],
+              "peers": {"marlin": {"layout": "gptq_marlin_repack", "block_size_m": "best of 8/16"}}}
+    assert best_of(case["median_us"], "marlin") == ("marlin_bm16", 400.0)
+    assert best_of(case["median_us"], "cutlass") == (None, None)
+    text = render(result)
+    assert "| engine / triton | marlin best us (frac) | engine / marlin |" in text
+    assert "| dep16 | 4 | 0.0 | 50 | 200.0 | 250.0 (0.80) | 500.0 (0.40) | - | 2.00x | 400.0 (0.50) bm16 | 1.60x |" \
+        in text
+    assert "marlin: layout gptq_marlin_repack; block_size_m best of 8/16" in text
+    del case["median_us"]["marlin_bm8"], case["median_us"]["marlin_bm16"], result["peers"]
+    assert "marlin" not in render(result)
+
+
+def test_experts_table_marlin_setup_reports_why_not(tmp_path, monkeypatch):
+    from benchmarks.experts_table import marlin_setup, marlin_vllm_pick
+
+    monkeypatch.setenv(mm.ENV_DIR, str(tmp_path))
+    monkeypatch.setattr(mm, "_OPS", None)
+    result = {}
+    assert marlin_setup(["triton"], result) is None and result == {}
+    assert marlin_setup(["marlin"], result) is None
+    assert f"no {fm.MOE_LIB}" in result["marlin_error"]
+    assert marlin_vllm_pick(16, 56) == 8 and marlin_vllm_pick(1024, 896) == 32
