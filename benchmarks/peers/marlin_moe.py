@@ -81,15 +81,27 @@ expert map has that length). Marlin picks its own thread tile (``thread_k = thre
 **CUDA graphs.** A call does no host synchronization; the ops allocate through PyTorch's
 caching allocator; the workspace (``int32 [SMs * 4]`` locks, zero) is made once.
 
-Smoke test on the GPU node (loads, checks the tiny problems, times one DEP16 rank)::
+**GPU code in the wheel** (``cuobjdump``): the Marlin MoE kernels are SASS for sm_80, sm_89
+and sm_120 plus sm_80 PTX, none for sm_90: on an H100/H200 the driver JIT-compiles them at
+their first use (once per process unless the compute cache keeps them; the smoke reports
+the first checks' wall time, ``first_checks_s``); ``moe_align_block_size``, ``moe_sum``
+and ``silu_and_mul`` have sm_90 SASS; ``gptq_marlin_repack`` is sm_80 SASS + PTX too.
 
-    PYTHONPATH=. python3 -m benchmarks.peers.marlin_moe
+Smoke on the GPU node (loads, checks the tiny problems at every block size, proves the
+PyTorch repack equal to the extension's, times one DEP16 rank at T = 4 per block size)::
 
-Carry ``.gpu/peers/marlin`` (the ``full`` set, 126 MB: more than one call may carry, so
-``_C_stable_libtorch.abi3.so.part0`` in one call, then ``.part1``,
-``_moe_C_stable_libtorch.abi3.so`` and ``manifest.json`` in the next, while the machine
-is still warm), or only ``_moe_C_stable_libtorch.abi3.so`` and ``manifest.json`` (the
-``minimal`` set, 45.3 MiB, one call).
+    export CUDA_CACHE_MAXSIZE=4294967296 PYTHONUNBUFFERED=1
+    PYTHONPATH=. python3 -m benchmarks.peers.marlin_moe | tee $OUT/marlin_smoke.json
+
+What to carry (``.gpu/`` is ignored, so name the files; a call carries at most 64 MiB):
+
+* ``full`` set, two calls while the machine stays warm (ignored files a call leaves there
+  stay for the next): first ``.gpu/peers/marlin/_C_stable_libtorch.abi3.so.part0`` (60
+  MiB; any command), then ``.gpu/peers/marlin/_C_stable_libtorch.abi3.so.part1`` (15.2
+  MiB), ``.gpu/peers/marlin/_moe_C_stable_libtorch.abi3.so`` (45.3 MiB) and
+  ``.gpu/peers/marlin/manifest.json`` with the smoke (:func:`load_ops` joins the parts);
+* ``minimal`` set, one call: ``.gpu/peers/marlin/_moe_C_stable_libtorch.abi3.so`` and
+  ``.gpu/peers/marlin/manifest.json`` (PyTorch repack and activation).
 """
 
 from __future__ import annotations
@@ -97,6 +109,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -740,7 +753,9 @@ def smoke(device="cuda", tokens: int = 4) -> dict:
                                                         k, n, 4, False) for i in range(e)])
             same[name] = bool(torch.equal(ext, marlin_repack_torch(codes)))
         out["torch_repack_equals_ext"] = same
+    started = time.time()
     combine, checks = passing_combine(device)
+    out["first_checks_s"] = round(time.time() - started, 1)  # includes the kernels' JIT
     out["checks"], out["combine"] = checks, combine
     if combine is None:
         out["ok"] = False
