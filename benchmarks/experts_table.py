@@ -15,6 +15,12 @@ L2 flushed (a 256 MiB streaming read, ``l2_flush``) before every replay, median 
 * ``engine``: ``fast.experts.ExpertsEngine`` (routing lists, plan, FC1, FC2);
 * ``triton_kernels``: OpenAI's ``matmul_ogs`` MXFP4 MoE (``benchmarks/peers/triton_moe``), at
   ``num_warps`` 4 and 8 (the best is reported);
+* ``marlin``: vLLM's Marlin MoE (``moe_wna16_marlin_gemm``, W4A16: BF16 activations x MXFP4
+  weights repacked by ``gptq_marlin_repack``; ``benchmarks/peers/marlin_moe``, the libraries
+  in ``.gpu/peers/marlin``), SiLU-and-mul between the GEMMs, at every ``block_size_m`` of
+  8, 16, 32, 48, 64 (the best is reported with its block size; vLLM's own heuristic pick is
+  in the JSON); its tiny-problem checks run first and pick the combine (``moe_sum``, else
+  an FP32 PyTorch sum) whose results pass;
 * ``grouped_mm``: ``torch._grouped_mm`` on BF16-resident weights (rows sorted by expert);
 * the byte limit: touched experts x bytes per expert, at the read bandwidth measured in
   the same run (a streaming read of 4 GiB with the engine's load instruction).
@@ -218,6 +224,64 @@ def start_run():
     return flush, started, result, random_weights()
 
 
+def marlin_setup(peers: list, result: dict):
+    """Where ``"marlin"`` is among ``peers`` and the peer can run: its tiny-problem checks
+    (``marlin_moe.passing_combine``, recorded in ``result["marlin_checks"]``) and the combine
+    that passed, as ``(marlin_moe, combine)``; else None, the reason in
+    ``result["marlin_error"]`` and printed."""
+    if "marlin" not in peers:
+        return None
+    try:
+        from benchmarks.peers import marlin_moe
+
+        ok, why = marlin_moe.available()
+        if not ok:
+            print("marlin unavailable:", why, flush=True)
+            result["marlin_error"] = why
+            return None
+        combine, checks = marlin_moe.passing_combine()
+        result["marlin_checks"] = checks
+        result["marlin_versions"] = marlin_moe.versions()
+        print(f"marlin checks ({marlin_moe.ops_set()} set):", [c["ok"] for c in checks],
+              "combine", combine, flush=True)
+        if combine is None:
+            result["marlin_error"] = "tiny-problem checks failed (not timed)"
+            return None
+        return marlin_moe, combine
+    except Exception as error:  # reported, not hidden
+        print("marlin setup failed:", repr(error), flush=True)
+        result["marlin_error"] = repr(error)
+        return None
+
+
+def marlin_peers(marlin, w, first: int, count: int, shard: tuple[int, int], result: dict) -> dict:
+    """``{"marlin_bm<bs>": callable}`` for every candidate ``block_size_m``, all over one
+    converted weight set of the rank (``rank_moe``); the configuration in
+    ``result["peers"]["marlin"]``. Empty (reason printed) if the build fails."""
+    module, combine = marlin
+    try:
+        moe, why = module.rank_moe(w, first, count, shard, combine=combine)
+    except Exception as error:  # reported, not hidden
+        moe, why = None, repr(error)
+    if moe is None:
+        print(f"marlin build failed: {why}", flush=True)
+        return {}
+    desc = moe.describe()
+    desc["block_size_m"] = "best of " + "/".join(map(str, module.BLOCK_SIZES)) + " per case"
+    for key in ("first", "count", "latent", "intermediate", "bytes_per_expert", "stored_bytes_per_expert"):
+        desc.pop(key, None)
+    result.setdefault("peers", {})["marlin"] = desc
+    return {f"marlin_bm{bs}": (lambda x, ids, rw, bs=bs: moe(x, ids, rw, block_size_m=bs))
+            for bs in module.BLOCK_SIZES}
+
+
+def marlin_vllm_pick(rows: int, count: int) -> int:
+    """vLLM's own ``block_size_m`` for ``rows`` at a rank of ``count`` of the ``E`` experts."""
+    from benchmarks.peers.marlin_moe import vllm_block_size_m
+
+    return vllm_block_size_m(rows, K, count, E)
+
+
 class GroupedMM:
     """``torch._grouped_mm`` experts over BF16-resident weights: rows sorted by expert,
     FC1, SiTU (PyTorch ops), FC2, rows scattered back (the PyTorch path a user has)."""
@@ -246,24 +310,46 @@ class GroupedMM:
         return out
 
 
+def best_of(median_us: dict, prefix: str) -> tuple[str | None, float | None]:
+    """The fastest of a case's contestants named ``prefix...`` (one per configuration, e.g.
+    ``marlin_bm16``): ``(name, median us)``, or ``(None, None)`` if there is none."""
+    runs = [(v, k) for k, v in median_us.items() if k.startswith(prefix)]
+    if not runs:
+        return None, None
+    v, k = min(runs)
+    return k, v
+
+
 def render(result: dict) -> str:
     """A markdown table of a result: per case the median time of each contestant (us) and
     its fraction of the byte limit; the best triton_kernels configuration; the speed-up of
-    the engine over it; then, where the run measured ``--tactics`` variants, a second table
-    of each variant's time and its ratio to the default's."""
+    the engine over it; where the run timed Marlin, its best ``block_size_m`` (named) and
+    the engine's speed-up over it in two more columns, and each peer's layout and
+    configuration (``result["peers"]``) under the table; then, where the run measured
+    ``--tactics`` variants, a second table of each variant's time and its ratio to the
+    default's."""
+    marlin = any(k.startswith("marlin") for c in result["cases"] for k in c["median_us"])
     lines = [f"Device {result['device']}, torch {result['torch']}; read bandwidth "
              f"{result['read_gbs']:.0f} GB/s (this run); fraction = byte limit / time.", "",
              "| mode | size | skew | touched | limit us | engine us (frac) | triton best us (frac) "
-             "| grouped_mm us (frac) | engine / triton |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| grouped_mm us (frac) | engine / triton |" + (" marlin best us (frac) | engine / marlin |"
+                                                            if marlin else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if marlin else "")]
     for c in result["cases"]:
         med, lim = c["median_us"], c["limit_us"]
         tri = min((v for k, v in med.items() if k.startswith("triton")), default=None)
         cell = lambda v: f"{v:.1f} ({lim / v:.2f})" if v else "-"  # noqa: E731
         gm = med.get("grouped_mm")
         ratio = f"{tri / med['engine']:.2f}x" if tri else "-"
-        lines.append(f"| {c['mode']} | {c['size']} | {c['skew']:.1f} | {c['touched']} | {lim:.1f} | "
-                     f"{cell(med['engine'])} | {cell(tri)} | {cell(gm)} | {ratio} |")
+        line = (f"| {c['mode']} | {c['size']} | {c['skew']:.1f} | {c['touched']} | {lim:.1f} | "
+                f"{cell(med['engine'])} | {cell(tri)} | {cell(gm)} | {ratio} |")
+        if marlin:
+            name, mar = best_of(med, "marlin")
+            tag = f" {name[len('marlin_'):]}" if name and name != "marlin" else ""
+            line += (f" {cell(mar)}{tag} | {mar / med['engine']:.2f}x |" if mar else " - | - |")
+        lines.append(line)
+    for name, desc in result.get("peers", {}).items():
+        lines.append(f"\n{name}: " + "; ".join(f"{k} {v}" for k, v in desc.items()))
     variants = sorted({k for c in result["cases"] for k in c["median_us"] if k.startswith("engine_")})
     if variants:  # the --tactics variants, each over the call's default, against the default
         lines += ["", "Engine tactics (each over the call's default tactic), us (time / default):", "",
@@ -284,7 +370,7 @@ def main(argv=None):
     ap.add_argument("--skews", default="0,1.0")
     ap.add_argument("--wide-skews", default="0",
                     help="the TP8 rank's routing skews (default uniform only)")
-    ap.add_argument("--peers", default="triton,grouped_mm")
+    ap.add_argument("--peers", default="triton,marlin,grouped_mm")
     ap.add_argument("--windows", default="auto")
     ap.add_argument("--tactics", default="",
                     help="extra engine tactics, e.g. 'ring=6;warps=8,mtiles=1;wgmma=1,windows=8' "
@@ -314,6 +400,7 @@ def main(argv=None):
         except Exception as error:  # reported in the table, not hidden
             print("triton_kernels import failed:", repr(error))
             result["triton_error"] = repr(error)
+    marlin = marlin_setup(peers, result)
 
     def run_mode(mode, first, count, shard, sizes, skews):
         prepared = prepare_experts(w, "cuda", experts=(first, count), shard=shard)
@@ -327,8 +414,16 @@ def main(argv=None):
             try:
                 moes, _ = triton.rank_moes(w, first, count, shard)
                 peers_built.update({f"triton_w{nw}": moe for nw, moe in moes.items()})
+                if moes:
+                    result.setdefault("peers", {})["triton"] = {
+                        "layout": "HopperMXValueLayout / HopperMXScaleLayout (triton_kernels API "
+                                  f"{triton.API_VERSION})",
+                        "num_warps": "best of " + "/".join(f"{nw}" for nw in moes) + " per case",
+                        "activation": "SwiGLU fused into FC1", "split_k": 1, "block_m": "heuristic"}
             except Exception as error:  # reported, not hidden
                 print(f"triton build failed: {error!r}", flush=True)
+        if marlin is not None:
+            peers_built.update(marlin_peers(marlin, w, first, count, shard, result))
         if "grouped_mm" in peers:
             from reference.mx import dequantize_mxfp4
 
@@ -340,6 +435,9 @@ def main(argv=None):
                                                 w.w2_scales[e, :, lo // 32:(lo + inter) // 32]).bfloat16()
                                for e in range(first, first + count)])
             peers_built["grouped_mm"] = GroupedMM(w13b, w2b, first, count)
+            result.setdefault("peers", {})["grouped_mm"] = {
+                "layout": "BF16-resident weights (dequantized once), rows sorted by expert",
+                "activation": "SiTU in PyTorch ops"}
         for skew in skews:
             for size in sizes:
                 inputs = rank_case(mode, size, skew, first, count, per_expert,
@@ -377,6 +475,9 @@ def main(argv=None):
                         print(f"{name} failed at {mode} {size}: {error!r}", flush=True)
                 med = {k: statistics.median(v) for k, v in case["times"].items()}
                 case["median_us"] = med
+                case["best"] = {p: best_of(med, p)[0] for p in ("triton", "marlin") if best_of(med, p)[0]}
+                if marlin is not None:
+                    case["marlin_vllm_block_size_m"] = marlin_vllm_pick(rows, count)
                 line = (f"{mode:5s} size {size:5d} skew {skew:3.1f} touched {touched:4d} "
                         f"max {inputs['max_pairs']:4d} limit {limit_us:7.1f}us")
                 for k, v in med.items():
