@@ -44,7 +44,7 @@ CANDIDATES: dict[tuple[int, int], tuple[Tactic, ...]] = {
 
 #: Default tactic per shape and batch bucket (largest T of the bucket -> tactic): the
 #: candidate with the least time over the bucket's batches in two runs on the H200
-#: (benchmarks/results/dense/h200_2026-11-30_v2*.json), except the front above T = 32,
+#: (benchmarks/results/h200/dense.json, dense-rerun.json), except the front above T = 32,
 #: which keeps split 1 where split 2 was 0.7 us (1%) faster.
 DEFAULT_TACTICS: dict[tuple[int, int], dict[int, Tactic]] = {
     # split 1 at every T: a front row's bits never depend on the batch size (<= 64)
