@@ -42,9 +42,10 @@ import math
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULTS = dict(stages=RESULTS / "dep" / "h200_dep16_v4_rerun.json",
-                experts=RESULTS / "experts" / "h200_engine_v9_default.json",
-                peers=RESULTS / "dep" / "h200x2_dep2_v2.json")
+#: the runs the model is fitted on and checked against (``benchmarks/results/README.md``)
+DEFAULTS = dict(stages=RESULTS / "models" / "h200_dep16_v4_rerun.json",
+                experts=RESULTS / "models" / "h200_engine_v9_default.json",
+                peers=RESULTS / "h200" / "two-gpu-dep2.json")
 #: kimi_k3: experts, top-k, latent, bytes of one MXFP4 expert (w13 + w2 with scales)
 E, K, L, EXPERT_BYTES = 896, 16, 3584, 17_547_264
 

@@ -4,6 +4,8 @@
         <YYYYMMDDTHHMMSSZ>_<commit>[-dirty][_<tag>].json   one run (pytest-benchmark's JSON)
         noise.json      the run-to-run noise of this machine and the threshold it gives
         accepted.json   reviewed slowdowns that the history check lets pass, each with why
+        <topic>[-<part>].{json,md,log,txt}   the current result of a topic (``experts``,
+                        ``dep``, ``wide``, ...; ``benchmarks/results/README.md``): not a run
 
 A **run** is the file ``pytest --benchmark-json`` writes, named by the UTC time it was
 saved and the commit it measured (``-dirty``: with uncommitted changes; a tag such as
@@ -56,6 +58,8 @@ from pathlib import Path
 __all__ = [
     "RESULTS",
     "STATISTICS",
+    "TOPICS",
+    "CURRENT_NAME",
     "HistoryError",
     "Run",
     "Noise",
@@ -91,6 +95,11 @@ ACCEPTED_FILE = "accepted.json"
 CONFIRM_RUNS = 3
 #: Files a machine directory may hold besides its runs.
 OTHER_FILES = (NOISE_FILE, ACCEPTED_FILE, "README.md")
+#: The topics whose current result files (``<topic>[-<part>].<ext>``, overwritten by each new
+#: run of the topic) a machine directory may hold beside its runs.
+TOPICS = ("experts", "dep", "wide", "dense", "verify", "two-gpu", "sass-digest")
+CURRENT_NAME = re.compile(
+    rf"^(?:{'|'.join(re.escape(t) for t in TOPICS)})(?:-[a-z0-9]+)?\.(?:json|md|log|txt)$")
 RUN_NAME = re.compile(
     r"^(?P<saved>\d{8}T\d{6}Z)_(?P<commit>[0-9a-f]{7,40})(?P<dirty>-dirty)?"
     r"(?:_(?P<tag>[a-z0-9-]+))?\.json$")
@@ -254,12 +263,13 @@ def machine_dirs(root: Path = RESULTS) -> list[Path]:
 
 def load_history(machine_dir: Path) -> list[Run]:
     """Every run of a machine, oldest first. Raises HistoryError for a file that is
-    neither a run nor one of ``OTHER_FILES``, a run that does not parse, or a run whose
+    neither a run nor one of ``OTHER_FILES`` nor a current topic file (``CURRENT_NAME``),
+    a run that does not parse, or a run whose
     ``machine_info["machine"]`` is not the directory's name."""
     machine_dir = Path(machine_dir)
     runs = []
     for path in sorted(machine_dir.iterdir()):
-        if path.name in OTHER_FILES:
+        if path.name in OTHER_FILES or CURRENT_NAME.match(path.name):
             continue
         run = load_run(path)
         recorded = run.data["machine_info"].get("machine")

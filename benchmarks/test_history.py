@@ -65,6 +65,18 @@ def test_a_damaged_run_file_fails_the_check(machine, damage, message):
         history.check_machine(machine)
 
 
+def test_current_topic_files_sit_beside_the_runs(machine):
+    # benchmarks/results/README.md: a machine keeps its current result of each topic beside
+    # its runs; those files are not runs, a misnamed run still fails
+    for name in ("experts.json", "experts.md", "dense-rerun.json", "two-gpu.log"):
+        (machine / name).write_text("{}")
+    assert len(history.load_history(machine)) == 2
+    history.check_machine(machine)
+    (machine / "experts_v2.json").write_text("{}")
+    with pytest.raises(history.HistoryError, match="not a run file name"):
+        history.load_history(machine)
+
+
 def _edit(path, change):
     data = json.loads(path.read_text())
     change(data)

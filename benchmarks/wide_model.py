@@ -3,21 +3,21 @@ the measured per-stage times of one virtual TP8 rank and the measured peer bandw
 GPU needed)::
 
     python -m benchmarks.wide_model          # the committed H200 results; prints the markdown
-                                             # and writes results/wide/wide_model.md
+                                             # and writes results/models/wide_model.md
     python -m benchmarks.wide_model --wide A.json --experts B.json --peers C.json --out ''
 
 Inputs (each a committed result JSON; the dimensions from ``reference.config``):
 
 * ``--wide``: ``benchmarks.wide_table`` over 8 virtual TP ranks on one H200
-  (``results/wide/h200_tp8_v10_listed.json``): rank 0's median time per stage (shared, front,
+  (``results/models/h200_tp8_v10_listed.json``): rank 0's median time per stage (shared, front,
   publish, route, experts, finalize, latent, hidden), its whole step (``rank``), the
   touched experts and the read bandwidth of the run, for T = 65..1024 rows;
-* ``--experts``: ``benchmarks.experts_table`` (``results/experts/h200_engine_v14_all.json``):
+* ``--experts``: ``benchmarks.experts_table`` (``results/models/h200_engine_v14_all.json``):
   the engine alone on a TP8 rank, uniform routing (the engine fit's other two points);
 * ``--peers``: ``benchmarks.dep_peer_table`` on two H200s
-  (``results/dep/h200x2_dep2_v2.json``): the peer write and read bandwidth over NVLink
-  (``peer_gbs``; ``results/dep/h200x2_symm_probe.log`` measured 390 / 372 GB/s the same
-  way).
+  (``results/h200/two-gpu-dep2.json``): the peer write and read bandwidth over NVLink
+  (``peer_gbs``; a symmetric-memory probe measured 390 / 372 GB/s the same way,
+  ``docs/ledger.md``).
 
 Bytes per rank and stage at ``N`` ranks and ``T`` rows (:func:`stage_bytes`; BF16 2 bytes,
 FP32 4, an MXFP4 expert ``3 I L (1/2 + 1/32)`` bytes with its scales), from the schedule
@@ -95,10 +95,11 @@ from pathlib import Path
 from reference.config import LatentMoEConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
-DEFAULTS = dict(wide=RESULTS / "wide" / "h200_tp8_v10_listed.json",
-                experts=RESULTS / "experts" / "h200_engine_v14_all.json",
-                peers=RESULTS / "dep" / "h200x2_dep2_v2.json")
-OUT = RESULTS / "wide" / "wide_model.md"
+#: the runs the model is fitted on (``benchmarks/results/README.md``)
+DEFAULTS = dict(wide=RESULTS / "models" / "h200_tp8_v10_listed.json",
+                experts=RESULTS / "models" / "h200_engine_v14_all.json",
+                peers=RESULTS / "h200" / "two-gpu-dep2.json")
+OUT = RESULTS / "models" / "wide_model.md"
 CONFIG = LatentMoEConfig.kimi_k3()
 #: the measured TP8 rank
 MEASURED_RANKS = 8

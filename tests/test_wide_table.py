@@ -10,7 +10,7 @@ import torch
 
 from benchmarks import wide_table
 
-RUN = Path(wide_table.__file__).resolve().parent / "results" / "wide" / "h200_tp8_v6_router.json"
+RUN = Path(wide_table.__file__).resolve().parent / "results" / "h200" / "wide.json"
 
 
 def _row(text: str, tokens: int) -> list[str]:

@@ -83,8 +83,9 @@ def choose_tactic(rows: int, top_k: int, experts: int, local: int, *, windows: i
     896 rows), where the warpgroup MMA with 8 warps of 2 m-tiles (256-row tiles) is
     faster on the H200: as the default, 419.1 against 464.2 us at DEP16 T = 64 and 847.7
     against 898.6 us at TP8 1024 rows (walking 7 tiles;
-    ``benchmarks/results/experts/h200_engine_v16_wgmma_default.md``), but 301.2 against
-    263.2 us at T = 16 (two windows; ``h200_engine_v15_wgmma.md``). Switching the kind
+    archived run ``experts/h200_engine_v16_wgmma_default``), but 301.2 against
+    263.2 us at T = 16 (two windows; ``experts/h200_engine_v15_wgmma``; both in
+    ``docs/ledger.md``). Switching the kind
     with the batch keeps a pair's rows batch invariant because the two kinds give the same
     bits (``verify/test_experts.py::test_experts_mma_kinds_same_bits``).
 
@@ -92,16 +93,17 @@ def choose_tactic(rows: int, top_k: int, experts: int, local: int, *, windows: i
     one persistent grid with the launch chain (``fused`` and ``pdl_chain``): measured on
     the H200 at one DEP16 rank it was the fastest engine at every T from 1 to 64, uniform
     and skewed (90.4 against 104.5 us at T = 1, 458.9 against 498.4 at T = 64,
-    ``benchmarks/results/experts/h200_engine_v8_tactics.json``; as the default, 90.8
-    against 97.1 us at T = 1 over 30 replays, ``h200_engine_v9_tile_T1.json``). An engine
+    archived run ``experts/h200_engine_v8_tactics``; as the default, 90.8
+    against 97.1 us at T = 1 over 30 replays, ``experts/h200_engine_v9_tile_T1``). An engine
     of an intermediate slice (a wide TP rank; ``sliced``) runs it too when its FC2 items
     walk and the call has at most two windows of pairs per expert: there it was 1.6-4.6%
     faster than the two kernels at TP8 65..512 rows (343.5/447.7/509.4/620.7 against
-    360.0/464.0/521.6/631.1 us, ``h200_engine_v11_tp8_fused.md``), and no faster at 1024
-    rows (18 pairs per expert: 943.9 against 940.8 us, ``h200_engine_v11_tp8_tactics.md``;
-    1087.3 against 1064.6 in the layer, ``wide/h200_tp8_v5_fused.md``); with one row tile
+    360.0/464.0/521.6/631.1 us, ``experts/h200_engine_v11_tp8_fused``), and no faster at 1024
+    rows (18 pairs per expert: 943.9 against 940.8 us, ``experts/h200_engine_v11_tp8_tactics``;
+    1087.3 against 1064.6 in the layer, ``wide/h200_tp8_v5_fused``); with one row tile
     per FC2 item it was 3-5% slower (403.3 against 392.5 us at TP8 65 rows), so an unwalked
-    slice keeps the two kernels. No tactic changes a bit (the contracts check each)."""
+    slice keeps the two kernels. No tactic changes a bit (the contracts check each). The
+    runs named here are archived (``docs/ledger.md``, experts engine)."""
     pairs = rows * top_k * local / experts
     tactic = choose_tile(rows, top_k, experts, local, windows=windows, wgmma=wgmma)
     if walk > 1:
@@ -124,9 +126,9 @@ def choose_walk(inter: int, latent: int, tile_rows: int) -> int:
     stages) and a TP2 slice's (12) walk none. What it removes is each short item's claim,
     search, token table and ring fill between every 3 stages of weights (the FC2 kernel of
     a TP8 rank streamed at 0.67 of the read bandwidth against FC1's 0.84 on the H200,
-    ``benchmarks/results/experts/h200_engine_timeline_v2.md``); walking 4 tiles took 6 to
+    archived run ``experts/h200_engine_timeline_v2``); walking 4 tiles took 6 to
     12% off a TP8 rank's two kernels there, and 7 tiles measured the same as 4
-    (``h200_engine_v11_walk.md``)."""
+    (``experts/h200_engine_v11_walk``; both in ``docs/ledger.md``)."""
     from fast.experts.kernels import WALK_MAX_STAGES
 
     stages = stages_of(inter)

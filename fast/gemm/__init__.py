@@ -19,7 +19,7 @@ only ``splits`` changes bits, and a shape's default ``splits`` is the same at ev
 (``splits_of``), so the default GEMM is batch invariant: a token's output bits do not
 depend on the batch it was computed in.
 
-Status (H200, ``benchmarks/results/dense/h200_2026-11-30_v2.md``): the four GEMMs in one
+Status (H200, ``benchmarks/results/h200/dense.md``): the four GEMMs in one
 graph at T <= 8 take 106.8-109.7 us, 0.77-0.79 of the byte limit at the measured read
 bandwidth (cuBLAS 111.1-113.3 us, 0.75-0.76); from T = 12 on they are slower than cuBLAS
 (T = 64: 161.8 us against 111.1 us): the ``mma.sync`` main loop's tensor-core and

@@ -47,7 +47,7 @@ CANDIDATES: dict[tuple[int, int], tuple[Tactic, ...]] = {
 #: computed in (the tile shape, which is all the buckets change, moves no bit; the GPU
 #: contracts ``verify/test_gemm_fast.py`` and ``verify/test_dep_fast.py`` check it). Per
 #: shape, the split whose best tactic took the least time over T = 1..64 in two runs on the
-#: H200 (benchmarks/results/dense/h200_2026-11-30_v2*.json), and per bucket the fastest
+#: H200 (benchmarks/results/h200/dense.json, dense-rerun.json), and per bucket the fastest
 #: tactic of that split. Against the fastest tactic of any split, per T: the front (split 1)
 #: 2.7-2.9 us slower at T = 56-64 (than split 2), shared down and up (split 2) 0.5-1.5 us
 #: slower at T <= 8 (than split 1) and up to 1.8 us at T = 64 (than split 4).

@@ -78,15 +78,15 @@ GEMMS = ("router", "front", "shared_down", "up")
 GEMM_MODES = ("auto", "cublas", "fast")
 
 #: Where ``DENSE_BACKENDS`` comes from (``tests/test_dense_front.py`` re-derives it from them).
-DENSE_BACKENDS_SOURCE = ("benchmarks/results/dense/h200_2026-11-30_v2.json",
-                         "benchmarks/results/dense/h200_2026-11-30_v2_rerun.json")
+DENSE_BACKENDS_SOURCE = ("benchmarks/results/h200/dense.json",
+                         "benchmarks/results/h200/dense-rerun.json")
 
 #: The backend of each dense GEMM of the real layer (``kimi_k3`` shapes ``(name, N, K)``)
 #: per batch bucket (largest T of the bucket -> backend): ``"fast"`` where fast.gemm at its
 #: default tactic (``fast.gemm.host.DEFAULT_TACTICS``) took less device time than cuBLAS at
 #: every measured batch of the bucket, in the per-GEMM figures of ``DENSE_BACKENDS_SOURCE``
 #: (each GEMM alone, medians of CUDA-graph replays after a 256 MiB read flush, the mean of
-#: the two runs; ``benchmarks/results/dense/h200_2026-11-30_v2.md``, "Each GEMM alone").
+#: the two runs; ``benchmarks/results/h200/dense.md``, "Each GEMM alone").
 #: Measured at T = 1, 2, 3, 4, 6, 8, 12, 16, 24, ..., 64; the unmeasured 9..11 go with 12.
 #:
 #: The per-GEMM figures, not the "four in one graph" ones, because in the layer the GEMMs

@@ -258,8 +258,8 @@ def compile_all(config: LatentMoEConfig, ranks: int, arch: str, *, peers: bool =
 SHARED_PLACEMENTS = ("front", "beside", "tail")
 
 #: The calls' default placement: beside the experts was the fastest at every row count of
-#: a virtual TP8 rank on the H200, 2 to 3% ahead of front (``benchmarks/results/wide/
-#: h200_tp8_v2_placements.md`` and ``h200_tp8_v3.md``), and every placement's contracts
+#: a virtual TP8 rank on the H200, 2 to 3% ahead of front (archived runs
+#: ``wide/h200_tp8_v2_placements`` and ``wide/h200_tp8_v3``, ``docs/ledger.md``), and every placement's contracts
 #: pass there on one GPU and two.
 DEFAULT_SHARED_PLACEMENT = "beside"
 
