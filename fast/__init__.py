@@ -6,15 +6,19 @@
 * ``fast.finalize.finalize`` -- routing-weighted FP32 FMA sum of the top-k rows;
 * ``fast.norm.rms_norm`` -- RMSNorm with a stated reduction tree;
 * ``fast.experts`` -- the routed experts' engine;
-* ``fast.gemm`` -- the dense part's split-K swap-AB GEMM (``T <= 64`` tokens);
+* ``fast.gemm`` -- the dense part's split-K swap-AB GEMM (``T <= 64`` tokens; one K split
+  per weight at every batch: batch invariant);
+* ``fast.schedules`` -- the schedules on the GPU: S1 (``dep.DepLayer`` over virtual ranks,
+  ``dep_peer.DepPeerLayer`` over real ones; ``batch_invariant=True`` for bits independent
+  of the batch) and S2 (``wide.WideLayer``, ``wide_peer``);
 * ``fast.stock`` -- the stock PyTorch / cuBLAS ops, the baseline the kernels are checked
   and timed against;
 * ``fast.backend`` -- architecture detection, availability reasons, the compile cache.
 
 ``fast.backend`` imports no kernel module until a kernel is compiled, so it works on any
 machine and reports why a kernel cannot run; a kernel module imports the CuTe DSL (the
-``nvidia-cutlass-dsl`` package; compiling needs no GPU). The schedules S1 and S2 are
-emulated in ``reference.schedules``; their fast versions are not built yet.
+``nvidia-cutlass-dsl`` package; compiling needs no GPU). The schedules' reference
+emulations are in ``reference.schedules``.
 
 See docs/fast.md.
 """
