@@ -30,6 +30,9 @@ layer (DEP16) runs ``"auto"``, which mixes the two (``DENSE_BACKENDS``).
 | out | cuBLAS: within the two-rounding bound of its BF16 ``addmm``; fast.gemm: as the other GEMMs, ``shared`` the addend |
 | CUDA graph | replays on new inputs bitwise equal to eager calls on those inputs (no stale scratch) |
 | stream orders | serialized, side stream, side stream delayed by a spin, graph replay: bitwise equal |
+| designed orders | the owner finalize (k order) and the combine (owner order) on values of a wide dynamic range at 8 ranks, where the order decides the bits: bitwise their reference orders |
+| another process | the same layer, weights and tokens in a second process: the same bits |
+| 1000 graph replays | on changing inputs, every 50th bitwise equal to an eager call |
 | batch invariance (``batch_invariant=True``) | every rank's first ``t`` tokens as a batch of ``t``: every stage bitwise the same tokens' at ``T = 64`` (home: logits to out; owner: received ids/weights, local expert rows, partials), every ``t`` on the small config, both sides of every bucket edge at the real one |
 """
 
@@ -387,3 +390,125 @@ def test_dep_fast_real_dep16_batch_invariant(backend, seed, contract):
     check_batch_invariant(contract, layer, xs, (1, 2, 8, 9, 16, 17, 24, 25, 32, 33, 63))
     few = [x[:2].contiguous() for x in xs]
     check_dep_fast(contract, layer, layer(few), few)
+
+
+# -- orders exposed by designed values, and reliability ------------------------------------
+
+def _designed_bf16(shape, seed: int, device) -> torch.Tensor:
+    """BF16 values whose FP32 sums depend on their order: per element a random sign times
+    one of 2^24, 2^12, 1, 2^-12 (cancellation across 36 binades: ``2^24 + 1`` rounds to
+    ``2^24`` in FP32, so the owner or slot order of a sum decides its bits)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([2.0 ** 24, 2.0 ** 12, 1.0, 2.0 ** -12])
+    pick = torch.randint(0, 4, shape, generator=g)
+    sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
+    return (scale[pick] * sign).to(torch.bfloat16).to(device)
+
+
+@pytest.mark.config("small")
+def test_dep_fast_reduction_orders_designed(backend, seed, contract):
+    """The order-sensitive sums of the routed part on designed values, 8 virtual ranks: the
+    owners' partial finalize (an FMA chain over the local slots in k order) on expert rows
+    of a wide dynamic range, and the home's combine (owners in rank order) on partials of
+    one: each bitwise its reference order, on tokens with at least 3 present owners
+    (random values of similar size often sum exactly in FP32 whatever the order)."""
+    cfg = cases.config("small")
+    ranks, tokens = 8, 16
+    layer = _layer("small", ranks, tokens, "fast")
+    xs = cases.rank_rows(cfg, ranks, tokens, seed, "cuda")
+    outs = layer(xs)
+    k, per = cfg.top_k, layer.per
+    present_counts = []
+    # owners: designed expert rows of every local pair, then the partial finalize alone
+    for o, out in enumerate(outs):
+        rows = out.rows.view(ranks * tokens, k, cfg.latent)
+        rows.copy_(_designed_bf16(tuple(rows.shape), seed + o, rows.device))
+        layer.partial_stage(o, tokens)
+        local = (out.recv_ids >= o * per) & (out.recv_ids < (o + 1) * per)
+        want = local_finalize(rows.cpu(), out.recv_weights.cpu(), local.cpu())
+        valid = (out.recv_ids[:, 0] >= 0).cpu()
+        contract.bitwise(out.partials.cpu()[valid], want[valid],
+                         what=f"owner {o} partial finalize on designed rows (k order)",
+                         index_names=ROWS)
+    # homes: designed partials at every owner, then the combine alone
+    for o, out in enumerate(outs):
+        out.partials.copy_(_designed_bf16(tuple(out.partials.shape), seed + 100 + o,
+                                          out.partials.device))
+    owners = torch.arange(ranks)
+    for h, home in enumerate(outs):
+        ids = home.ids.cpu()
+        present = ((ids.long() // per)[None] == owners[:, None, None]).any(2)  # [N, T]
+        present_counts.append(int((present.sum(0) >= 3).sum()))
+        routed, _ = layer.combine_stage(h, home, tokens)
+        parts = [owner.partials[h * tokens:(h + 1) * tokens].cpu() for owner in outs]
+        contract.bitwise(routed.cpu(), ordered_combine(parts, list(present)),
+                         what=f"rank {h} combine on designed partials (owner order)",
+                         index_names=ROWS)
+    assert sum(present_counts) >= ranks * tokens // 2, present_counts  # the orders were exercised
+
+
+@pytest.mark.config("small")
+def test_dep_fast_same_bits_in_another_process(backend, seed, contract, tmp_path):
+    """A second process that builds the same layer (``batch_invariant=True``) from the same
+    weights and runs the same tokens returns the same bits at every stage a user reads
+    (logits, ids, weights, shared, out of every rank): nothing in a call depends on the
+    process (addresses, allocator state, compile caches)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ranks, tokens, stages = 4, 9, ("logits", "ids", "weights", "shared", "out")
+    saved = tmp_path / "other_process.pt"
+    script = (
+        "import sys, torch\n"
+        "from verify import cases\n"
+        "from fast.schedules.dep import DepLayer\n"
+        "w = cases.layer_weights('small')\n"
+        f"layer = DepLayer(w, ranks={ranks}, max_tokens=16, device='cuda', batch_invariant=True)\n"
+        f"xs = cases.rank_rows(cases.config('small'), {ranks}, {tokens}, {seed}, 'cuda')\n"
+        "outs = layer(xs)\n"
+        f"torch.save([{{n: getattr(o, n).cpu() for n in {stages!r}}} for o in outs], sys.argv[1])\n")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-c", script, str(saved)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = torch.load(saved)
+    layer = _layer("small", ranks, 16, "auto", batch_invariant=True)
+    outs = layer(cases.rank_rows(cases.config("small"), ranks, tokens, seed, "cuda"))
+    for r, o in enumerate(outs):
+        for name in stages:
+            contract.bitwise(_raw(getattr(o, name)).cpu(), _raw(theirs[r][name]),
+                             what=f"rank {r} {name}: this process vs another", index_names=ROWS)
+
+
+@pytest.mark.config("small")
+def test_dep_fast_graph_1000_replays(backend, seed, contract):
+    """One CUDA graph replayed 1000 times on changing inputs (a new batch copied in before
+    each replay); every 50th replay, and the last, bitwise equal to an eager call on the
+    same inputs (no state drifts: tile counters re-armed, no stale scratch)."""
+    cfg = cases.config("small")
+    ranks, tokens = 4, 7
+    layer = _layer("small", ranks, 8, "auto", batch_invariant=True)
+    static = cases.rank_rows(cfg, ranks, tokens, seed, "cuda")
+    replay, graph_outs = layer.graph(static)
+    pool = [cases.rank_rows(cfg, ranks, tokens, seed + 1 + i, "cuda") for i in range(8)]
+    g = torch.Generator().manual_seed(seed)
+    for i in range(1000):
+        batch = pool[i % len(pool)]
+        # a fresh mix each replay: rows of two pool batches, scaled
+        other = pool[(i * 3 + 1) % len(pool)]
+        scale = float(torch.rand((), generator=g)) + 0.5
+        for s, a, b in zip(static, batch, other):
+            s.copy_(torch.cat([a[: tokens // 2], b[tokens // 2:]]) * scale)
+        replay()
+        if i % 50 == 49 or i == 999:
+            torch.cuda.synchronize()
+            got = [o.out.clone() for o in graph_outs]
+            eager = layer([s.clone() for s in static])
+            for r in range(ranks):
+                contract.bitwise(got[r], eager[r].out,
+                                 what=f"replay {i + 1} rank {r} out = eager", index_names=ROWS)
+    layer.check()

@@ -215,6 +215,52 @@ def test_gemm_fast_default_batch_invariant(backend, gemm, contract):
 
 
 @pytest.mark.parametrize("gemm", GEMMS)
+def test_gemm_fast_split_order_designed(backend, gemm, contract):
+    """The order of the split-K sum, exposed by designed operands, for every candidate
+    tactic of 2 or more splits: token ``t``'s row of ``x`` is 1 at one k of each split
+    (``k_s = s K/S + (37 t + 11 s) mod K/S``) and 0 elsewhere, so split ``s``'s partial of
+    output ``n`` is exactly ``W[n, k_s]`` (one exact product; the zero products add
+    exactly); ``W`` holds +-2^24, 2^12, 1 and 2^-12, so the FP32 sum of the partials
+    depends on its order (``2^24 + 1`` rounds to ``2^24``). Bitwise against ``acc = p_0;
+    acc = acc + p_s`` in split order, then the addend, then one rounding (bounds cannot
+    see an order: every order is inside them)."""
+    from fast.gemm import DenseGemm
+    from fast.gemm.host import CANDIDATES
+
+    weight, x, addend, out_dtype = case(gemm)
+    n, k = weight.shape
+    g = torch.Generator().manual_seed(seed_of(f"verify/test_gemm_fast.py::designed::{gemm}"))
+    scale = torch.tensor([2.0 ** 24, 2.0 ** 12, 1.0, 2.0 ** -12])
+    designed = (scale[torch.randint(0, 4, (n, k), generator=g)]
+                * (torch.randint(0, 2, (n, k), generator=g) * 2 - 1)).to(torch.bfloat16)
+    designed = designed.to(DEVICE)
+    tactics = [t for t in CANDIDATES[tuple(weight.shape)] if t.splits >= 2]
+    eng = DenseGemm(designed, tactics=tactics)
+    tokens = x.shape[0]
+    for tactic in tactics:
+        splits, part = tactic.splits, k // tactic.splits
+        picks = torch.stack([s * part + (37 * torch.arange(tokens) + 11 * s) % part
+                             for s in range(splits)], 1)  # [T, S]
+        xd = torch.zeros(tokens, k, dtype=torch.bfloat16)
+        xd.scatter_(1, picks, 1.0)
+        acc = None
+        for s in range(splits):
+            p = designed.float().cpu()[:, picks[:, s]].t()  # [T, N]: W[n, k_s(t)]
+            acc = p if acc is None else acc + p
+        if addend is not None:
+            acc = acc + addend.float().cpu()
+        want = acc.to(out_dtype)
+        for t in (tokens, 9):
+            if not tactic.serves(t):
+                continue
+            got = eng(xd[:t].contiguous().to(DEVICE), out_dtype=out_dtype, tactic=tactic,
+                      addend=None if addend is None else addend[:t].contiguous())
+            contract.bitwise(_bits(got).cpu(), _bits(want[:t]),
+                             what=f"{gemm} {tactic.label()} T={t}: designed split order",
+                             index_names=ROWS)
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
 def test_gemm_fast_default_deterministic_and_graph(backend, gemm, contract):
     """The default tactic at each bucket's T: 20 eager reruns and 20 replays of a CUDA graph
     (new inputs copied in between replays) equal the eager call bit for bit."""
