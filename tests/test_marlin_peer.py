@@ -283,6 +283,12 @@ def test_gpu_check_forward(combine):
     assert mm.check_forward(combine=combine, first=0, count=32, block_size_m=48)["ok"]
 
 
+def test_gpu_compact_layout():
+    _gpu_or_skip()
+    ok, checks = mm.compact_passes()
+    assert ok, [c for c in checks if not c["ok"]]
+
+
 # --------------------------------------------------------------------------------------
 # the experts table
 # --------------------------------------------------------------------------------------
@@ -301,11 +307,24 @@ def test_experts_table_renders_marlin_best_block_size_and_the_peers():
     assert best_of(case["median_us"], "cutlass") == (None, None)
     text = render(result)
     assert "| engine / triton | marlin best us (frac) | engine / marlin |" in text
-    assert "| dep16 | 4 | 0.0 | 50 | 200.0 | 250.0 (0.80) | 500.0 (0.40) | - | 2.00x | 400.0 (0.50) bm16 | 1.60x |" \
-        in text
+    assert "| dep16 | 4 | 0.0 | 50 | 200.0 | 250.0 (0.80) | 500.0 (0.40) owner w8 | - | 2.00x | " \
+           "400.0 (0.50) owner bm16 | 1.60x |" in text
+    # the compact layouts beside the owner ones: the best of all, its layout named
+    case["median_us"].update(marlin_compact_bm32=300.0, triton_compact_w4=450.0)
+    assert "| 450.0 (0.44) compact w4 | - | 1.80x | 300.0 (0.67) compact bm32 | 1.20x |" in render(result)
+    del case["median_us"]["marlin_compact_bm32"], case["median_us"]["triton_compact_w4"]
     assert "marlin: layout gptq_marlin_repack; block_size_m best of 8/16" in text
     del case["median_us"]["marlin_bm8"], case["median_us"]["marlin_bm16"], result["peers"]
     assert "marlin" not in render(result)
+
+
+def test_config_tag_names_layout_and_configuration():
+    from benchmarks.experts_table import config_tag
+
+    assert config_tag("triton_w4", "triton") == "owner w4"
+    assert config_tag("triton_compact_w8", "triton") == "compact w8"
+    assert config_tag("marlin_compact_bm16", "marlin") == "compact bm16"
+    assert config_tag("marlin", "marlin") == "" and config_tag(None, "triton") == ""
 
 
 def test_experts_table_marlin_setup_reports_why_not(tmp_path, monkeypatch):

@@ -68,6 +68,26 @@ natural order, and ``silu_and_mul`` reads gate = first half, up = second half); 
    each row; ``combine="torch"`` does an FP32 masked sum in PyTorch instead) -> BF16
    ``[R, L]``; rows with no local pair are zero.
 
+**The compact layout** (``layout="compact"``, per call, with ``capacity``: a host int >= the
+local pair count ``P``; the benchmark passes ``P``, computed before the timed call as a DEP
+dispatch knows what it received; default ``R*16``): what a DEP implementation that gathers
+its received pairs would feed Marlin. Every stage works on ``capacity`` rows, not ``R*16``:
+
+1. :func:`compact_pairs` (static shapes: a cumulative sum and one scatter): each local pair's
+   source row, global expert id and weight, in flat order, in ``capacity`` slots (empty
+   slots: expert id ``n_experts_total``, which the compact expert map sends to -1);
+2. ``x`` rows gathered, BF16 ``[capacity, L]``; one ``moe_align_block_size`` of the slot ids
+   ``[capacity, 1]`` (``top_k = 1``: Marlin reads activation row ``sorted_id`` and writes
+   output row ``sorted_id``), shared by both GEMMs;
+3. FC1 -> ``[capacity, 2I]``, SiLU-and-mul -> ``[capacity, I]``, FC2 (x routing weight) ->
+   ``[capacity, L]``;
+4. combine: an FP32 ``index_add_`` of the slot rows into ``[R + 1, L]`` (empty slots into the
+   dropped row ``R``) -> BF16 ``[R, L]``. Its FP32 atomics may order the sum of a row with
+   three or more local pairs differently from run to run (last-bit differences; rows with
+   one or two are exact).
+
+No host synchronization in either layout.
+
 Rounding points: FP32 accumulation, BF16 ``h1``, activation in FP32 -> BF16, FC2 FP32 x
 FP32 routing weight -> BF16 per pair, then the combine -> BF16.
 
