@@ -665,6 +665,7 @@ class MarlinMoE:
         bs = block_size_m or self.choose_block_size(cap, 1, "compact")
         rows, dest, slot_ids, slot_w = compact_pairs(ids, weights, self.first, self.count, cap,
                                                      self.n_experts_total)
+        slot_w = slot_w.view(cap, 1)  # shaped like the owner call's [R, K] weights, top_k = 1
         xp = x.index_select(0, rows)
         route = self._align(slot_ids, bs, compact=True)
         h1 = torch.empty(cap, 2 * self.intermediate, dtype=torch.bfloat16, device=x.device)
