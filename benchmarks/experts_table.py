@@ -14,13 +14,23 @@ L2 flushed (a 256 MiB streaming read, ``l2_flush``) before every replay, median 
 
 * ``engine``: ``fast.experts.ExpertsEngine`` (routing lists, plan, FC1, FC2);
 * ``triton_kernels``: OpenAI's ``matmul_ogs`` MXFP4 MoE (``benchmarks/peers/triton_moe``), at
-  ``num_warps`` 4 and 8 (the best is reported);
+  ``num_warps`` 4 and 8, each in two layouts: ``owner`` (the ``R`` received rows routed as
+  they are, ``triton_w<nw>``) and ``compact`` (the rows with a local pair gathered into a
+  batch of exactly their count, the BLOCK_M hint from the real pair count, the outputs
+  scattered back: ``triton_compact_w<nw>``); the best of all is reported, named;
 * ``marlin``: vLLM's Marlin MoE (``moe_wna16_marlin_gemm``, W4A16: BF16 activations x MXFP4
   weights repacked by ``gptq_marlin_repack``; ``benchmarks/peers/marlin_moe``, the libraries
   in ``.gpu/peers/marlin``), SiLU-and-mul between the GEMMs, at every ``block_size_m`` of
-  8, 16, 32, 48, 64 (the best is reported with its block size; vLLM's own heuristic pick is
-  in the JSON); its tiny-problem checks run first and pick the combine (``moe_sum``, else
-  an FP32 PyTorch sum) whose results pass;
+  8, 16, 32, 48, 64, each in two layouts: ``owner`` (vLLM's EP path: every stage over the
+  ``R K`` pair rows, ``marlin_bm<bs>``) and ``compact`` (the ``P`` local pairs gathered,
+  every stage over ``P`` rows, an FP32 ``index_add_`` combine: ``marlin_compact_bm<bs>``);
+  the best of all is reported with its layout and block size (vLLM's own heuristic pick is
+  in the JSON); its tiny-problem checks run first and pick the owner combine (``moe_sum``,
+  else an FP32 PyTorch sum) whose results pass, and check the compact layout;
+
+The compact layouts' batch sizes (local rows, local pairs) are host ints computed before
+the timed call, as a DEP dispatch knows what it received; the calls themselves do no host
+synchronization.
 * ``grouped_mm``: ``torch._grouped_mm`` on BF16-resident weights (rows sorted by expert);
 * the byte limit: touched experts x bytes per expert, at the read bandwidth measured in
   the same run (a streaming read of 4 GiB with the engine's load instruction).
@@ -167,7 +177,8 @@ def rank_case(mode: str, size: int, skew: float, first: int, count: int, expert_
     ``2 N(0, 1)`` in BF16 (``x``) and their MXFP8 ``codes`` and ``scales``; the pairs and
     touched experts of the local experts ``[first, first + count)``, the bytes those stream
     (``expert_bytes`` each) and the time they take at ``read_gbs`` (``limit_us``); every
-    tensor on ``device``."""
+    tensor on ``device``; ``local_rows``: the rows with a local pair (the compact peers'
+    batch)."""
     from reference.mx import quantize_mxfp8
 
     rows = size * 16 if mode == "dep16" else size
@@ -179,8 +190,9 @@ def rank_case(mode: str, size: int, skew: float, first: int, count: int, expert_
     touched = int(torch.unique(local).numel())
     max_pairs = int(torch.bincount(local - first).max()) if local.numel() else 0
     nbytes = touched * expert_bytes
+    local_rows = int(((ids >= first) & (ids < first + count)).any(dim=1).sum())
     return {"rows": rows, "ids": ids, "x": x, "codes": codes, "scales": scales,
-            "pairs": int(local.numel()), "touched": touched, "max_pairs": max_pairs,
+            "pairs": int(local.numel()), "local_rows": local_rows, "touched": touched, "max_pairs": max_pairs,
             "bytes": nbytes,
             "limit_us": nbytes / (read_gbs * 1e9) * 1e6}
 
@@ -226,9 +238,10 @@ def start_run():
 
 def marlin_setup(peers: list, result: dict):
     """Where ``"marlin"`` is among ``peers`` and the peer can run: its tiny-problem checks
-    (``marlin_moe.passing_combine``, recorded in ``result["marlin_checks"]``) and the combine
-    that passed, as ``(marlin_moe, combine)``; else None, the reason in
-    ``result["marlin_error"]`` and printed."""
+    (``marlin_moe.passing_combine``, recorded in ``result["marlin_checks"]``; the compact
+    layout's ``marlin_moe.compact_passes`` in ``result["marlin_compact_checks"]``), the
+    combine that passed and whether the compact layout passed, as ``(marlin_moe, combine,
+    compact_ok)``; else None, the reason in ``result["marlin_error"]`` and printed."""
     if "marlin" not in peers:
         return None
     try:
@@ -247,7 +260,12 @@ def marlin_setup(peers: list, result: dict):
         if combine is None:
             result["marlin_error"] = "tiny-problem checks failed (not timed)"
             return None
-        return marlin_moe, combine
+        compact_ok, compact_checks = marlin_moe.compact_passes()
+        result["marlin_compact_checks"] = compact_checks
+        print("marlin compact checks:", [c["ok"] for c in compact_checks], flush=True)
+        if not compact_ok:
+            result["marlin_compact_error"] = "compact tiny-problem checks failed (compact not timed)"
+        return marlin_moe, combine, compact_ok
     except Exception as error:  # reported, not hidden
         print("marlin setup failed:", repr(error), flush=True)
         result["marlin_error"] = repr(error)
@@ -255,10 +273,12 @@ def marlin_setup(peers: list, result: dict):
 
 
 def marlin_peers(marlin, w, first: int, count: int, shard: tuple[int, int], result: dict) -> dict:
-    """``{"marlin_bm<bs>": callable}`` for every candidate ``block_size_m``, all over one
-    converted weight set of the rank (``rank_moe``); the configuration in
+    """``{"marlin_bm<bs>": fn, "marlin_compact_bm<bs>": fn}`` for every candidate
+    ``block_size_m`` (the compact ones where its checks passed), all over one converted
+    weight set of the rank (``rank_moe``); each ``fn(x, ids, rw, case)`` (the compact
+    layout's capacity is ``case["pairs"]``); the configuration in
     ``result["peers"]["marlin"]``. Empty (reason printed) if the build fails."""
-    module, combine = marlin
+    module, combine, compact_ok = marlin
     try:
         moe, why = module.rank_moe(w, first, count, shard, combine=combine)
     except Exception as error:  # reported, not hidden
@@ -268,11 +288,21 @@ def marlin_peers(marlin, w, first: int, count: int, shard: tuple[int, int], resu
         return {}
     desc = moe.describe()
     desc["block_size_m"] = "best of " + "/".join(map(str, module.BLOCK_SIZES)) + " per case"
+    desc["layout"] = ("best of owner (every stage over the R K pair rows, moe_sum combine) and compact "
+                      "(the P local pairs gathered, P from the host, FP32 index_add_ combine) per case"
+                      if compact_ok else "owner (compact failed its checks)")
+    desc["weights"] = "gptq_marlin_repack int32 [E, K/16, 2N]; E8M0 scales [E, K/32, N] permuted"
     for key in ("first", "count", "latent", "intermediate", "bytes_per_expert", "stored_bytes_per_expert"):
         desc.pop(key, None)
     result.setdefault("peers", {})["marlin"] = desc
-    return {f"marlin_bm{bs}": (lambda x, ids, rw, bs=bs: moe(x, ids, rw, block_size_m=bs))
-            for bs in module.BLOCK_SIZES}
+    fns = {f"marlin_bm{bs}": (lambda x, ids, rw, case, bs=bs: moe(x, ids, rw, block_size_m=bs))
+           for bs in module.BLOCK_SIZES}
+    if compact_ok:
+        fns.update({f"marlin_compact_bm{bs}": (
+            lambda x, ids, rw, case, bs=bs: moe(x, ids, rw, block_size_m=bs, layout="compact",
+                                                capacity=max(1, case["pairs"])))
+            for bs in module.BLOCK_SIZES})
+    return fns
 
 
 def marlin_vllm_pick(rows: int, count: int) -> int:
@@ -320,11 +350,24 @@ def best_of(median_us: dict, prefix: str) -> tuple[str | None, float | None]:
     return k, v
 
 
+def config_tag(name: str | None, prefix: str) -> str:
+    """A contestant's layout and configuration from its name: ``triton_w4`` -> ``owner w4``,
+    ``marlin_compact_bm16`` -> ``compact bm16`` (names without a layout are the owner
+    layout's, as in runs before the compact layouts); ``''`` for the bare prefix or None."""
+    if not name or not name.startswith(prefix + "_"):
+        return ""
+    rest = name[len(prefix) + 1:]
+    if rest.startswith("compact_"):
+        return "compact " + rest[len("compact_"):]
+    return "owner " + rest
+
+
 def render(result: dict) -> str:
     """A markdown table of a result: per case the median time of each contestant (us) and
-    its fraction of the byte limit; the best triton_kernels configuration; the speed-up of
-    the engine over it; where the run timed Marlin, its best ``block_size_m`` (named) and
-    the engine's speed-up over it in two more columns, and each peer's layout and
+    its fraction of the byte limit; the best triton_kernels layout and configuration (named,
+    :func:`config_tag`); the speed-up of the engine over it; where the run timed Marlin, its
+    best layout and ``block_size_m`` (named) and the engine's speed-up over it in two more
+    columns, and each peer's layout and
     configuration (``result["peers"]``) under the table; then, where the run measured
     ``--tactics`` variants, a second table of each variant's time and its ratio to the
     default's."""
@@ -337,16 +380,16 @@ def render(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if marlin else "")]
     for c in result["cases"]:
         med, lim = c["median_us"], c["limit_us"]
-        tri = min((v for k, v in med.items() if k.startswith("triton")), default=None)
+        tri_name, tri = best_of(med, "triton")
         cell = lambda v: f"{v:.1f} ({lim / v:.2f})" if v else "-"  # noqa: E731
+        tag = lambda n, p: f" {config_tag(n, p)}" if config_tag(n, p) else ""  # noqa: E731
         gm = med.get("grouped_mm")
         ratio = f"{tri / med['engine']:.2f}x" if tri else "-"
         line = (f"| {c['mode']} | {c['size']} | {c['skew']:.1f} | {c['touched']} | {lim:.1f} | "
-                f"{cell(med['engine'])} | {cell(tri)} | {cell(gm)} | {ratio} |")
+                f"{cell(med['engine'])} | {cell(tri)}{tag(tri_name, 'triton')} | {cell(gm)} | {ratio} |")
         if marlin:
             name, mar = best_of(med, "marlin")
-            tag = f" {name[len('marlin_'):]}" if name and name != "marlin" else ""
-            line += (f" {cell(mar)}{tag} | {mar / med['engine']:.2f}x |" if mar else " - | - |")
+            line += (f" {cell(mar)}{tag(name, 'marlin')} | {mar / med['engine']:.2f}x |" if mar else " - | - |")
         lines.append(line)
     for name, desc in result.get("peers", {}).items():
         lines.append(f"\n{name}: " + "; ".join(f"{k} {v}" for k, v in desc.items()))
@@ -385,7 +428,7 @@ def main(argv=None):
     result["copy_gbs"] = copy_bandwidth_gbs()
     print(f"copy {result['copy_gbs']:.0f} GB/s", flush=True)
     peers = [p for p in args.peers.split(",") if p]
-    triton = None
+    triton, triton_compact = None, True
     if "triton" in peers:
         try:
             from benchmarks.peers import triton_moe
@@ -394,9 +437,15 @@ def main(argv=None):
             triton = triton_moe if ok else None
             if not ok:
                 print("triton_kernels unavailable:", why)
-            else:  # the weight conversion is right before anything is timed
+            else:  # the weight conversion and both layouts are right before anything is timed
                 for nw in (4, 8):
                     print(f"triton check_fc1 num_warps={nw}:", triton_moe.check_fc1(num_warps=nw)["ok"], flush=True)
+                    res = triton_moe.check_forward(num_warps=nw, layout="compact", raise_on_fail=False)
+                    result.setdefault("triton_compact_checks", []).append(res)
+                    print(f"triton compact check_forward num_warps={nw}:", res["ok"], flush=True)
+                    triton_compact = triton_compact and res["ok"]
+                if not triton_compact:
+                    result["triton_compact_error"] = "compact tiny-problem checks failed (compact not timed)"
         except Exception as error:  # reported in the table, not hidden
             print("triton_kernels import failed:", repr(error))
             result["triton_error"] = repr(error)
@@ -413,11 +462,21 @@ def main(argv=None):
         if triton is not None:
             try:
                 moes, _ = triton.rank_moes(w, first, count, shard)
-                peers_built.update({f"triton_w{nw}": moe for nw, moe in moes.items()})
+                peers_built.update({f"triton_w{nw}": (lambda x, ids, rw, case, moe=moe: moe(x, ids, rw))
+                                    for nw, moe in moes.items()})
+                if triton_compact:
+                    peers_built.update({f"triton_compact_w{nw}": (
+                        lambda x, ids, rw, case, moe=moe: moe(
+                            x, ids, rw, layout="compact", capacity=max(1, case["local_rows"]),
+                            pairs=case["pairs"])) for nw, moe in moes.items()})
                 if moes:
                     result.setdefault("peers", {})["triton"] = {
-                        "layout": "HopperMXValueLayout / HopperMXScaleLayout (triton_kernels API "
-                                  f"{triton.API_VERSION})",
+                        "weights": "HopperMXValueLayout / HopperMXScaleLayout (triton_kernels API "
+                                   f"{triton.API_VERSION})",
+                        "layout": ("best of owner (the R received rows routed, BLOCK_M hint R K / E) and "
+                                   "compact (the rows with a local pair gathered, their count from the host, "
+                                   "BLOCK_M hint P / count) per case" if triton_compact
+                                   else "owner (compact failed its checks)"),
                         "num_warps": "best of " + "/".join(f"{nw}" for nw in moes) + " per case",
                         "activation": "SwiGLU fused into FC1", "split_k": 1, "block_m": "heuristic"}
             except Exception as error:  # reported, not hidden
@@ -434,7 +493,8 @@ def main(argv=None):
             w2b = torch.stack([dequantize_mxfp4(w.w2[e, :, lo // 2:(lo + inter) // 2],
                                                 w.w2_scales[e, :, lo // 32:(lo + inter) // 32]).bfloat16()
                                for e in range(first, first + count)])
-            peers_built["grouped_mm"] = GroupedMM(w13b, w2b, first, count)
+            gm = GroupedMM(w13b, w2b, first, count)
+            peers_built["grouped_mm"] = lambda x, ids, rw, case, gm=gm: gm(x, ids, rw)
             result.setdefault("peers", {})["grouped_mm"] = {
                 "layout": "BF16-resident weights (dequantized once), rows sorted by expert",
                 "activation": "SiTU in PyTorch ops"}
@@ -448,7 +508,7 @@ def main(argv=None):
                 rw = torch.rand(rows, K, device="cuda") + 0.01
                 rw = rw / rw.sum(1, keepdim=True)
                 case = {"mode": mode, "size": size, "rows": rows, "skew": skew,
-                        "pairs": inputs["pairs"], "touched": touched,
+                        "pairs": inputs["pairs"], "local_rows": inputs["local_rows"], "touched": touched,
                         "max_pairs": inputs["max_pairs"], "bytes": inputs["bytes"],
                         "limit_us": limit_us, "times": {}}
                 out = torch.empty(rows * K, L, dtype=torch.bfloat16, device="cuda")
@@ -469,13 +529,16 @@ def main(argv=None):
                                        validate=False, tactic=tac), reps=args.reps, flush=flush)
                 for name, peer in peers_built.items():
                     try:
-                        case["times"][name] = device_time_us(lambda: peer(x, ids, rw), reps=args.reps, flush=flush)
+                        case["times"][name] = device_time_us(lambda: peer(x, ids, rw, case), reps=args.reps,
+                                                             flush=flush)
                     except Exception as error:
                         case.setdefault("errors", {})[name] = repr(error)
                         print(f"{name} failed at {mode} {size}: {error!r}", flush=True)
                 med = {k: statistics.median(v) for k, v in case["times"].items()}
                 case["median_us"] = med
                 case["best"] = {p: best_of(med, p)[0] for p in ("triton", "marlin") if best_of(med, p)[0]}
+                if case["best"]:  # the fastest peer of all, in its best layout and configuration
+                    case["best"]["peer"] = min(case["best"].values(), key=med.get)
                 if marlin is not None:
                     case["marlin_vllm_block_size_m"] = marlin_vllm_pick(rows, count)
                 line = (f"{mode:5s} size {size:5d} skew {skew:3.1f} touched {touched:4d} "

@@ -95,7 +95,7 @@ def test_experts_table_renders_tactic_variants():
             "median_us": {"engine": 400.0, "triton_w4": 500.0}}
     result = {"device": "X", "torch": "t", "read_gbs": 4500.0, "cases": [case]}
     plain = render(result)
-    assert "| dep16 | 64 | 0.0 | 56 | 200.0 | 400.0 (0.50) | 500.0 (0.40) | - | 1.25x |" in plain
+    assert "| dep16 | 64 | 0.0 | 56 | 200.0 | 400.0 (0.50) | 500.0 (0.40) owner w4 | - | 1.25x |" in plain
     assert "Engine tactics" not in plain
     case["median_us"].update(engine_windows2=440.0, engine_wgmma1_warps8_mtiles2=380.0)
     text = render(result)

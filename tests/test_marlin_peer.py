@@ -283,6 +283,12 @@ def test_gpu_check_forward(combine):
     assert mm.check_forward(combine=combine, first=0, count=32, block_size_m=48)["ok"]
 
 
+def test_gpu_compact_layout():
+    _gpu_or_skip()
+    ok, checks = mm.compact_passes()
+    assert ok, [c for c in checks if not c["ok"]]
+
+
 # --------------------------------------------------------------------------------------
 # the experts table
 # --------------------------------------------------------------------------------------
@@ -301,11 +307,24 @@ def test_experts_table_renders_marlin_best_block_size_and_the_peers():
     assert best_of(case["median_us"], "cutlass") == (None, None)
     text = render(result)
     assert "| engine / triton | marlin best us (frac) | engine / marlin |" in text
-    assert "| dep16 | 4 | 0.0 | 50 | 200.0 | 250.0 (0.80) | 500.0 (0.40) | - | 2.00x | 400.0 (0.50) bm16 | 1.60x |" \
-        in text
+    assert "| dep16 | 4 | 0.0 | 50 | 200.0 | 250.0 (0.80) | 500.0 (0.40) owner w8 | - | 2.00x | " \
+           "400.0 (0.50) owner bm16 | 1.60x |" in text
+    # the compact layouts beside the owner ones: the best of all, its layout named
+    case["median_us"].update(marlin_compact_bm32=300.0, triton_compact_w4=450.0)
+    assert "| 450.0 (0.44) compact w4 | - | 1.80x | 300.0 (0.67) compact bm32 | 1.20x |" in render(result)
+    del case["median_us"]["marlin_compact_bm32"], case["median_us"]["triton_compact_w4"]
     assert "marlin: layout gptq_marlin_repack; block_size_m best of 8/16" in text
     del case["median_us"]["marlin_bm8"], case["median_us"]["marlin_bm16"], result["peers"]
     assert "marlin" not in render(result)
+
+
+def test_config_tag_names_layout_and_configuration():
+    from benchmarks.experts_table import config_tag
+
+    assert config_tag("triton_w4", "triton") == "owner w4"
+    assert config_tag("triton_compact_w8", "triton") == "compact w8"
+    assert config_tag("marlin_compact_bm16", "marlin") == "compact bm16"
+    assert config_tag("marlin", "marlin") == "" and config_tag(None, "triton") == ""
 
 
 def test_experts_table_marlin_setup_reports_why_not(tmp_path, monkeypatch):
@@ -318,3 +337,160 @@ def test_experts_table_marlin_setup_reports_why_not(tmp_path, monkeypatch):
     assert marlin_setup(["marlin"], result) is None
     assert f"no {fm.MOE_LIB}" in result["marlin_error"]
     assert marlin_vllm_pick(16, 56) == 8 and marlin_vllm_pick(1024, 896) == 32
+
+
+# --------------------------------------------------------------------------------------
+# the layouts' glue on the CPU: the extension's ops replaced by PyTorch models of them
+# --------------------------------------------------------------------------------------
+
+class _FakeMoeOps:
+    """PyTorch models of ``_moe_C``'s ops with the semantics the adapter relies on (vLLM's
+    sources): ``moe_align_block_size`` (ids ``>= num_experts`` and ids the map sends to -1
+    skipped; each local expert's pairs, flat index ``i``, padded to the block with the
+    sentinel ``numel``; a block's expert id; the padded count); ``moe_wna16_marlin_gemm``
+    (per block: rows ``sorted_id < size_m top_k`` until the first that is not, reads A row
+    ``sorted_id // top_k``, writes C row ``sorted_id``, times ``topk_weights[sorted_id]``
+    when asked; BF16 out, FP32 accumulation) over our dequantized weights; ``moe_sum`` (the
+    map's local pairs of each row). ``bug`` plants one error."""
+
+    def __init__(self, moe, weights, bug=None):
+        sl = slice(moe.first, moe.first + moe.count) if weights[0].shape[0] > moe.count else slice(None)
+        from benchmarks.peers.triton_moe import dequantize_mxfp4
+        self.w = {id(moe.w13): dequantize_mxfp4(weights[0][sl], weights[1][sl]),
+                  id(moe.w2): dequantize_mxfp4(weights[2][sl], weights[3][sl])}
+        self.bug = bug
+
+    def moe_align_block_size(self, ids, num_experts, bs, sorted_ids, block_experts, padded, emap):
+        flat = ids.reshape(-1).long()
+        n = flat.numel()
+        inside = flat < num_experts
+        mapped = torch.full_like(flat, -1)
+        mapped[inside] = emap[flat[inside]].long()
+        sorted_ids.fill_(n)
+        block_experts.fill_(-1)
+        pos = 0
+        for e in range(int(emap.max()) + 1):
+            idx = (mapped == e).nonzero().reshape(-1)
+            if not idx.numel():
+                continue
+            sorted_ids[pos:pos + idx.numel()] = idx.int()
+            span = -(-idx.numel() // bs) * bs
+            block_experts[pos // bs:(pos + span) // bs] = e
+            pos += span
+        padded[0] = pos
+
+    def moe_wna16_marlin_gemm(self, a, c, w, bias, s, s2, zp, g_idx, perm, ws, workspace, sorted_ids,
+                              block_experts, padded, topk_w, bs, top_k, mul, b_type, m, n, k, *rest):
+        assert a.shape == (m, k) and c.shape == (m * top_k, n) and a.is_contiguous(), (a.shape, c.shape, m, k)
+        weight = self.w[id(w)]
+        if self.bug == "top_k_ignored":
+            top_k = 1
+        for blk in range(int(padded[0]) // bs):
+            e = int(block_experts[blk])
+            if e < 0:
+                continue
+            for sid in sorted_ids[blk * bs:(blk + 1) * bs].tolist():
+                if sid >= m * top_k:
+                    break
+                row = a[sid // top_k].float() @ weight[e].T
+                if mul:
+                    row = row * topk_w.reshape(-1)[sid]
+                c[sid] = row.to(c.dtype)
+
+    def moe_sum(self, inp, out, ids, emap):
+        keep = (emap[ids.long()] >= 0).unsqueeze(-1)
+        out.copy_(torch.where(keep, inp.float(), torch.zeros(())).sum(1).to(out.dtype))
+
+
+def _fake_factory(bug=None, compact_bug=None):
+    def build(*w, **kw):
+        kw = dict(kw, device="cpu")
+        moe = mm.MarlinMoE(*w, **kw)
+        moe._ops = {"moe": _FakeMoeOps(moe, w, bug), "c": None}
+        if compact_bug == "dest_shifted":  # each pair's FC2 row added to the next row
+            orig = mm.compact_pairs
+
+            def shifted(*a, **k_):
+                rows, dest, ids_, w_ = orig(*a, **k_)
+                return rows, torch.where(dest < a[0].shape[0] - 1, dest + 1, dest), ids_, w_
+            moe_call = moe._compact
+
+            def call(*a, **k_):
+                mm.compact_pairs = shifted
+                try:
+                    return moe_call(*a, **k_)
+                finally:
+                    mm.compact_pairs = orig
+            moe._compact = call
+        return moe
+    return build
+
+
+_TINY = dict(device="cpu", rows=10)
+
+
+@pytest.mark.parametrize("block_size_m", [8, 48])
+def test_owner_and_compact_layouts_pass_the_forward_check_on_cpu_models(block_size_m):
+    """The real ``__call__`` glue of both layouts (index building, alignment arguments,
+    ``top_k``, the activation, the combine) over PyTorch models of the ops: the GPU's
+    ``check_forward`` passes for the owner layout (both combines) and the compact one
+    (exact capacity, spare capacity with empty slots, all experts local)."""
+    for combine in mm.COMBINES:
+        res = mm.check_forward(block_size_m=block_size_m, combine=combine, _impl=_fake_factory(), **_TINY)
+        assert res["ok"] and res["rows_without_local_pair"] >= 1, res
+    ok, checks = mm.compact_passes(device="cpu", _impl=_fake_factory()) if block_size_m == 8 else (True, [])
+    assert ok, [c for c in checks if not c["ok"]]
+    for cap in (None, 10 * 16):
+        res = mm.check_forward(block_size_m=block_size_m, layout="compact", capacity=cap,
+                               _impl=_fake_factory(), **_TINY)
+        assert res["ok"] and res["zero_rows_ok"] and res["config"]["combine"] == "index_add_", res
+    assert mm.check_forward(layout="compact", first=0, count=32, _impl=_fake_factory(), **_TINY)["ok"]
+
+
+@pytest.mark.parametrize("bug", ["top_k_ignored", "dest_shifted", "capacity_short"])
+def test_the_forward_check_catches_a_wrong_layout(bug):
+    """A wrong layout fails ``check_forward``: FC1 reading the wrong activation rows, the
+    compact combine adding each pair to the wrong row, a capacity below the pair count."""
+    kw = dict(_TINY, raise_on_fail=False)
+    if bug == "top_k_ignored":
+        assert not mm.check_forward(_impl=_fake_factory(bug=bug), **kw)["ok"]
+    elif bug == "dest_shifted":
+        assert not mm.check_forward(layout="compact", _impl=_fake_factory(compact_bug=bug), **kw)["ok"]
+    else:
+        assert not mm.check_forward(layout="compact", capacity=5, _impl=_fake_factory(), **kw)["ok"]
+    with pytest.raises(AssertionError, match="forward check failed"):
+        mm.check_forward(layout="compact", capacity=5, _impl=_fake_factory(), **_TINY)
+
+
+def test_compact_pairs_indexes_the_local_pairs_in_order():
+    ids = torch.tensor([[0, 3, 5, 9], [9, 8, 1, 2], [4, 5, 6, 0]], dtype=torch.int32)
+    w = torch.arange(12, dtype=torch.float32).view(3, 4) / 10
+    rows, dest, slot_ids, slot_w = mm.compact_pairs(ids, w, 3, 3, 6, fill_id=10)  # local: 3, 4, 5
+    # local pairs in flat order: (0,1)=3, (0,2)=5, (2,0)=4, (2,1)=5; two empty slots
+    assert rows.tolist() == [0, 0, 2, 2, 0, 0]
+    assert dest.tolist() == [0, 0, 2, 2, 3, 3]
+    assert slot_ids.shape == (6, 1) and slot_ids.dtype == torch.int32
+    assert slot_ids.view(-1).tolist() == [3, 5, 4, 5, 10, 10]
+    assert torch.equal(slot_w[:4], torch.tensor([0.1, 0.2, 0.8, 0.9]))
+    assert slot_w.dtype == torch.float32 and slot_w.shape == (6,)
+    # exactly the pair count: no empty slot; below it: the last pairs are dropped
+    assert mm.compact_pairs(ids, w, 3, 3, 4, fill_id=10)[2].view(-1).tolist() == [3, 5, 4, 5]
+    assert mm.compact_pairs(ids, w, 3, 3, 2, fill_id=10)[1].tolist() == [0, 0]
+    with pytest.raises(ValueError, match="capacity must be an int >= 1"):
+        mm.compact_pairs(ids, w, 3, 3, 0, fill_id=10)
+
+
+def test_compact_map_sends_the_fill_id_to_minus_one():
+    moe = mm.MarlinMoE(*_weights(e=6), first=2, count=3, device="cpu")
+    assert moe.compact_map.tolist() == [-1, -1, 0, 1, 2, -1, -1]
+    assert moe.layout == "owner" and moe.describe()["layout"] == "owner"
+    assert moe.choose_block_size(1024, 1, "compact") == 64  # 1024 pairs over 3 experts
+    assert mm.MarlinMoE(*_weights(e=6), layout="compact", device="cpu").layout == "compact"
+    with pytest.raises(ValueError, match="layout must be one of"):
+        mm.MarlinMoE(*_weights(e=6), layout="rows", device="cpu")
+    moe._ops = {"moe": None, "c": None}
+    x, ids = torch.zeros(2, 256, dtype=torch.bfloat16), torch.zeros(2, 16, dtype=torch.int32)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        moe(x, ids, torch.zeros(2, 16), layout="rows")
+    with pytest.raises(ValueError, match="capacity must be an int >= 1"):
+        moe(x, ids, torch.zeros(2, 16), layout="compact", capacity=0)

@@ -171,6 +171,7 @@ def test_tritonmoe_rejects_bad_weights(bad, match):
     (dict(block_m=24), "block_m"),
     (dict(activation="situ"), "activation"),
     (dict(tokens_per_expert_hint="skewed"), "tokens_per_expert_hint"),
+    (dict(layout="rows"), "layout must be one of"),
     (dict(count=0), "count"),
 ])
 def test_tritonmoe_rejects_bad_config(kw, match):
@@ -382,6 +383,7 @@ _GLUE_SCRIPT = _ROUTING_SCRIPT.split("from benchmarks.peers")[0] + textwrap.dede
         res.append(tm.check_fc1(num_warps=nw, first=0, count=None, **small))
         for act in tm.ACTIVATIONS:
             res.append(tm.check_forward(num_warps=nw, activation=act, first=8, count=12, **small))
+        res.append(tm.check_forward(num_warps=nw, layout="compact", first=8, count=12, **small))
     print(json.dumps([{k: v for k, v in r.items() if k != "config"} for r in res]))
 """)
 
@@ -401,7 +403,7 @@ def test_call_glue_in_interpreter():
                           cwd=REPO, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(res) == 4 and all(r["ok"] for r in res), res
+    assert len(res) == 5 and all(r["ok"] for r in res), res
 
 
 # --------------------------------------------------------------------------------------
@@ -449,7 +451,12 @@ class _Emulated:
         out[rr, kk] = tm.deinterleave_gate_up(self._fc1(x, rr, e).bfloat16().float(), dim=-1)
         return out
 
-    def __call__(self, x, ids, weights):
+    def __call__(self, x, ids, weights, *, layout="owner", capacity=None, pairs=None):
+        if layout == "compact":  # the real glue around this owner-layout model
+            if self.bug == "compact_capacity_short":
+                capacity = max(1, capacity - 1)
+            return tm.compact_forward(x, ids, weights, self.first, self.count, capacity,
+                                      lambda xc, idc, wc: self(xc, idc, wc))
         rr, kk, e = self._pairs(ids)
         h = self._fc1(x, rr, e)
         if self.activation == "swiglu_separate":
@@ -474,6 +481,61 @@ def test_checks_pass_on_faithful_emulation(activation, count):
     assert r2["ok"] and r2["worst_row_rel_err"] < 2.0 ** -9, r2
     if count is not None:
         assert r2["rows_without_local_pair"] >= 1 and r2["zero_rows_ok"]  # row 0 routed away
+
+
+@pytest.mark.parametrize("count", [10, None])
+def test_compact_layout_passes_on_faithful_emulation(count):
+    r = tm.check_forward(layout="compact", count=count, _impl=_Emulated, **_SMALL)
+    assert r["ok"] and r["config"]["layout"] == "compact" and r["worst_row_rel_err"] < 2.0 ** -9, r
+    if count is not None:
+        assert r["rows_without_local_pair"] >= 1 and r["zero_rows_ok"]
+
+
+def test_compact_layout_check_catches_a_short_capacity(monkeypatch):
+    monkeypatch.setattr(_Emulated, "bug", "compact_capacity_short")
+    assert not tm.check_forward(layout="compact", count=10, raise_on_fail=False, _impl=_Emulated, **_SMALL)["ok"]
+
+
+def test_compact_slots_and_rows():
+    m = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1], dtype=torch.bool)
+    assert tm.compact_slots(m, 3).tolist() == [1, 2, 4]  # past the capacity: dropped
+    assert tm.compact_slots(m, 6).tolist() == [1, 2, 4, 7, 8, 8]  # empty slots hold n = 8
+    assert tm.compact_slots(torch.zeros(5, dtype=torch.bool), 2).tolist() == [5, 5]
+    with pytest.raises(ValueError, match="capacity must be an int >= 1"):
+        tm.compact_slots(m, 0)
+    with pytest.raises(ValueError, match="mask must be a bool tensor"):
+        tm.compact_slots(m.int(), 2)
+    ids = torch.tensor([[0, 9], [3, 4], [9, 8], [5, 1]])
+    src, valid = tm.compact_rows(ids, 3, 3, 3)  # local [3, 6): rows 1 and 3
+    assert src.tolist() == [1, 3, 0] and valid.tolist() == [True, True, False]
+    assert tm.local_rows(ids, 3, 3) == 2 and tm.local_pairs(ids, 3, 3) == 3
+
+
+def test_compact_forward_scatters_back_and_zeroes_the_rest():
+    """The glue alone: the inner call sees the compacted rows (empty slots: every id -1),
+    its rows land at their source rows, every other row is zero."""
+    x = torch.arange(5, dtype=torch.float32).view(5, 1).repeat(1, 3).bfloat16()
+    ids = torch.tensor([[0, 1], [7, 8], [2, 9], [8, 7], [6, 3]])
+    w = torch.rand(5, 2)
+    seen = {}
+
+    def inner(xc, idc, wc):
+        seen.update(x=xc, ids=idc, w=wc)
+        return xc * 10
+    y = tm.compact_forward(x, ids, w, 0, 4, 4, inner)  # local [0, 4): rows 0, 2, 4
+    assert seen["x"][:, 0].tolist() == [0, 2, 4, 0]
+    assert seen["ids"].tolist() == [[0, 1], [2, 9], [6, 3], [-1, -1]]
+    assert torch.equal(seen["w"][:3], w[[0, 2, 4]])
+    assert y.shape == (5, 3) and y[:, 0].tolist() == [0, 0, 20, 0, 40]
+
+
+def test_pairs_hint():
+    assert tm.pairs_hint(1024, 56) == 18  # DEP16 T = 64: BLOCK_M 32
+    assert tm.pairs_hint(0, 56) == 1 and tm.pairs_hint(28, 56) == 1 and tm.pairs_hint(84, 56) == 2
+    with pytest.raises(ValueError, match="pairs must be an int >= 0"):
+        tm.pairs_hint(-1, 56)
+    with pytest.raises(ValueError, match="count must be an int >= 1"):
+        tm.pairs_hint(10, 0)
 
 
 @pytest.mark.parametrize("bug, fc1_sees_it", [("gate_up_swapped", True), ("w13_k_halves_swapped", True),

@@ -68,6 +68,26 @@ natural order, and ``silu_and_mul`` reads gate = first half, up = second half); 
    each row; ``combine="torch"`` does an FP32 masked sum in PyTorch instead) -> BF16
    ``[R, L]``; rows with no local pair are zero.
 
+**The compact layout** (``layout="compact"``, per call, with ``capacity``: a host int >= the
+local pair count ``P``; the benchmark passes ``P``, computed before the timed call as a DEP
+dispatch knows what it received; default ``R*16``): what a DEP implementation that gathers
+its received pairs would feed Marlin. Every stage works on ``capacity`` rows, not ``R*16``:
+
+1. :func:`compact_pairs` (static shapes: a cumulative sum and one scatter): each local pair's
+   source row, global expert id and weight, in flat order, in ``capacity`` slots (empty
+   slots: expert id ``n_experts_total``, which the compact expert map sends to -1);
+2. ``x`` rows gathered, BF16 ``[capacity, L]``; one ``moe_align_block_size`` of the slot ids
+   ``[capacity, 1]`` (``top_k = 1``: Marlin reads activation row ``sorted_id`` and writes
+   output row ``sorted_id``), shared by both GEMMs;
+3. FC1 -> ``[capacity, 2I]``, SiLU-and-mul -> ``[capacity, I]``, FC2 (x routing weight) ->
+   ``[capacity, L]``;
+4. combine: an FP32 ``index_add_`` of the slot rows into ``[R + 1, L]`` (empty slots into the
+   dropped row ``R``) -> BF16 ``[R, L]``. Its FP32 atomics may order the sum of a row with
+   three or more local pairs differently from run to run (last-bit differences; rows with
+   one or two are exact).
+
+No host synchronization in either layout.
+
 Rounding points: FP32 accumulation, BF16 ``h1``, activation in FP32 -> BF16, FC2 FP32 x
 FP32 routing weight -> BF16 per pair, then the combine -> BF16.
 
@@ -114,7 +134,8 @@ import time
 import torch
 
 from benchmarks.peers import fetch_marlin
-from benchmarks.peers.triton_moe import (MX_BLOCK, _check_weights, _per_expert, check_routing_inputs,
+from benchmarks.peers.triton_moe import (MX_BLOCK, _capacity, _check_weights, _per_expert, check_routing_inputs,
+                                         compact_slots, local_pairs,
                                          dequantize_mxfp4, expert_bytes, random_routing, random_weights,
                                          touched_experts)
 
@@ -123,12 +144,19 @@ __all__ = [
     "scalar_type_id", "lib_dir", "load_ops", "ops_set", "available", "versions",
     "expert_map", "local_mask", "vllm_block_size_m", "max_padded_pairs",
     "gptq_order", "marlin_repack_torch", "marlin_scales", "check_marlin_dims",
-    "MarlinMoE", "rank_moe", "check_fc1", "check_forward", "smoke",
+    "LAYOUTS", "compact_pairs", "compact_passes", "MarlinMoE", "rank_moe", "check_fc1", "check_forward", "smoke",
 ]
 
 WHEEL = "vllm-0.26.0-cp38-abi3-manylinux_2_28_x86_64.whl"
 BLOCK_SIZES = (8, 16, 32, 48, 64)
 COMBINES = ("moe_sum", "torch")
+LAYOUTS = ("owner", "compact")
+"""``owner``: FC1 over the ``R`` received rows with ``top_k = K`` (output rows ``R K``),
+the activation, FC2 and the combine over all ``R K`` pair rows (vLLM's EP path);
+``compact``: the ``P`` local pairs gathered into ``capacity`` rows first, every stage over
+those rows only (module docstring)."""
+MAX_ALIGN_EXPERTS = 992
+"""``moe_align_block_size`` needs the expert count rounded up to 32 below 1024."""
 ENV_DIR = "LATENTMOE_MARLIN_DIR"
 _TILE = 16
 
@@ -312,6 +340,36 @@ def max_padded_pairs(pairs: int, n_experts_total: int, block_size_m: int) -> int
     return n
 
 
+def compact_pairs(ids: torch.Tensor, weights: torch.Tensor, first: int, count: int, capacity: int,
+                  fill_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The local pairs of ``ids [R, K]`` (experts in ``[first, first + count)``), in flat
+    order ``r K + k``, compacted into ``capacity`` slots (:func:`compact_slots`): ``(rows,
+    dest, slot_ids, slot_weights)``:
+
+    * ``rows`` int64 ``[capacity]``: each slot's source row of ``x`` (``0`` for an empty slot);
+    * ``dest`` int64 ``[capacity]``: the row of ``[R + 1, L]`` its FC2 row is added to
+      (``R``, a row that is dropped, for an empty slot);
+    * ``slot_ids`` int32 ``[capacity, 1]``: the pair's global expert id, ``fill_id`` (an id
+      the compact expert map sends to -1) for an empty slot;
+    * ``slot_weights`` FP32 ``[capacity]``: the pair's routing weight (an empty slot's is
+      never read).
+
+    Device ops with static shapes only. ``capacity`` must be at least the local pair count
+    (pairs past it are dropped)."""
+    r, k = ids.shape
+    flat = ids.reshape(-1)
+    n = flat.numel()
+    src = compact_slots(local_mask(ids, first, count).reshape(-1), capacity)
+    valid = src < n
+    safe = torch.where(valid, src, torch.zeros_like(src))
+    rows = torch.div(safe, k, rounding_mode="floor")
+    dest = torch.where(valid, rows, torch.full_like(rows, r))
+    slot_ids = torch.where(valid, flat.index_select(0, safe).to(torch.int32),
+                           torch.full((), fill_id, dtype=torch.int32, device=flat.device))
+    slot_weights = weights.reshape(-1).index_select(0, safe).to(torch.float32)
+    return rows, dest, slot_ids.view(capacity, 1).contiguous(), slot_weights.contiguous()
+
+
 def check_marlin_dims(n: int, k: int, name: str) -> None:
     """Marlin FP4 (group 32) needs ``N % 64 == 0`` and ``K % 128 == 0``; ValueError naming
     the GEMM otherwise."""
@@ -401,7 +459,9 @@ class MarlinMoE:
         block_size_m: default M block (8, 16, 32, 48, 64) or None (vLLM's heuristic per call).
         n_experts_total: the model's expert count (the expert map's length; default
             ``E`` of the given weights when they are the full set, else ``first + count``).
-        combine: ``"moe_sum"`` (the extension's) or ``"torch"``.
+        combine: ``"moe_sum"`` (the extension's) or ``"torch"`` (the owner layout's).
+        layout: the default call layout, ``"owner"`` or ``"compact"`` (:data:`LAYOUTS`;
+            also a per-call argument).
         repack: ``"auto"`` (the extension's ``gptq_marlin_repack`` if loaded, else
             PyTorch), ``"ext"`` or ``"torch"``.
         activation: ``"auto"`` (the extension's ``silu_and_mul`` if loaded, else PyTorch),
@@ -413,7 +473,7 @@ class MarlinMoE:
     def __init__(self, w13_codes, w13_scales, w2_codes, w2_scales, first: int = 0,
                  count: int | None = None, block_size_m: int | None = None, *,
                  n_experts_total: int | None = None, combine: str = "moe_sum", repack: str = "auto",
-                 activation: str = "auto", device="cuda"):
+                 activation: str = "auto", layout: str = "owner", device="cuda"):
         e, lat, inter = _check_weights(w13_codes, w13_scales, w2_codes, w2_scales)
         _int(first, "first")
         if count is None:
@@ -430,6 +490,8 @@ class MarlinMoE:
             raise ValueError(f"block_size_m must be None or one of {BLOCK_SIZES}, got {block_size_m!r}")
         if combine not in COMBINES:
             raise ValueError(f"combine must be one of {COMBINES}, got {combine!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         for name, v in (("repack", repack), ("activation", activation)):
             if v not in ("auto", "ext", "torch"):
                 raise ValueError(f"{name} must be 'auto', 'ext' or 'torch', got {v!r}")
@@ -442,6 +504,7 @@ class MarlinMoE:
         check_marlin_dims(lat, inter, "FC2 (N = L, K = I)")
         self.first, self.count, self.latent, self.intermediate = first, count, lat, inter
         self.block_size_m, self.n_experts_total, self.combine = block_size_m, n_experts_total, combine
+        self.layout = layout
         self.device = torch.device(device)
         ops = None
         if self.device.type == "cuda":
@@ -462,6 +525,10 @@ class MarlinMoE:
         self.w13_scale = marlin_scales(w13_scales[sl].to(dev))
         self.w2_scale = marlin_scales(w2_scales[sl].to(dev))
         self.expert_map = expert_map(first, count, n_experts_total, device=dev)
+        # the compact layout's alignment: one more expert id (n_experts_total, every empty
+        # slot's) that the map sends to -1, so that empty slots are dropped by the map in
+        # every variant of the alignment kernel
+        self.compact_map = torch.cat([self.expert_map, torch.full((1,), -1, dtype=torch.int32, device=dev)])
         sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 1
         self.workspace = torch.zeros(sms * 4, dtype=torch.int32, device=dev)
         self.bytes_per_expert = expert_bytes(lat, inter)["total"]
@@ -483,16 +550,20 @@ class MarlinMoE:
         """The configuration, for a benchmark record."""
         return {"peer": "marlin moe_wna16_marlin_gemm (W4A16 MXFP4)", "wheel": WHEEL,
                 "layout": "gptq_marlin_repack int32 [E, K/16, 2N]; E8M0 scales [E, K/32, N] permuted",
-                "block_size_m": self.block_size_m, "combine": self.combine, "repack": self.repack,
+                "block_size_m": self.block_size_m, "combine": self.combine, "layout": self.layout,
+                "repack": self.repack,
                 "activation": "silu_and_mul (" + self.activation + ")", "first": self.first,
                 "count": self.count, "n_experts_total": self.n_experts_total, "latent": self.latent,
                 "intermediate": self.intermediate, "bytes_per_expert": self.bytes_per_expert,
                 "stored_bytes_per_expert": self.stored_bytes_per_expert}
 
-    def choose_block_size(self, rows: int, top_k: int = 16) -> int:
-        """This object's ``block_size_m``, or vLLM's heuristic for ``rows``."""
+    def choose_block_size(self, rows: int, top_k: int = 16, layout: str = "owner") -> int:
+        """This object's ``block_size_m``, or vLLM's heuristic for ``rows`` received rows
+        (owner) or ``rows`` compact pair rows (compact: all of them local, ``top_k = 1``)."""
         if self.block_size_m is not None:
             return self.block_size_m
+        if layout == "compact":
+            return vllm_block_size_m(rows, 1, self.count, self.count)
         return vllm_block_size_m(rows, top_k, self.count, self.n_experts_total)
 
     def _require_gpu(self, x, ids, weights) -> None:
@@ -502,14 +573,15 @@ class MarlinMoE:
             if t.device != self.w13.device:
                 raise ValueError(f"{name} is on {t.device}, the converted weights on {self.w13.device}")
 
-    def _align(self, ids32: torch.Tensor, bs: int):
+    def _align(self, ids32: torch.Tensor, bs: int, compact: bool = False):
         dev = ids32.device
-        n = max_padded_pairs(ids32.numel(), self.n_experts_total, bs)
+        experts = self.n_experts_total + 1 if compact else self.n_experts_total
+        n = max_padded_pairs(ids32.numel(), experts, bs)
         sorted_ids = torch.empty(n, dtype=torch.int32, device=dev)
         block_experts = torch.empty(-(-n // bs), dtype=torch.int32, device=dev)
         padded = torch.empty(1, dtype=torch.int32, device=dev)
-        self._ops["moe"].moe_align_block_size(ids32, self.n_experts_total, bs, sorted_ids, block_experts,
-                                              padded, self.expert_map)
+        self._ops["moe"].moe_align_block_size(ids32, experts, bs, sorted_ids, block_experts, padded,
+                                              self.compact_map if compact else self.expert_map)
         return sorted_ids, block_experts, padded
 
     def _gemm(self, a, c, w, s, route, weights, bs, top_k, mul_weights, m, n, k):
@@ -530,26 +602,33 @@ class MarlinMoE:
         return route, h1
 
     def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                 block_size_m: int | None = None) -> torch.Tensor:
+                 block_size_m: int | None = None, *, layout: str | None = None,
+                 capacity: int | None = None) -> torch.Tensor:
         """Align + FC1 + SiLU-and-mul + FC2 (x routing weight) + combine: BF16 ``[R, L]``.
 
         ``x`` BF16 ``[R, L]`` contiguous, ``ids`` int32/int64 ``[R, K]`` global expert ids
         (distinct per row), ``weights`` FP32 ``[R, K]``; ``block_size_m`` overrides the
         object's. No validation inside (host syncs): run ``check_routing_inputs`` once
         outside the timed region.
+
+        ``layout`` (default: the object's): ``"owner"`` or ``"compact"``; the compact layout
+        works on ``capacity`` pair rows (a host int >= the local pair count ``P``: the
+        caller's knowledge, e.g. :func:`local_pairs` outside the timed region, as a DEP
+        dispatch knows what it received; default ``R K``, always enough). No host sync in
+        either layout.
         """
         self._require_gpu(x, ids, weights)
+        layout = self.layout if layout is None else layout
+        if layout == "compact":
+            return self._compact(x, ids, weights, block_size_m, capacity)
+        if layout != "owner":
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         r, k = ids.shape
         bs = block_size_m or self.choose_block_size(r, k)
         ids32 = ids if ids.dtype == torch.int32 and ids.is_contiguous() else ids.to(torch.int32).contiguous()
         w = weights if weights.is_contiguous() else weights.contiguous()
         route, h1 = self._fc1(x, ids32, w, bs)
-        a = torch.empty(r * k, self.intermediate, dtype=torch.bfloat16, device=x.device)
-        if self.activation == "ext":
-            self._ops["c"].silu_and_mul(a, h1)
-        else:
-            g, u = h1.split(self.intermediate, dim=1)
-            torch.mul(torch.nn.functional.silu(g.float()), u.float(), out=a)
+        a = self._activate(h1)
         y2 = torch.empty(r * k, self.latent, dtype=torch.bfloat16, device=x.device)
         self._gemm(a, y2, self.w2, self.w2_scale, route, w, bs, 1, True, r * k, self.latent,
                    self.intermediate)
@@ -560,6 +639,45 @@ class MarlinMoE:
         keep = (self.expert_map[ids32.long()] >= 0).unsqueeze(-1)
         y = torch.where(keep, y2.view(r, k, self.latent).float(), torch.zeros((), device=x.device))
         return y.sum(dim=1).to(torch.bfloat16)
+
+    def _activate(self, h1: torch.Tensor) -> torch.Tensor:
+        """SiLU-and-mul of FC1's ``[M, 2I]`` -> BF16 ``[M, I]``."""
+        a = torch.empty(h1.shape[0], self.intermediate, dtype=torch.bfloat16, device=h1.device)
+        if self.activation == "ext":
+            self._ops["c"].silu_and_mul(a, h1)
+        else:
+            g, u = h1.split(self.intermediate, dim=1)
+            torch.mul(torch.nn.functional.silu(g.float()), u.float(), out=a)
+        return a
+
+    def _compact(self, x, ids, weights, block_size_m, capacity):
+        """The compact layout: the ``capacity`` pair slots (:func:`compact_pairs`), their
+        rows of ``x`` gathered (``[capacity, L]``), one alignment of the slots' expert ids
+        (``top_k = 1``: Marlin reads row ``sorted_id`` and writes row ``sorted_id``), FC1
+        ``[capacity, 2I]``, SiLU-and-mul ``[capacity, I]``, FC2 x routing weight ``[capacity,
+        L]``, then an FP32 ``index_add_`` of the slot rows into ``[R, L]`` (empty slots into a
+        dropped row) -> BF16."""
+        r, k = ids.shape
+        if self.n_experts_total + 1 > MAX_ALIGN_EXPERTS:
+            raise ValueError(f"the compact layout aligns n_experts_total + 1 = {self.n_experts_total + 1} "
+                             f"expert ids; moe_align_block_size takes at most {MAX_ALIGN_EXPERTS}")
+        cap = r * k if capacity is None else _capacity(capacity)
+        bs = block_size_m or self.choose_block_size(cap, 1, "compact")
+        rows, dest, slot_ids, slot_w = compact_pairs(ids, weights, self.first, self.count, cap,
+                                                     self.n_experts_total)
+        slot_w = slot_w.view(cap, 1)  # shaped like the owner call's [R, K] weights, top_k = 1
+        xp = x.index_select(0, rows)
+        route = self._align(slot_ids, bs, compact=True)
+        h1 = torch.empty(cap, 2 * self.intermediate, dtype=torch.bfloat16, device=x.device)
+        self._gemm(xp, h1, self.w13, self.w13_scale, route, slot_w, bs, 1, False, cap,
+                   2 * self.intermediate, self.latent)
+        a = self._activate(h1)
+        y2 = torch.empty(cap, self.latent, dtype=torch.bfloat16, device=x.device)
+        self._gemm(a, y2, self.w2, self.w2_scale, route, slot_w, bs, 1, True, cap, self.latent,
+                   self.intermediate)
+        out = torch.zeros(r + 1, self.latent, dtype=torch.float32, device=x.device)
+        out.index_add_(0, dest, y2.float())
+        return out[:r].to(torch.bfloat16)
 
     def fc1_pairs(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                   block_size_m: int | None = None) -> torch.Tensor:
@@ -650,7 +768,8 @@ def check_fc1(*, block_size_m: int = 16, experts: int = 32, latent: int = 256, i
 
 def check_forward(*, block_size_m: int = 16, combine: str = "moe_sum", experts: int = 32, latent: int = 256,
                   intermediate: int = 128, rows: int = 24, top_k: int = 16, first: int = 8, count: int = 12,
-                  seed: int = 0, device="cuda", raise_on_fail: bool = True, **kw) -> dict:
+                  seed: int = 0, device="cuda", layout: str = "owner", capacity: int | None = None,
+                  raise_on_fail: bool = True, _impl=None, **kw) -> dict:
     """A whole call on a tiny problem (default: experts ``[8, 20)`` of 32 local, top-16, L =
     256, I = 128; row 0 has no local pair) vs a float64 model of the same computation with
     the kernels' rounding points: ``h1 = bf16(x @ W13_e^T)``; ``a = bf16(silu(h1_gate)
@@ -661,13 +780,19 @@ def check_forward(*, block_size_m: int = 16, combine: str = "moe_sum", experts: 
     roundoffs: a flipped rounding of ``h1`` or ``a`` where the FP32 sums differ in order,
     and the combine's own BF16 additions if ``moe_sum`` accumulates in BF16, up to ~7
     additions here); rows without one exactly zero. A wrong w2, routing weight or scatter
-    gives ``~1``.
+    gives ``~1``. ``layout="compact"`` calls with ``capacity`` (default: the problem's local
+    pair count, a host int computed before the call, as the benchmark does; ``combine``
+    does not apply: the compact combine is an FP32 ``index_add_``).
     """
     w, x, ids, rw = _problem(experts, latent, intermediate, rows, top_k, first, count, seed, device)
-    moe = MarlinMoE(*w, first=first, count=count, block_size_m=block_size_m, combine=combine,
-                    device=device, **kw)
+    moe = (_impl or MarlinMoE)(*w, first=first, count=count, block_size_m=block_size_m, combine=combine,
+                               device=device, **kw)
     check_routing_inputs(x, ids, rw, latent=latent, n_experts_total=experts)
-    y = moe(x, ids, rw)
+    if layout == "owner":
+        y = moe(x, ids, rw)
+    else:
+        cap = max(1, local_pairs(ids, first, count)) if capacity is None else capacity
+        y = moe(x, ids, rw, layout=layout, capacity=cap)
     if y.is_cuda:
         torch.cuda.synchronize()
     loc = local_mask(ids, first, count)
@@ -687,8 +812,9 @@ def check_forward(*, block_size_m: int = 16, combine: str = "moe_sum", experts: 
           and bool(torch.isfinite(y.double()).all()) and worst <= 2.0 ** -6 and zero_rows_ok)
     res = {"ok": ok, "worst_row_rel_err": worst, "rows_without_local_pair": int((~has).sum()),
            "zero_rows_ok": zero_rows_ok,
-           "config": {"block_size_m": block_size_m, "combine": combine, "repack": moe.repack,
-                      "activation": moe.activation, "experts": experts, "latent": latent,
+           "config": {"block_size_m": block_size_m, "layout": layout,
+                      "combine": combine if layout == "owner" else "index_add_",
+                      "repack": moe.repack, "activation": moe.activation, "experts": experts, "latent": latent,
                       "intermediate": intermediate, "rows": rows, "first": first, "count": count}}
     if raise_on_fail and not ok:
         raise AssertionError(f"Marlin peer forward check failed: {res}")
@@ -697,7 +823,8 @@ def check_forward(*, block_size_m: int = 16, combine: str = "moe_sum", experts: 
 
 def passing_combine(device="cuda") -> tuple[str | None, list]:
     """The first of ``COMBINES`` whose :func:`check_forward` passes at every block size
-    (and ``check_fc1`` at 8 and 64), with the check records: ``(combine or None, checks)``."""
+    (and ``check_fc1`` at 8 and 64), with the check records: ``(combine or None, checks)``
+    (the owner layout's; :func:`compact_passes` checks the compact layout)."""
     checks = [check_fc1(block_size_m=bs, device=device, raise_on_fail=False) for bs in (8, 64)]
     if not all(c["ok"] for c in checks):
         return None, checks
@@ -708,6 +835,17 @@ def passing_combine(device="cuda") -> tuple[str | None, list]:
         if all(c["ok"] for c in runs):
             return combine, checks
     return None, checks
+
+
+def compact_passes(device="cuda", _impl=None) -> tuple[bool, list]:
+    """The compact layout's :func:`check_forward` at every block size, on the DEP-like
+    subset at the exact pair count and with spare capacity (``R K``, empty slots), and
+    with all experts local: ``(all passed, checks)``."""
+    kw = dict(device=device, layout="compact", raise_on_fail=False, _impl=_impl)
+    checks = [check_forward(block_size_m=bs, **kw) for bs in BLOCK_SIZES]
+    checks.append(check_forward(block_size_m=16, capacity=24 * 16, **kw))
+    checks.append(check_forward(block_size_m=48, first=0, count=32, **kw))
+    return all(c["ok"] for c in checks), checks
 
 
 def _time_graph(fn, reps: int = 20) -> float:
@@ -737,7 +875,12 @@ def smoke(device="cuda", tokens: int = 4) -> dict:
     ``gptq_marlin_repack`` (tiny and real shapes); the tiny checks (:func:`passing_combine`);
     then one DEP16 rank at the real dimensions (experts ``[280, 336)`` of 896, I = 3072,
     ``tokens`` per rank -> ``16 tokens`` rows): eager vs CUDA-graph replay (equal), and a
-    warm-L2 time per ``block_size_m``."""
+    warm-L2 time per ``block_size_m``. The compact layout too: its tiny checks
+    (:func:`compact_passes`), its output at the real dimensions against the owner layout's
+    (each row within ``2^-6`` relative: the same products, other combine roundings), its
+    graph replay against eager (within the same bound: ``index_add_``'s FP32 atomics may
+    order the sums of a row with three or more local pairs differently), and its warm-L2
+    time per ``block_size_m``."""
     ok, why = available()
     if not ok:
         raise RuntimeError(why)
@@ -757,6 +900,8 @@ def smoke(device="cuda", tokens: int = 4) -> dict:
     combine, checks = passing_combine(device)
     out["first_checks_s"] = round(time.time() - started, 1)  # includes the kernels' JIT
     out["checks"], out["combine"] = checks, combine
+    compact_ok, out["compact_checks"] = compact_passes(device)
+    out["compact_checks_ok"] = compact_ok
     if combine is None:
         out["ok"] = False
         return out
@@ -783,8 +928,28 @@ def smoke(device="cuda", tokens: int = 4) -> dict:
     for bs in BLOCK_SIZES:
         if bs != 16:
             real["us"][bs] = round(_time_graph(lambda bs=bs: moe(x, ids, rw, block_size_m=bs)), 1)
+    cap = local_pairs(ids, first, count)
+    real["local_pairs"] = cap
+    compact = moe(x, ids, rw, block_size_m=16, layout="compact", capacity=cap)
+
+    def rows_close(a, b):
+        err = (a.double() - b.double()).norm(dim=1) / b.double().norm(dim=1).clamp_min(1e-300)
+        zero = b.double().norm(dim=1) == 0
+        return bool((err[~zero] <= 2.0 ** -6).all()) and bool((a[zero] == 0).all())
+
+    real["compact_close_to_owner"] = rows_close(compact, eager)
+
+    def fn_c():
+        static["c"] = moe(x, ids, rw, block_size_m=16, layout="compact", capacity=cap)
+    real["compact_us"] = {16: round(_time_graph(fn_c), 1)}
+    real["compact_graph_close_to_eager"] = rows_close(static["c"], compact)
+    for bs in BLOCK_SIZES:
+        if bs != 16:
+            real["compact_us"][bs] = round(_time_graph(
+                lambda bs=bs: moe(x, ids, rw, block_size_m=bs, layout="compact", capacity=cap)), 1)
     out["dep16_rank"] = real
-    out["ok"] = real["graph_equals_eager"] and all(out.get("torch_repack_equals_ext", {}).values())
+    out["ok"] = (real["graph_equals_eager"] and all(out.get("torch_repack_equals_ext", {}).values())
+                 and compact_ok and real["compact_close_to_owner"] and real["compact_graph_close_to_eager"])
     return out
 
 

@@ -127,6 +127,13 @@ __all__ = [
     "touched_experts",
     "bytes_streamed",
     "check_routing_inputs",
+    "LAYOUTS",
+    "compact_slots",
+    "compact_rows",
+    "local_rows",
+    "local_pairs",
+    "pairs_hint",
+    "compact_forward",
     "convert_weight",
     "rank_moes",
     "TritonMoE",
@@ -419,6 +426,96 @@ def check_routing_inputs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tens
                              "routing bitmatrix needs distinct ids per row")
 
 
+LAYOUTS = ("owner", "compact")
+"""``owner``: the ``R`` received rows as they are (every one of their ``R K`` pair slots
+routed, the non-local ones dropped); ``compact``: only the rows with at least one local
+pair, gathered into a static batch of ``capacity`` rows before routing, their outputs
+scattered back (module docstring)."""
+
+
+def _capacity(capacity, name: str = "capacity") -> int:
+    if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {capacity!r}")
+    return capacity
+
+
+def compact_slots(mask: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The positions of the ``True`` entries of a flat bool ``mask`` (``n`` entries), in
+    order, in a static int64 ``[capacity]``: slot ``j`` holds the index of the ``j``-th
+    ``True`` entry, slots past their count hold ``n`` (the sentinel). Entries past
+    ``capacity`` are dropped (the caller's capacity must cover the count).
+
+    Device ops with static shapes only (a cumulative sum and one scatter with distinct
+    indices: deterministic, no host sync, CUDA-graph capturable)."""
+    _capacity(capacity)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise ValueError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
+    m = mask.reshape(-1)
+    n = m.numel()
+    idx = torch.arange(n, device=m.device)
+    pos = torch.cumsum(m, 0) - 1
+    # a kept entry goes to its rank; every other entry to its own slot past `capacity`
+    slot = torch.where(m & (pos < capacity), pos, capacity + idx)
+    out = torch.full((capacity + n,), n, dtype=torch.int64, device=m.device)
+    out.scatter_(0, slot, idx)
+    return out[:capacity]
+
+
+def compact_rows(ids: torch.Tensor, first: int, count: int, capacity: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``ids [R, K]`` with at least one pair in ``[first, first + count)``,
+    compacted into a static batch of ``capacity`` slots: ``(src, valid)``, int64 ``src
+    [capacity]`` (the source row of each slot, in row order; ``0`` for an empty slot, so
+    that it can index directly) and bool ``valid [capacity]``. Device ops only."""
+    r = ids.shape[0]
+    local = (ids >= first) & (ids < first + count)
+    src = compact_slots(local.any(dim=1), capacity)
+    valid = src < r
+    return torch.where(valid, src, torch.zeros_like(src)), valid
+
+
+def local_rows(ids: torch.Tensor, first: int, count: int) -> int:
+    """Rows of ``ids`` with at least one local pair (host sync: the ``capacity`` of the
+    compact layout, computed outside the timed region, as a dispatch knows its count)."""
+    return int(((ids >= first) & (ids < first + count)).any(dim=1).sum())
+
+
+def local_pairs(ids: torch.Tensor, first: int, count: int) -> int:
+    """Pairs of ``ids`` in ``[first, first + count)`` (host sync; outside the timed region)."""
+    return int(((ids >= first) & (ids < first + count)).sum())
+
+
+def pairs_hint(pairs: int, count: int) -> int:
+    """``tokens_per_expert_hint`` from a real local pair count: ``max(1, round(pairs /
+    count))``, the mean pairs per local expert (BLOCK_M is the next power of two of it,
+    16..128, in triton_kernels' Hopper rule)."""
+    _capacity(count, "count")
+    if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 0:
+        raise ValueError(f"pairs must be an int >= 0, got {pairs!r}")
+    return max(1, (2 * pairs + count) // (2 * count))
+
+
+def compact_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, first: int, count: int,
+                    capacity: int, experts) -> torch.Tensor:
+    """The compact layout's glue around an owner-layout call ``experts(xc, idc, wc)`` (BF16
+    ``[capacity, L]``, zero rows for rows without a local pair): the rows of ``x``, ``ids``
+    and ``weights`` with a local pair gathered into ``capacity`` slots
+    (:func:`compact_rows`; an empty slot gets row 0's ``x`` with every id ``-1``, i.e. no
+    local pair), the call, and its rows put back at their source rows of a zero ``[R,
+    L]`` (each empty slot into a row of its own past ``R``, dropped). Device ops with
+    static shapes only."""
+    r, k = ids.shape
+    src, valid = compact_rows(ids, first, count, capacity)
+    xc = x.index_select(0, src)
+    idc = torch.where(valid.unsqueeze(1), ids.index_select(0, src), torch.full_like(ids[:1], -1))
+    wc = weights.index_select(0, src)
+    yc = experts(xc, idc.contiguous(), wc.contiguous())
+    out = torch.zeros(r + capacity, yc.shape[1], dtype=yc.dtype, device=yc.device)
+    dest = torch.where(valid, src, r + torch.arange(capacity, device=src.device))
+    out.index_copy_(0, dest, yc)
+    return out[:r]
+
+
 def _check_weights(w13, w13_scales, w2, w2_scales) -> tuple[int, int, int]:
     """Shapes/dtypes of our four weight tensors -> ``(E, L, I)``; ValueError naming the
     argument otherwise."""
@@ -509,6 +606,8 @@ class TritonMoE:
             of the given weights when they are the full set, else ``first + count``; pass
             896 for a DEP rank given only its local experts).
         activation: ``"swiglu_fused"`` or ``"swiglu_separate"``.
+        layout: the default call layout, ``"owner"`` or ``"compact"`` (:data:`LAYOUTS`;
+            also a per-call argument, so one converted weight set serves both).
         device: where the converted weights live and calls run (conversion works on CPU
             for tests; calls need an SM90 GPU).
         chunk_experts: experts converted at a time.
@@ -517,7 +616,8 @@ class TritonMoE:
     def __init__(self, w13, w13_scales, w2, w2_scales, *, first: int = 0, count: int | None = None,
                  num_warps: int = 8, split_k: int = 1, block_m: int | None = None,
                  tokens_per_expert_hint: Any = "uniform", n_experts_total: int | None = None,
-                 activation: str = "swiglu_fused", device="cuda", chunk_experts: int | None = 64):
+                 activation: str = "swiglu_fused", layout: str = "owner", device="cuda",
+                 chunk_experts: int | None = 64):
         e, lat, inter = _check_weights(w13, w13_scales, w2, w2_scales)
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise ValueError(f"first must be a non-negative int, got {first!r}")
@@ -549,6 +649,8 @@ class TritonMoE:
                              f"{tokens_per_expert_hint!r}")
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         if n_experts_total is None:
             n_experts_total = e if full_set else first + count
         if n_experts_total < first + count:
@@ -556,7 +658,7 @@ class TritonMoE:
         self.first, self.count, self.latent, self.intermediate = first, count, lat, inter
         self.num_warps, self.split_k, self.block_m = num_warps, split_k, block_m
         self.tokens_per_expert_hint, self.n_experts_total = tokens_per_expert_hint, n_experts_total
-        self.activation = activation
+        self.activation, self.layout = activation, layout
         self.device = torch.device(device)
         if self.device.type == "cuda":
             ok, why = available()
@@ -595,7 +697,7 @@ class TritonMoE:
                 "split_k": self.split_k, "block_m": self.block_m,
                 "tokens_per_expert_hint": self.tokens_per_expert_hint,
                 "n_experts_total": self.n_experts_total, "activation": self.activation,
-                "first": self.first, "count": self.count, "latent": self.latent,
+                "layout": self.layout, "first": self.first, "count": self.count, "latent": self.latent,
                 "intermediate": self.intermediate, "bytes_per_expert": self.bytes_per_expert,
                 "stored_bytes_per_expert": self.stored_bytes_per_expert}
 
@@ -629,8 +731,9 @@ class TritonMoE:
             return max(1, rows * top_k // self.n_experts_total)
         return h
 
-    def route(self, ids: torch.Tensor, weights: torch.Tensor):
-        """``(RoutingData, GatherIndx, ScatterIndx)`` for one call (device ops only)."""
+    def route(self, ids: torch.Tensor, weights: torch.Tensor, hint: int | None = None):
+        """``(RoutingData, GatherIndx, ScatterIndx)`` for one call (device ops only);
+        ``hint`` overrides the object's ``tokens_per_expert_hint`` rule."""
         tk = self._tk
         r, k = ids.shape
         lids = local_ids(ids, self.first, self.count)
@@ -639,8 +742,18 @@ class TritonMoE:
                                     scratchpad=None)
         rd, gi, si = tk["routing"].routing_from_bitmatrix(
             bm, weights.to(torch.float32).contiguous(), lids, self.count, k)
-        rd.expected_tokens_per_expt = self._hint(r, k)
+        rd.expected_tokens_per_expt = self._hint(r, k) if hint is None else hint
         return rd, gi, si
+
+    def compact_hint(self, rows: int, top_k: int, pairs: int | None) -> int | None:
+        """The compact layout's ``tokens_per_expert_hint``: from the real local pair count
+        ``pairs`` (:func:`pairs_hint`) when the object's rule is ``"uniform"`` (else the
+        object's int or None); without ``pairs``, the uniform expectation over the ``rows``
+        received rows (the owner rule, which equals ``pairs / count`` in expectation)."""
+        h = self.tokens_per_expert_hint
+        if h != "uniform":
+            return h
+        return pairs_hint(pairs, self.count) if pairs is not None else self._hint(rows, top_k)
 
     def opt_flags(self, rows: int, top_k: int = 16) -> dict:
         """The opt flags matmul_ogs will pick for FC1 and FC2 at ``rows`` tokens (GPU only)."""
@@ -664,16 +777,37 @@ class TritonMoE:
 
     # -- the call -----------------------------------------------------------------------
 
-    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, *,
+                 layout: str | None = None, capacity: int | None = None,
+                 pairs: int | None = None) -> torch.Tensor:
         """Routing + FC1 + SwiGLU + FC2 + combine: BF16 ``[R, L]`` (the timed unit).
 
         ``x`` BF16 ``[R, L]`` contiguous, ``ids`` int32/int64 ``[R, K]`` global expert ids
         (distinct per row), ``weights`` FP32 ``[R, K]``; no validation inside (host syncs):
         run ``check_routing_inputs`` once outside the timed region.
+
+        ``layout`` (default: the object's): ``"owner"`` routes all ``R`` rows;
+        ``"compact"`` routes a static batch of ``capacity`` rows, those with a local pair
+        (:func:`compact_rows`; ``capacity`` >= their count, a host int the caller knows, e.g.
+        :func:`local_rows` outside the timed region; default ``R``), with the hint from
+        ``pairs`` (the local pair count, a host int; :meth:`compact_hint`), and scatters
+        the results back: rows without a local pair are zero. No host sync either way.
         """
         self._require_gpu(x, ids, weights)
+        layout = self.layout if layout is None else layout
+        if layout == "owner":
+            return self._experts(x, ids, weights, None)
+        if layout != "compact":
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        r, k = ids.shape
+        cap = r if capacity is None else _capacity(capacity)
+        hint = self.compact_hint(r, k, pairs)
+        return compact_forward(x, ids, weights, self.first, self.count, cap,
+                               lambda xc, idc, wc: self._experts(xc, idc, wc, hint))
+
+    def _experts(self, x, ids, weights, hint):
         mo = self._tk["mo"]
-        rd, gi, si = self.route(ids, weights)
+        rd, gi, si = self.route(ids, weights, hint)
         with self._constraints_scope():
             if self.activation == "swiglu_fused":
                 h = mo.matmul_ogs(x, self.w13, None, rd, gather_indx=gi, precision_config=self.pc13,
@@ -846,7 +980,7 @@ def _swiglu_ref(h: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
 def check_forward(*, num_warps: int = 8, activation: str = "swiglu_fused", experts: int = 32,
                   latent: int = 512, intermediate: int = 256, rows: int = 24, top_k: int = 16,
                   first: int = 8, count: int | None = 12, seed: int = 0, device="cuda",
-                  raise_on_fail: bool = True, _impl=None) -> dict:
+                  layout: str = "owner", raise_on_fail: bool = True, _impl=None) -> dict:
     """Tiny-problem check of a whole call (covers w2's conversion, gammas and the combine):
     the peer's BF16 ``[R, L]`` vs a PyTorch model of the same computation with the kernel's
     rounding points (FC1 exact -> FP32 -> SwiGLU in FP32 -> BF16 ``h``; FC2 exact x gamma ->
@@ -854,14 +988,20 @@ def check_forward(*, num_warps: int = 8, activation: str = "swiglu_fused", exper
 
     Pass: each row's ``||peer - ref|| <= 2^-7 ||ref||`` (accumulation order and the odd
     flipped BF16 rounding of ``h``; a wrong weight or a wrong scatter gives ~1), and rows
-    without a local pair exactly zero.
+    without a local pair exactly zero. ``layout="compact"`` calls with the capacity and pair
+    count of the problem (:func:`local_rows`, :func:`local_pairs`, host ints computed
+    before the call, as the benchmark does).
     """
     cnt = experts - first if count is None else count
     w, x, ids, rw = _problem(experts, latent, intermediate, rows, top_k, first, cnt, seed, device)
     moe = (_impl or TritonMoE)(*w, first=first, count=cnt, num_warps=num_warps, activation=activation,
                                device=device)
     check_routing_inputs(x, ids, rw, latent=latent, n_experts_total=experts)
-    y = moe(x, ids, rw)
+    if layout == "owner":
+        y = moe(x, ids, rw)
+    else:
+        y = moe(x, ids, rw, layout=layout, capacity=max(1, local_rows(ids, first, cnt)),
+                pairs=local_pairs(ids, first, cnt))
     if y.is_cuda:
         torch.cuda.synchronize()
     loc = (ids >= first) & (ids < first + cnt)
@@ -884,7 +1024,7 @@ def check_forward(*, num_warps: int = 8, activation: str = "swiglu_fused", exper
           and worst <= 2.0 ** -7 and zero_rows_ok)
     res = {"ok": ok, "worst_row_rel_err": worst, "rows_without_local_pair": int((~has).sum()),
            "zero_rows_ok": zero_rows_ok,
-           "config": {"num_warps": num_warps, "activation": activation, "experts": experts,
+           "config": {"num_warps": num_warps, "activation": activation, "layout": layout, "experts": experts,
                       "latent": latent, "intermediate": intermediate, "rows": rows, "top_k": top_k,
                       "first": first, "count": cnt}}
     if raise_on_fail and not ok:
@@ -908,6 +1048,7 @@ def smoke(device="cuda") -> dict:
         for act in ACTIVATIONS:
             out["checks"].append(check_forward(num_warps=nw, activation=act))
         out["checks"].append(check_forward(num_warps=nw, first=0, count=None))
+        out["checks"].append(check_forward(num_warps=nw, layout="compact"))
     cases = (("dep16_T4", dict(experts=56, first=5 * 56, n_total=896, inter=3072, rows=64)),
              ("tp8_R256", dict(experts=896, first=0, n_total=896, inter=384, rows=256)))
     out["real"] = {}
