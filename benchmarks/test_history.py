@@ -276,3 +276,28 @@ def test_the_gpu_history_is_committed():
     """The parametrized check above needs machines to check (an empty parameter set
     would only skip)."""
     assert "h200" in [d.name for d in history.machine_dirs()]
+
+
+def test_a_planted_15_percent_gpu_regression_is_caught(tmp_path):
+    """The committed H200 history with one more run, of a later commit, whose one case is
+    15% slower than the newest committed run (every other case unchanged): the committed
+    threshold (measured on runs of unchanged code) fails it, naming the case."""
+    import shutil
+
+    source = history.RESULTS / "h200"
+    machine = tmp_path / "h200"
+    shutil.copytree(source, machine)
+    newest = history.load_history(machine)[-1]
+    data = json.loads(newest.path.read_text())
+    case = "benchmarks/bench_experts.py::test_experts[dep16-64]"
+    hit = [b for b in data["benchmarks"] if b["fullname"] == case]
+    assert hit, f"{case} is not in {newest.path.name}"
+    for stat in ("min", "max", "mean", "median"):
+        hit[0]["stats"][stat] *= 1.15
+    data["commit_info"] = {"id": "f" * 40, "dirty": False}
+    saved = datetime.fromisoformat(data["datetime"]) + timedelta(hours=1)
+    data["datetime"] = saved.isoformat()
+    (machine / history.run_file_name(saved, "f" * 40, False)).write_text(json.dumps(data))
+    check = history.check_machine(machine)
+    assert history.load_noise(machine).threshold_percent < 15
+    assert not check.ok and [c.case for c in check.slower] == [case], check.report()
