@@ -134,10 +134,10 @@ import time
 import torch
 
 from benchmarks.peers import fetch_marlin
-from benchmarks.peers.triton_moe import (MX_BLOCK, _capacity, _check_weights, _per_expert, check_routing_inputs,
+from benchmarks.peers.triton_moe import (MX_BLOCK, check_capacity, check_routing_inputs, check_weights,
                                          compact_slots, local_pairs,
                                          dequantize_mxfp4, expert_bytes, random_routing, random_weights,
-                                         touched_experts)
+                                         per_expert_float64, tiny_problem, touched_experts)
 
 __all__ = [
     "WHEEL", "BLOCK_SIZES", "COMBINES", "FLOAT4_E2M1F_ID", "ENV_DIR",
@@ -474,7 +474,7 @@ class MarlinMoE:
                  count: int | None = None, block_size_m: int | None = None, *,
                  n_experts_total: int | None = None, combine: str = "moe_sum", repack: str = "auto",
                  activation: str = "auto", layout: str = "owner", device="cuda"):
-        e, lat, inter = _check_weights(w13_codes, w13_scales, w2_codes, w2_scales)
+        e, lat, inter = check_weights(w13_codes, w13_scales, w2_codes, w2_scales)
         _int(first, "first")
         if count is None:
             count = e - first
@@ -661,7 +661,7 @@ class MarlinMoE:
         if self.n_experts_total + 1 > MAX_ALIGN_EXPERTS:
             raise ValueError(f"the compact layout aligns n_experts_total + 1 = {self.n_experts_total + 1} "
                              f"expert ids; moe_align_block_size takes at most {MAX_ALIGN_EXPERTS}")
-        cap = r * k if capacity is None else _capacity(capacity)
+        cap = r * k if capacity is None else check_capacity(capacity)
         bs = block_size_m or self.choose_block_size(cap, 1, "compact")
         rows, dest, slot_ids, slot_w = compact_pairs(ids, weights, self.first, self.count, cap,
                                                      self.n_experts_total)
@@ -721,14 +721,6 @@ def rank_moe(weights, first: int, count: int, shard: tuple[int, int] = (0, 1), *
 # tiny-problem checks (GPU) and the smoke
 # --------------------------------------------------------------------------------------
 
-def _problem(experts, latent, intermediate, rows, top_k, first, count, seed, device):
-    w = random_weights(experts, latent, intermediate, device=device, seed=seed)
-    ids, rw = random_routing(rows, top_k, experts, first=first, count=count, device=device, seed=seed)
-    g = torch.Generator(device=device).manual_seed(seed + 2)
-    x = torch.randn(rows, latent, generator=g, device=device).to(torch.bfloat16)
-    return w, x, ids, rw
-
-
 def check_fc1(*, block_size_m: int = 16, experts: int = 32, latent: int = 256, intermediate: int = 128,
               rows: int = 24, top_k: int = 16, first: int = 8, count: int = 12, seed: int = 0,
               device="cuda", raise_on_fail: bool = True, **kw) -> dict:
@@ -741,7 +733,7 @@ def check_fc1(*, block_size_m: int = 16, experts: int = 32, latent: int = 256, i
     roundoff ``2^-8``, doubled); and non-local pairs' rows untouched (NaN). A wrong
     repack, scale permutation or alignment misses by orders of magnitude (``rel_err`` ~ 1).
     """
-    w, x, ids, rw = _problem(experts, latent, intermediate, rows, top_k, first, count, seed, device)
+    w, x, ids, rw = tiny_problem(experts, latent, intermediate, rows, top_k, first, count, seed, device)
     moe = MarlinMoE(*w, first=first, count=count, block_size_m=block_size_m, device=device, **kw)
     check_routing_inputs(x, ids, rw, latent=latent, n_experts_total=experts)
     got = moe.fc1_pairs(x, ids, rw)
@@ -749,7 +741,7 @@ def check_fc1(*, block_size_m: int = 16, experts: int = 32, latent: int = 256, i
         torch.cuda.synchronize()
     loc = local_mask(ids, first, count)
     rr, kk = loc.nonzero(as_tuple=True)
-    ref, absdot = _per_expert(x.double()[rr], ids[rr, kk], w[0], w[1], lambda a, b: a @ b.T, with_abs=True)
+    ref, absdot = per_expert_float64(x.double()[rr], ids[rr, kk], w[0], w[1], lambda a, b: a @ b.T, with_abs=True)
     peer = got[rr, kk].double()
     bound = 2.0 ** -7 * ref.abs() + latent * 2.0 ** -20 * absdot
     err = (peer - ref).abs()
@@ -784,7 +776,7 @@ def check_forward(*, block_size_m: int = 16, combine: str = "moe_sum", experts: 
     pair count, a host int computed before the call, as the benchmark does; ``combine``
     does not apply: the compact combine is an FP32 ``index_add_``).
     """
-    w, x, ids, rw = _problem(experts, latent, intermediate, rows, top_k, first, count, seed, device)
+    w, x, ids, rw = tiny_problem(experts, latent, intermediate, rows, top_k, first, count, seed, device)
     moe = (_impl or MarlinMoE)(*w, first=first, count=count, block_size_m=block_size_m, combine=combine,
                                device=device, **kw)
     check_routing_inputs(x, ids, rw, latent=latent, n_experts_total=experts)
@@ -798,9 +790,9 @@ def check_forward(*, block_size_m: int = 16, combine: str = "moe_sum", experts: 
     loc = local_mask(ids, first, count)
     rr, kk = loc.nonzero(as_tuple=True)
     e = ids[rr, kk]
-    h = _per_expert(x.double()[rr], e, w[0], w[1], lambda a, b: a @ b.T).to(torch.bfloat16).float()
+    h = per_expert_float64(x.double()[rr], e, w[0], w[1], lambda a, b: a @ b.T).to(torch.bfloat16).float()
     a = (torch.nn.functional.silu(h[:, :intermediate]) * h[:, intermediate:]).to(torch.bfloat16).double()
-    o = (_per_expert(a, e, w[2], w[3], lambda a_, b: a_ @ b.T) * rw[rr, kk].double().unsqueeze(1))
+    o = (per_expert_float64(a, e, w[2], w[3], lambda a_, b: a_ @ b.T) * rw[rr, kk].double().unsqueeze(1))
     o = o.to(torch.bfloat16).float()
     ref = torch.zeros(rows, latent, dtype=torch.float32, device=x.device).index_add_(0, rr, o)
     ref = ref.to(torch.bfloat16).double()

@@ -110,6 +110,10 @@ import torch
 
 __all__ = [
     "API_VERSION",
+    "check_capacity",
+    "check_weights",
+    "per_expert_float64",
+    "tiny_problem",
     "SWIGLU_ALPHA",
     "SWIGLU_LIMIT",
     "ACTIVATIONS",
@@ -433,7 +437,7 @@ pair, gathered into a static batch of ``capacity`` rows before routing, their ou
 scattered back (module docstring)."""
 
 
-def _capacity(capacity, name: str = "capacity") -> int:
+def check_capacity(capacity, name: str = "capacity") -> int:
     if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
         raise ValueError(f"{name} must be an int >= 1, got {capacity!r}")
     return capacity
@@ -447,7 +451,7 @@ def compact_slots(mask: torch.Tensor, capacity: int) -> torch.Tensor:
 
     Device ops with static shapes only (a cumulative sum and one scatter with distinct
     indices: deterministic, no host sync, CUDA-graph capturable)."""
-    _capacity(capacity)
+    check_capacity(capacity)
     if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
         raise ValueError(f"mask must be a bool tensor, got {getattr(mask, 'dtype', type(mask).__name__)}")
     m = mask.reshape(-1)
@@ -489,7 +493,7 @@ def pairs_hint(pairs: int, count: int) -> int:
     """``tokens_per_expert_hint`` from a real local pair count: ``max(1, round(pairs /
     count))``, the mean pairs per local expert (BLOCK_M is the next power of two of it,
     16..128, in triton_kernels' Hopper rule)."""
-    _capacity(count, "count")
+    check_capacity(count, "count")
     if isinstance(pairs, bool) or not isinstance(pairs, int) or pairs < 0:
         raise ValueError(f"pairs must be an int >= 0, got {pairs!r}")
     return max(1, (2 * pairs + count) // (2 * count))
@@ -516,7 +520,7 @@ def compact_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, f
     return out[:r]
 
 
-def _check_weights(w13, w13_scales, w2, w2_scales) -> tuple[int, int, int]:
+def check_weights(w13, w13_scales, w2, w2_scales) -> tuple[int, int, int]:
     """Shapes/dtypes of our four weight tensors -> ``(E, L, I)``; ValueError naming the
     argument otherwise."""
     for name, t in (("w13", w13), ("w13_scales", w13_scales), ("w2", w2), ("w2_scales", w2_scales)):
@@ -618,7 +622,7 @@ class TritonMoE:
                  tokens_per_expert_hint: Any = "uniform", n_experts_total: int | None = None,
                  activation: str = "swiglu_fused", layout: str = "owner", device="cuda",
                  chunk_experts: int | None = 64):
-        e, lat, inter = _check_weights(w13, w13_scales, w2, w2_scales)
+        e, lat, inter = check_weights(w13, w13_scales, w2, w2_scales)
         if isinstance(first, bool) or not isinstance(first, int) or first < 0:
             raise ValueError(f"first must be a non-negative int, got {first!r}")
         if count is None:
@@ -800,7 +804,7 @@ class TritonMoE:
         if layout != "compact":
             raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
         r, k = ids.shape
-        cap = r if capacity is None else _capacity(capacity)
+        cap = r if capacity is None else check_capacity(capacity)
         hint = self.compact_hint(r, k, pairs)
         return compact_forward(x, ids, weights, self.first, self.count, cap,
                                lambda xc, idc, wc: self._experts(xc, idc, wc, hint))
@@ -896,7 +900,11 @@ def random_routing(rows: int, top_k: int, experts: int, *, first: int = 0, count
     return ids, w / w.sum(dim=1, keepdim=True)
 
 
-def _problem(experts, latent, intermediate, rows, top_k, first, count, seed, device):
+def tiny_problem(experts, latent, intermediate, rows, top_k, first, count, seed, device):
+    """The peers' small check problem: random MXFP4 weights of ``experts`` experts
+    (``random_weights``), top-``top_k`` routing of ``rows`` rows with the local experts
+    ``[first, first + count)`` (``random_routing``) and BF16 activations ``[rows, latent]``;
+    returns ``(weights, x, ids, routing weights)``."""
     w = random_weights(experts, latent, intermediate, device=device, seed=seed)
     ids, rw = random_routing(rows, top_k, experts, first=first, count=count, device=device, seed=seed)
     g = torch.Generator(device=device).manual_seed(seed + 2)
@@ -922,7 +930,7 @@ def check_fc1(*, num_warps: int = 8, experts: int = 32, latent: int = 512, inter
         ``pairs`` (local pairs checked), ``config``.
     """
     cnt = experts - first if count is None else count
-    w, x, ids, rw = _problem(experts, latent, intermediate, rows, top_k, first, cnt, seed, device)
+    w, x, ids, rw = tiny_problem(experts, latent, intermediate, rows, top_k, first, cnt, seed, device)
     moe = (_impl or TritonMoE)(*w, first=first, count=cnt, num_warps=num_warps, device=device)
     check_routing_inputs(x, ids, rw, latent=latent, n_experts_total=experts)
     got = moe.fc1_pairs(x, ids, rw)  # [R, K, 2I]
@@ -930,7 +938,7 @@ def check_fc1(*, num_warps: int = 8, experts: int = 32, latent: int = 512, inter
         torch.cuda.synchronize()
     loc = (ids >= first) & (ids < first + cnt)
     rr, kk = loc.nonzero(as_tuple=True)
-    ref, absdot = _per_expert(x.double()[rr], ids[rr, kk], w[0], w[1], lambda a, b: a @ b.T,
+    ref, absdot = per_expert_float64(x.double()[rr], ids[rr, kk], w[0], w[1], lambda a, b: a @ b.T,
                               with_abs=True)
     peer = got[rr, kk].double()
     bound = 2.0 ** -7 * ref.abs() + latent * 2.0 ** -20 * absdot
@@ -950,7 +958,7 @@ def check_fc1(*, num_warps: int = 8, experts: int = 32, latent: int = 512, inter
     return res
 
 
-def _per_expert(rows: torch.Tensor, experts: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+def per_expert_float64(rows: torch.Tensor, experts: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
                 fn, with_abs: bool = False):
     """``fn(rows[p], W_e)`` per pair ``p`` with ``W_e`` = expert ``experts[p]`` dequantized to
     float64 ``[N, K]`` from our format, grouped by expert; also ``|rows| @ |W_e|^T`` if
@@ -993,7 +1001,7 @@ def check_forward(*, num_warps: int = 8, activation: str = "swiglu_fused", exper
     before the call, as the benchmark does).
     """
     cnt = experts - first if count is None else count
-    w, x, ids, rw = _problem(experts, latent, intermediate, rows, top_k, first, cnt, seed, device)
+    w, x, ids, rw = tiny_problem(experts, latent, intermediate, rows, top_k, first, cnt, seed, device)
     moe = (_impl or TritonMoE)(*w, first=first, count=cnt, num_warps=num_warps, activation=activation,
                                device=device)
     check_routing_inputs(x, ids, rw, latent=latent, n_experts_total=experts)
@@ -1007,11 +1015,11 @@ def check_forward(*, num_warps: int = 8, activation: str = "swiglu_fused", exper
     loc = (ids >= first) & (ids < first + cnt)
     rr, kk = loc.nonzero(as_tuple=True)
     e = ids[rr, kk]
-    h = _per_expert(x.double()[rr], e, w[0], w[1], lambda a, b: a @ b.T).float()
+    h = per_expert_float64(x.double()[rr], e, w[0], w[1], lambda a, b: a @ b.T).float()
     if activation == "swiglu_separate":
         h = h.to(torch.bfloat16)
     a = _swiglu_ref(h, SWIGLU_ALPHA, SWIGLU_LIMIT).to(torch.bfloat16).double()
-    o = _per_expert(a, e, w[2], w[3], lambda a_, b: a_ @ b.T).float() * rw[rr, kk].unsqueeze(1)
+    o = per_expert_float64(a, e, w[2], w[3], lambda a_, b: a_ @ b.T).float() * rw[rr, kk].unsqueeze(1)
     o = o.to(torch.bfloat16).float()
     ref = torch.zeros(rows, latent, dtype=torch.float32, device=x.device).index_add_(0, rr, o)
     ref = ref.to(torch.bfloat16).double()

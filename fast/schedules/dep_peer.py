@@ -134,13 +134,9 @@ class DepPeerLayer:
             the first layer's ``.scratch`` to the others); default: a new one.
         dense_gemm: the dense GEMMs' backend (``fast.schedules.dense.DenseFront``'s
             ``gemm``: ``"auto"`` per GEMM and batch, ``"cublas"`` or ``"fast"``).
-        batch_invariant: every token's outputs, at every stage, bitwise independent of the
-            batch it is decoded in (its size and its batch-mates), routing included: every
-            dense GEMM on fast.gemm, whose K split is the same at every batch
-            (``fast.schedules.dense.DenseFront``'s ``batch_invariant``; ``dense_gemm``
-            ``"auto"`` is then taken as ``"fast"``, ``"cublas"`` is refused). The routed
-            part is batch invariant in every mode (each pair's expert row, the owner's
-            finalize and the combine read only that token's rows).
+        batch_invariant: as ``fast.schedules.dep.DepLayer``'s: every token's outputs
+            bitwise independent of the batch it is decoded in (every dense GEMM on
+            fast.gemm, one K split per GEMM at every batch).
         experts_tactic: the experts engine's FC kernel settings for every call
             (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
             the engine's defaults.
