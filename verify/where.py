@@ -1,0 +1,325 @@
+"""The "verified where" page, generated from the committed verification reports.
+
+For every contract file ``verify/test_*.py`` and every machine (the CPU of CI, one H200,
+two H200s, a Blackwell GPU) the page says what the last committed run on that machine did
+with that file's contracts (cases passed, failed, skipped) and which run it was: its
+commit, date and report. A run's commit is usually behind HEAD; the page says by how many
+commits, so "not verified at HEAD" is visible.
+
+Inputs, all committed (:data:`RUNS`):
+
+* a merged ``verify.report`` JSON (``rows``: contract, backend, config, status and case
+  counts) or a report of the same row shape (``two-gpu.json``);
+* the run's metadata: ``commit``, ``date``, ``log`` (and ``what``) from a ``<stem>-run.json``
+  beside the report when there is one (``verify.json``'s own ``environment.commit`` names
+  the commit the device's copy was made from, not the tree that ran:
+  ``benchmarks/results/h200/verify-notes.md``), else the report's own top-level keys.
+
+A report's rows are mapped to contract files by the contract name each test records
+(``verify.conftest.row_key``: the ``contract`` marker's argument, else the test function's
+name without ``test_``), read from the files with :mod:`ast`. A row whose contract no
+current file defines (renamed since the run) is listed under the table.
+
+The commit distance (``git rev-list --count <commit>..HEAD``) is computed only by
+``--write``, and kept in a comment line of the page, so the page's test
+(``tests/test_where.py``) needs no git: it checks that the page equals what this module
+generates from the committed reports and contract files with the distances the page
+records.
+
+    python -m verify.where            # print the page
+    python -m verify.where --write    # rewrite docs/verified.md (needs git)
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import re
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGE = ROOT / "docs" / "verified.md"
+RESULTS = "benchmarks/results"
+
+#: The machines of the page's columns, in order.
+MACHINES = ("CPU (CI)", "one H200", "two H200s", "Blackwell")
+
+#: machine -> the committed report of its last run (relative to the root), or None where
+#: no report is committed. The CPU's report is a run of what CI runs (``make test``'s
+#: verify step) on a CI-like machine; CI itself runs it at every commit.
+RUNS: dict[str, str | None] = {
+    "CPU (CI)": None,
+    "one H200": f"{RESULTS}/h200/verify.json",
+    "two H200s": f"{RESULTS}/h200/two-gpu.json",
+    "Blackwell": None,
+}
+
+#: What the page says of a machine with no report.
+NO_RUN = {"CPU (CI)": "CI runs every file at every commit; no CPU report is committed",
+          "Blackwell": "no Blackwell GPU has run a contract yet; the kernels compile for "
+                       "`sm_100a` and `sm_103a` on the CPU in CI (`tests/`)"}
+
+#: What a contract file's cell says for a machine with no report.
+NO_RUN_CELL = {"CPU (CI)": "CI, every commit"}
+
+DISTANCES_RE = re.compile(r"<!-- where: generated at (\S+); behind: (.*?) -->")
+
+
+@dataclass
+class Run:
+    """One committed run: its metadata and its report's rows."""
+
+    machine: str
+    report: str
+    commit: str
+    date: str
+    log: str | None
+    what: str
+    note: str
+    rows: list[dict] = field(default_factory=list)
+
+    def totals(self) -> dict[str, int]:
+        out = {"passed": 0, "failed": 0, "skipped": 0}
+        for r in self.rows:
+            for k in out:
+                out[k] += int(r.get(k, 0))
+        return out
+
+
+def load_run(machine: str, report: str) -> Run:
+    """The run of ``report`` (a path relative to the root), its metadata from
+    ``<stem>-run.json`` beside it where there is one, else from the report itself."""
+    path = ROOT / report
+    data = json.loads(path.read_text())
+    meta_path = path.with_name(path.stem + "-run.json")
+    meta = json.loads(meta_path.read_text()) if meta_path.is_file() else data
+    for key in ("commit", "date"):
+        if key not in meta:
+            raise ValueError(f"{report}: no {key!r} in {meta_path.name if meta is not data else 'the report'}")
+    return Run(machine=machine, report=report, commit=str(meta["commit"]),
+               date=str(meta["date"]), log=meta.get("log"), what=str(meta.get("what", "")),
+               note=str(meta.get("note") or meta.get("failures") or ""),
+               rows=list(data["rows"]))
+
+
+def runs() -> dict[str, Run | None]:
+    """Each machine's committed run (None where there is none)."""
+    return {m: (load_run(m, RUNS[m]) if RUNS[m] else None) for m in MACHINES}
+
+
+def _contract_names(path: Path) -> list[str]:
+    """The contract names the tests of ``path`` record (``verify.conftest.row_key``)."""
+    tree = ast.parse(path.read_text())
+    module_contract = None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
+            for sub in ast.walk(node.value):
+                name = _contract_marker(sub)
+                if name:
+                    module_contract = name
+    names: list[str] = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+            name = module_contract or node.name.removeprefix("test_")
+            for deco in node.decorator_list:
+                found = _contract_marker(deco)
+                if found:
+                    name = found
+            if name not in names:
+                names.append(name)
+    return names
+
+
+def _contract_marker(node: ast.AST) -> str | None:
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "contract" and node.args
+            and isinstance(node.args[0], ast.Constant)):
+        return str(node.args[0].value)
+    return None
+
+
+def contract_files() -> dict[str, list[str]]:
+    """``test_X.py`` -> the contract names its tests record, for every ``verify/test_*.py``."""
+    return {p.name: _contract_names(p) for p in sorted((ROOT / "verify").glob("test_*.py"))}
+
+
+def _cell(rows: list[dict]) -> str:
+    """One file's outcome in one run: its cases passed / failed / skipped."""
+    if not rows:
+        return "not run"
+    passed = sum(int(r.get("passed", 0)) for r in rows)
+    failed = sum(int(r.get("failed", 0)) for r in rows)
+    skipped = sum(int(r.get("skipped", 0)) for r in rows)
+    if passed == 0 and failed == 0:
+        return f"not run ({skipped} skipped)"
+    parts = [f"{passed} passed"]
+    if failed:
+        parts.append(f"**{failed} failed**")
+    if skipped:
+        parts.append(f"{skipped} skipped")
+    return ", ".join(parts)
+
+
+def _short(commit: str) -> str:
+    return commit[:7]
+
+
+def _behind_text(commit: str, distances: dict[str, int | None]) -> str:
+    n = distances.get(_short(commit))
+    if n is None:
+        return "unknown"
+    return "**at HEAD**" if n == 0 else f"**{n} behind**"
+
+
+def _link(path: str) -> str:
+    """A repository path as code (the site does not serve files outside docs/)."""
+    return f"`{path}`"
+
+
+def runs_table(all_runs: dict[str, Run | None], distances: dict[str, int | None]) -> str:
+    lines = ["| machine | commit | date | report | commits behind HEAD | cases |",
+             "|---|---|---|---|---|---|"]
+    for m in MACHINES:
+        run = all_runs[m]
+        if run is None:
+            commit = "every commit (CI)" if m == "CPU (CI)" else "not run"
+            lines.append(f"| {m} | {commit} | - | - | - | {NO_RUN.get(m, 'no report committed')} |")
+            continue
+        t = run.totals()
+        report = _link(run.report) + (f", {_link(str(Path(run.report).parent / run.log))}"
+                                      if run.log else "")
+        cases = f"{t['passed']} passed, {t['failed']} failed, {t['skipped']} skipped"
+        lines.append(f"| {m} | `{_short(run.commit)}` | {run.date} | {report} | "
+                     f"{_behind_text(run.commit, distances)} | {cases} |")
+    return "\n".join(lines)
+
+
+def files_table(all_runs: dict[str, Run | None]) -> tuple[str, list[str]]:
+    """The contract file x machine table, and the rows no current file defines."""
+    files = contract_files()
+    owner = {name: f for f, names in files.items() for name in names}
+    lines = ["| contract file | " + " | ".join(MACHINES) + " |",
+             "|---|" + "---|" * len(MACHINES)]
+    by_machine: dict[str, dict[str, list[dict]]] = {}
+    orphans: list[str] = []
+    for m, run in all_runs.items():
+        grouped: dict[str, list[dict]] = {}
+        for r in (run.rows if run else []):
+            f = owner.get(r["contract"])
+            if f is None:
+                orphans.append(f"{m}: `{r['contract']}` ({r.get('backend', '-')}, "
+                               f"{r.get('config', '-')}): {_cell([r])}")
+                continue
+            grouped.setdefault(f, []).append(r)
+        by_machine[m] = grouped
+    for f in files:
+        cells = [_cell(by_machine[m].get(f, [])) if all_runs[m]
+                 else NO_RUN_CELL.get(m, "not run") for m in MACHINES]
+        lines.append(f"| `{f}` | " + " | ".join(cells) + " |")
+    return "\n".join(lines), orphans
+
+
+def render(distances: dict[str, int | None], head: str) -> str:
+    """The whole page, with ``distances`` (short commit -> commits behind ``head``)."""
+    all_runs = runs()
+    files, orphans = files_table(all_runs)
+    recorded = ", ".join(f"{c}={'?' if n is None else n}" for c, n in sorted(distances.items()))
+    cpu = all_runs["CPU (CI)"]
+    cpu_counts = ("Its per-file counts below come from the committed CPU report, the same "
+                  "command run on a two-core machine like CI's.") if cpu else \
+        "No CPU report is committed, so the CPU column gives no per-file counts."
+    out = [
+        "# Verified where",
+        "",
+        "<!-- Generated by `python -m verify.where --write` from the committed reports "
+        "(tests/test_where.py fails when it is stale). Do not edit by hand. -->",
+        f"<!-- where: generated at {head}; behind: {recorded} -->",
+        "",
+        "What the contracts of `verify/` have passed on each kind of machine, and at which",
+        "commit. A GPU run is made by hand on a node ([GPU node](gpu-node.md)) and committed",
+        "as a report under `benchmarks/results/`; this page is generated from those reports",
+        "(`python -m verify.where --write`), so a run behind HEAD shows as such. The",
+        f"distances were counted when the page was generated, at `{head}`.",
+        "",
+        "**CPU: verified at HEAD by CI.** CI (`.ci/run`: a fresh `.venv`, then `make test`)",
+        "runs the whole `verify/` on the CPU at every commit, with the `reference` and",
+        "`stock` backends and the example external backend (`examples/`); the cases that need",
+        f"a GPU skip with their reason. {cpu_counts}",
+        "",
+        "## The runs",
+        "",
+        runs_table(all_runs, distances),
+        "",
+    ]
+    notes = [(m, run.note) for m, run in all_runs.items() if run is not None and run.note]
+    if notes:
+        out += [f"* **{m}:** {note}" for m, note in notes] + [""]
+    out += [
+        "## Per contract file",
+        "",
+        "Cases passed / failed / skipped in each machine's run, by the file that defines the",
+        "contract (each skip has its reason in the report: no GPU, not launched with",
+        "`torchrun`, the reference at the real dimensions, a package missing on the node);",
+        "\"not run\" where the run holds no case of the file.",
+        "",
+        files,
+        "",
+    ]
+    if orphans:
+        out += ["Rows of a run whose contract no current file defines (renamed since):", ""]
+        out += [f"* {o}" for o in orphans] + [""]
+    return "\n".join(out)
+
+
+def recorded_distances(page: str) -> tuple[str, dict[str, int | None]]:
+    """(the head, the distances) recorded in a generated page."""
+    m = DISTANCES_RE.search(page)
+    if not m:
+        raise ValueError(f"{PAGE} has no '<!-- where: generated at ... -->' line")
+    distances: dict[str, int | None] = {}
+    for item in filter(None, (s.strip() for s in m.group(2).split(","))):
+        commit, n = item.split("=")
+        distances[commit] = None if n == "?" else int(n)
+    return m.group(1), distances
+
+
+def git_distances() -> tuple[str, dict[str, int | None]]:
+    """(HEAD's short commit, each run's commits behind HEAD) from git; None where the
+    commit is not in this clone."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    head = git("rev-parse", "--short=7", "HEAD")
+    distances: dict[str, int | None] = {}
+    for run in runs().values():
+        if run is None:
+            continue
+        try:
+            distances[_short(run.commit)] = int(git("rev-list", "--count", f"{run.commit}..HEAD"))
+        except subprocess.CalledProcessError:
+            distances[_short(run.commit)] = None
+    return head, distances
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="the contract file x machine page")
+    parser.add_argument("--write", action="store_true", help=f"rewrite {PAGE} (needs git)")
+    args = parser.parse_args(argv)
+    if args.write:
+        head, distances = git_distances()
+        PAGE.write_text(render(distances, head))
+    else:
+        head, distances = recorded_distances(PAGE.read_text()) if PAGE.is_file() \
+            else git_distances()
+        print(render(distances, head), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
