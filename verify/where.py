@@ -52,7 +52,7 @@ MACHINES = ("CPU (CI)", "one H200", "two H200s", "Blackwell")
 #: no report is committed. The CPU's report is a run of what CI runs (``make test``'s
 #: verify step) on a CI-like machine; CI itself runs it at every commit.
 RUNS: dict[str, str | None] = {
-    "CPU (CI)": None,
+    "CPU (CI)": f"{RESULTS}/cpu-2core-amd-epyc/verify.json",
     "one H200": f"{RESULTS}/h200/verify.json",
     "two H200s": f"{RESULTS}/h200/two-gpu.json",
     "Blackwell": None,
