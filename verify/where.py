@@ -172,7 +172,9 @@ def _short(commit: str) -> str:
 def _behind_text(commit: str, distances: dict[str, int | None]) -> str:
     n = distances.get(_short(commit))
     if n is None:
-        return "unknown"
+        return "unknown (not in this clone)"
+    if n < 0:
+        return "**not in HEAD's history**"
     return "**at HEAD**" if n == 0 else f"**{n} behind**"
 
 
@@ -289,8 +291,9 @@ def recorded_distances(page: str) -> tuple[str, dict[str, int | None]]:
 
 
 def git_distances() -> tuple[str, dict[str, int | None]]:
-    """(HEAD's short commit, each run's commits behind HEAD) from git; None where the
-    commit is not in this clone."""
+    """(HEAD's short commit, each run's commits behind HEAD) from git: -1 where the commit
+    is not an ancestor of HEAD (a run of another branch), None where it is not in this
+    clone."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True,
                               text=True).stdout.strip()
@@ -301,7 +304,10 @@ def git_distances() -> tuple[str, dict[str, int | None]]:
         if run is None:
             continue
         try:
-            distances[_short(run.commit)] = int(git("rev-list", "--count", f"{run.commit}..HEAD"))
+            ancestor = subprocess.run(["git", "merge-base", "--is-ancestor", run.commit, "HEAD"],
+                                      cwd=ROOT, capture_output=True).returncode == 0
+            distances[_short(run.commit)] = (
+                int(git("rev-list", "--count", f"{run.commit}..HEAD")) if ancestor else -1)
         except subprocess.CalledProcessError:
             distances[_short(run.commit)] = None
     return head, distances
