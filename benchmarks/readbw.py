@@ -21,7 +21,7 @@ def _compiled():
     from cutlass import Int32, Int64, Uint32
 
     from fast import backend
-    from fast.experts import _ptx as p
+    from fast.device import ptx as p
 
     class ReadKernel:
         @cute.jit

@@ -6,7 +6,8 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
-from fast import _cute as h
+from fast.device import fp32 as h
+from fast.device import ptx as p
 from fast import backend
 
 __all__ = ["rms_norm", "NormKernel", "normalize_row"]
@@ -56,9 +57,9 @@ class NormKernel:
         token = cute.arch.block_idx()[0]
         width: cutlass.Constexpr = self.width
         warps: cutlass.Constexpr = self.threads // 32
-        xw = h.load_v4(x + (token * width + tid * _COLS))
-        ww = h.load_v4(w + tid * _COLS)
-        h.store_v4(out + (token * width + tid * _COLS), normalize_row(xw, ww, eps, width, warps))
+        xw = p.load_v4(x + (token * width + tid * _COLS))
+        ww = p.load_v4(w + tid * _COLS)
+        p.store_v4(out + (token * width + tid * _COLS), normalize_row(xw, ww, eps, width, warps))
 
 
 @cute.jit
@@ -98,8 +99,8 @@ def normalize_row(xw, ww, eps, width: cutlass.Constexpr, warps: cutlass.Constexp
 def compile_args(*, width: int):
     """(kernel object, fake arguments but the stream) for ``backend.compile_for_target``."""
     obj = NormKernel(width)
-    p = backend.ptr(None, "bf16")
-    return obj, (p, backend.ptr(None, "bf16"), backend.ptr(None, "bf16"),
+    x = backend.ptr(None, "bf16")
+    return obj, (x, backend.ptr(None, "bf16"), backend.ptr(None, "bf16"),
                  backend.float32(1e-5), backend.int32(1))
 
 

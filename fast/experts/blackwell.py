@@ -80,8 +80,9 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator
 from cutlass.pipeline import NamedBarrier
 
-from fast import _cute as h
-from fast.experts import _ptx as p
+from fast.device import SMEM_PER_CTA
+from fast.device import fp32 as h
+from fast.device import ptx as p
 from fast.experts.blackwell_layout import (
     ARCHS,
     K_STAGE,
@@ -143,7 +144,7 @@ class BlockScaledExpertsKernel:
         self.b_bytes = self.ktiles * self.tokens * K_STAGE  # whole-K B operand
         self.sfb_bytes = self.ktiles * 512  # one 128x4 scale chunk per k stage
         self.stage_bytes = TILE_ROWS * K_STAGE + 512  # unpacked A stage + its scales
-        budget = h.SMEM_PER_CTA - self.b_bytes - self.sfb_bytes - 4096
+        budget = SMEM_PER_CTA - self.b_bytes - self.sfb_bytes - 4096
         ring = ring or max(2, min(8, budget // self.stage_bytes))
         if ring < 2 or ring * self.stage_bytes > budget:
             raise ValueError(f"a ring of {ring} stages ({self.stage_bytes} B each) does not fit "

@@ -16,8 +16,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
-from fast import _cute as h
-from fast.experts import _ptx as p
+from fast.device import SMEM_PER_CTA
+from fast.device import fp32 as h
+from fast.device import ptx as p
 from fast.experts.layout import (CHUNK, DECODE_MASK, PAIR3_GATHER, PAIR3_MULTIPLIER,
                                  WGMMA_WORD_STRIDE, WINDOW, b_offset_mma, b_offset_wgmma,
                                  chunks_per_stage, stages_of, wgmma_b_descriptor)
@@ -64,7 +65,7 @@ class ExpertsGemmKernel:
        ``mul.rn.bf16x2`` by the scale factor per BF16 pair) and issues 4 ``mma.m16n8k16``
        per chunk, m-tile and window into FP32 accumulators (exact products, FP32 sums);
     3. epilogue FC1: per (intermediate column, token) ``a = SiTU(gate, up)`` in FP32 with
-       the project's exp/tanh/sigmoid (``fast._cute``; bit-identical to
+       the project's exp/tanh/sigmoid (``fast.device.fp32``; bit-identical to
        ``reference.emulation``), block maxima over 32 columns (warp shuffles, then shared
        memory across the 4 m-tiles of a block), the RCEIL E8M0 code, E4M3 codes
        (``cvt.rn.satfinite``), and the BF16 value ``e4m3 * 2^(code - 127)`` (exact for codes
@@ -206,7 +207,7 @@ class ExpertsGemmKernel:
         static = 4 * (8 * items + 3 * WINDOW * windows * items
                       + warps * mtiles * WINDOW * windows) + 1024
         #: CTAs per multiprocessor the kernel is built for (launch bounds; the grid size)
-        self.occupancy = occupancy or max(1, min(8, h.SMEM_PER_CTA // (self.smem_bytes + static)))
+        self.occupancy = occupancy or max(1, min(8, SMEM_PER_CTA // (self.smem_bytes + static)))
         self.ws = Workspace(count)
         self.search_steps = max(1, math.ceil(math.log2(count + 1)))
 
@@ -678,7 +679,7 @@ class ExpertsGemmKernel:
 
         Not a spin on ``ld.acquire.gpu``: that compiles to an L1 invalidation at every
         poll, and on the H200 this kernel faulted with "illegal address" at it
-        (``_ptx.fence_acq_rel_gpu``)."""
+        (``fast.device.ptx.fence_acq_rel_gpu``)."""
         ws = self.ws
         if tid == 0:
             expert = p.lds_i32(info + 4)

@@ -14,8 +14,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from fast import _cute as h
-from fast.experts import _ptx as p
+from fast.device import fp32 as h
+from fast.device import ptx as p
 from fast.experts.layout import WINDOW
 
 __all__ = ["EMPTY_ID", "ERROR_ID_RANGE", "ERROR_LIST_OVERFLOW", "ERROR_NOT_LOCAL",

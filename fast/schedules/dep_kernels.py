@@ -19,8 +19,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-from fast import _cute as h
-from fast.experts import _ptx as p
+from fast.device import SMEM_PER_CTA
+from fast.device import fp32 as h
+from fast.device import ptx as p
 
 __all__ = ["DispatchKernel", "OwnerFinalizeKernel", "CombineKernel", "ArrivalWaitKernel",
            "POISON_WORDS", "TABLE_FIELDS", "WAIT_ERROR_FIELDS", "wait_timeout_message"]
@@ -203,7 +204,7 @@ class CombineKernel:
 
     Constraints: ``L % 256 == 0``, ``L <= 8192``; ``ranks <= 32``; ``(min(N, K) + 1) * L * 2``
     bytes of shared memory (the present owners' rows and the norm weights) at most
-    ``fast._cute.SMEM_PER_CTA``; ids int32 ``[T, K]``; partial buffers BF16 ``[N*T, L]``; routed,
+    ``fast.device.SMEM_PER_CTA``; ids int32 ``[T, K]``; partial buffers BF16 ``[N*T, L]``; routed,
     normed BF16 ``[T, L]``; norm weight BF16 ``[L]``; table int64 ``[N]``.
     """
 
@@ -213,10 +214,10 @@ class CombineKernel:
         #: at most this many owners hold one of a token's ``top_k`` experts
         self.slots = min(ranks, top_k)
         self.stage_bytes = (self.slots + 1) * latent * 2  # and the norm weights
-        if self.stage_bytes > h.SMEM_PER_CTA:
+        if self.stage_bytes > SMEM_PER_CTA:
             raise ValueError(f"CombineKernel: min(ranks={ranks}, top_k={top_k}) partial rows "
                              f"and the norm weights of latent={latent} need {self.stage_bytes} "
-                             f"bytes of shared memory, more than {h.SMEM_PER_CTA}")
+                             f"bytes of shared memory, more than {SMEM_PER_CTA}")
 
     @cute.jit
     def __call__(self, ids: Int64, table: Int64, routed: Int64, norm_weight: Int64,

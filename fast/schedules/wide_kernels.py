@@ -31,8 +31,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-from fast import _cute as h
-from fast.experts import _ptx as p
+from fast.device import fp32 as h
+from fast.device import ptx as p
 
 __all__ = ["PublishKernel", "PollKernel", "LatentAllReduceNormKernel", "HiddenAllReduceKernel",
            "ArrivalSignalKernel", "SENTINEL_LATENT_WORD", "SENTINEL_LOGIT_WORD", "ERROR_WORDS", "ERROR_FIELDS",
@@ -53,7 +53,7 @@ ERROR_TIMEOUT = 1
 _THREADS = 128
 
 
-# --- PTX helpers this file needs beyond fast.experts._ptx ------------------------------
+# --- PTX helpers this file needs beyond fast.device.ptx --------------------------------
 
 
 def _ld_volatile_v4(address, now):

@@ -38,7 +38,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from fast import mx
-from fast.experts import _ptx as p
+from fast.device import ptx as p
 from fast.experts.lists import RoutingListsKernel
 from fast.router import RouterKernel
 from fast.schedules.wide_kernels import PollKernel
