@@ -40,7 +40,7 @@ _SIGNAL_PTX = """
 import cutlass.cute as cute
 from cutlass import Int64
 from fast import backend
-from fast.schedules.wide_kernels import ArrivalSignalKernel
+from fast.device.arrival import ArrivalSignalKernel
 cute.compile(ArrivalSignalKernel({ranks}), Int64(0), backend._fake_stream(),
              options="--gpu-arch {arch}")
 """

@@ -176,7 +176,7 @@ def test_dep_peer_wait_kernel(backend):
 
     from fast import backend as fb
     from fast.schedules.dep import _compiled, kernel_params
-    from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
+    from fast.device.arrival import WAIT_ERROR_FIELDS
 
     ranks = 4
     wait = _compiled("wait", fb.device_arch("cuda"),

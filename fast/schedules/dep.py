@@ -98,7 +98,9 @@ def _compiled(kind: str, arch: str, params: tuple):
         obj, args = k.OwnerFinalizeKernel(**kw), [Int64(0)] * 5 + [Int32(0), Int32(1), Int32(1),
                                                                     Int32(1)]
     elif kind == "wait":
-        obj, args = k.ArrivalWaitKernel(**kw), [Int64(0)] * 4 + [Int32(1), Int32(0), Int32(0)]
+        from fast.device.arrival import ArrivalWaitKernel
+
+        obj, args = ArrivalWaitKernel(**kw), [Int64(0)] * 4 + [Int32(1), Int32(0), Int32(0)]
     else:
         obj, args = k.CombineKernel(**kw), [Int64(0)] * 5 + [Float32(1e-5), Int32(0), Int32(1)]
     return cute.compile(obj, *args, backend._fake_stream(), options=f"--gpu-arch {arch}")

@@ -91,7 +91,7 @@ class DepPeerScratch:
     """
 
     def __init__(self, config, *, max_tokens: int, group=None, device=None):
-        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
+        from fast.device.arrival import WAIT_ERROR_FIELDS
 
         group, rank, ranks = process_group("DepPeerScratch", group)
         if config.experts % ranks:
@@ -295,7 +295,7 @@ class DepPeerLayer:
         (:class:`DepPeerTimeout`, naming this rank, the peer and what it waited for; the
         layer's counters are then out of step with its peers' and it must be rebuilt), or
         an engine error (``EngineError``). Synchronizes the device."""
-        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS, wait_timeout_message
+        from fast.device.arrival import WAIT_ERROR_FIELDS, wait_timeout_message
 
         record = dict(zip(WAIT_ERROR_FIELDS, (int(v) for v in self.error.tolist())))
         if record["code"]:

@@ -230,9 +230,11 @@ def _compiled(kind: str, arch: str, params: tuple):
                                  backend.ptr(None, "i32", 4), Float32(1.0), Int32(0), Int32(0),
                                  Int32(1)] + [Int64(0)] * 3 + [Int32(1), Int32(1)]
     elif kind == "signal":
-        obj, args = k.ArrivalSignalKernel(**kw), [Int64(0)]
+        from fast.device.arrival import ArrivalSignalKernel
+
+        obj, args = ArrivalSignalKernel(**kw), [Int64(0)]
     elif kind == "wait":
-        from fast.schedules.dep_kernels import ArrivalWaitKernel
+        from fast.device.arrival import ArrivalWaitKernel
 
         obj, args = ArrivalWaitKernel(**kw), [Int64(0)] * 4 + [Int32(1), Int32(0), Int32(0)]
     elif kind == "latent_all_reduce":

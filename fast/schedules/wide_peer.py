@@ -142,7 +142,7 @@ class WidePeerLayer(WideStages):
         import torch.distributed as dist
 
         from fast.experts import ExpertsEngine, prepare_experts
-        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
+        from fast.device.arrival import WAIT_ERROR_FIELDS
         from fast.schedules.wide_kernels import ERROR_WORDS
 
         if not isinstance(weights, LatentMoEWeights):
@@ -303,7 +303,7 @@ class WidePeerLayer(WideStages):
         (:class:`WidePeerTimeout`: this rank, the peer and what it waited for), or an
         engine error (``EngineError``). After a timeout the layer must be rebuilt on every
         rank. Synchronizes the device."""
-        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS, wait_timeout_message
+        from fast.device.arrival import WAIT_ERROR_FIELDS, wait_timeout_message
         from fast.schedules.wide_kernels import ERROR_FIELDS
 
         torch.cuda.synchronize(self.device)
