@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ptx_dump import elf_sections
-from sass_digest import _compile
+from sass_digest import compile_set
 
 #: instruction kinds, by opcode (the first word, modifiers dropped)
 KINDS = {
@@ -233,7 +233,7 @@ def _spec(geometry: str, windows: int, tactic: dict) -> dict:
 def compile_cubin(arch: str, geometry: str, windows: int, tactic: dict, kernel: str,
                   directory: Path) -> Path:
     """Compile one engine kernel into ``directory`` (``sass_digest``'s compile); its cubin."""
-    _compile([arch, "experts", "budget", kernel], directory, _spec(geometry, windows, tactic))
+    compile_set([arch, "experts", "budget", kernel], directory, _spec(geometry, windows, tactic))
     cubins = sorted(directory.rglob("*.cubin"))
     if len(cubins) != 1:
         raise RuntimeError(f"{kernel}: expected one cubin, the compile dumped {len(cubins)}")
@@ -244,7 +244,7 @@ def kernel_units(arch: str, geometry: str, windows: int, tactic: dict) -> dict[s
     """512-byte chunks per warp and main-loop iteration of the FC1 and FC2 kernels."""
     from fast.experts.kernels import ExpertsGemmKernel
 
-    params = ast.literal_eval(_compile([arch, "experts", "budget", "?params"],
+    params = ast.literal_eval(compile_set([arch, "experts", "budget", "?params"],
                                        engines=_spec(geometry, windows, tactic)))
     units = {}
     for name in ("fc1", "fc2"):

@@ -68,7 +68,7 @@ elif family in ("dep", "wide"):  # a schedule's own kernels, DEP16 / TP8, virtua
     module, ranks = (dep, 16) if family == "dep" else (wide, 8)
     params = module.kernel_params(c, ranks, peers=name.endswith("-peers"))
     kinds = list(params)
-    build = lambda k: module._compiled(k, arch, params[k])
+    build = lambda k: module.compiled_kernel(k, arch, params[k])
 elif family == "gemm":  # every fast.gemm shape a DenseFront compiles by default
     from fast.gemm.host import compile_kernel
     from fast.schedules import dense
@@ -85,10 +85,10 @@ else:  # the experts engine
          Geometry(latent=c.latent, inter=c.intermediate // 8, first=0, count=896,
                   shard=(0, 8)))
     params = (dict() if tactic.get("wgmma") and arch != "sm_90a" else  # wgmma: Hopper only
-              engine._kernel_params(g, c, windows, False, strict,
+              engine.kernel_params(g, c, windows, False, strict,
                                     engine.complete_tactic(tactic, arch), empty_rows=empty_rows))
     kinds = list(params)
-    build = lambda k: engine._compiled(k, arch, params[k])
+    build = lambda k: engine.compiled_kernel(k, arch, params[k])
 if kind == "?":
     print(" ".join(kinds))
 elif kind == "?params":  # every kernel's parameters (the experts engine's, for sass_budget)
@@ -98,7 +98,7 @@ else:
 """
 
 
-def _compile(args, dump_dir: Path | None = None, engines: dict | None = None) -> str:
+def compile_set(args, dump_dir: Path | None = None, engines: dict | None = None) -> str:
     """Run ``_COMPILE`` with ``args``; with ``dump_dir``, the cubins dumped there;
     ``engines``: the experts engine specs (name -> as ``ENGINES``), default ``ENGINES``."""
     return run_compile(_COMPILE.format(engines=ENGINES if engines is None else engines), args,
@@ -120,7 +120,7 @@ def text_digest(cubin: bytes) -> tuple[str, int]:
 def digest(arch: str, family: str, name: str, kind: str) -> list[str]:
     """One line per cubin the compile of kernel ``kind`` of set ``(family, name)`` dumps."""
     with tempfile.TemporaryDirectory() as tmp:
-        _compile([arch, family, name, kind], Path(tmp))
+        compile_set([arch, family, name, kind], Path(tmp))
         cubins = sorted(Path(tmp).rglob("*.cubin"))
         if not cubins:
             raise RuntimeError(f"{arch} {family} {name} {kind}: the compile dumped no cubin")
@@ -135,7 +135,7 @@ def digest(arch: str, family: str, name: str, kind: str) -> list[str]:
 
 def kinds(arch: str, family: str, name: str) -> list[tuple[str, str, str, str]]:
     """(arch, family, name, kernel kind) of every kernel of one set."""
-    return [(arch, family, name, kind) for kind in _compile([arch, family, name, "?"]).split()]
+    return [(arch, family, name, kind) for kind in compile_set([arch, family, name, "?"]).split()]
 
 
 def main(argv=None) -> int:

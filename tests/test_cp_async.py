@@ -69,7 +69,7 @@ class ZeroFillProbe:
 def _compile(arch: str):
     from fast import backend
 
-    return cute.compile(ZeroFillProbe(), Int64(0), Int64(0), backend._fake_stream(),
+    return cute.compile(ZeroFillProbe(), Int64(0), Int64(0), backend.fake_stream(),
                         options=f"--gpu-arch {arch}")
 
 

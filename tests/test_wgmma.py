@@ -94,7 +94,7 @@ if cute_error is None:
 def _compile(n: int, arch: str):
     from fast import backend
 
-    return cute.compile(WgmmaProbe(n), Int64(0), Int64(0), Int64(0), backend._fake_stream(),
+    return cute.compile(WgmmaProbe(n), Int64(0), Int64(0), Int64(0), backend.fake_stream(),
                         options=f"--gpu-arch {arch}")
 
 

@@ -41,7 +41,7 @@ import cutlass.cute as cute
 from cutlass import Int64
 from fast import backend
 from fast.device.arrival import ArrivalSignalKernel
-cute.compile(ArrivalSignalKernel({ranks}), Int64(0), backend._fake_stream(),
+cute.compile(ArrivalSignalKernel({ranks}), Int64(0), backend.fake_stream(),
              options="--gpu-arch {arch}")
 """
 

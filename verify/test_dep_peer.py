@@ -175,11 +175,11 @@ def test_dep_peer_wait_kernel(backend):
     from cutlass import Int32, Int64
 
     from fast import backend as fb
-    from fast.schedules.dep import _compiled, kernel_params
+    from fast.schedules.dep import compiled_kernel, kernel_params
     from fast.device.arrival import WAIT_ERROR_FIELDS
 
     ranks = 4
-    wait = _compiled("wait", fb.device_arch("cuda"),
+    wait = compiled_kernel("wait", fb.device_arch("cuda"),
                      kernel_params(cases.config("small"), ranks, peers=True)["wait"])
 
     def run(counters, expected, increment, timeout_s):

@@ -50,7 +50,8 @@ from fast.schedules.dense import DenseFront, DenseOutputs, check_hidden_rows
 from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
 
-__all__ = ["DepLayer", "DepRankOutputs", "check_token_rows"]
+__all__ = ["DepLayer", "DepRankOutputs", "check_token_rows", "kernel_params",
+           "compiled_kernel", "compile_all"]
 
 
 @dataclasses.dataclass
@@ -85,7 +86,9 @@ class DepRankOutputs:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(kind: str, arch: str, params: tuple):
+def compiled_kernel(kind: str, arch: str, params: tuple):
+    """The kernel ``kind`` of :func:`kernel_params` compiled for ``arch`` with ``params``
+    (fake arguments, no GPU needed; cached)."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
 
@@ -103,7 +106,7 @@ def _compiled(kind: str, arch: str, params: tuple):
         obj, args = ArrivalWaitKernel(**kw), [Int64(0)] * 4 + [Int32(1), Int32(0), Int32(0)]
     else:
         obj, args = k.CombineKernel(**kw), [Int64(0)] * 5 + [Float32(1e-5), Int32(0), Int32(1)]
-    return cute.compile(obj, *args, backend._fake_stream(), options=f"--gpu-arch {arch}")
+    return cute.compile(obj, *args, backend.fake_stream(), options=f"--gpu-arch {arch}")
 
 
 def kernel_params(config: LatentMoEConfig, ranks: int, *, peers: bool = False) -> dict[str, tuple]:
@@ -123,7 +126,7 @@ def kernel_params(config: LatentMoEConfig, ranks: int, *, peers: bool = False) -
 
 def compile_all(config: LatentMoEConfig, ranks: int, arch: str, *, peers: bool = False):
     """Compile the routed data-movement kernels for ``arch`` (no GPU needed)."""
-    return [_compiled(kind, arch, params)
+    return [compiled_kernel(kind, arch, params)
             for kind, params in kernel_params(config, ranks, peers=peers).items()]
 
 
@@ -220,7 +223,7 @@ class DepLayer:
             dtype=torch.int64, device=device)
         self.combine_table = torch.tensor([b["partials"].data_ptr() for b in self._owner],
                                           dtype=torch.int64, device=device)
-        self._fn = {kind: _compiled(kind, self.arch, p)
+        self._fn = {kind: compiled_kernel(kind, self.arch, p)
                     for kind, p in kernel_params(c, ranks).items()}
 
     # -- checks -------------------------------------------------------------------------

@@ -41,7 +41,7 @@ import torch
 
 from fast import backend
 from fast.schedules.dense import DenseFront
-from fast.schedules.dep import DepRankOutputs, _compiled, check_token_rows, kernel_params
+from fast.schedules.dep import DepRankOutputs, compiled_kernel, check_token_rows, kernel_params
 from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
 from reference.weights import LatentMoEWeights
 
@@ -192,7 +192,7 @@ class DepPeerLayer:
         self.dispatch_table, self.combine_table = scratch.dispatch_table, scratch.combine_table
         self.arrival_tables = scratch.arrival_tables
         self.expected, self.error = scratch.expected, scratch.error
-        self._fn = {kind: _compiled(kind, self.arch, p)
+        self._fn = {kind: compiled_kernel(kind, self.arch, p)
                     for kind, p in kernel_params(c, self.ranks, peers=True).items()}
         self._prepared: set[int] = set()
 

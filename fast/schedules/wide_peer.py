@@ -74,9 +74,9 @@ import torch
 from fast import activation, backend, finalize, mx, router, stock
 from fast.schedules.dense import check_hidden_rows
 from fast.schedules.wide import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, MailboxTimeout,
-                                 WideRankOutputs, WideStages, _as_int32, _compiled,
+                                 WideRankOutputs, WideStages, as_int32, compiled_kernel,
                                  check_list_params,
-                                 _mm_bf16_into, check_call_options, check_ranks,
+                                 mm_bf16_into, check_call_options, check_ranks,
                                  check_rows_and_timeout, kernel_params,
                                  mailbox_timeout_message)
 from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
@@ -222,7 +222,7 @@ class WidePeerLayer(WideStages):
         self.wait_error = torch.zeros(len(WAIT_ERROR_FIELDS), dtype=torch.int32, **on)
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, **on)
         self._side = torch.cuda.Stream(device)
-        self._fn = {kind: _compiled(kind, self.arch, p)
+        self._fn = {kind: compiled_kernel(kind, self.arch, p)
                     for kind, p in kernel_params(c, n, peers=True).items()}
         self._front, self._shared_ready = {r: None}, {r: None}
         self.calls = 0
@@ -240,8 +240,8 @@ class WidePeerLayer(WideStages):
 
         words = self.symmetric["mailbox"].view(torch.int32)  # [2, rows, L/2 + E]
         half = self.config.latent // 2
-        words[..., :half] = _as_int32(SENTINEL_LATENT_WORD)
-        words[..., half:] = _as_int32(SENTINEL_LOGIT_WORD)
+        words[..., :half] = as_int32(SENTINEL_LATENT_WORD)
+        words[..., half:] = as_int32(SENTINEL_LOGIT_WORD)
 
     def _shared(self, r: int) -> torch.Tensor:
         """This rank's shared-expert partial of the current call: buffer ``calls % 2``."""
@@ -270,9 +270,9 @@ class WidePeerLayer(WideStages):
         x = torch.zeros(tokens, c.hidden, dtype=torch.bfloat16, **on)
         stock.mm_fp32_out(x, self.front_weights[r])
         h = torch.empty(tokens, self.shared_gate_up[r].shape[0], dtype=torch.bfloat16, **on)
-        _mm_bf16_into(x, self.shared_gate_up[r], h)
+        mm_bf16_into(x, self.shared_gate_up[r], h)
         act = activation.situ_and_mul(h, beta=c.situ_beta, linear_beta=c.situ_linear_beta)
-        _mm_bf16_into(act, self.shared_down[r], torch.empty_like(x))
+        mm_bf16_into(act, self.shared_down[r], torch.empty_like(x))
         weights, ids = router.route(torch.zeros(tokens, c.experts, dtype=torch.float32, **on),
                                     self.bias, top_k=c.top_k, renormalize=c.renormalize,
                                     scale=c.routed_scaling_factor)
