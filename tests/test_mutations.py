@@ -188,7 +188,7 @@ MUTATIONS = [
          "lists + ((warp + stride) * n + n - 1 - 32 * r - lane)",
          "lists + ((warp + stride) * n + 32 * r + lane)",
          ["verify/test_router.py::test_route"], needs_gpu=True),
-    _one("fast RMSNorm kernel: (x * w) * r", "fast/norm.py",
+    _one("fast RMSNorm kernel: (x * w) * r", "fast/device/norm.py",
          "lo = h.fmul(h.fmul(xs[2 * i], r), h.bf16_lo(ww[i]))",
          "lo = h.fmul(h.fmul(xs[2 * i], h.bf16_lo(ww[i])), r)",
          ["verify/test_norm.py::test_rms_norm"], needs_gpu=True),

@@ -8,6 +8,8 @@
 * ``fast.device.arrival`` -- the cross-GPU arrival protocol of the real-rank schedules:
   the signal a writing CTA ends with, the signal and wait kernels, the wait's error
   record and its timeout;
+* ``fast.device.norm`` -- the RMSNorm of one row by one CTA (``normalize_row``), which
+  the RMSNorm kernel runs and the schedules' kernels fuse;
 * ``SMEM_PER_CTA`` (here) -- the shared-memory budget of one CTA.
 
 Importing this package imports no CuTe DSL; its modules do.

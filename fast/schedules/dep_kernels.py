@@ -182,7 +182,7 @@ class CombineKernel:
     2. for owners ``o`` = 0 .. N-1 in order, when one of the token's ids lies in ``o``'s
        range: the first present partial is widened exactly to FP32, each later one added
        (``add.rn.f32``); one RNE rounding to BF16 -> ``routed[t]``;
-    3. ``normed[t]`` = ``fast.norm.normalize_row`` of the BF16 routed row (the RMSNorm
+    3. ``normed[t]`` = ``fast.device.norm.normalize_row`` of the BF16 routed row (the RMSNorm
        kernel's exact reduction tree and rounding points).
 
     Every CTA first lets the stream's next grid launch (``griddepcontrol.launch_dependents``):
@@ -218,7 +218,7 @@ class CombineKernel:
     @cute.kernel
     def kernel(self, ids: Int64, table: Int64, routed: Int64, norm_weight: Int64,
                normed: Int64, eps: Float32, source: Int32, tokens: Int32):
-        from fast.norm import normalize_row
+        from fast.device.norm import normalize_row
 
         cute.arch.griddepcontrol_launch_dependents()
         tid = cute.arch.thread_idx()[0]

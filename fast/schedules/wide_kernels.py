@@ -294,7 +294,7 @@ class LatentAllReduceNormKernel:
     up front (one 16-byte load per rank and thread, all in flight); ``routed[t]`` =
     ``reference.schedules.groups.ordered_sum_bf16`` of them bit for bit (FP32 from rank
     0's value, ``add.rn.f32`` of ranks 1 .. N-1 in order, one RNE rounding to BF16);
-    ``normed[t]`` = ``fast.norm.normalize_row`` of that BF16 row (the RMSNorm kernel's
+    ``normed[t]`` = ``fast.device.norm.normalize_row`` of that BF16 row (the RMSNorm kernel's
     exact reduction tree and rounding points: ``reference.emulation.rms_norm_tree``).
 
     Constraints: ``L % 256 == 0``, ``L <= 8192``; partials BF16 ``[rows, L]``, routed,
@@ -315,7 +315,7 @@ class LatentAllReduceNormKernel:
     @cute.kernel
     def kernel(self, table: Int64, routed: Int64, norm_weight: Int64, normed: Int64,
                eps: Float32):
-        from fast.norm import normalize_row
+        from fast.device.norm import normalize_row
 
         tid = cute.arch.thread_idx()[0]
         t = cute.arch.block_idx()[0]
