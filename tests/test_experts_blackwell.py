@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from fast import backend
-from ptx_dump import dump_ptx
+from tools.ptx_dump import dump_ptx
 from fast.experts.blackwell_layout import (
     ARCHS,
     BlackwellExperts,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fast import backend
-from ptx_dump import dump_ptx, loops
+from tools.ptx_dump import dump_ptx, loops
 from fast.experts.layout import (
     MAX_SCALE_CODE, WORD_BITS, decode_tiles, pack_tiles, prepare_experts)
 from reference.config import LatentMoEConfig

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fast import backend
-from ptx_dump import dump_ptx
-from ptx_dump import loops as spin_loops
+from tools.ptx_dump import dump_ptx
+from tools.ptx_dump import loops as spin_loops
 from reference.config import LatentMoEConfig
 from reference.schedules.wide import check_wide_ranks
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fast import backend
-from ptx_dump import dump_ptx
+from tools.ptx_dump import dump_ptx
 from reference.config import LatentMoEConfig
 
 _cute_error = backend.cute_import_error()

@@ -11,8 +11,8 @@ the debug sections are left out). The set (``SETS``): the stage kernels at the r
 kernels for virtual and real ranks, and every ``fast.gemm`` shape a ``DenseFront``
 compiles by default::
 
-    python tests/sass_digest.py before.txt          # on the old tree (--only experts,...)
-    python tests/sass_digest.py after.txt           # on the new one
+    python tools/sass_digest.py before.txt          # on the old tree (--only experts,...)
+    python tools/sass_digest.py after.txt           # on the new one
     diff before.txt after.txt                       # empty: no kernel changed
 
 Each kernel compiles in its own process, because the DSL names a dump after the kernel's
@@ -26,10 +26,14 @@ import concurrent.futures
 import hashlib
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 
-from ptx_dump import elf_sections, run_compile
+if __package__ in (None, ""):  # run as a file (python tools/sass_digest.py): the repository first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.ptx_dump import elf_sections, run_compile  # noqa: E402
 
 ARCHS = ("sm_90a", "sm_100a")
 

@@ -3,9 +3,9 @@
 warp's m-tile chunk: 16 rows x 64 k of MXFP4), by kind, with the kernel's registers and
 stack frame.
 
-    python tests/sass_budget.py                       # DEP16 FC1/FC2, 4 windows, mma.sync
-    python tests/sass_budget.py --geometry tp8 --windows 2 --tactic walk=4
-    python tests/sass_budget.py --tactic wgmma=1 --kernels fc1
+    python tools/sass_budget.py                       # DEP16 FC1/FC2, 4 windows, mma.sync
+    python tools/sass_budget.py --geometry tp8 --windows 2 --tactic walk=4
+    python tools/sass_budget.py --tactic wgmma=1 --kernels fc1
 
 The kernels are compiled for ``--arch`` by ``sass_digest``'s compile (the DSL's cubin dump)
 and disassembled by ``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel of the dev extra, or
@@ -34,8 +34,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ptx_dump import elf_sections
-from sass_digest import compile_set
+if __package__ in (None, ""):  # run as a file (python tools/sass_budget.py): the repository first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.ptx_dump import elf_sections  # noqa: E402
+from tools.sass_digest import compile_set  # noqa: E402
 
 #: instruction kinds, by opcode (the first word, modifiers dropped)
 KINDS = {
@@ -381,5 +384,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     raise SystemExit(main())
