@@ -8,8 +8,8 @@ a peer's memory tells it so, and how the peer waits for it without ever hanging.
   that cannot signal (cuBLAS, library kernels: the wide layer's all-reduce inputs);
 * ``ArrivalWaitKernel`` -- holds the receiver's stream until every sender's counter reached
   this call's target, or a timeout passes; a timeout writes an error record
-  (``WAIT_ERROR_FIELDS``) that the layer's ``check`` turns into an exception
-  (``wait_timeout_message``).
+  (``WAIT_ERROR_FIELDS``) that the layer's ``check`` raises as :class:`ArrivalTimeout`
+  (with ``wait_timeout_message``).
 
 The DEP (``fast.schedules.dep_peer``) and wide (``fast.schedules.wide_peer``) layers over
 real ranks both use these pieces; their counters live in symmetric memory.
@@ -24,7 +24,13 @@ from cutlass import Int32, Int64
 from fast.device import ptx as p
 
 __all__ = ["signal_arrival", "ArrivalSignalKernel", "ArrivalWaitKernel", "WAIT_ERROR_FIELDS",
-           "WAIT_TIMEOUT", "wait_timeout_message"]
+           "WAIT_TIMEOUT", "wait_timeout_message", "ArrivalTimeout"]
+
+
+class ArrivalTimeout(TimeoutError):
+    """A rank's ``ArrivalWaitKernel`` gave up: a peer's writes did not arrive within the
+    layer's timeout (raised by ``DepPeerLayer.check`` and ``WidePeerLayer.check`` with
+    :func:`wait_timeout_message`; the layer must then be rebuilt on every rank)."""
 
 
 def signal_arrival(counter: Int64, tid):
@@ -102,8 +108,8 @@ class ArrivalWaitKernel:
     record (``WAIT_ERROR_FIELDS``) at ``error`` if no error is recorded there yet (the
     first one wins; ``atom.cas`` on the code) and the kernel ends: never a hang. After a
     timeout the layer's outputs are unspecified and its counters out of step: the host
-    raises (``DepPeerLayer.check``, ``WidePeerLayer.check``) and the layer must be
-    rebuilt.
+    raises :class:`ArrivalTimeout` (``DepPeerLayer.check``, ``WidePeerLayer.check``) and
+    the layer must be rebuilt.
 
     The counters only grow (by ``T`` per call and peer), so no re-arm is needed and a CUDA
     graph replays the same launches.

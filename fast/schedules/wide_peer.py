@@ -63,8 +63,8 @@ analysis above).
 Every rank must call the layer with the same ``T`` (the wide bucket's contract: every
 rank holds the same tokens). A poll or a wait that gives up after ``timeout_s`` records
 who and what; :meth:`WidePeerLayer.check` raises (:class:`MailboxTimeout` for the
-mailbox, :class:`WidePeerTimeout` for a wait), and the layer must then be rebuilt on
-every rank (its mailboxes and counters are out of step with its peers').
+mailbox, :class:`fast.device.arrival.ArrivalTimeout` for a wait), and the layer must then
+be rebuilt on every rank (its mailboxes and counters are out of step with its peers').
 """
 
 from __future__ import annotations
@@ -82,14 +82,10 @@ from fast.schedules.wide import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, Mail
 from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
 from reference.weights import LatentMoEWeights
 
-__all__ = ["WidePeerLayer", "WidePeerTimeout", "symmetric_layout", "WAITS"]
+__all__ = ["WidePeerLayer", "symmetric_layout", "WAITS"]
 
 #: What each of a call's two waits waits for, by index (``ArrivalWaitKernel``'s ``what``).
 WAITS = ("routed partials", "hidden partials")
-
-
-class WidePeerTimeout(TimeoutError):
-    """A rank's wait for its peers' partials passed its timeout."""
 
 
 def symmetric_layout(config, ranks: int, max_rows: int) -> tuple[dict, int]:
@@ -300,10 +296,10 @@ class WidePeerLayer(WideStages):
         """Raise the first error recorded since the last check: a poll that timed out
         (:class:`MailboxTimeout`: this rank, the buffer, token, column and the writer that
         never published; that record is then cleared), a wait that timed out
-        (:class:`WidePeerTimeout`: this rank, the peer and what it waited for), or an
-        engine error (``EngineError``). After a timeout the layer must be rebuilt on every
-        rank. Synchronizes the device."""
-        from fast.device.arrival import WAIT_ERROR_FIELDS, wait_timeout_message
+        (:class:`fast.device.arrival.ArrivalTimeout`: this rank, the peer and what it
+        waited for), or an engine error (``EngineError``). After a timeout the layer must
+        be rebuilt on every rank. Synchronizes the device."""
+        from fast.device.arrival import WAIT_ERROR_FIELDS, ArrivalTimeout, wait_timeout_message
         from fast.schedules.wide_kernels import ERROR_FIELDS
 
         torch.cuda.synchronize(self.device)
@@ -316,7 +312,7 @@ class WidePeerLayer(WideStages):
                 "mailboxes and counters are now out of step: rebuild the layer on every rank."))
         wait = dict(zip(WAIT_ERROR_FIELDS, (int(v) for v in self.wait_error.tolist())))
         if wait["code"]:
-            raise WidePeerTimeout(wait_timeout_message("wide", WAITS, wait, self.ranks,
+            raise ArrivalTimeout(wait_timeout_message("wide", WAITS, wait, self.ranks,
                                                        self.timeout_s))
         self.engine.check()
 
