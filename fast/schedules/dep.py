@@ -176,6 +176,9 @@ class DepLayer:
             the engine's defaults.
     """
 
+    #: ``fast.schedules.graphs.BucketGraphs``' input: every virtual rank's tokens (a list).
+    virtual_ranks = True
+
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_tokens: int,
                  device: str | torch.device = "cuda", dense_gemm: str = "auto",
                  batch_invariant: bool = False, experts_tactic: dict | None = None):

@@ -145,6 +145,9 @@ class DepPeerLayer:
     Construction of a scratch is collective (every rank of the group must construct it).
     """
 
+    #: ``fast.schedules.graphs.BucketGraphs``' input: this rank's tokens.
+    virtual_ranks = False
+
     def __init__(self, weights: LatentMoEWeights, *, max_tokens: int | None = None, group=None,
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
                  scratch: DepPeerScratch | None = None, dense_gemm: str = "auto",
