@@ -6,10 +6,11 @@ This tool proves that on a CPU: it compiles each kernel of a fixed set with CuTe
 cubin dump, for sm_90a and sm_100a, and prints one line per kernel with the SHA-1 of its
 ``.text`` sections (the SASS; the symbol names, which carry the Python module path, and
 the debug sections are left out). The set (``SETS``): the stage kernels at the real widths
-(``fast.backend.KERNELS``), the experts engine at six geometries and tactics
+(``fast.backend.KERNELS``), the experts engine at seven geometries and tactics
 (``ENGINES``; the warpgroup-MMA ones for sm_90a only), the DEP16 and TP8 schedules' own
 kernels for virtual and real ranks, and every ``fast.gemm`` shape a ``DenseFront``
-compiles by default::
+compiles by default (not the Blackwell block-scaled experts kernel of
+``fast.experts.blackwell``)::
 
     python tools/sass_digest.py before.txt          # on the old tree (--only experts,...)
     python tools/sass_digest.py after.txt           # on the new one

@@ -13,8 +13,9 @@ What runs, per rank ``r`` of ``N`` (the order of ``reference.schedules.dep``)::
              owner o: fast.experts engine (DEP owner mode, empty rows allowed) over its
              N*T receive rows, OwnerFinalizeKernel -> BF16 partial per receive row
              home r : (wait for the shared expert) CombineKernel (owners in rank order,
-                      FP32) -> routed, fused with the RMSNorm (fast.norm's exact tree) ->
-                      normed ; out = shared + normed @ up^T (DenseFront.up_projection)
+                      FP32) -> routed, fused with the RMSNorm (fast.device.norm, fast.norm's
+                      exact tree) -> normed ; out = shared + normed @ up^T
+                      (DenseFront.up_projection)
 
 Rounding points differ from the reference only where a GEMM's accumulation order does
 (the dense GEMMs, cuBLAS or fast.gemm, and the experts engine's FC1/FC2: bounded by the
