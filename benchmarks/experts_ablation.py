@@ -44,7 +44,7 @@ def ablated(parts: tuple[str, ...]):
     of ``fast.experts.kernels.ABLATION_PARTS`` each; the kernels refuse any other)."""
     from fast.experts import engine as engine_module
 
-    original = engine_module._kernel_params
+    original = engine_module.kernel_params
 
     def with_parts(*args, **kwargs):
         params = original(*args, **kwargs)
@@ -59,11 +59,11 @@ def ablated(parts: tuple[str, ...]):
             params["fused"] = tuple((kind, add(entry)) for kind, entry in params["fused"])
         return params
 
-    engine_module._kernel_params = with_parts
+    engine_module.kernel_params = with_parts
     try:
         yield
     finally:
-        engine_module._kernel_params = original
+        engine_module.kernel_params = original
 
 
 def render(result: dict) -> str:

@@ -21,7 +21,7 @@ def _compiled():
     from cutlass import Int32, Int64, Uint32
 
     from fast import backend
-    from fast.experts import _ptx as p
+    from fast.device import ptx as p
 
     class ReadKernel:
         @cute.jit
@@ -44,7 +44,7 @@ def _compiled():
             if acc == Uint32(0x12345678):
                 p.stg_i32(out + cta * 4, 1)
 
-    return cute.compile(ReadKernel(), Int64(0), Int64(0), Int32(1), backend._fake_stream(),
+    return cute.compile(ReadKernel(), Int64(0), Int64(0), Int32(1), backend.fake_stream(),
                         options=f"--gpu-arch {backend.gpu_arch() or 'sm_90a'}")
 
 

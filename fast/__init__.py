@@ -13,7 +13,10 @@
   of the batch) and S2 (``wide.WideLayer``, ``wide_peer``);
 * ``fast.stock`` -- the stock PyTorch / cuBLAS ops, the baseline the kernels are checked
   and timed against;
-* ``fast.backend`` -- architecture detection, availability reasons, the compile cache.
+* ``fast.backend`` -- architecture detection, availability reasons, the compile cache;
+* ``fast.device`` -- the device library every kernel module builds on: one helper per
+  PTX instruction (``ptx``), the exact FP32 arithmetic and exp/tanh/sigmoid (``fp32``),
+  the row RMSNorm (``norm``), the cross-GPU arrival signal and wait (``arrival``).
 
 ``fast.backend`` imports no kernel module until a kernel is compiled, so it works on any
 machine and reports why a kernel cannot run; a kernel module imports the CuTe DSL (the

@@ -1,12 +1,13 @@
 """SiTU-and-mul of the shared expert (CuTe DSL), with the project's own exp / tanh /
-sigmoid built from IEEE FP32 operations (``fast._cute``), so that
+sigmoid built from IEEE FP32 operations (``fast.device.fp32``), so that
 ``reference.emulation.situ_and_mul`` reproduces it bit-exactly on the CPU."""
 
 import cutlass
 import cutlass.cute as cute
 import torch
 
-from fast import _cute as h
+from fast.device import fp32 as h
+from fast.device import ptx as p
 from fast import backend
 
 __all__ = ["situ_and_mul", "SituKernel"]
@@ -25,7 +26,7 @@ class SituKernel:
     reductions.
 
     Math (every step one FP32 IEEE operation, round to nearest even, no FTZ, no
-    contraction; ``fast._cute`` lists the exact instruction sequences):
+    contraction; ``fast.device.fp32`` lists the exact instruction sequences):
 
     * ``tg = tanh_rn(div.rn(g, beta))``; ``a = mul(beta, tg)``;
     * ``s = sigmoid_rn(g) = div.rn(1, add(1, exp_rn(-g)))``; ``a = mul(a, s)``;
@@ -64,8 +65,8 @@ class SituKernel:
         col = (chunk * _THREADS + tid) * _COLS
         if col < n:
             row = hp + token * stride
-            gw = h.load_v4(row + col)
-            uw = h.load_v4(row + (n + col))
+            gw = p.load_v4(row + col)
+            uw = p.load_v4(row + (n + col))
             packed = []
             for i in cutlass.range_constexpr(4):
                 pair = []
@@ -76,7 +77,7 @@ class SituKernel:
                     b = h.fmul(linear_beta, h.tanh_rn(h.fdiv(u, linear_beta)))
                     pair.append(h.fmul(a, b))
                 packed.append(h.pack_bf16x2(pair[0], pair[1]))
-            h.store_v4(out + (token * n + col), packed)
+            p.store_v4(out + (token * n + col), packed)
 
 
 def compile_args(*, n: int):

@@ -33,6 +33,7 @@ __all__ = [
     "available",
     "device_supported",
     "compile_for_target",
+    "fake_stream",
     "compiled",
     "default_params",
 ]
@@ -158,7 +159,9 @@ def stream(device=None):
     return cuda.CUstream(torch.cuda.current_stream(device).cuda_stream)
 
 
-def _fake_stream():
+def fake_stream():
+    """A stand-in stream for compiling a kernel without a GPU (``cute.compile``'s stream
+    argument)."""
     from cutlass.cute.runtime import make_fake_stream
 
     return make_fake_stream()
@@ -172,7 +175,7 @@ def _compile(kernel: str, arch: str, params: tuple):
 
     module = _module(kernel)
     obj, args = module.compile_args(**dict(params))
-    return cute.compile(obj, *args, _fake_stream(), options=f"--gpu-arch {arch}")
+    return cute.compile(obj, *args, fake_stream(), options=f"--gpu-arch {arch}")
 
 
 def compile_for_target(kernel: str, arch: str, **params):

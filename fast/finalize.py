@@ -8,7 +8,8 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
-from fast import _cute as h
+from fast.device import fp32 as h
+from fast.device import ptx as p
 from fast import backend
 
 __all__ = ["finalize", "FinalizeKernel"]
@@ -62,7 +63,7 @@ class FinalizeKernel:
         top_k: cutlass.Constexpr = self.top_k
         words = []
         for k in cutlass.range_constexpr(top_k):
-            words.append(h.load_v4(rows + ((token * top_k + k) * width + tid * _COLS)))
+            words.append(p.load_v4(rows + ((token * top_k + k) * width + tid * _COLS)))
         acc = [h.Float32(0.0)] * _COLS
         for k in cutlass.range_constexpr(top_k):
             w = cute.arch.load(weights + (token * top_k + k), h.Float32)
@@ -70,7 +71,7 @@ class FinalizeKernel:
                 acc[2 * i] = h.ffma(w, h.bf16_lo(words[k][i]), acc[2 * i])
                 acc[2 * i + 1] = h.ffma(w, h.bf16_hi(words[k][i]), acc[2 * i + 1])
         packed = [h.pack_bf16x2(acc[2 * i], acc[2 * i + 1]) for i in range(4)]
-        h.store_v4(out + (token * width + tid * _COLS), packed)
+        p.store_v4(out + (token * width + tid * _COLS), packed)
 
 
 def compile_args(*, width: int, top_k: int):

@@ -6,7 +6,8 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
-from fast import _cute as h
+from fast.device import fp32 as h
+from fast.device import ptx as p
 from fast import backend
 
 __all__ = ["quantize_mxfp8", "QuantizeKernel", "quantize_block"]
@@ -122,11 +123,11 @@ class QuantizeKernel:
                 src = x + (r * k + c * _BLOCK)
                 words = []
                 for i in cutlass.range_constexpr(4):
-                    words += h.load_v4(src + 8 * i)
+                    words += p.load_v4(src + 8 * i)
                 code, out = quantize_block(words)
                 dst = codes + (r * k + c * _BLOCK)
-                h.store_v4(dst, out[:4])
-                h.store_v4(dst + 16, out[4:])
+                p.store_v4(dst, out[:4])
+                p.store_v4(dst + 16, out[4:])
             off = r * cols + c
             if cutlass.const_expr(self.swizzled):
                 off = ((r // 128) * (cols // 4) + c // 4) * 512 + (r % 32) * 16 \

@@ -6,12 +6,13 @@ import cutlass
 import cutlass.cute as cute
 import torch
 
-from fast import _cute as h
+from fast.device import ptx as p
+from fast.device.norm import COLUMNS, normalize_row
 from fast import backend
 
-__all__ = ["rms_norm", "NormKernel", "normalize_row"]
+__all__ = ["rms_norm", "NormKernel"]
 
-_COLS = 8
+_COLS = COLUMNS
 
 
 class NormKernel:
@@ -56,50 +57,16 @@ class NormKernel:
         token = cute.arch.block_idx()[0]
         width: cutlass.Constexpr = self.width
         warps: cutlass.Constexpr = self.threads // 32
-        xw = h.load_v4(x + (token * width + tid * _COLS))
-        ww = h.load_v4(w + tid * _COLS)
-        h.store_v4(out + (token * width + tid * _COLS), normalize_row(xw, ww, eps, width, warps))
-
-
-@cute.jit
-def normalize_row(xw, ww, eps, width: cutlass.Constexpr, warps: cutlass.Constexpr):
-    """Steps 2-6 of ``NormKernel`` for one CTA of ``width / 8`` threads holding a row:
-    this thread's 8 BF16 inputs ``xw`` and weights ``ww`` (4 words each, column order)
-    -> its 4 words of BF16 output. Every thread of the CTA must call it (one barrier);
-    ``fast.schedules.dep_kernels.CombineKernel`` fuses it after the combine."""
-    xs = []
-    for i in cutlass.range_constexpr(4):
-        xs.append(h.bf16_lo(xw[i]))
-        xs.append(h.bf16_hi(xw[i]))
-    s = h.fmul(xs[0], xs[0])
-    for j in cutlass.range_constexpr(1, _COLS):
-        s = h.fadd(s, h.fmul(xs[j], xs[j]))
-    for o in (16, 8, 4, 2, 1):
-        s = h.fadd(s, cute.arch.shuffle_sync_bfly(s, offset=o))
-    smem = cute.make_tensor(cute.arch.alloc_smem(h.Float32, 32), cute.make_layout(32))
-    lane = cute.arch.lane_idx()
-    warp = cute.arch.warp_idx()
-    if lane == 0:
-        smem[warp] = s
-    cute.arch.sync_threads()
-    tot = smem[0]
-    for j in cutlass.range_constexpr(1, warps):
-        tot = h.fadd(tot, smem[j])
-    mean = h.fdiv(tot, h.Float32(float(width)))
-    r = h.fdiv(h.Float32(1.0), h.fsqrt(h.fadd(mean, eps)))
-    packed = []
-    for i in cutlass.range_constexpr(4):
-        lo = h.fmul(h.fmul(xs[2 * i], r), h.bf16_lo(ww[i]))
-        hi = h.fmul(h.fmul(xs[2 * i + 1], r), h.bf16_hi(ww[i]))
-        packed.append(h.pack_bf16x2(lo, hi))
-    return packed
+        xw = p.load_v4(x + (token * width + tid * _COLS))
+        ww = p.load_v4(w + tid * _COLS)
+        p.store_v4(out + (token * width + tid * _COLS), normalize_row(xw, ww, eps, width, warps))
 
 
 def compile_args(*, width: int):
     """(kernel object, fake arguments but the stream) for ``backend.compile_for_target``."""
     obj = NormKernel(width)
-    p = backend.ptr(None, "bf16")
-    return obj, (p, backend.ptr(None, "bf16"), backend.ptr(None, "bf16"),
+    x = backend.ptr(None, "bf16")
+    return obj, (x, backend.ptr(None, "bf16"), backend.ptr(None, "bf16"),
                  backend.float32(1e-5), backend.int32(1))
 
 

@@ -6,7 +6,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Uint64
 
-from fast import _cute as h
+from fast.device import fp32 as h
 from fast import backend
 
 __all__ = ["route", "RouterKernel"]
@@ -104,7 +104,7 @@ class RouterKernel:
     lane l the experts ``n w + 32 r + l`` (element ``32 r + l`` of the warp's list).
 
     1. each thread loads its logits and biases, computes ``s = sigmoid_rn(x) = div.rn(1,
-       add(1, exp_rn(-x)))`` (``fast._cute``: FP32 IEEE operations only), ``sel = add.rn(s,
+       add(1, exp_rn(-x)))`` (``fast.device.fp32``: FP32 IEEE operations only), ``sel = add.rn(s,
        bias)`` and its key (``order_key``: unsigned order = score descending, then expert id
        ascending; unique);
     2. each warp sorts its n keys descending with a bitonic network (``shfl.bfly`` between

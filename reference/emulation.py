@@ -1,6 +1,6 @@
 """Bit-exact PyTorch emulations of the fast kernels' own math, where it differs from the
 plain reference stage: their exp / tanh / sigmoid (built from IEEE FP32 operations, see
-``fast/_cute.py``), the RMSNorm reduction tree and rsqrt, the router's sigmoid.
+``fast/device/fp32.py``), the RMSNorm reduction tree and rsqrt, the router's sigmoid.
 
 Every function here is plain PyTorch FP32 elementwise arithmetic (``*``, ``+``, ``-``,
 ``/``, ``torch.sqrt``, ``torch.round``, ``torch.maximum`` / ``minimum``, bit casts). On the
@@ -53,7 +53,7 @@ def _pow2(k: torch.Tensor) -> torch.Tensor:
 
 
 def exp_rn(x: torch.Tensor) -> torch.Tensor:
-    """The kernels' e^x (``fast._cute.exp_rn``), bit-exact, FP32 in and out."""
+    """The kernels' e^x (``fast.device.fp32.exp_rn``), bit-exact, FP32 in and out."""
     if x.dtype != torch.float32:
         raise TypeError(f"exp_rn: x must be float32, got {x.dtype}")
     x = torch.minimum(torch.maximum(x, _f32(EXP_LO)), _f32(EXP_HI))
@@ -69,7 +69,7 @@ def exp_rn(x: torch.Tensor) -> torch.Tensor:
 
 
 def tanh_rn(y: torch.Tensor) -> torch.Tensor:
-    """The kernels' tanh (``fast._cute.tanh_rn``), bit-exact, FP32 in and out."""
+    """The kernels' tanh (``fast.device.fp32.tanh_rn``), bit-exact, FP32 in and out."""
     if y.dtype != torch.float32:
         raise TypeError(f"tanh_rn: y must be float32, got {y.dtype}")
     a = y.abs()

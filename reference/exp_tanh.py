@@ -1,6 +1,6 @@
 """The constants of the project's own FP32 exp and tanh, in one place.
 
-The fast kernels (``fast._cute.exp_rn`` / ``tanh_rn``) evaluate these functions from IEEE
+The fast kernels (``fast.device.fp32.exp_rn`` / ``tanh_rn``) evaluate these functions from IEEE
 FP32 operations only, and ``reference.emulation`` repeats the same sequence on the CPU bit
 for bit; both read their constants here (a data module: no stage, no function).
 

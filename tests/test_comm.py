@@ -110,7 +110,7 @@ def test_mailbox_round_trip_rearm_and_rotation(ranks):
     tokens = 4
 
     def fn(g):
-        box = g.mailbox(ROWS, LATENT, EXPERTS)
+        box = mailbox.open_mailbox(g, ROWS, LATENT, EXPERTS)
         seen = []
         for call in range(3):
             lat, log = _shards(g, tokens, seed=10 * call)
@@ -141,7 +141,7 @@ def test_mailbox_round_trip_rearm_and_rotation(ranks):
 
 def test_mailbox_sanitizes_negative_zero_and_keeps_fp32_words_whole():
     def fn(g):
-        box = g.mailbox(ROWS, LATENT, EXPERTS)
+        box = mailbox.open_mailbox(g, ROWS, LATENT, EXPERTS)
         lat = torch.ones(2, LATENT // g.size, dtype=torch.bfloat16)
         lat[0, 0] = -0.0
         log = torch.ones(2, EXPERTS // g.size)
@@ -162,7 +162,7 @@ def test_mailbox_without_sanitize_times_out_naming_the_word(monkeypatch):
     monkeypatch.setattr(mailbox, "sanitize_negative_zero", lambda words: words)
 
     def fn(g):
-        box = g.mailbox(ROWS, LATENT, EXPERTS)
+        box = mailbox.open_mailbox(g, ROWS, LATENT, EXPERTS)
         lat = torch.ones(3, LATENT // g.size, dtype=torch.bfloat16)
         if g.rank == 1:
             lat[2, 5] = -0.0
@@ -177,7 +177,7 @@ def test_mailbox_without_sanitize_times_out_naming_the_word(monkeypatch):
 
 def test_mailbox_reader_of_an_unpublished_shard_times_out_clearly():
     def fn(g):
-        box = g.mailbox(ROWS, LATENT, EXPERTS)
+        box = mailbox.open_mailbox(g, ROWS, LATENT, EXPERTS)
         if g.rank != 1:  # rank 1 never publishes
             box.publish(*_shards(g, 2))
         return box.poll_logits(2, timeout=0.2)
@@ -192,7 +192,7 @@ def test_mailbox_reader_of_an_unpublished_shard_times_out_clearly():
 
 def test_mailbox_missing_rearm_is_a_protocol_error():
     def fn(g):
-        box = g.mailbox(ROWS, LATENT, EXPERTS)
+        box = mailbox.open_mailbox(g, ROWS, LATENT, EXPERTS)
         for _ in range(3):  # never polls: buffer 0 is still full on the third call
             box.publish(*_shards(g, 2))
             box.advance()
@@ -204,7 +204,7 @@ def test_mailbox_missing_rearm_is_a_protocol_error():
 
 def test_mailbox_rejects_shards_that_do_not_split():
     with pytest.raises(ValueError, match="must divide by 3 ranks"):
-        run_virtual(3, lambda g: g.mailbox(ROWS, LATENT, EXPERTS))
+        run_virtual(3, lambda g: mailbox.open_mailbox(g, ROWS, LATENT, EXPERTS))
 
 
 def test_torch_group_byte_codec_round_trips_every_dtype_at_odd_offsets():

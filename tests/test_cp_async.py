@@ -1,4 +1,4 @@
-"""The zero-filling copies of ``fast.experts._ptx`` (``cp_async_16``, ``cp_async_4z``): a
+"""The zero-filling copies of ``fast.device.ptx`` (``cp_async_16``, ``cp_async_4z``): a
 copy whose ``valid`` is false writes zeros and reads nothing, one whose ``valid`` is true
 copies its bytes.
 
@@ -22,7 +22,7 @@ cutlass = pytest.importorskip("cutlass", reason="CuTe DSL (nvidia-cutlass-dsl) i
 import cutlass.cute as cute  # noqa: E402
 from cutlass import Int32, Int64  # noqa: E402
 
-from fast.experts import _ptx as p  # noqa: E402
+from fast.device import ptx as p  # noqa: E402
 
 THREADS = 128
 #: thread t's 16 bytes (cp_async_16) at 16 t; its 4 bytes (cp_async_4z) at WIDE + 4 t
@@ -69,7 +69,7 @@ class ZeroFillProbe:
 def _compile(arch: str):
     from fast import backend
 
-    return cute.compile(ZeroFillProbe(), Int64(0), Int64(0), backend._fake_stream(),
+    return cute.compile(ZeroFillProbe(), Int64(0), Int64(0), backend.fake_stream(),
                         options=f"--gpu-arch {arch}")
 
 

@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from fast import backend
-from ptx_dump import dump_ptx
+from tools.ptx_dump import dump_ptx
 from fast.experts.blackwell_layout import (
     ARCHS,
     BlackwellExperts,
@@ -201,7 +201,7 @@ def test_gather_offsets_are_the_dsl_smem_layouts(tokens):
     def probe(stream):
         offsets()
 
-    cute.compile(probe, backend._fake_stream(), options="--gpu-arch sm_100a")
+    cute.compile(probe, backend.fake_stream(), options="--gpu-arch sm_100a")
     assert got["swizzle"] == "S<3,4,3>"
 
     def swizzle(i):  # S<3,4,3>: bits 4-6 ^= bits 7-9
@@ -220,7 +220,7 @@ from fast import backend
 from fast.experts.blackwell import BlockScaledExpertsKernel
 k = BlockScaledExpertsKernel(fc1={fc1}, rows={rows}, k={k}, inter=256, latent=256, count=64,
                              windows={windows})
-cute.compile(k, *([Int64(0)] * 11), Int32(1), Int32(1), backend._fake_stream(),
+cute.compile(k, *([Int64(0)] * 11), Int32(1), Int32(1), backend.fake_stream(),
              options="--gpu-arch {arch}")
 """
 
@@ -270,7 +270,7 @@ def blockscaled_fc_bound(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor
     """(float64 ``x @ w^T``, bound of a block-scaled tensor-core FP32 accumulation's
     distance to it): ``n = 2K`` truncating losses per product (module docstring). x [P, K],
     w [N, K] FP32 holding the exactly dequantized MX values."""
-    bound, ref = bounds._matmul_out_bound(x, w, 2 * x.shape[-1], None, "toward_zero")
+    bound, ref = bounds.matmul_out_bound(x, w, 2 * x.shape[-1], None, "toward_zero")
     return ref, bound
 
 

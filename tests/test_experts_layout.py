@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from fast import backend
-from ptx_dump import dump_ptx, loops
+from tools.ptx_dump import dump_ptx, loops
 from fast.experts.layout import (
     MAX_SCALE_CODE, WORD_BITS, decode_tiles, pack_tiles, prepare_experts)
 from reference.config import LatentMoEConfig
@@ -161,9 +161,9 @@ from fast.experts.layout import Geometry
 from reference.config import LatentMoEConfig
 c = LatentMoEConfig.small()
 g = Geometry(c.latent, c.intermediate, 0, c.experts, (0, 1))
-params = engine._kernel_params(g, c, {windows}, False, False,
+params = engine.kernel_params(g, c, {windows}, False, False,
                                engine.complete_tactic(dict(fused=1), "sm_90a"))
-engine._compiled("fused", "sm_90a", params["fused"])
+engine.compiled_kernel("fused", "sm_90a", params["fused"])
 """
 
 
@@ -331,9 +331,9 @@ def test_slot_stages_pairs_the_ring_and_keeps_the_occupancy():
     assert all(compile_all(dep, c, windows=4, arch="sm_90a",
                            tactic=dict(wgmma8, fused=1, pdl_chain=1, slot_stages=2)))
     assert all(compile_all(dep, c, windows=1, arch="sm_100a", tactic=dict(slot_stages=2)))
-    params = engine._kernel_params(tp8, c, 4, False, False, dict(wgmma8, walk=7, slot_stages=2))
+    params = engine.kernel_params(tp8, c, 4, False, False, dict(wgmma8, walk=7, slot_stages=2))
     assert dict(params["fc1"])["slot_stages"] == 2 and "slot_stages" not in dict(params["fc2"])
-    params = engine._kernel_params(dep, c, 4, False, False, dict(slot_stages=2))
+    params = engine.kernel_params(dep, c, 4, False, False, dict(slot_stages=2))
     assert dict(params["fc2"])["slot_stages"] == 2  # 24 stages, no walk: paired too
     for windows, tile in ((1, {}), (4, dict(wgmma=True, warps=8, mtiles=2))):
         kw = dict(fc1=True, rows=2 * c.intermediate, k=c.latent, inter=c.intermediate,
@@ -365,14 +365,14 @@ def test_ablation_is_for_the_measurement_script_only():
         engine.check_tactic({"ablate": 1}, "sm_90a", "ExpertsEngine")
     dep = Geometry(c.latent, c.intermediate, 56, 56, (0, 1))
     tactic = engine.complete_tactic(dict(wgmma=1, warps=8, mtiles=2, fused=1), "sm_90a")
-    plain = engine._kernel_params(dep, c, 4, False, False, tactic)
+    plain = engine.kernel_params(dep, c, 4, False, False, tactic)
     with ablated(("decode", "situ")):
-        params = engine._kernel_params(dep, c, 4, False, False, tactic)
-    assert engine._kernel_params(dep, c, 4, False, False, tactic) == plain
+        params = engine.kernel_params(dep, c, 4, False, False, tactic)
+    assert engine.kernel_params(dep, c, 4, False, False, tactic) == plain
     assert all(dict(p)["ablate"] == ("decode", "situ") for _, p in params["fused"])
     assert all("ablate" not in dict(p) for _, p in plain["fused"])
     if _cute_error is None:
-        engine._compiled("fused", "sm_90a", params["fused"])
+        engine.compiled_kernel("fused", "sm_90a", params["fused"])
 
 
 def test_slot_stages_refused_where_it_does_not_apply():

@@ -1,4 +1,4 @@
-"""``tests/sass_budget.py``: the loops it finds in a listing and the instructions it counts
+"""``tools/sass_budget.py``: the loops it finds in a listing and the instructions it counts
 per 512 bytes of weights must be the compiled kernels' own, and a warpgroup-MMA loop must
 not be serialized by the compiler (a wait after every MMA group would show in the count)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from sass_budget import (KINDS, budget, kernel_attributes, loop_budgets, loops, ncu_regions,
+from tools.sass_budget import (KINDS, budget, kernel_attributes, loop_budgets, loops, ncu_regions,
                          nvdisasm, parse)
 
 from fast import backend

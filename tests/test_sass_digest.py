@@ -1,4 +1,4 @@
-"""``tests/sass_digest.py``: the SASS digest that proves a change leaves the kernels' machine
+"""``tools/sass_digest.py``: the SASS digest that proves a change leaves the kernels' machine
 code alone must be stable from one compile to the next and must move when a kernel's code
 does."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import struct
 
 import pytest
-from sass_digest import digest, text_digest
+from tools.sass_digest import digest, text_digest
 
 from fast import backend
 

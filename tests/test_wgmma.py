@@ -1,4 +1,4 @@
-"""The warpgroup MMA helpers of ``fast.experts._ptx`` (``wgmma_bf16`` with A from registers,
+"""The warpgroup MMA helpers of ``fast.device.ptx`` (``wgmma_bf16`` with A from registers,
 ``smem_matrix_descriptor``, ``wgmma_settle``) on one 64 x N x 64 product.
 
 The kernel is the engine's use in miniature: each warp of one warpgroup holds its 16 rows
@@ -22,7 +22,7 @@ try:
     from cutlass import Float32, Int64
     from cutlass.cute.nvgpu import warpgroup
 
-    from fast.experts import _ptx as p
+    from fast.device import ptx as p
 except ImportError as error:  # pragma: no cover - CuTe DSL missing
     cute_error = error
 
@@ -94,7 +94,7 @@ if cute_error is None:
 def _compile(n: int, arch: str):
     from fast import backend
 
-    return cute.compile(WgmmaProbe(n), Int64(0), Int64(0), Int64(0), backend._fake_stream(),
+    return cute.compile(WgmmaProbe(n), Int64(0), Int64(0), Int64(0), backend.fake_stream(),
                         options=f"--gpu-arch {arch}")
 
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from fast import backend
-from ptx_dump import dump_ptx
-from ptx_dump import loops as spin_loops
+from tools.ptx_dump import dump_ptx
+from tools.ptx_dump import loops as spin_loops
 from reference.config import LatentMoEConfig
 from reference.schedules.wide import check_wide_ranks
 
@@ -104,7 +104,7 @@ from cutlass import Int32, Int64
 from fast import backend
 from fast.schedules.wide_kernels import PollKernel
 cute.compile(PollKernel({latent}, {experts}), *([Int64(0)] * 5 + [Int32(0)] * 2 + [Int32(1)] * 2),
-             backend._fake_stream(), options="--gpu-arch {arch}")
+             backend.fake_stream(), options="--gpu-arch {arch}")
 """
 
 
@@ -138,7 +138,7 @@ import cutlass.cute as cute
 from fast import backend
 from fast.schedules import wide
 from reference.config import LatentMoEConfig
-wide._compiled("route", "{arch}", wide.kernel_params(LatentMoEConfig.kimi_k3(), 8)["route"])
+wide.compiled_kernel("route", "{arch}", wide.kernel_params(LatentMoEConfig.kimi_k3(), 8)["route"])
 """
 
 

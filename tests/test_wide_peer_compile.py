@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fast import backend
-from ptx_dump import dump_ptx
+from tools.ptx_dump import dump_ptx
 from reference.config import LatentMoEConfig
 
 _cute_error = backend.cute_import_error()
@@ -40,8 +40,8 @@ _SIGNAL_PTX = """
 import cutlass.cute as cute
 from cutlass import Int64
 from fast import backend
-from fast.schedules.wide_kernels import ArrivalSignalKernel
-cute.compile(ArrivalSignalKernel({ranks}), Int64(0), backend._fake_stream(),
+from fast.device.arrival import ArrivalSignalKernel
+cute.compile(ArrivalSignalKernel({ranks}), Int64(0), backend.fake_stream(),
              options="--gpu-arch {arch}")
 """
 

@@ -355,7 +355,7 @@ def reference_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.to(torch.float64) @ b.to(torch.float64).transpose(-1, -2)
 
 
-def _matmul_out_bound(a, b, n, addend, accum_rounding):
+def matmul_out_bound(a, b, n, addend, accum_rounding):
     """(bound of |C_fp32 - ref|, ref) shared by the matmul helpers: an FP32 accumulation
     whose every product passes through ``n`` roundings (``split_k_terms`` /
     ``mma_split_k_terms``; one more with an addend) plus the float64 reference's error."""
@@ -403,7 +403,7 @@ def matmul_fp32_out_bound(
     compare against ``reference_matmul(a, b) + addend.double()``. `splits` and
     `accum_rounding` as in [`dot_bound`][verify.bounds.dot_bound].
     """
-    return _matmul_out_bound(a, b, split_k_terms(a.shape[-1], splits), addend,
+    return matmul_out_bound(a, b, split_k_terms(a.shape[-1], splits), addend,
                              accum_rounding)[0]
 
 
@@ -427,7 +427,7 @@ def matmul_bf16_out_bound(
     output rounding is to nearest (``__float2bfloat16_rn`` in every epilogue).
     Shapes: ``a [..., M, K]``, ``b [N, K]`` -> float64 ``[..., M, N]``.
     """
-    beta, ref = _matmul_out_bound(a, b, split_k_terms(a.shape[-1], splits), addend,
+    beta, ref = matmul_out_bound(a, b, split_k_terms(a.shape[-1], splits), addend,
                                   accum_rounding)
     return final_rounding_bound(ref, beta, torch.bfloat16)
 
@@ -476,7 +476,7 @@ def mma_matmul_bound(
     Shapes: ``a [..., M, K]``, ``b [N, K]``, addend ``[..., M, N]`` -> float64 ``[..., M, N]``
     each.
     """
-    beta, ref = _matmul_out_bound(a, b, mma_split_k_terms(a.shape[-1], splits), addend,
+    beta, ref = matmul_out_bound(a, b, mma_split_k_terms(a.shape[-1], splits), addend,
                                   "toward_zero")
     if out_dtype == torch.float32:
         return ref, beta

@@ -150,7 +150,8 @@ def test_dep_peer_missing_peer_times_out(backend, process_group):
     timeout and ``check`` names the rank, the peer and the buffer; rank 1 never calls."""
     import torch.distributed as dist
 
-    from fast.schedules.dep_peer import DepPeerLayer, DepPeerTimeout
+    from fast.device.arrival import ArrivalTimeout
+    from fast.schedules.dep_peer import DepPeerLayer
 
     cfg = cases.config("small")
     layer = DepPeerLayer(cases.weights("small"), max_tokens=4, timeout_s=0.2)
@@ -160,7 +161,7 @@ def test_dep_peer_missing_peer_times_out(backend, process_group):
     layer(xs[rank])  # every rank once: the first call of a T meets the peers
     dist.barrier()
     if rank == 0:
-        with pytest.raises(DepPeerTimeout,
+        with pytest.raises(ArrivalTimeout,
                            match=rf"DEP rank 0 of {n}: the receive rows from rank 1 did not "
                                  r"arrive within 0.2 s"):
             layer(xs[0])
@@ -175,11 +176,11 @@ def test_dep_peer_wait_kernel(backend):
     from cutlass import Int32, Int64
 
     from fast import backend as fb
-    from fast.schedules.dep import _compiled, kernel_params
-    from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
+    from fast.schedules.dep import compiled_kernel, kernel_params
+    from fast.device.arrival import WAIT_ERROR_FIELDS
 
     ranks = 4
-    wait = _compiled("wait", fb.device_arch("cuda"),
+    wait = compiled_kernel("wait", fb.device_arch("cuda"),
                      kernel_params(cases.config("small"), ranks, peers=True)["wait"])
 
     def run(counters, expected, increment, timeout_s):

@@ -75,7 +75,7 @@ def mma_terms(k: int) -> int:
 def mma_fc_bound(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(float64 ``x @ w^T``, bound of an FP32 MMA chain's distance to it). x [P, K], w [N, K]
     FP32 with exactly representable entries (dequantized MX values)."""
-    bound, ref = bounds._matmul_out_bound(x, w, mma_terms(x.shape[-1]), None, "toward_zero")
+    bound, ref = bounds.matmul_out_bound(x, w, mma_terms(x.shape[-1]), None, "toward_zero")
     return ref, bound
 
 

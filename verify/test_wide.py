@@ -299,7 +299,7 @@ def test_mailbox_sentinel(ranks, seed, contract):
     shards = [shard(r) for r in range(ranks)]
 
     def body(group):
-        box = group.mailbox(8, cfg.latent, cfg.experts)
+        box = mailbox.open_mailbox(group, 8, cfg.latent, cfg.experts)
         box.publish(*shards[group.rank])
         got = box.poll_logits(tokens, timeout=10.0), box.poll_latent(tokens, timeout=10.0)
         return got, box.is_armed(slice(0, tokens))

@@ -181,7 +181,8 @@ def test_wide_peer_missing_peer_times_out(backend, process_group):
     import torch.distributed as dist
 
     from fast.schedules.wide import MailboxTimeout
-    from fast.schedules.wide_peer import WidePeerLayer, WidePeerTimeout
+    from fast.device.arrival import ArrivalTimeout
+    from fast.schedules.wide_peer import WidePeerLayer
 
     cfg = cases.config("small")
     layer = WidePeerLayer(cases.weights("small"), max_rows=96, timeout_s=0.2)
@@ -197,7 +198,7 @@ def test_wide_peer_missing_peer_times_out(backend, process_group):
                                  r"buffer 1: token \d+, column \d+ \(16-bit word, (latent|logit) "
                                  r"region written by rank 1\) still empty after 0.2 s"):
             layer(xs[0])
-        with pytest.raises(WidePeerTimeout,
+        with pytest.raises(ArrivalTimeout,
                            match=rf"wide rank 0 of {n}: the routed partials from rank 1 did not "
                                  r"arrive within 0.2 s"):
             layer.check()

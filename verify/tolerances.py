@@ -11,7 +11,7 @@ needs an allowance imports it from here, so a reader finds every one in this fil
 | ``CUDA_TANHF_ULP`` | 2 | same table: ``tanhf`` max 2 ulp |
 | ``CUDA_RSQRTF_ULP`` | 2 | same table: ``rsqrtf`` max 2 ulp |
 | ``CPU_TRANSCENDENTAL_ULP`` | 1 | PyTorch's CPU vectorized exp/tanh/sigmoid use SLEEF's ``u10`` variants: max 1.0 ulp |
-| ``EXP_RN_ULP`` | 2 | the fast kernels' own ``exp_rn`` (``fast._cute``; ``reference.emulation`` repeats it bit for bit): measured max 1.17 ulp over every 127th FP32 bit pattern of its argument range [-104, 89] against float64 (``tests/test_emulation.py`` repeats the measurement and requires it below this bound) |
+| ``EXP_RN_ULP`` | 2 | the fast kernels' own ``exp_rn`` (``fast.device.fp32``; ``reference.emulation`` repeats it bit for bit): measured max 1.17 ulp over every 127th FP32 bit pattern of its argument range [-104, 89] against float64 (``tests/test_emulation.py`` repeats the measurement and requires it below this bound) |
 | ``TANH_RN_ULP`` | 2 | the kernels' ``tanh_rn``: measured max 1.32 ulp over every 127th FP32 bit pattern of [-1e30, 1e30] (same test) |
 | ``LAYER_SQNR_FLOOR_DB`` | 24.08 | ``20 log10(2^4)``: the MX formats' relative noise (below) |
 

@@ -16,7 +16,7 @@ cores:
    them) x the MXFP4 ``w13[e]`` (E2M1 codes, E8M0 scales per 32): every product is
    ``e2m1 * e4m3 * 2^(sa + sb - 254)``, exact, accumulated in FP32 in tensor memory;
 2. SiTU-and-mul in FP32 and the RCEIL MXFP8 re-quantization: the Hopper FC1 epilogue's own
-   helpers (``ExpertsGemmKernel._situ`` / ``_rceil``, the same IEEE sequence), written as
+   helpers (``ExpertsGemmKernel.situ`` / ``rceil``, the same IEEE sequence), written as
    MXFP8 hidden rows (codes and scales, not BF16: FC2 consumes them natively);
 3. FC2 = hidden x MXFP4 ``w2[e]``, FP32 in tensor memory, one rounding to BF16.
 
@@ -80,8 +80,9 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.memory import SmemAllocator, TmemAllocator
 from cutlass.pipeline import NamedBarrier
 
-from fast import _cute as h
-from fast.experts import _ptx as p
+from fast.device import SMEM_PER_CTA
+from fast.device import fp32 as h
+from fast.device import ptx as p
 from fast.experts.blackwell_layout import (
     ARCHS,
     K_STAGE,
@@ -143,7 +144,7 @@ class BlockScaledExpertsKernel:
         self.b_bytes = self.ktiles * self.tokens * K_STAGE  # whole-K B operand
         self.sfb_bytes = self.ktiles * 512  # one 128x4 scale chunk per k stage
         self.stage_bytes = TILE_ROWS * K_STAGE + 512  # unpacked A stage + its scales
-        budget = h.SMEM_PER_CTA - self.b_bytes - self.sfb_bytes - 4096
+        budget = SMEM_PER_CTA - self.b_bytes - self.sfb_bytes - 4096
         ring = ring or max(2, min(8, budget // self.stage_bytes))
         if ring < 2 or ring * self.stage_bytes > budget:
             raise ValueError(f"a ring of {ring} stages ({self.stage_bytes} B each) does not fit "
@@ -154,16 +155,16 @@ class BlockScaledExpertsKernel:
         self.tmem_cols = 128
         self.ws = Workspace(count)
         self.search_steps = max(1, math.ceil(math.log2(count + 1)))
-        self.gate = False  # read by the shared _locate (no fused FC2 here)
+        self.gate = False  # read by the shared locate (no fused FC2 here)
         # the Hopper FC1 epilogue's SiTU and RCEIL, bit for bit (same IEEE sequence)
         self._epi = object.__new__(ExpertsGemmKernel)
         self._epi.beta, self._epi.linear_beta = beta, linear_beta
 
     # the Hopper engine's claim and item location (same work table, same items)
-    _claim = ExpertsGemmKernel._claim
-    _claim_locate = ExpertsGemmKernel._claim_locate
-    _locate = ExpertsGemmKernel._locate
-    _token_table = ExpertsGemmKernel._token_table
+    claim = ExpertsGemmKernel.claim
+    claim_locate = ExpertsGemmKernel.claim_locate
+    locate = ExpertsGemmKernel.locate
+    token_table = ExpertsGemmKernel.token_table
 
     def _tiled_mma(self):
         """The block-scaled MMA ``m128 n(8W) k32`` of kind ``mxf8f6f4``: A = E2M1 weights,
@@ -314,7 +315,7 @@ class BlockScaledExpertsKernel:
         cute.arch.sync_threads()
         tiles = Int32(self.tiles)
         done = Int32(0)
-        item = self._claim(work, info, tid, tiles)
+        item = self.claim(work, info, tid, tiles)
         while item >= 0:
             expert = p.lds_i32(info + 4)
             tile = p.lds_i32(info + 8)
@@ -328,7 +329,7 @@ class BlockScaledExpertsKernel:
                 for j in cutlass.range_constexpr(min(RING, KT)):
                     self._load_stage(tma_a, tAgA, tAsA, tma_sfa, tAgSFA, tAsSFA, full, empty,
                                      tx, base + j, expert, tile, j)
-            self._token_table(lists, work, table, expert, group, ntok, capacity, tid)
+            self.token_table(lists, work, table, expert, group, ntok, capacity, tid)
             cute.arch.sync_threads()
             self._gather(act, act_scales, table, ntok, b_base, sfb_base, tid)
             cute.arch.cp_async_commit_group()
@@ -349,7 +350,7 @@ class BlockScaledExpertsKernel:
                 self._epilogue_fc2(regs, table, out, tile, ntok, tid)
             _tcgen05_fence("before")
             done = done + 1
-            item = self._claim(work, info, tid, tiles)
+            item = self.claim(work, info, tid, tiles)
         tmem.relinquish_alloc_permit()
         cute.arch.sync_threads()
         tmem.free(acc_ptr)
@@ -470,7 +471,7 @@ class BlockScaledExpertsKernel:
             u = cutlass.select_(hi, mine_hi, got)
             gates[j] = g
             ups[j] = u
-            a = self._epi._situ(g, u)
+            a = self._epi.situ(g, u)
             act[j] = a
             m = h.bits(a) & Uint32(0x7FFFFFFF)
             for o in (1, 2, 4, 8):
@@ -484,7 +485,7 @@ class BlockScaledExpertsKernel:
             token = j + cutlass.select_(hi, Int32(H), Int32(0))
             amax = h.fmax_nan(p.lds_f32(red + (pair_warp * N + token) * 4),
                               p.lds_f32(red + ((pair_warp + 1) * N + token) * 4))
-            code, mult = self._epi._rceil(amax)
+            code, mult = self._epi.rceil(amax)
             e4m3 = p.f32x2_to_e4m3x2(h.fmul(act[j], mult), Float32(0.0)) & Uint32(0xFF)
             if token < ntok:
                 hrow = p.lds_i32(table + (2 * N + token) * 4)
@@ -546,11 +547,11 @@ def _compiled(kind: str, arch: str, params: tuple):
     from fast.experts import engine
 
     if kind in ("lists", "plan"):
-        return engine._compiled(kind, arch, params)
+        return engine.compiled_kernel(kind, arch, params)
     if arch not in ARCHS:
         raise ValueError(f"the block-scaled experts kernel targets {'/'.join(ARCHS)}, got {arch}")
     obj = BlockScaledExpertsKernel(**dict(params))
-    return cute.compile(obj, *([Int64(0)] * 11), Int32(1), Int32(1), backend._fake_stream(),
+    return cute.compile(obj, *([Int64(0)] * 11), Int32(1), Int32(1), backend.fake_stream(),
                         options=f"--gpu-arch {arch}")
 
 
@@ -617,10 +618,10 @@ class BlackwellExpertsEngine:
     # the Hopper engine's input checks, error word and capture buffers (same attributes)
     from fast.experts.engine import ExpertsEngine as _E
 
-    _check = _E._check
-    _start = _E._start
+    check_inputs = _E.check_inputs
+    start_call = _E.start_call
     check = _E.check
-    _capture_buffers = _E._capture_buffers
+    capture_buffers = _E.capture_buffers
     del _E
 
     def __call__(self, codes, scales, ids, *, out=None, windows: int | None = None,
@@ -634,16 +635,16 @@ class BlackwellExpertsEngine:
         from fast import backend
 
         check_ctas(ctas, "BlackwellExpertsEngine")
-        rows, out, windows = self._start(codes, scales, ids, out, windows)
+        rows, out, windows = self.start_call(codes, scales, ids, out, windows)
         if scales.data_ptr() % 4:
             raise ValueError("BlackwellExpertsEngine: scales must be 4-byte aligned")
         if rows == 0:
-            return (out, self._capture_buffers(0)) if capture else out
+            return (out, self.capture_buffers(0)) if capture else out
         c, g = self.config, self.geometry
         params = {**_list_params(g, c, windows, self.strict, self.empty_rows),
                   **_fc_params(g, c, windows, capture)}
         fn = {kind: _compiled(kind, self.arch, p_) for kind, p_ in params.items()}
-        cap = self._capture_buffers(rows) if capture else None
+        cap = self.capture_buffers(rows) if capture else None
 
         def i64(t):
             return Int64(t.data_ptr())

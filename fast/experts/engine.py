@@ -14,7 +14,8 @@ from fast.experts.layout import WINDOW, PreparedExperts, stages_of
 
 __all__ = ["ExpertsEngine", "EngineScratch", "Capture", "EngineError", "choose_windows",
            "choose_tile", "choose_tactic", "choose_walk", "complete_tactic", "check_tactic",
-           "TACTIC_KEYS", "WGMMA_TILE", "WGMMA_TILE_ROWS"]
+           "TACTIC_KEYS", "WGMMA_TILE", "WGMMA_TILE_ROWS", "kernel_params", "compiled_kernel",
+           "compile_all"]
 
 _TOP_K = 16
 
@@ -208,7 +209,9 @@ def complete_tactic(tactic: dict, arch: str) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(kind: str, arch: str, params: tuple):
+def compiled_kernel(kind: str, arch: str, params: tuple):
+    """The kernel ``kind`` of :func:`kernel_params` compiled for ``arch`` with ``params``
+    (fake arguments, no GPU needed; cached)."""
     import cutlass.cute as cute
     from cutlass import Int32, Int64
 
@@ -228,7 +231,7 @@ def _compiled(kind: str, arch: str, params: tuple):
     else:
         obj = kernels.ExpertsGemmKernel(**kw)
         args = [Int64(0)] * 9 + [Int32(1), Int32(1)]
-    return cute.compile(obj, *args, backend._fake_stream(), options=f"--gpu-arch {arch}")
+    return cute.compile(obj, *args, backend.fake_stream(), options=f"--gpu-arch {arch}")
 
 
 @functools.lru_cache(maxsize=None)
@@ -247,13 +250,15 @@ def compile_all(prepared_geometry, config, *, windows: int, arch: str, capture: 
                 strict: bool = False, empty_rows: bool = False, tactic: dict | None = None):
     """Compile the four kernels of one geometry for ``arch`` (no GPU needed), with the
     default FC shape or ``tactic``."""
-    return [_compiled(kind, arch, params) for kind, params in
-            _kernel_params(prepared_geometry, config, windows, capture, strict,
+    return [compiled_kernel(kind, arch, params) for kind, params in
+            kernel_params(prepared_geometry, config, windows, capture, strict,
                            complete_tactic(tactic or {}, arch), empty_rows=empty_rows).items()]
 
 
-def _kernel_params(g, config, windows: int, capture: bool, strict: bool,
-                   tactic: dict | None = None, empty_rows: bool = False) -> dict:
+def kernel_params(g, config, windows: int, capture: bool, strict: bool,
+                  tactic: dict | None = None, empty_rows: bool = False) -> dict:
+    """The compile parameters (kind -> sorted items) of one call's kernels of the prepared
+    geometry ``g`` at ``windows`` with ``tactic`` (complete: :func:`complete_tactic`)."""
     common = dict(inter=g.inter, latent=g.latent, count=g.count, windows=windows,
                   top_k=config.top_k, capture=capture, pdl=True)
     common.update(tactic or {})
@@ -379,7 +384,7 @@ class ExpertsEngine:
 
     # -- checks -----------------------------------------------------------------------
 
-    def _check(self, codes, scales, ids, out):
+    def check_inputs(self, codes, scales, ids, out):
         g, c, dev = self.geometry, self.config, self.device
         for name, t in (("codes", codes), ("scales", scales), ("ids", ids)):
             if not isinstance(t, torch.Tensor):
@@ -411,11 +416,11 @@ class ExpertsEngine:
                                  f"[{rows * c.top_k}, {g.latent}] on {dev}")
         return rows
 
-    def _start(self, codes, scales, ids, out, windows, allowed=(1, 2, 4)):
+    def start_call(self, codes, scales, ids, out, windows, allowed=(1, 2, 4)):
         """A call's input checks, its output (default a new NaN-filled BF16 ``[R*K, L]``)
         and its window count (default ``choose_windows``; one of ``allowed``):
         ``(rows, out, windows)``."""
-        rows = self._check(codes, scales, ids, out)
+        rows = self.check_inputs(codes, scales, ids, out)
         c, g = self.config, self.geometry
         if out is None:
             out = torch.full((rows * c.top_k, g.latent), float("nan"), dtype=torch.bfloat16,
@@ -482,9 +487,9 @@ class ExpertsEngine:
         Returns:
             ``out``, or ``(out, Capture)`` with ``capture``.
         """
-        rows, out, windows = self._start(codes, scales, ids, out, windows, allowed=(1, 2, 4, 8))
+        rows, out, windows = self.start_call(codes, scales, ids, out, windows, allowed=(1, 2, 4, 8))
         if rows == 0:
-            return (out, self._capture_buffers(0)) if capture else out
+            return (out, self.capture_buffers(0)) if capture else out
         c, g = self.config, self.geometry
         if tactic is None:
             tactic = self.default_tactic(rows, windows)
@@ -494,9 +499,9 @@ class ExpertsEngine:
         if windows == 8 and not tactic["wgmma"]:
             raise ValueError("ExpertsEngine: windows=8 needs the wgmma tactic (mma.sync's "
                              "accumulators and B fragments of 8 windows do not fit the registers)")
-        params = _kernel_params(g, c, windows, capture, self.strict, tactic, self.empty_rows)
-        fn = {kind: _compiled(kind, self.arch, p) for kind, p in params.items()}
-        cap = self._capture_buffers(rows) if capture else None
+        params = kernel_params(g, c, windows, capture, self.strict, tactic, self.empty_rows)
+        fn = {kind: compiled_kernel(kind, self.arch, p) for kind, p in params.items()}
+        cap = self.capture_buffers(rows) if capture else None
         i64, i32 = _i64, _i32
         stream = backend.stream(self.device)
         work = i64(self.work)
@@ -547,11 +552,11 @@ class ExpertsEngine:
         default windows and tactic, so that call launches at once (a real DEP rank's
         peers wait for its rows with a timeout)."""
         c, g = self.config, self.geometry
-        params = _kernel_params(g, c, choose_windows(rows, c.top_k, c.experts), False,
+        params = kernel_params(g, c, choose_windows(rows, c.top_k, c.experts), False,
                                 self.strict, complete_tactic(self.default_tactic(rows), self.arch),
                                 self.empty_rows)
         for kind, p in params.items():
-            _compiled(kind, self.arch, p)
+            compiled_kernel(kind, self.arch, p)
 
     def default_tactic(self, rows: int, windows: int | None = None,
                        over: dict | None = None) -> dict:
@@ -614,7 +619,7 @@ class ExpertsEngine:
         raise EngineError(f"ExpertsEngine: {where} is not a local expert [{g.first}, "
                           f"{g.first + g.count}) and the engine is strict")
 
-    def _capture_buffers(self, rows: int) -> Capture:
+    def capture_buffers(self, rows: int) -> Capture:
         g, k, dev = self.geometry, self.config.top_k, self.device
         return Capture(
             fc1=torch.full((rows * k, 2 * g.inter), float("nan"), dtype=torch.float32, device=dev),

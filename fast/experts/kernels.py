@@ -16,8 +16,9 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
-from fast import _cute as h
-from fast.experts import _ptx as p
+from fast.device import SMEM_PER_CTA
+from fast.device import fp32 as h
+from fast.device import ptx as p
 from fast.experts.layout import (CHUNK, DECODE_MASK, PAIR3_GATHER, PAIR3_MULTIPLIER,
                                  WGMMA_WORD_STRIDE, WINDOW, b_offset_mma, b_offset_wgmma,
                                  chunks_per_stage, stages_of, wgmma_b_descriptor)
@@ -64,7 +65,7 @@ class ExpertsGemmKernel:
        ``mul.rn.bf16x2`` by the scale factor per BF16 pair) and issues 4 ``mma.m16n8k16``
        per chunk, m-tile and window into FP32 accumulators (exact products, FP32 sums);
     3. epilogue FC1: per (intermediate column, token) ``a = SiTU(gate, up)`` in FP32 with
-       the project's exp/tanh/sigmoid (``fast._cute``; bit-identical to
+       the project's exp/tanh/sigmoid (``fast.device.fp32``; bit-identical to
        ``reference.emulation``), block maxima over 32 columns (warp shuffles, then shared
        memory across the 4 m-tiles of a block), the RCEIL E8M0 code, E4M3 codes
        (``cvt.rn.satfinite``), and the BF16 value ``e4m3 * 2^(code - 127)`` (exact for codes
@@ -206,7 +207,7 @@ class ExpertsGemmKernel:
         static = 4 * (8 * items + 3 * WINDOW * windows * items
                       + warps * mtiles * WINDOW * windows) + 1024
         #: CTAs per multiprocessor the kernel is built for (launch bounds; the grid size)
-        self.occupancy = occupancy or max(1, min(8, h.SMEM_PER_CTA // (self.smem_bytes + static)))
+        self.occupancy = occupancy or max(1, min(8, SMEM_PER_CTA // (self.smem_bytes + static)))
         self.ws = Workspace(count)
         self.search_steps = max(1, math.ceil(math.log2(count + 1)))
 
@@ -245,14 +246,14 @@ class ExpertsGemmKernel:
         return h.fdiv(x, Float32(beta))
 
     @cute.jit
-    def _situ(self, g, u):
+    def situ(self, g, u):
         a = h.fmul(Float32(self.beta), h.tanh_rn(self._scaled_down(g, self.beta)))
         a = h.fmul(a, h.sigmoid_rn(g))
         b = h.fmul(Float32(self.linear_beta), h.tanh_rn(self._scaled_down(u, self.linear_beta)))
         return h.fmul(a, b)
 
     @cute.jit
-    def _rceil(self, amax):
+    def rceil(self, amax):
         """(E8M0 code, FP32 multiplier 2^(127 - code)) of a block maximum: the rule of
         ``fast.mx`` (RCEIL on the IEEE quotient amax / 448)."""
         q = h.fdiv(amax, Float32(448.0))
@@ -286,7 +287,7 @@ class ExpertsGemmKernel:
             cute.arch.griddepcontrol_launch_dependents()
         tiles = Int32(self.item_tiles)
         first = Int32(1)
-        item = self._claim(work, info, tid, tiles)
+        item = self.claim(work, info, tid, tiles)
         if cutlass.const_expr(self.claim_ahead):
             # two item buffers: the current item's, and the next one's, which the current
             # item claims and fills (``_main_loop``); a barrier ends each item
@@ -309,7 +310,7 @@ class ExpertsGemmKernel:
                            cap_scales, capacity, ring, info, table, red, acc, src, dst, ok, tid,
                            lane, warp, first)
                 first = Int32(0)
-                item = self._claim(work, info, tid, tiles)
+                item = self.claim(work, info, tid, tiles)
 
     def _shared(self):
         """(ring, info, table, red): the dynamic ring and the static per-item tables."""
@@ -334,7 +335,7 @@ class ExpertsGemmKernel:
     def _item(self, weights: Int64, scales: Int64, act: Int64, lists: Int64, work: Int64,
               out: Int64, cap_fc1: Int64, cap_codes: Int64, cap_scales: Int64, capacity,
               ring, info, table, red, acc, src, dst, ok, tid, lane, warp, first, ahead=None):
-        """The work item ``info`` describes (``_claim``): token table, main loop, epilogue.
+        """The work item ``info`` describes (``claim``): token table, main loop, epilogue.
         ``ahead``: (info, table) of the CTA's next item (tactic ``claim_ahead``: this item's
         table is already filled, and the main loop claims and fills the next one)."""
         W: cutlass.Constexpr = self.windows
@@ -351,7 +352,7 @@ class ExpertsGemmKernel:
         ntok = p.lds_i32(info + 16)
         # 1. token table: pair, B row, hidden row
         if cutlass.const_expr(ahead is None):
-            self._token_table(lists, work, table, expert, group, ntok, capacity, tid)
+            self.token_table(lists, work, table, expert, group, ntok, capacity, tid)
         cute.arch.sync_threads()
         # this thread's B copies of every stage: source row address, shared offset
         for i in cutlass.range_constexpr(copies):
@@ -415,13 +416,13 @@ class ExpertsGemmKernel:
 
     @cute.jit
     def _token_table_at(self, lists: Int64, work: Int64, table, info, capacity, tid):
-        """``_token_table`` of the item ``info`` holds (nothing when it holds none)."""
+        """``token_table`` of the item ``info`` holds (nothing when it holds none)."""
         if p.lds_i32(info) >= 0:
-            self._token_table(lists, work, table, p.lds_i32(info + 4), p.lds_i32(info + 12),
+            self.token_table(lists, work, table, p.lds_i32(info + 4), p.lds_i32(info + 12),
                               p.lds_i32(info + 16), capacity, tid)
 
     @cute.jit
-    def _token_table(self, lists: Int64, work: Int64, table, expert, group, ntok, capacity, tid):
+    def token_table(self, lists: Int64, work: Int64, table, expert, group, ntok, capacity, tid):
         """Threads ``t < tokens``: token t of window group ``group`` of ``expert`` into the
         item's token table: its pair (-1 past ``ntok``), its B row (FC1: the pair's row of
         the call; FC2: its hidden row) and its hidden row ``offs[e] + slot``."""
@@ -472,7 +473,7 @@ class ExpertsGemmKernel:
             if cutlass.const_expr(ahead is not None):
                 if s == 0:
                     if tid == 0:
-                        self._claim_locate(work, ahead[0], Int32(self.item_tiles))
+                        self.claim_locate(work, ahead[0], Int32(self.item_tiles))
                 if cutlass.const_expr(NS >= 2):
                     if s == 1:
                         self._token_table_at(lists, work, ahead[1], ahead[0], capacity, tid)
@@ -609,30 +610,30 @@ class ExpertsGemmKernel:
         return ring + self.RING * self.slot_bytes + stage * self.b_bytes
 
     @cute.jit
-    def _claim(self, work: Int64, info, tid, tiles):
+    def claim(self, work: Int64, info, tid, tiles):
         """Thread 0 takes the next item and locates it; every thread returns the item
         (-1: none left) after a barrier."""
         cute.arch.sync_threads()
         if tid == 0:
-            self._claim_locate(work, info, tiles)
+            self.claim_locate(work, info, tiles)
         cute.arch.sync_threads()
         return p.lds_i32(info)
 
     @cute.jit
-    def _claim_locate(self, work: Int64, info, tiles):
-        """Thread 0's part of ``_claim``: the counter's next item into ``info`` (-1: none)."""
+    def claim_locate(self, work: Int64, info, tiles):
+        """Thread 0's part of ``claim``: the counter's next item into ``info`` (-1: none)."""
         ws = self.ws
         groups = p.ldg_i32(work + Int64(ws.wgp + self.count) * 4)
         total = groups * tiles
         counter = ws.claim if cutlass.const_expr(self.fc1) else ws.claim + 1
         item = p.atomic_add(work + Int64(counter) * 4, 1)
         if item < total:
-            self._locate(work, info, item, item, tiles)
+            self.locate(work, info, item, item, tiles)
         else:
             p.sts_i32(info, -1)
 
     @cute.jit
-    def _locate(self, work: Int64, info, claimed, item, tiles):
+    def locate(self, work: Int64, info, claimed, item, tiles):
         """Thread 0: item ``item`` of this GEMM (``claimed``: the counter's value) as
         ``info`` = (claimed, expert, tile, window group, tokens, the expert's groups)."""
         ws = self.ws
@@ -678,7 +679,7 @@ class ExpertsGemmKernel:
 
         Not a spin on ``ld.acquire.gpu``: that compiles to an L1 invalidation at every
         poll, and on the H200 this kernel faulted with "illegal address" at it
-        (``_ptx.fence_acq_rel_gpu``)."""
+        (``fast.device.ptx.fence_acq_rel_gpu``)."""
         ws = self.ws
         if tid == 0:
             expert = p.lds_i32(info + 4)
@@ -917,7 +918,7 @@ class ExpertsGemmKernel:
             if cutlass.const_expr("situ" in self.ablate):  # measurement only: wrong rows
                 a = acc[at + t]
             else:
-                a = self._situ(acc[at + t], acc[at + 2 + t])
+                a = self.situ(acc[at + t], acc[at + 2 + t])
             act[(mt * W + w) * 2 + t] = a
             m = h.bits(a) & Uint32(0x7FFFFFFF)
             for o in (4, 8, 16):
@@ -940,7 +941,7 @@ class ExpertsGemmKernel:
             amax = p.lds_f32(red + ((block * 4) * TOK + token) * 4)
             for i in cutlass.range_constexpr(1, 4):
                 amax = h.fmax_nan(amax, p.lds_f32(red + ((block * 4 + i) * TOK + token) * 4))
-            code, mult = self._rceil(amax)
+            code, mult = self.rceil(amax)
             a = act[(mt * W + w) * 2 + t]
             e4m3 = p.f32x2_to_e4m3x2(h.fmul(a, mult), Float32(0.0)) & Uint32(0xFF)
             value, _ = p.e4m3x2_to_f32(e4m3)
@@ -1040,7 +1041,7 @@ class FusedExpertsKernel:
         if cutlass.const_expr(self.pdl_chain):
             cute.arch.griddepcontrol_wait()
         first = Int32(1)
-        item = self._claim(work, info, tid)
+        item = self.claim(work, info, tid)
         while item >= 0:
             if p.lds_i32(info + 24) == 0:
                 self.fc1._item(w13, s13, plan, lists, work, hidden, cap_fc1, cap_codes, cap_scales,
@@ -1050,10 +1051,10 @@ class FusedExpertsKernel:
                 self.fc2._item(w2, s2, hidden, lists, work, out, null, null, null, capacity,
                          ring, info, table, red, acc2, src2, dst2, ok2, tid, lane, warp, first)
             first = Int32(0)
-            item = self._claim(work, info, tid)
+            item = self.claim(work, info, tid)
 
     @cute.jit
-    def _claim(self, work: Int64, info, tid):
+    def claim(self, work: Int64, info, tid):
         """Thread 0 takes the next item: FC1's first, then FC2's; ``info + 24`` says which
         GEMM (0, 1). Every thread returns the item (-1: none left) after a barrier."""
         cute.arch.sync_threads()
@@ -1062,10 +1063,10 @@ class FusedExpertsKernel:
             total1 = groups * self.fc1.tiles
             item = p.atomic_add(work + Int64(self.ws.claim) * 4, 1)
             if item < total1:
-                self.fc1._locate(work, info, item, item, Int32(self.fc1.tiles))
+                self.fc1.locate(work, info, item, item, Int32(self.fc1.tiles))
                 p.sts_i32(info + 24, 0)
             elif item < total1 + groups * self.fc2.item_tiles:
-                self.fc2._locate(work, info, item, item - total1, Int32(self.fc2.item_tiles))
+                self.fc2.locate(work, info, item, item - total1, Int32(self.fc2.item_tiles))
                 p.sts_i32(info + 24, 1)
             else:
                 p.sts_i32(info, -1)

@@ -14,8 +14,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from fast import _cute as h
-from fast.experts import _ptx as p
+from fast.device import fp32 as h
+from fast.device import ptx as p
 from fast.experts.layout import WINDOW
 
 __all__ = ["EMPTY_ID", "ERROR_ID_RANGE", "ERROR_LIST_OVERFLOW", "ERROR_NOT_LOCAL",
@@ -116,9 +116,9 @@ class RoutingListsKernel:
             expert = p.ldg_i32(ids + Int64(pair) * 4)
             if cutlass.const_expr(self.empty_rows):
                 if expert != EMPTY_ID:
-                    self._list_pair(work, lists, capacity, pair, expert)
+                    self.list_pair(work, lists, capacity, pair, expert)
             else:
-                self._list_pair(work, lists, capacity, pair, expert)
+                self.list_pair(work, lists, capacity, pair, expert)
         granules: cutlass.Constexpr = latent // 8
         for i in cutlass.range_constexpr((granules + 127) // 128):
             g = tid + 128 * i
@@ -141,7 +141,7 @@ class RoutingListsKernel:
         return out
 
     @cute.jit
-    def _list_pair(self, work: Int64, lists: Int64, capacity, pair, expert):
+    def list_pair(self, work: Int64, lists: Int64, capacity, pair, expert):
         """Step 1 for one pair: its list slot, or the error it records."""
         ws = self.ws
         outside = (expert < 0) | (expert >= self.experts)

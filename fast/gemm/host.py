@@ -114,7 +114,7 @@ def _compiled(arch: str, params: tuple):
 
     obj = SplitKGemmKernel(**dict(params))
     args = [Int64(0)] * 6 + [Int32(1)] * 7
-    return cute.compile(obj, *args, backend._fake_stream(), options=f"--gpu-arch {arch}")
+    return cute.compile(obj, *args, backend.fake_stream(), options=f"--gpu-arch {arch}")
 
 
 def compile_kernel(arch: str, **params):

@@ -15,8 +15,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
-from fast import _cute as h
-from fast.experts import _ptx as p
+from fast.device import fp32 as h
+from fast.device import ptx as p
 from fast.gemm import layout as lay
 
 __all__ = ["SplitKGemmKernel", "FLAG_F32_OUT", "FLAG_ADD_BF16", "FLAG_ADD_F32",

@@ -13,8 +13,9 @@ What runs, per rank ``r`` of ``N`` (the order of ``reference.schedules.dep``)::
              owner o: fast.experts engine (DEP owner mode, empty rows allowed) over its
              N*T receive rows, OwnerFinalizeKernel -> BF16 partial per receive row
              home r : (wait for the shared expert) CombineKernel (owners in rank order,
-                      FP32) -> routed, fused with the RMSNorm (fast.norm's exact tree) ->
-                      normed ; out = shared + normed @ up^T (DenseFront.up_projection)
+                      FP32) -> routed, fused with the RMSNorm (fast.device.norm, fast.norm's
+                      exact tree) -> normed ; out = shared + normed @ up^T
+                      (DenseFront.up_projection)
 
 Rounding points differ from the reference only where a GEMM's accumulation order does
 (the dense GEMMs, cuBLAS or fast.gemm, and the experts engine's FC1/FC2: bounded by the
@@ -50,7 +51,8 @@ from fast.schedules.dense import DenseFront, DenseOutputs, check_hidden_rows
 from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
 
-__all__ = ["DepLayer", "DepRankOutputs", "check_token_rows"]
+__all__ = ["DepLayer", "DepRankOutputs", "check_token_rows", "kernel_params",
+           "compiled_kernel", "compile_all"]
 
 
 @dataclasses.dataclass
@@ -85,7 +87,9 @@ class DepRankOutputs:
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(kind: str, arch: str, params: tuple):
+def compiled_kernel(kind: str, arch: str, params: tuple):
+    """The kernel ``kind`` of :func:`kernel_params` compiled for ``arch`` with ``params``
+    (fake arguments, no GPU needed; cached)."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
 
@@ -98,10 +102,12 @@ def _compiled(kind: str, arch: str, params: tuple):
         obj, args = k.OwnerFinalizeKernel(**kw), [Int64(0)] * 5 + [Int32(0), Int32(1), Int32(1),
                                                                     Int32(1)]
     elif kind == "wait":
-        obj, args = k.ArrivalWaitKernel(**kw), [Int64(0)] * 4 + [Int32(1), Int32(0), Int32(0)]
+        from fast.device.arrival import ArrivalWaitKernel
+
+        obj, args = ArrivalWaitKernel(**kw), [Int64(0)] * 4 + [Int32(1), Int32(0), Int32(0)]
     else:
         obj, args = k.CombineKernel(**kw), [Int64(0)] * 5 + [Float32(1e-5), Int32(0), Int32(1)]
-    return cute.compile(obj, *args, backend._fake_stream(), options=f"--gpu-arch {arch}")
+    return cute.compile(obj, *args, backend.fake_stream(), options=f"--gpu-arch {arch}")
 
 
 def kernel_params(config: LatentMoEConfig, ranks: int, *, peers: bool = False) -> dict[str, tuple]:
@@ -121,7 +127,7 @@ def kernel_params(config: LatentMoEConfig, ranks: int, *, peers: bool = False) -
 
 def compile_all(config: LatentMoEConfig, ranks: int, arch: str, *, peers: bool = False):
     """Compile the routed data-movement kernels for ``arch`` (no GPU needed)."""
-    return [_compiled(kind, arch, params)
+    return [compiled_kernel(kind, arch, params)
             for kind, params in kernel_params(config, ranks, peers=peers).items()]
 
 
@@ -171,6 +177,9 @@ class DepLayer:
             the engine's defaults.
     """
 
+    #: ``fast.schedules.graphs.BucketGraphs``' input: every virtual rank's tokens (a list).
+    virtual_ranks = True
+
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_tokens: int,
                  device: str | torch.device = "cuda", dense_gemm: str = "auto",
                  batch_invariant: bool = False, experts_tactic: dict | None = None):
@@ -218,7 +227,7 @@ class DepLayer:
             dtype=torch.int64, device=device)
         self.combine_table = torch.tensor([b["partials"].data_ptr() for b in self._owner],
                                           dtype=torch.int64, device=device)
-        self._fn = {kind: _compiled(kind, self.arch, p)
+        self._fn = {kind: compiled_kernel(kind, self.arch, p)
                     for kind, p in kernel_params(c, ranks).items()}
 
     # -- checks -------------------------------------------------------------------------

@@ -8,9 +8,10 @@ symmetric memory; plain unicast stores and loads over NVLink).
 
 Over real ranks the kernels also say when their rows are written: the dispatch and the
 owner finalize built with ``signal=True`` end each CTA with a release at system scope that
-adds 1 to a word in the receiving rank's memory (its *arrival counter* for this sender),
-and ``ArrivalWaitKernel`` holds the receiver's stream until every sender's counter has
-grown by this call's CTA count, or raises through an error word after a timeout.
+adds 1 to a word in the receiving rank's memory (its *arrival counter* for this sender;
+``fast.device.arrival.signal_arrival``), and ``fast.device.arrival.ArrivalWaitKernel``
+holds the receiver's stream until every sender's counter has grown by this call's CTA
+count, or records a timeout in an error word.
 """
 
 from __future__ import annotations
@@ -19,11 +20,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-from fast import _cute as h
-from fast.experts import _ptx as p
+from fast.device import SMEM_PER_CTA
+from fast.device import fp32 as h
+from fast.device import ptx as p
+from fast.device.arrival import signal_arrival
 
-__all__ = ["DispatchKernel", "OwnerFinalizeKernel", "CombineKernel", "ArrivalWaitKernel",
-           "POISON_WORDS", "TABLE_FIELDS", "WAIT_ERROR_FIELDS", "wait_timeout_message"]
+__all__ = ["DispatchKernel", "OwnerFinalizeKernel", "CombineKernel", "POISON_WORDS",
+           "TABLE_FIELDS"]
 
 #: The four receive buffers of an owner, in the order of a table row: E4M3 codes
 #: ``[N*T, L]``, E8M0 scales ``[N*T, L/32]``, int32 ids ``[N*T, K]``, FP32 weights ``[N*T, K]``.
@@ -34,19 +37,6 @@ POISON_WORDS = {"codes": 0x7F7F7F7F, "scales": 0xFFFFFFFF, "ids": 0xFFFFFFFF,
                 "weights": 0x7FC00000}
 
 _THREADS = 128
-
-
-def _signal_arrival(counter: Int64, tid):
-    """End of a CTA whose stores another rank will read: every thread fences at system
-    scope (``fence.acq_rel.sys``: its stores, peer stores over NVLink included, are
-    ordered before what follows), the CTA synchronizes, and thread 0 adds 1 to the
-    receiver's counter word at ``counter`` with ``red.release.sys`` (a reader that
-    acquires the new count sees every store of the CTA)."""
-    cute.arch.fence_acq_rel_sys()
-    cute.arch.barrier()
-    cute.arch.inline_ptx("{ .reg .pred first; setp.eq.s32 first, {$r1}, 0; "
-                         "@first red.release.sys.global.add.u32 [{$r0}], 1; }",
-                         write_only_types=[], read_only_args=[Int64(counter), Int32(tid)])
 
 
 def _owner_of_any(ids_row: Int64, top_k: int, lo, hi):
@@ -119,7 +109,7 @@ class DispatchKernel:
                     word = p.ldg_u32(src + (Int64(t) * width + g) * 4)
                     p.stg_u32(dst[field] + (row * width + g) * 4, cutlass.select_(keep, word, poison))
         if cutlass.const_expr(self.signal):
-            _signal_arrival(p.ldg_u64(arrivals + Int64(o) * 8), tid)
+            signal_arrival(p.ldg_u64(arrivals + Int64(o) * 8), tid)
 
 
 class OwnerFinalizeKernel:
@@ -173,7 +163,7 @@ class OwnerFinalizeKernel:
         packed = [h.pack_bf16x2(acc[2 * i], acc[2 * i + 1]) for i in range(4)]
         p.stg_v4(out + (Int64(r) * latent + tid * 8) * 2, packed)
         if cutlass.const_expr(self.signal):
-            _signal_arrival(p.ldg_u64(ready + Int64(r // tokens) * 8), tid)
+            signal_arrival(p.ldg_u64(ready + Int64(r // tokens) * 8), tid)
 
 
 class CombineKernel:
@@ -192,7 +182,7 @@ class CombineKernel:
     2. for owners ``o`` = 0 .. N-1 in order, when one of the token's ids lies in ``o``'s
        range: the first present partial is widened exactly to FP32, each later one added
        (``add.rn.f32``); one RNE rounding to BF16 -> ``routed[t]``;
-    3. ``normed[t]`` = ``fast.norm.normalize_row`` of the BF16 routed row (the RMSNorm
+    3. ``normed[t]`` = ``fast.device.norm.normalize_row`` of the BF16 routed row (the RMSNorm
        kernel's exact reduction tree and rounding points).
 
     Every CTA first lets the stream's next grid launch (``griddepcontrol.launch_dependents``):
@@ -203,7 +193,7 @@ class CombineKernel:
 
     Constraints: ``L % 256 == 0``, ``L <= 8192``; ``ranks <= 32``; ``(min(N, K) + 1) * L * 2``
     bytes of shared memory (the present owners' rows and the norm weights) at most
-    ``fast._cute.SMEM_PER_CTA``; ids int32 ``[T, K]``; partial buffers BF16 ``[N*T, L]``; routed,
+    ``fast.device.SMEM_PER_CTA``; ids int32 ``[T, K]``; partial buffers BF16 ``[N*T, L]``; routed,
     normed BF16 ``[T, L]``; norm weight BF16 ``[L]``; table int64 ``[N]``.
     """
 
@@ -213,10 +203,10 @@ class CombineKernel:
         #: at most this many owners hold one of a token's ``top_k`` experts
         self.slots = min(ranks, top_k)
         self.stage_bytes = (self.slots + 1) * latent * 2  # and the norm weights
-        if self.stage_bytes > h.SMEM_PER_CTA:
+        if self.stage_bytes > SMEM_PER_CTA:
             raise ValueError(f"CombineKernel: min(ranks={ranks}, top_k={top_k}) partial rows "
                              f"and the norm weights of latent={latent} need {self.stage_bytes} "
-                             f"bytes of shared memory, more than {h.SMEM_PER_CTA}")
+                             f"bytes of shared memory, more than {SMEM_PER_CTA}")
 
     @cute.jit
     def __call__(self, ids: Int64, table: Int64, routed: Int64, norm_weight: Int64,
@@ -228,7 +218,7 @@ class CombineKernel:
     @cute.kernel
     def kernel(self, ids: Int64, table: Int64, routed: Int64, norm_weight: Int64,
                normed: Int64, eps: Float32, source: Int32, tokens: Int32):
-        from fast.norm import normalize_row
+        from fast.device.norm import normalize_row
 
         cute.arch.griddepcontrol_launch_dependents()
         tid = cute.arch.thread_idx()[0]
@@ -287,75 +277,3 @@ class CombineKernel:
         p.stg_v4(routed + (Int64(t) * latent + tid * 8) * 2, packed)
         out = normalize_row(packed, ww, eps, latent, self.threads // 32)
         p.stg_v4(normed + (Int64(t) * latent + tid * 8) * 2, out)
-
-
-#: The int32 words of a wait's error record: nonzero ``code`` (1: timed out), the waiting
-#: ``rank``, the ``what`` it waited for (0: receive rows, 1: owner partials), the ``peer``
-#: rank whose counter fell short, the counter's ``seen`` value and its ``target``.
-WAIT_ERROR_FIELDS = ("code", "rank", "what", "peer", "seen", "target")
-WAIT_TIMEOUT = 1
-
-
-def wait_timeout_message(schedule: str, waits: tuple[str, ...], record: dict, ranks: int,
-                         timeout_s: float) -> str:
-    """The message of an ``ArrivalWaitKernel`` timeout from its error record (the fields of
-    ``WAIT_ERROR_FIELDS``): the waiting rank, what it waited for (``waits[what]``), the
-    rank that did not arrive, the counts, and what to do."""
-    return (f"{schedule} rank {record['rank']} of {ranks}: the {waits[record['what']]} from "
-            f"rank {record['peer']} did not arrive within {timeout_s:g} s (its counter here "
-            f"read {record['seen']}, the call needed {record['target']}); every rank must call "
-            "the layer with the same T. The layer's counters are now out of step with its "
-            "peers': rebuild it on every rank.")
-
-
-class ArrivalWaitKernel:
-    """Hold the stream until every peer's arrival counter has reached this call's target,
-    or a timeout passes: one CTA of 32 * ceil(N / 32) threads.
-
-    ``counters`` holds N uint32 words in this rank's memory, word ``s`` counting the CTAs
-    of peer ``s`` that finished writing here (``_signal_arrival``); ``expected`` (int32,
-    this rank's memory) is the count every word held after the previous wait. Thread
-    ``s < N`` polls word ``s`` (``ld.acquire.sys``) until ``seen - target >= 0`` in
-    wrapping 32-bit arithmetic, where ``target = expected + increment``, or until
-    ``%globaltimer`` passes ``timeout_ns`` after the thread began. The CTA then
-    synchronizes and thread 0 stores ``target`` to ``expected``. A timeout writes the error
-    record (``WAIT_ERROR_FIELDS``) at ``error`` if no error is recorded there yet (the
-    first one wins; ``atom.cas`` on the code) and the kernel ends: never a hang. After a
-    timeout the layer's outputs are unspecified and its counters out of step: the host
-    raises (``DepPeerLayer.check``) and the layer must be rebuilt.
-
-    The counters only grow (by ``T`` per call and peer), so no re-arm is needed and a CUDA
-    graph replays the same launches.
-    """
-
-    def __init__(self, ranks: int):
-        self.ranks = ranks
-        self.threads = 32 * ((ranks + 31) // 32)
-
-    @cute.jit
-    def __call__(self, counters: Int64, expected: Int64, error: Int64, timeout_ns: Int64,
-                 increment: Int32, rank: Int32, what: Int32, stream):
-        self.kernel(counters, expected, error, timeout_ns, increment, rank, what).launch(
-            grid=(1, 1, 1), block=(self.threads, 1, 1), stream=stream)
-
-    @cute.kernel
-    def kernel(self, counters: Int64, expected: Int64, error: Int64, timeout_ns: Int64,
-               increment: Int32, rank: Int32, what: Int32):
-        tid = cute.arch.thread_idx()[0]
-        target = p.ldg_i32(expected) + increment
-        if tid < self.ranks:
-            start = cute.arch.globaltimer()
-            seen = Int32(p.ld_acquire_sys(counters + Int64(tid) * 4))
-            late = Int32(0)
-            while ((seen - target) < 0) & (late == 0):
-                seen = Int32(p.ld_acquire_sys(counters + Int64(tid) * 4))
-                late = cutlass.select_(cute.arch.globaltimer() - start > timeout_ns,
-                                       Int32(1), Int32(0))
-            if ((seen - target) < 0) & (late != 0):
-                if p.atomic_cas(error, 0, WAIT_TIMEOUT) == 0:
-                    record = [rank, what, tid, seen, target]
-                    for i in cutlass.range_constexpr(len(record)):
-                        p.stg_i32(error + 4 * (i + 1), record[i])
-        cute.arch.barrier()
-        if tid == 0:
-            p.stg_i32(expected, target)

@@ -31,8 +31,9 @@ returns are live views unless it is asked to keep a copy (``keep_received``).
 
 Every rank must call the layer with the same ``T`` (the DEP padding contract). A wait
 whose peer does not arrive within ``timeout_s`` records which rank it waited for and what
-for; the next :meth:`DepPeerLayer.check` raises :class:`DepPeerTimeout` naming them. The
-counters only grow, so a call can be captured in a CUDA graph and replayed.
+for; the next :meth:`DepPeerLayer.check` raises :class:`fast.device.arrival.ArrivalTimeout`
+naming them. The counters only grow, so a call can be captured in a CUDA graph and
+replayed.
 """
 
 from __future__ import annotations
@@ -41,18 +42,14 @@ import torch
 
 from fast import backend
 from fast.schedules.dense import DenseFront
-from fast.schedules.dep import DepRankOutputs, _compiled, check_token_rows, kernel_params
+from fast.schedules.dep import DepRankOutputs, compiled_kernel, check_token_rows, kernel_params
 from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
 from reference.weights import LatentMoEWeights
 
-__all__ = ["DepPeerLayer", "DepPeerScratch", "DepPeerTimeout", "symmetric_layout", "WAITS"]
+__all__ = ["DepPeerLayer", "DepPeerScratch", "symmetric_layout", "WAITS"]
 
 #: What each of a call's two waits waits for, by index (``ArrivalWaitKernel``'s ``what``).
 WAITS = ("receive rows", "owner partials")
-
-
-class DepPeerTimeout(RuntimeError):
-    """A rank's wait for its peers' rows passed its timeout."""
 
 
 def symmetric_layout(config, ranks: int, max_tokens: int) -> tuple[dict, int]:
@@ -91,7 +88,7 @@ class DepPeerScratch:
     """
 
     def __init__(self, config, *, max_tokens: int, group=None, device=None):
-        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
+        from fast.device.arrival import WAIT_ERROR_FIELDS
 
         group, rank, ranks = process_group("DepPeerScratch", group)
         if config.experts % ranks:
@@ -144,6 +141,9 @@ class DepPeerLayer:
     Construction of a scratch is collective (every rank of the group must construct it).
     """
 
+    #: ``fast.schedules.graphs.BucketGraphs``' input: this rank's tokens.
+    virtual_ranks = False
+
     def __init__(self, weights: LatentMoEWeights, *, max_tokens: int | None = None, group=None,
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
                  scratch: DepPeerScratch | None = None, dense_gemm: str = "auto",
@@ -188,7 +188,7 @@ class DepPeerLayer:
         self.dispatch_table, self.combine_table = scratch.dispatch_table, scratch.combine_table
         self.arrival_tables = scratch.arrival_tables
         self.expected, self.error = scratch.expected, scratch.error
-        self._fn = {kind: _compiled(kind, self.arch, p)
+        self._fn = {kind: compiled_kernel(kind, self.arch, p)
                     for kind, p in kernel_params(c, self.ranks, peers=True).items()}
         self._prepared: set[int] = set()
 
@@ -288,14 +288,14 @@ class DepPeerLayer:
 
     def check(self) -> None:
         """Raise the first error recorded since the layer was built: a wait that timed out
-        (:class:`DepPeerTimeout`, naming this rank, the peer and what it waited for; the
-        layer's counters are then out of step with its peers' and it must be rebuilt), or
-        an engine error (``EngineError``). Synchronizes the device."""
-        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS, wait_timeout_message
+        (:class:`fast.device.arrival.ArrivalTimeout`, naming this rank, the peer and what
+        it waited for; the layer's counters are then out of step with its peers' and it
+        must be rebuilt), or an engine error (``EngineError``). Synchronizes the device."""
+        from fast.device.arrival import WAIT_ERROR_FIELDS, ArrivalTimeout, wait_timeout_message
 
         record = dict(zip(WAIT_ERROR_FIELDS, (int(v) for v in self.error.tolist())))
         if record["code"]:
-            raise DepPeerTimeout(wait_timeout_message("DEP", WAITS, record, self.ranks,
+            raise ArrivalTimeout(wait_timeout_message("DEP", WAITS, record, self.ranks,
                                                       self.timeout_s))
         self.engine.check()
 

@@ -2,6 +2,9 @@
 the smallest bucket ``>= T`` on a static input padded with zero rows, so a call costs
 two copies and one graph replay on the host, whatever the layer launches.
 
+A leaf of ``fast.schedules``: the layers import it (``capture_call``, their ``graph``), and
+it imports none of them.
+
 Every rank pads to the same bucket (DEP ranks run one padded ``T``). A token's output
 depends only on its own row within a bucket: each stage is row-wise or per pair (the
 router, MXFP8, dispatch, experts engine, finalize and combine), and the dense GEMMs run at
@@ -60,19 +63,15 @@ class BucketGraphs:
     the ``T`` real tokens, BF16 ``[T, H]`` (a list per rank for ``DepLayer``): views of the
     graph's output, valid until the next call of the same bucket.
 
-    Any other layer (the wide layers included) is refused with a TypeError; ``virtual``
-    says which of the two kinds ``layer`` is.
+    A layer class says which kind it is with a boolean class attribute ``virtual_ranks``
+    (``DepLayer``: True, ``DepPeerLayer``: False), so this module imports no layer. Any
+    other layer (the wide layers included) is refused with a TypeError; ``virtual`` says
+    which of the two kinds ``layer`` is.
     """
 
     def __init__(self, layer, buckets=BUCKETS):
-        from fast.schedules.dep import DepLayer
-        from fast.schedules.dep_peer import DepPeerLayer
-
-        if isinstance(layer, DepLayer):
-            virtual = True
-        elif isinstance(layer, DepPeerLayer):
-            virtual = False
-        else:
+        virtual = getattr(type(layer), "virtual_ranks", None)
+        if not isinstance(virtual, bool):
             raise TypeError("BucketGraphs: layer must be a fast.schedules.dep.DepLayer (every "
                             "virtual rank) or a fast.schedules.dep_peer.DepPeerLayer (one real "
                             f"rank), got {type(layer).__name__}")

@@ -72,7 +72,7 @@ from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
 
 __all__ = ["WideLayer", "WideStages", "WideRankOutputs", "MailboxTimeout", "check_ranks",
-           "kernel_params", "compile_all", "mailbox_timeout_message", "MAX_RANKS",
+           "kernel_params", "compiled_kernel", "compile_all", "mailbox_timeout_message", "MAX_RANKS",
            "MAILBOX_BUFFERS", "SHARED_PLACEMENTS", "DEFAULT_SHARED_PLACEMENT",
            "check_call_options", "check_rows_and_timeout"]
 
@@ -213,7 +213,9 @@ def kernel_params(config: LatentMoEConfig, ranks: int, *, peers: bool = False) -
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled(kind: str, arch: str, params: tuple):
+def compiled_kernel(kind: str, arch: str, params: tuple):
+    """The kernel ``kind`` of :func:`kernel_params` compiled for ``arch`` with ``params``
+    (fake arguments, no GPU needed; cached)."""
     import cutlass.cute as cute
     from cutlass import Float32, Int32, Int64
 
@@ -230,23 +232,25 @@ def _compiled(kind: str, arch: str, params: tuple):
                                  backend.ptr(None, "i32", 4), Float32(1.0), Int32(0), Int32(0),
                                  Int32(1)] + [Int64(0)] * 3 + [Int32(1), Int32(1)]
     elif kind == "signal":
-        obj, args = k.ArrivalSignalKernel(**kw), [Int64(0)]
+        from fast.device.arrival import ArrivalSignalKernel
+
+        obj, args = ArrivalSignalKernel(**kw), [Int64(0)]
     elif kind == "wait":
-        from fast.schedules.dep_kernels import ArrivalWaitKernel
+        from fast.device.arrival import ArrivalWaitKernel
 
         obj, args = ArrivalWaitKernel(**kw), [Int64(0)] * 4 + [Int32(1), Int32(0), Int32(0)]
     elif kind == "latent_all_reduce":
         obj, args = k.LatentAllReduceNormKernel(**kw), [Int64(0)] * 4 + [Float32(1e-5), Int32(1)]
     else:
         obj, args = k.HiddenAllReduceKernel(**kw), [Int64(0)] * 3 + [Int32(1)]
-    return cute.compile(obj, *args, backend._fake_stream(), options=f"--gpu-arch {arch}")
+    return cute.compile(obj, *args, backend.fake_stream(), options=f"--gpu-arch {arch}")
 
 
 def compile_all(config: LatentMoEConfig, ranks: int, arch: str, *, peers: bool = False):
     """Compile the wide layer's own kernels for ``arch`` (no GPU needed); ``peers``: the
     real ranks' set (:func:`kernel_params`)."""
     check_ranks(config, ranks)
-    return [_compiled(kind, arch, params)
+    return [compiled_kernel(kind, arch, params)
             for kind, params in kernel_params(config, ranks, peers=peers).items()]
 
 
@@ -353,10 +357,10 @@ class WideStages:
                 torch.cuda._sleep(int(side_delay_cycles))
             b = self._buffers[r]
             h = b["gate_up"][:tokens]
-            _mm_bf16_into(x, self.shared_gate_up[r], h)
+            mm_bf16_into(x, self.shared_gate_up[r], h)
             act = activation.situ_and_mul(h, beta=c.situ_beta, linear_beta=c.situ_linear_beta,
                                           out=b["act"][:tokens])
-            _mm_bf16_into(act, self.shared_down[r], self._shared(r)[:tokens])
+            mm_bf16_into(act, self.shared_down[r], self._shared(r)[:tokens])
             cols = slice(r * self.columns, (r + 1) * self.columns)
             self._up(r)[:tokens].copy_(self._shared(r)[:tokens, cols])
         self._shared_ready[r] = side.record_event() if side is not main else None
@@ -594,7 +598,7 @@ class WideLayer(WideStages):
 
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
         self._side = torch.cuda.Stream(device)
-        self._fn = {kind: _compiled(kind, self.arch, p) for kind, p in kernel_params(c, n).items()}
+        self._fn = {kind: compiled_kernel(kind, self.arch, p) for kind, p in kernel_params(c, n).items()}
         # this call's per-rank temporaries (the front, the side stream's event)
         self._front = [None] * n
         self._shared_ready = [None] * n
@@ -614,8 +618,8 @@ class WideLayer(WideStages):
         half = self.config.latent // 2
         for box in self.mailboxes:
             words = box.view(torch.int32)  # [2, rows, L/2 + E]
-            words[..., :half] = _as_int32(SENTINEL_LATENT_WORD)
-            words[..., half:] = _as_int32(SENTINEL_LOGIT_WORD)
+            words[..., :half] = as_int32(SENTINEL_LATENT_WORD)
+            words[..., half:] = as_int32(SENTINEL_LOGIT_WORD)
         for engine in self.engines:
             engine.live_counts().zero_()
         self.error.zero_()
@@ -729,12 +733,12 @@ class WideLayer(WideStages):
             self.check()
         return outputs
 
-def _as_int32(word: int) -> int:
+def as_int32(word: int) -> int:
     """A 32-bit pattern as the signed value an int32 tensor holds."""
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
-def _mm_bf16_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+def mm_bf16_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
     """``out = a @ b^T`` in BF16 (cuBLAS, FP32 accumulation, one rounding: the call of
     ``fast.stock.mm_bf16`` writing into a given buffer)."""
     with stock.fp32_reduction():

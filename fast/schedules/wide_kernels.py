@@ -19,10 +19,11 @@ granules the row is uniform: granule ``g`` covers 16-bit columns ``[8g, 8g + 8)`
 first ``L/8`` granules are latent, the next ``E/4`` are logits.
 
 Over real ranks the two all-reduces read buffers the peers wrote with cuBLAS and library
-kernels, which take no signal option; ``ArrivalSignalKernel``, launched after the writer
-in stream order, tells every reader that they are written (an arrival counter in the
-reader's memory, after a system-scope release), and ``fast.schedules.dep_kernels``'
-``ArrivalWaitKernel`` holds the reader's stream until every writer's counter grew.
+kernels, which take no signal option; ``fast.device.arrival.ArrivalSignalKernel``,
+launched after the writer in stream order, tells every reader that they are written (an
+arrival counter in the reader's memory, after a system-scope release), and
+``fast.device.arrival.ArrivalWaitKernel`` holds the reader's stream until every writer's
+counter grew.
 """
 
 from __future__ import annotations
@@ -31,11 +32,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-from fast import _cute as h
-from fast.experts import _ptx as p
+from fast.device import fp32 as h
+from fast.device import ptx as p
 
 __all__ = ["PublishKernel", "PollKernel", "LatentAllReduceNormKernel", "HiddenAllReduceKernel",
-           "ArrivalSignalKernel", "SENTINEL_LATENT_WORD", "SENTINEL_LOGIT_WORD", "ERROR_WORDS", "ERROR_FIELDS",
+           "SENTINEL_LATENT_WORD", "SENTINEL_LOGIT_WORD", "ERROR_WORDS", "ERROR_FIELDS",
            "ERROR_TIMEOUT"]
 
 #: A 32-bit word of the latent region in the armed state: two BF16 negative zeros.
@@ -53,7 +54,7 @@ ERROR_TIMEOUT = 1
 _THREADS = 128
 
 
-# --- PTX helpers this file needs beyond fast.experts._ptx ------------------------------
+# --- PTX helpers this file needs beyond fast.device.ptx --------------------------------
 
 
 def _ld_volatile_v4(address, now):
@@ -293,7 +294,7 @@ class LatentAllReduceNormKernel:
     up front (one 16-byte load per rank and thread, all in flight); ``routed[t]`` =
     ``reference.schedules.groups.ordered_sum_bf16`` of them bit for bit (FP32 from rank
     0's value, ``add.rn.f32`` of ranks 1 .. N-1 in order, one RNE rounding to BF16);
-    ``normed[t]`` = ``fast.norm.normalize_row`` of that BF16 row (the RMSNorm kernel's
+    ``normed[t]`` = ``fast.device.norm.normalize_row`` of that BF16 row (the RMSNorm kernel's
     exact reduction tree and rounding points: ``reference.emulation.rms_norm_tree``).
 
     Constraints: ``L % 256 == 0``, ``L <= 8192``; partials BF16 ``[rows, L]``, routed,
@@ -314,7 +315,7 @@ class LatentAllReduceNormKernel:
     @cute.kernel
     def kernel(self, table: Int64, routed: Int64, norm_weight: Int64, normed: Int64,
                eps: Float32):
-        from fast.norm import normalize_row
+        from fast.device.norm import normalize_row
 
         tid = cute.arch.thread_idx()[0]
         t = cute.arch.block_idx()[0]
@@ -376,35 +377,3 @@ class HiddenAllReduceKernel:
                     words[4 * o + i] = got[i]
             packed = _sum_rank_order(words, ranks)
             p.stg_v4(out + (Int64(t) * self.hidden + g * 8) * 2, packed)
-
-
-class ArrivalSignalKernel:
-    """Tell every rank that this rank's buffers of the current stage are written: ``N``
-    CTAs of 32 threads; CTA ``d`` ends with ``fast.schedules.dep_kernels._signal_arrival``
-    on the word at ``table[d]`` (this rank's arrival counter in rank ``d``'s memory): a
-    ``fence.acq_rel.sys`` by every thread, a CTA barrier, then ``red.release.sys`` add 1
-    by thread 0.
-
-    Launched after the writer kernels in stream order (their stores are complete when this
-    kernel starts), so a reader that acquires the new count (``ArrivalWaitKernel``,
-    ``ld.acquire.sys``) sees every store the rank made before it, peer stores included.
-    Each launch adds exactly 1 to each target counter (a wait's increment is 1 per call).
-    No data is read or written besides the counters.
-
-    Constraints: table int64 ``[N]`` of 4-byte aligned counter addresses.
-    """
-
-    def __init__(self, ranks: int):
-        self.ranks = ranks
-
-    @cute.jit
-    def __call__(self, table: Int64, stream):
-        self.kernel(table).launch(grid=(self.ranks, 1, 1), block=(32, 1, 1), stream=stream)
-
-    @cute.kernel
-    def kernel(self, table: Int64):
-        from fast.schedules.dep_kernels import _signal_arrival
-
-        tid = cute.arch.thread_idx()[0]
-        d = cute.arch.block_idx()[0]
-        _signal_arrival(p.ldg_u64(table + Int64(d) * 8), tid)

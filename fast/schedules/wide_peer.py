@@ -63,8 +63,8 @@ analysis above).
 Every rank must call the layer with the same ``T`` (the wide bucket's contract: every
 rank holds the same tokens). A poll or a wait that gives up after ``timeout_s`` records
 who and what; :meth:`WidePeerLayer.check` raises (:class:`MailboxTimeout` for the
-mailbox, :class:`WidePeerTimeout` for a wait), and the layer must then be rebuilt on
-every rank (its mailboxes and counters are out of step with its peers').
+mailbox, :class:`fast.device.arrival.ArrivalTimeout` for a wait), and the layer must then
+be rebuilt on every rank (its mailboxes and counters are out of step with its peers').
 """
 
 from __future__ import annotations
@@ -74,22 +74,18 @@ import torch
 from fast import activation, backend, finalize, mx, router, stock
 from fast.schedules.dense import check_hidden_rows
 from fast.schedules.wide import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, MailboxTimeout,
-                                 WideRankOutputs, WideStages, _as_int32, _compiled,
+                                 WideRankOutputs, WideStages, as_int32, compiled_kernel,
                                  check_list_params,
-                                 _mm_bf16_into, check_call_options, check_ranks,
+                                 mm_bf16_into, check_call_options, check_ranks,
                                  check_rows_and_timeout, kernel_params,
                                  mailbox_timeout_message)
 from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
 from reference.weights import LatentMoEWeights
 
-__all__ = ["WidePeerLayer", "WidePeerTimeout", "symmetric_layout", "WAITS"]
+__all__ = ["WidePeerLayer", "symmetric_layout", "WAITS"]
 
 #: What each of a call's two waits waits for, by index (``ArrivalWaitKernel``'s ``what``).
 WAITS = ("routed partials", "hidden partials")
-
-
-class WidePeerTimeout(TimeoutError):
-    """A rank's wait for its peers' partials passed its timeout."""
 
 
 def symmetric_layout(config, ranks: int, max_rows: int) -> tuple[dict, int]:
@@ -142,7 +138,7 @@ class WidePeerLayer(WideStages):
         import torch.distributed as dist
 
         from fast.experts import ExpertsEngine, prepare_experts
-        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS
+        from fast.device.arrival import WAIT_ERROR_FIELDS
         from fast.schedules.wide_kernels import ERROR_WORDS
 
         if not isinstance(weights, LatentMoEWeights):
@@ -222,7 +218,7 @@ class WidePeerLayer(WideStages):
         self.wait_error = torch.zeros(len(WAIT_ERROR_FIELDS), dtype=torch.int32, **on)
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, **on)
         self._side = torch.cuda.Stream(device)
-        self._fn = {kind: _compiled(kind, self.arch, p)
+        self._fn = {kind: compiled_kernel(kind, self.arch, p)
                     for kind, p in kernel_params(c, n, peers=True).items()}
         self._front, self._shared_ready = {r: None}, {r: None}
         self.calls = 0
@@ -240,8 +236,8 @@ class WidePeerLayer(WideStages):
 
         words = self.symmetric["mailbox"].view(torch.int32)  # [2, rows, L/2 + E]
         half = self.config.latent // 2
-        words[..., :half] = _as_int32(SENTINEL_LATENT_WORD)
-        words[..., half:] = _as_int32(SENTINEL_LOGIT_WORD)
+        words[..., :half] = as_int32(SENTINEL_LATENT_WORD)
+        words[..., half:] = as_int32(SENTINEL_LOGIT_WORD)
 
     def _shared(self, r: int) -> torch.Tensor:
         """This rank's shared-expert partial of the current call: buffer ``calls % 2``."""
@@ -270,9 +266,9 @@ class WidePeerLayer(WideStages):
         x = torch.zeros(tokens, c.hidden, dtype=torch.bfloat16, **on)
         stock.mm_fp32_out(x, self.front_weights[r])
         h = torch.empty(tokens, self.shared_gate_up[r].shape[0], dtype=torch.bfloat16, **on)
-        _mm_bf16_into(x, self.shared_gate_up[r], h)
+        mm_bf16_into(x, self.shared_gate_up[r], h)
         act = activation.situ_and_mul(h, beta=c.situ_beta, linear_beta=c.situ_linear_beta)
-        _mm_bf16_into(act, self.shared_down[r], torch.empty_like(x))
+        mm_bf16_into(act, self.shared_down[r], torch.empty_like(x))
         weights, ids = router.route(torch.zeros(tokens, c.experts, dtype=torch.float32, **on),
                                     self.bias, top_k=c.top_k, renormalize=c.renormalize,
                                     scale=c.routed_scaling_factor)
@@ -300,10 +296,10 @@ class WidePeerLayer(WideStages):
         """Raise the first error recorded since the last check: a poll that timed out
         (:class:`MailboxTimeout`: this rank, the buffer, token, column and the writer that
         never published; that record is then cleared), a wait that timed out
-        (:class:`WidePeerTimeout`: this rank, the peer and what it waited for), or an
-        engine error (``EngineError``). After a timeout the layer must be rebuilt on every
-        rank. Synchronizes the device."""
-        from fast.schedules.dep_kernels import WAIT_ERROR_FIELDS, wait_timeout_message
+        (:class:`fast.device.arrival.ArrivalTimeout`: this rank, the peer and what it
+        waited for), or an engine error (``EngineError``). After a timeout the layer must
+        be rebuilt on every rank. Synchronizes the device."""
+        from fast.device.arrival import WAIT_ERROR_FIELDS, ArrivalTimeout, wait_timeout_message
         from fast.schedules.wide_kernels import ERROR_FIELDS
 
         torch.cuda.synchronize(self.device)
@@ -316,7 +312,7 @@ class WidePeerLayer(WideStages):
                 "mailboxes and counters are now out of step: rebuild the layer on every rank."))
         wait = dict(zip(WAIT_ERROR_FIELDS, (int(v) for v in self.wait_error.tolist())))
         if wait["code"]:
-            raise WidePeerTimeout(wait_timeout_message("wide", WAITS, wait, self.ranks,
+            raise ArrivalTimeout(wait_timeout_message("wide", WAITS, wait, self.ranks,
                                                        self.timeout_s))
         self.engine.check()
 

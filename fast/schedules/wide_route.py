@@ -18,7 +18,7 @@ output is bitwise what the separate kernels write (and what their contracts chec
    kernel's work for the token (``fast.experts.lists.RoutingListsKernel``'s code): the
    quantizer threads also write the token's BF16 plan row (``plan_granule`` of their
    codes), and after a barrier threads ``r < k`` append pair ``t k + r`` (its id read back
-   from ``ids``) to its expert's routing list (``_list_pair``: the engine's counters and
+   from ``ids``) to its expert's routing list (``list_pair``: the engine's counters and
    error record), so the engine's call (``listed=True``) starts at its plan kernel.
 
 What it removes (measured on the H200, ``benchmarks.wide_timeline``): the router's and
@@ -38,7 +38,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from fast import mx
-from fast.experts import _ptx as p
+from fast.device import ptx as p
 from fast.experts.lists import RoutingListsKernel
 from fast.router import RouterKernel
 from fast.schedules.wide_kernels import PollKernel
@@ -108,4 +108,4 @@ class PolledRouteKernel:
             if tid < self.top_k:
                 pair = t * self.top_k + tid
                 expert = cute.arch.load(ids + pair, Int32)
-                self.lists._list_pair(work, lists, capacity, pair, expert)
+                self.lists.list_pair(work, lists, capacity, pair, expert)

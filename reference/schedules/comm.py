@@ -30,6 +30,7 @@ from reference.schedules.mailbox import (
     MailboxLayout,
     MailboxProtocolError,
     MailboxTimeout,
+    open_mailbox,
     sanitize_negative_zero,
 )
 
@@ -47,6 +48,7 @@ __all__ = [
     "VirtualWorld",
     "decode",
     "encode",
+    "open_mailbox",
     "ordered_sum_bf16",
     "run_virtual",
     "sanitize_negative_zero",

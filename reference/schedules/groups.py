@@ -25,8 +25,10 @@ Collectives and their precision (identical in both worlds):
   1..N-1 in order** (each addition one FP32 rounding), then rounds once to BF16. Every
   rank therefore holds the same bits. See :func:`ordered_sum_bf16`.
 
-The wide layer's Lamport mailbox is :class:`~reference.schedules.mailbox.Mailbox` (built by
-:meth:`Group.mailbox`).
+The wide layer's Lamport mailbox is :class:`~reference.schedules.mailbox.Mailbox`, opened on
+a group by :func:`~reference.schedules.mailbox.open_mailbox`; it builds on this module
+(which does not import it) and keeps the virtual ranks' mailboxes in
+:attr:`VirtualWorld.mailboxes`.
 """
 
 from __future__ import annotations
@@ -82,8 +84,8 @@ class Group:
     """What a rank of a schedule may do with its peers.
 
     ``rank`` (0..size-1) and ``size`` identify the rank. Subclasses implement
-    :meth:`all_gather`, :meth:`barrier` and the mailbox transport; everything else is
-    defined here once, so both worlds reduce in the same order.
+    :meth:`all_gather` and :meth:`barrier`; everything else is defined here once, so both
+    worlds reduce in the same order.
     """
 
     rank: int
@@ -116,11 +118,6 @@ class Group:
             raise TypeError(f"rank {self.rank}: all_reduce_bf16 of {x.dtype}")
         parts = self.all_gather(x)
         return ordered_sum_bf16(parts)
-
-    def mailbox(self, rows: int, latent: int, experts: int, *, buffers: int = 2) -> "Mailbox":
-        """This rank's :class:`~reference.schedules.mailbox.Mailbox` (collective: every
-        rank calls it)."""
-        raise NotImplementedError  # pragma: no cover
 
 
 # ----------------------------------------------------------------- the virtual world
@@ -181,13 +178,6 @@ class VirtualGroup(Group):
         _check_dtypes(self.rank, recv)
         return [t.clone() for t in recv]
 
-    def mailbox(self, rows: int, latent: int, experts: int, *, buffers: int = 2) -> "Mailbox":
-        from reference.schedules.mailbox import Mailbox
-
-        box = Mailbox(self, rows, latent, experts, buffers=buffers)
-        self.world.mailboxes[self.rank] = box
-        self.barrier()  # every rank's buffers are registered before any peer store
-        return box
 
 
 def run_virtual(
@@ -283,9 +273,3 @@ class TorchGroup(Group):
         _check_dtypes(self.rank, recv)
         return recv
 
-    def mailbox(self, rows: int, latent: int, experts: int, *, buffers: int = 2) -> "Mailbox":
-        from reference.schedules.mailbox import Mailbox
-
-        box = Mailbox(self, rows, latent, experts, buffers=buffers)
-        self.barrier()
-        return box

@@ -20,6 +20,7 @@ from reference.schedules.groups import Group, VirtualGroup
 
 __all__ = [
     "Mailbox",
+    "open_mailbox",
     "MailboxLayout",
     "MailboxTimeout",
     "MailboxProtocolError",
@@ -258,3 +259,15 @@ def _armed_mask(buf: torch.Tensor, lay: MailboxLayout) -> torch.Tensor:
     lat = buf[:, : lay.latent] == SENTINEL_BF16
     log = buf[:, lay.latent :].contiguous().view(torch.int32) == SENTINEL_F32
     return torch.cat([lat, log.repeat_interleave(2, dim=1)], dim=1)
+
+
+def open_mailbox(group: Group, rows: int, latent: int, experts: int, *,
+                 buffers: int = 2) -> Mailbox:
+    """This rank's :class:`Mailbox` on ``group`` (collective: every rank calls it). Virtual
+    ranks register it in their world (``VirtualWorld.mailboxes``: the peers' stores write
+    into it); the barrier then orders every registration before any peer store."""
+    box = Mailbox(group, rows, latent, experts, buffers=buffers)
+    if isinstance(group, VirtualGroup):
+        group.world.mailboxes[group.rank] = box
+    group.barrier()
+    return box

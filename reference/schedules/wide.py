@@ -74,7 +74,7 @@ from reference.mx import quantize_mxfp8
 from reference.norm import rms_norm
 from reference.router import route
 from reference.schedules.groups import Group, run_virtual
-from reference.schedules.mailbox import Mailbox
+from reference.schedules.mailbox import Mailbox, open_mailbox
 from reference.schedules.dep import pair_rows
 from reference.weights import LatentMoEWeights
 
@@ -123,7 +123,7 @@ class WideScratch:
         check_wide_ranks(config, group.size)
         self.config, self.group = config, group
         self.rows = rows or config.wide_rows
-        self.mailbox: Mailbox = group.mailbox(self.rows, config.latent, config.experts)
+        self.mailbox: Mailbox = open_mailbox(group, self.rows, config.latent, config.experts)
 
 
 def routing_lists(

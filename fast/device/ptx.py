@@ -1,8 +1,12 @@
-"""The PTX instructions the experts engine issues, one helper each (CuTe DSL inline PTX).
+"""The PTX instructions the kernels issue, one helper each (CuTe DSL inline PTX, and the
+DSL's own vector load and store for ``load_v4`` / ``store_v4``): global and shared memory
+accesses, atomics, cross-GPU acquire and release, ``cp.async``, warp shuffles, byte
+permutes, conversions and the tensor-core MMAs (``mma.sync``, sm_90a's ``wgmma``).
 
 Addresses are plain integers: ``Int64`` generic/global addresses, ``Int32`` shared-window
 addresses (``Pointer.toint()`` of a shared-memory pointer), so the kernels do their own
-index arithmetic and every access is exactly the instruction named here.
+index arithmetic and every access is exactly the instruction named here. ``load_v4`` and
+``store_v4`` take CuTe pointers instead (the memory-bound kernels' 16-byte accesses).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import vector
 
 __all__ = [
     "ldg_stream_v4", "ldg_u32", "ldg_u16", "ldg_u8", "ldg_i32", "ldg_v2", "ldg_u64",
@@ -19,7 +25,7 @@ __all__ = [
     "e4m3x2_to_f32", "f32x2_to_e4m3x2", "f32_to_bf16_bits",
     "smem_matrix_descriptor", "smem_descriptor_offset", "wgmma_bf16", "wgmma_bf16_ss", "wgmma_settle", "ld_relaxed_gpu",
     "fence_acq_rel_gpu",
-    "red_release_gpu_add",
+    "red_release_gpu_add", "pinned_i32", "lds_u32", "load_v4", "store_v4",
 ]
 
 
@@ -135,6 +141,23 @@ def atomic_cas(address, compare, value):
 
 def atomic_max(address, value):
     _asm("{ .reg .s32 t; atom.global.max.s32 t, [{$r0}], {$r1}; }", [], [Int64(address), Int32(value)])
+
+
+# --- 16-byte global accesses through CuTe pointers ---------------------------------------------------------
+
+
+def load_v4(ptr):
+    """Four 32-bit words from a 16-byte aligned address (one ``ld.global.v4.b32``)."""
+    vt = ir.VectorType.get([4], Uint32.mlir_type)
+    v = cute.arch.load(ptr, vt)
+    return [Uint32(vector.extract(v, [], [i])) for i in range(4)]
+
+
+def store_v4(ptr, words):
+    """Four 32-bit words to a 16-byte aligned address (one ``st.global.v4.b32``)."""
+    vt = ir.VectorType.get([4], Uint32.mlir_type)
+    v = vector.from_elements(vt, [Uint32(w).ir_value() for w in words])
+    cute.arch.store(ptr, v)
 
 
 # --- shared memory ------------------------------------------------------------------
@@ -311,7 +334,6 @@ def wgmma_bf16(acc, a, descriptor, n: int):
     Asynchronous: the caller brackets it with ``warpgroup.fence`` / ``commit_group`` /
     ``wait_group`` and reads the accumulators only through ``wgmma_settle`` after the wait.
     Returns the accumulators (the same registers: tied operands)."""
-    from cutlass._mlir import ir
     from cutlass._mlir.dialects import llvm
 
     count = n // 2
@@ -335,7 +357,6 @@ def wgmma_bf16_ss(acc, a_descriptor, b_descriptor, n: int):
     """``wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16`` with both operands in
     shared memory (K-major descriptors): ``acc`` (``n / 2`` FP32 accumulators of this
     thread) += A (64 x 16) x B (``n`` x 16)^T. Asynchronous, as ``wgmma_bf16``."""
-    from cutlass._mlir import ir
     from cutlass._mlir.dialects import llvm
 
     count = n // 2
@@ -358,7 +379,6 @@ def wgmma_settle(values):
     """The accumulators after ``wgmma.wait_group``: one empty volatile statement that takes
     and returns them, ordered after the wait (volatile statements keep their order), so
     no read of an accumulator is scheduled before the MMAs that write it are complete."""
-    from cutlass._mlir import ir
     from cutlass._mlir.dialects import llvm
 
     count = len(values)

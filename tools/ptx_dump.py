@@ -1,6 +1,6 @@
 """What the CuTe DSL emits for a kernel (its own dump, ``CUTE_DSL_KEEP``): the PTX, for the
 tests that check which instructions a kernel issues, and the cubins of
-``tests/sass_digest.py``. The compile runs in a subprocess so that its dump directory is
+``tools/sass_digest.py``. The compile runs in a subprocess so that its dump directory is
 its own (no GPU needed)."""
 
 from __future__ import annotations

@@ -3,9 +3,9 @@
 warp's m-tile chunk: 16 rows x 64 k of MXFP4), by kind, with the kernel's registers and
 stack frame.
 
-    python tests/sass_budget.py                       # DEP16 FC1/FC2, 4 windows, mma.sync
-    python tests/sass_budget.py --geometry tp8 --windows 2 --tactic walk=4
-    python tests/sass_budget.py --tactic wgmma=1 --kernels fc1
+    python tools/sass_budget.py                       # DEP16 FC1/FC2, 4 windows, mma.sync
+    python tools/sass_budget.py --geometry tp8 --windows 2 --tactic walk=4
+    python tools/sass_budget.py --tactic wgmma=1 --kernels fc1
 
 The kernels are compiled for ``--arch`` by ``sass_digest``'s compile (the DSL's cubin dump)
 and disassembled by ``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel of the dev extra, or
@@ -34,8 +34,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ptx_dump import elf_sections
-from sass_digest import _compile
+if __package__ in (None, ""):  # run as a file (python tools/sass_budget.py): the repository first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.ptx_dump import elf_sections  # noqa: E402
+from tools.sass_digest import compile_set  # noqa: E402
 
 #: instruction kinds, by opcode (the first word, modifiers dropped)
 KINDS = {
@@ -233,7 +236,7 @@ def _spec(geometry: str, windows: int, tactic: dict) -> dict:
 def compile_cubin(arch: str, geometry: str, windows: int, tactic: dict, kernel: str,
                   directory: Path) -> Path:
     """Compile one engine kernel into ``directory`` (``sass_digest``'s compile); its cubin."""
-    _compile([arch, "experts", "budget", kernel], directory, _spec(geometry, windows, tactic))
+    compile_set([arch, "experts", "budget", kernel], directory, _spec(geometry, windows, tactic))
     cubins = sorted(directory.rglob("*.cubin"))
     if len(cubins) != 1:
         raise RuntimeError(f"{kernel}: expected one cubin, the compile dumped {len(cubins)}")
@@ -244,7 +247,7 @@ def kernel_units(arch: str, geometry: str, windows: int, tactic: dict) -> dict[s
     """512-byte chunks per warp and main-loop iteration of the FC1 and FC2 kernels."""
     from fast.experts.kernels import ExpertsGemmKernel
 
-    params = ast.literal_eval(_compile([arch, "experts", "budget", "?params"],
+    params = ast.literal_eval(compile_set([arch, "experts", "budget", "?params"],
                                        engines=_spec(geometry, windows, tactic)))
     units = {}
     for name in ("fc1", "fc2"):
@@ -381,5 +384,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     raise SystemExit(main())

@@ -6,13 +6,14 @@ This tool proves that on a CPU: it compiles each kernel of a fixed set with CuTe
 cubin dump, for sm_90a and sm_100a, and prints one line per kernel with the SHA-1 of its
 ``.text`` sections (the SASS; the symbol names, which carry the Python module path, and
 the debug sections are left out). The set (``SETS``): the stage kernels at the real widths
-(``fast.backend.KERNELS``), the experts engine at six geometries and tactics
+(``fast.backend.KERNELS``), the experts engine at seven geometries and tactics
 (``ENGINES``; the warpgroup-MMA ones for sm_90a only), the DEP16 and TP8 schedules' own
 kernels for virtual and real ranks, and every ``fast.gemm`` shape a ``DenseFront``
-compiles by default::
+compiles by default (not the Blackwell block-scaled experts kernel of
+``fast.experts.blackwell``)::
 
-    python tests/sass_digest.py before.txt          # on the old tree (--only experts,...)
-    python tests/sass_digest.py after.txt           # on the new one
+    python tools/sass_digest.py before.txt          # on the old tree (--only experts,...)
+    python tools/sass_digest.py after.txt           # on the new one
     diff before.txt after.txt                       # empty: no kernel changed
 
 Each kernel compiles in its own process, because the DSL names a dump after the kernel's
@@ -26,10 +27,14 @@ import concurrent.futures
 import hashlib
 import os
 import re
+import sys
 import tempfile
 from pathlib import Path
 
-from ptx_dump import elf_sections, run_compile
+if __package__ in (None, ""):  # run as a file (python tools/sass_digest.py): the repository first
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.ptx_dump import elf_sections, run_compile  # noqa: E402
 
 ARCHS = ("sm_90a", "sm_100a")
 
@@ -68,7 +73,7 @@ elif family in ("dep", "wide"):  # a schedule's own kernels, DEP16 / TP8, virtua
     module, ranks = (dep, 16) if family == "dep" else (wide, 8)
     params = module.kernel_params(c, ranks, peers=name.endswith("-peers"))
     kinds = list(params)
-    build = lambda k: module._compiled(k, arch, params[k])
+    build = lambda k: module.compiled_kernel(k, arch, params[k])
 elif family == "gemm":  # every fast.gemm shape a DenseFront compiles by default
     from fast.gemm.host import compile_kernel
     from fast.schedules import dense
@@ -85,10 +90,10 @@ else:  # the experts engine
          Geometry(latent=c.latent, inter=c.intermediate // 8, first=0, count=896,
                   shard=(0, 8)))
     params = (dict() if tactic.get("wgmma") and arch != "sm_90a" else  # wgmma: Hopper only
-              engine._kernel_params(g, c, windows, False, strict,
+              engine.kernel_params(g, c, windows, False, strict,
                                     engine.complete_tactic(tactic, arch), empty_rows=empty_rows))
     kinds = list(params)
-    build = lambda k: engine._compiled(k, arch, params[k])
+    build = lambda k: engine.compiled_kernel(k, arch, params[k])
 if kind == "?":
     print(" ".join(kinds))
 elif kind == "?params":  # every kernel's parameters (the experts engine's, for sass_budget)
@@ -98,7 +103,7 @@ else:
 """
 
 
-def _compile(args, dump_dir: Path | None = None, engines: dict | None = None) -> str:
+def compile_set(args, dump_dir: Path | None = None, engines: dict | None = None) -> str:
     """Run ``_COMPILE`` with ``args``; with ``dump_dir``, the cubins dumped there;
     ``engines``: the experts engine specs (name -> as ``ENGINES``), default ``ENGINES``."""
     return run_compile(_COMPILE.format(engines=ENGINES if engines is None else engines), args,
@@ -120,7 +125,7 @@ def text_digest(cubin: bytes) -> tuple[str, int]:
 def digest(arch: str, family: str, name: str, kind: str) -> list[str]:
     """One line per cubin the compile of kernel ``kind`` of set ``(family, name)`` dumps."""
     with tempfile.TemporaryDirectory() as tmp:
-        _compile([arch, family, name, kind], Path(tmp))
+        compile_set([arch, family, name, kind], Path(tmp))
         cubins = sorted(Path(tmp).rglob("*.cubin"))
         if not cubins:
             raise RuntimeError(f"{arch} {family} {name} {kind}: the compile dumped no cubin")
@@ -135,7 +140,7 @@ def digest(arch: str, family: str, name: str, kind: str) -> list[str]:
 
 def kinds(arch: str, family: str, name: str) -> list[tuple[str, str, str, str]]:
     """(arch, family, name, kernel kind) of every kernel of one set."""
-    return [(arch, family, name, kind) for kind in _compile([arch, family, name, "?"]).split()]
+    return [(arch, family, name, kind) for kind in compile_set([arch, family, name, "?"]).split()]
 
 
 def main(argv=None) -> int:

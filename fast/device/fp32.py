@@ -1,5 +1,7 @@
-"""Shared CuTe DSL helpers of the memory-bound kernels (``fast.mx``, ``fast.router``,
-``fast.finalize``, ``fast.activation``, ``fast.norm``).
+"""Exact FP32 arithmetic of the kernels (CuTe DSL), shared by every kernel module whose
+numerics the reference repeats bit for bit (``fast.mx``, ``fast.router``,
+``fast.finalize``, ``fast.activation``, ``fast.norm``, the experts engine, ``fast.gemm``
+and the schedules' kernels).
 
 Every floating-point operation a kernel's numerics depend on is issued here as one
 explicit PTX instruction with an explicit rounding mode (``mul.rn.f32``, ``add.rn.f32``,
@@ -17,9 +19,7 @@ therefore bit-reproducible on the CPU (``reference.emulation.exp_rn``); its cons
 ``reference.exp_tanh``'s (the one place both read them) and its accuracy over FP32
 arguments is measured against float64 in ``tests/test_emulation.py``.
 
-Nothing here launches anything; the kernels pass device addresses as CuTe pointers
-(``cute.runtime.make_ptr``) and sizes as ``Int32`` so that one compiled function serves
-every batch (only the widths are compile-time constants).
+Nothing here launches anything. The memory accesses are in ``fast.device.ptx``.
 """
 
 from __future__ import annotations
@@ -29,8 +29,6 @@ import struct
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import vector
 
 from reference.exp_tanh import (
     EXP_COEFFS,
@@ -44,7 +42,6 @@ from reference.exp_tanh import (
 )
 
 __all__ = [
-    "SMEM_PER_CTA",
     "Float32",
     "Int32",
     "Uint32",
@@ -62,17 +59,10 @@ __all__ = [
     "bf16_lo",
     "bf16_hi",
     "pack_bf16x2",
-    "load_v4",
-    "store_v4",
     "exp_rn",
     "tanh_rn",
     "sigmoid_rn",
 ]
-
-#: The most shared memory one CTA may take on the H100/H200 and the B200 (227 KB, dynamic
-#: plus static): the budget of every kernel that sizes its own shared memory.
-SMEM_PER_CTA = 227 << 10
-
 
 def _ptx_f32(value: float) -> str:
     """A PTX FP32 immediate (``0fXXXXXXXX``, the IEEE bits) of a Python float."""
@@ -159,23 +149,6 @@ def pack_bf16x2(lo, hi):
     return _ptx1(
         "cvt.rn.bf16x2.f32 {$w0}, {$r0}, {$r1};", Float32(hi), Float32(lo), out=Uint32
     )
-
-
-# --- 16-byte global accesses ---------------------------------------------------------
-
-
-def load_v4(ptr):
-    """Four 32-bit words from a 16-byte aligned address (one ``ld.global.v4.b32``)."""
-    vt = ir.VectorType.get([4], Uint32.mlir_type)
-    v = cute.arch.load(ptr, vt)
-    return [Uint32(vector.extract(v, [], [i])) for i in range(4)]
-
-
-def store_v4(ptr, words):
-    """Four 32-bit words to a 16-byte aligned address (one ``st.global.v4.b32``)."""
-    vt = ir.VectorType.get([4], Uint32.mlir_type)
-    v = vector.from_elements(vt, [Uint32(w).ir_value() for w in words])
-    cute.arch.store(ptr, v)
 
 
 # --- exp, tanh, sigmoid from IEEE operations (bit-reproducible on the CPU) -----------
