@@ -56,15 +56,11 @@ def _weights(e=6, lat=256, i=128, seed=0):
 # pure PyTorch
 # --------------------------------------------------------------------------------------
 
-def test_dequantize_matches_reference_mx():
-    codes, scales = _codes((3, 40, 64), 1), _scales((3, 40, 4), 2, lo=0, hi=254)
-    got = tm.dequantize_mxfp4(codes, scales)
-    want = ref_dequantize_mxfp4(codes, scales)
-    assert torch.equal(got, want)  # nibble order, E2M1 values, E8M0 incl. codes 0 and 1
-
-
-def test_dequantize_rejects_bad_scales():
-    with pytest.raises(ValueError, match="scales must be"):
+def test_dequantize_is_the_reference_decode():
+    """The peers check their conversions against the reference's exact MXFP4 decode (its
+    codecs are tested exhaustively in tests/test_mx_codecs.py), not a copy of it."""
+    assert tm.dequantize_mxfp4 is ref_dequantize_mxfp4
+    with pytest.raises(ValueError, match="scales: expected shape"):
         tm.dequantize_mxfp4(_codes((2, 32), 0), _scales((2, 3), 0))
 
 

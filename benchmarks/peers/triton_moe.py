@@ -108,6 +108,8 @@ from typing import Any
 
 import torch
 
+from reference.mx import dequantize_mxfp4  # our MXFP4 decoded exactly (re-exported)
+
 __all__ = [
     "API_VERSION",
     "check_capacity",
@@ -158,7 +160,6 @@ MX_BLOCK = 32
 _MAX_LOCAL_EXPERTS = 32767  # local ids travel as int16 (triton's routing keys are 16-bit)
 
 # E2M1 code -> value (code 8 is -0.0)
-_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 # --------------------------------------------------------------------------------------
@@ -267,24 +268,6 @@ def versions() -> dict:
 def _check_u8(t, name: str) -> None:
     if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8:
         raise ValueError(f"{name} must be a uint8 tensor, got {getattr(t, 'dtype', type(t).__name__)}")
-
-
-def dequantize_mxfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Our MXFP4 ``[..., C]`` codes (two per byte, element 2i low) + E8M0 ``[..., 2C/32]`` ->
-    float32 ``[..., 2C]``: ``e2m1 * 2^(scale - 127)`` (exact; scale 255 -> NaN)."""
-    _check_u8(codes, "codes")
-    _check_u8(scales, "scales")
-    k = codes.shape[-1] * 2
-    if k % MX_BLOCK or tuple(scales.shape) != (*codes.shape[:-1], k // MX_BLOCK):
-        raise ValueError(f"scales must be {(*codes.shape[:-1], k // MX_BLOCK)} for codes "
-                         f"{tuple(codes.shape)}, got {tuple(scales.shape)}")
-    lut = torch.tensor(_E2M1, dtype=torch.float32, device=codes.device)
-    vals = torch.stack((lut[(codes & 0x0F).long()], lut[(codes >> 4).long()]), dim=-1)
-    vals = vals.reshape(*codes.shape[:-1], k)
-    e = scales.to(torch.int32)
-    scale = torch.where(e == 255, torch.full_like(e, 0x7FC00000), e << 23).view(torch.float32)
-    scale = torch.where(e == 0, torch.full_like(scale, 2.0 ** -127), scale)  # 2^-127: subnormal
-    return (vals.reshape(*codes.shape[:-1], k // MX_BLOCK, MX_BLOCK) * scale.unsqueeze(-1)).reshape(vals.shape)
 
 
 def interleave_gate_up(t: torch.Tensor) -> torch.Tensor:
