@@ -200,3 +200,20 @@ def routing(cfg: LatentMoEConfig, rows: int, seed: int, *, skew: float = 0.0) ->
         weights = weights[torch.randperm(cfg.experts, generator=g)].float()
     ids = torch.multinomial(weights.expand(rows, -1), cfg.top_k, replacement=False, generator=g)
     return ids.to(torch.int32)
+
+
+#: The magnitudes of ``order_exposing_values``: FP32 sums of them depend on their order
+#: (``2^24 + 1`` rounds to ``2^24``), 36 binades apart at the ends.
+ORDER_EXPOSING_MAGNITUDES = (2.0 ** 24, 2.0 ** 12, 1.0, 2.0 ** -12)
+
+
+def order_exposing_values(shape, seed: int, device="cpu") -> torch.Tensor:
+    """BF16 ``shape``: per element a random sign times one of
+    ``ORDER_EXPOSING_MAGNITUDES`` (exact in BF16), so the FP32 sum of a few of them decides
+    its bits by its order (the designed-order contracts: random values of similar size
+    often sum exactly in FP32 whatever the order)."""
+    g = torch.Generator().manual_seed(seed)
+    scale = torch.tensor(ORDER_EXPOSING_MAGNITUDES)
+    pick = torch.randint(0, len(ORDER_EXPOSING_MAGNITUDES), tuple(shape), generator=g)
+    sign = torch.randint(0, 2, tuple(shape), generator=g) * 2 - 1
+    return (scale[pick] * sign).to(torch.bfloat16).to(device)

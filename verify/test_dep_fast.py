@@ -394,17 +394,6 @@ def test_dep_fast_real_dep16_batch_invariant(backend, seed, contract):
 
 # -- orders exposed by designed values, and reliability ------------------------------------
 
-def _designed_bf16(shape, seed: int, device) -> torch.Tensor:
-    """BF16 values whose FP32 sums depend on their order: per element a random sign times
-    one of 2^24, 2^12, 1, 2^-12 (cancellation across 36 binades: ``2^24 + 1`` rounds to
-    ``2^24`` in FP32, so the owner or slot order of a sum decides its bits)."""
-    g = torch.Generator().manual_seed(seed)
-    scale = torch.tensor([2.0 ** 24, 2.0 ** 12, 1.0, 2.0 ** -12])
-    pick = torch.randint(0, 4, shape, generator=g)
-    sign = torch.randint(0, 2, shape, generator=g) * 2 - 1
-    return (scale[pick] * sign).to(torch.bfloat16).to(device)
-
-
 @pytest.mark.config("small")
 def test_dep_fast_reduction_orders_designed(backend, seed, contract):
     """The order-sensitive sums of the routed part on designed values, 8 virtual ranks: the
@@ -422,7 +411,7 @@ def test_dep_fast_reduction_orders_designed(backend, seed, contract):
     # owners: designed expert rows of every local pair, then the partial finalize alone
     for o, out in enumerate(outs):
         rows = out.rows.view(ranks * tokens, k, cfg.latent)
-        rows.copy_(_designed_bf16(tuple(rows.shape), seed + o, rows.device))
+        rows.copy_(cases.order_exposing_values(tuple(rows.shape), seed + o, rows.device))
         layer.partial_stage(o, tokens)
         local = (out.recv_ids >= o * per) & (out.recv_ids < (o + 1) * per)
         want = local_finalize(rows.cpu(), out.recv_weights.cpu(), local.cpu())
@@ -432,7 +421,7 @@ def test_dep_fast_reduction_orders_designed(backend, seed, contract):
                          index_names=ROWS)
     # homes: designed partials at every owner, then the combine alone
     for o, out in enumerate(outs):
-        out.partials.copy_(_designed_bf16(tuple(out.partials.shape), seed + 100 + o,
+        out.partials.copy_(cases.order_exposing_values(tuple(out.partials.shape), seed + 100 + o,
                                           out.partials.device))
     owners = torch.arange(ranks)
     for h, home in enumerate(outs):

@@ -229,11 +229,8 @@ def test_gemm_fast_split_order_designed(backend, gemm, contract):
 
     weight, x, addend, out_dtype = case(gemm)
     n, k = weight.shape
-    g = torch.Generator().manual_seed(seed_of(f"verify/test_gemm_fast.py::designed::{gemm}"))
-    scale = torch.tensor([2.0 ** 24, 2.0 ** 12, 1.0, 2.0 ** -12])
-    designed = (scale[torch.randint(0, 4, (n, k), generator=g)]
-                * (torch.randint(0, 2, (n, k), generator=g) * 2 - 1)).to(torch.bfloat16)
-    designed = designed.to(DEVICE)
+    designed = cases.order_exposing_values(
+        (n, k), seed_of(f"verify/test_gemm_fast.py::designed::{gemm}"), DEVICE)
     tactics = [t for t in CANDIDATES[tuple(weight.shape)] if t.splits >= 2]
     eng = DenseGemm(designed, tactics=tactics)
     tokens = x.shape[0]
