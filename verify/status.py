@@ -73,32 +73,42 @@ def _marker_backends(node: ast.AST) -> tuple[str, ...] | None:
     return None
 
 
-def backends_of(path: Path) -> tuple[list[str], int]:
-    """(the backends the tests of ``path`` name; the number of test functions).
-    Module-level ``pytestmark`` backends apply to every test."""
+def marked_tests(path: Path, marker_value) -> list[tuple[str, object]]:
+    """Each test function of ``path`` with the value of its marker, read from the source:
+    ``marker_value(node)`` picks a marker's value out of an AST node (None where the node
+    is not that marker); a test's own decorator wins over the module's ``pytestmark``, and
+    a test with neither gets None."""
     tree = ast.parse(path.read_text())
-    module_level: tuple[str, ...] = ()
+    module_level = None
     for node in tree.body:
         if isinstance(node, ast.Assign) and any(
                 isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
             for sub in ast.walk(node.value):
-                found = _marker_backends(sub)
+                found = marker_value(sub)
                 if found:
                     module_level = found
-    seen: list[str] = []
-    tests = 0
+    out = []
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-            tests += 1
-            names = module_level
+            value = module_level
             for deco in node.decorator_list:
-                found = _marker_backends(deco)
+                found = marker_value(deco)
                 if found:
-                    names = found
-            for name in names or ("reference",):
-                if name not in seen:
-                    seen.append(name)
-    return seen, tests
+                    value = found
+            out.append((node.name, value))
+    return out
+
+
+def backends_of(path: Path) -> tuple[list[str], int]:
+    """(the backends the tests of ``path`` name; the number of test functions).
+    Module-level ``pytestmark`` backends apply to every test."""
+    tests = marked_tests(path, _marker_backends)
+    seen: list[str] = []
+    for _, names in tests:
+        for name in names or ("reference",):
+            if name not in seen:
+                seen.append(name)
+    return seen, len(tests)
 
 
 def rows() -> list[tuple[str, str, str, str, str]]:

@@ -41,6 +41,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from verify.status import marked_tests
+
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "verified.md"
 RESULTS = "benchmarks/results"
@@ -112,26 +114,14 @@ def runs() -> dict[str, Run | None]:
 
 
 def _contract_names(path: Path) -> list[str]:
-    """The contract names the tests of ``path`` record (``verify.conftest.row_key``)."""
-    tree = ast.parse(path.read_text())
-    module_contract = None
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Name) and t.id == "pytestmark" for t in node.targets):
-            for sub in ast.walk(node.value):
-                name = _contract_marker(sub)
-                if name:
-                    module_contract = name
+    """The contract names the tests of ``path`` record (``verify.conftest.row_key``): a
+    ``pytest.mark.contract`` name (the test's own, else the module's), else the test's
+    name without ``test_``."""
     names: list[str] = []
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-            name = module_contract or node.name.removeprefix("test_")
-            for deco in node.decorator_list:
-                found = _contract_marker(deco)
-                if found:
-                    name = found
-            if name not in names:
-                names.append(name)
+    for test, marked in marked_tests(path, _contract_marker):
+        name = marked or test.removeprefix("test_")
+        if name not in names:
+            names.append(name)
     return names
 
 
