@@ -181,8 +181,7 @@ def main(argv=None):
     flush = l2_flush()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "ranks": args.ranks,
-              "dense_gemm": args.dense_gemm, "batch_invariant": args.batch_invariant,
-              "cases": []}
+              "batch_invariant": args.batch_invariant, "cases": []}
     result["read_gbs"] = read_bandwidth_gbs()
     result["copy_gbs"] = copy_bandwidth_gbs()
     print(f"read {result['read_gbs']:.0f} GB/s, copy {result['copy_gbs']:.0f} GB/s", flush=True)

@@ -27,13 +27,13 @@ L2 flushed (a 256 MiB streaming read, ``l2_flush``) before every replay, median 
   the best of all is reported with its layout and block size (vLLM's own heuristic pick is
   in the JSON); its tiny-problem checks run first and pick the owner combine (``moe_sum``,
   else an FP32 PyTorch sum) whose results pass, and check the compact layout;
+* ``grouped_mm``: ``torch._grouped_mm`` on BF16-resident weights (rows sorted by expert);
+* the byte limit: touched experts x bytes per expert, at the read bandwidth measured in
+  the same run (a streaming read of 4 GiB with the engine's load instruction).
 
 The compact layouts' batch sizes (local rows, local pairs) are host ints computed before
 the timed call, as a DEP dispatch knows what it received; the calls themselves do no host
 synchronization.
-* ``grouped_mm``: ``torch._grouped_mm`` on BF16-resident weights (rows sorted by expert);
-* the byte limit: touched experts x bytes per expert, at the read bandwidth measured in
-  the same run (a streaming read of 4 GiB with the engine's load instruction).
 
 Each figure is also stated as a fraction of the byte limit. The JSON holds every sample.
 """
@@ -185,14 +185,14 @@ def rank_case(mode: str, size: int, skew: float, first: int, count: int, expert_
     ids = routing(rows, 1000 + rows, skew).to(device)
     x = (torch.randn(rows, L, device=device) * 2).bfloat16()
     codes, scales = quantize_mxfp8(x)
-    flat = ids.reshape(-1).long()
-    local = flat[(flat >= first) & (flat < first + count)]
+    is_local = (ids >= first) & (ids < first + count)  # [rows, K]
+    local = ids[is_local].long()
     touched = int(torch.unique(local).numel())
     max_pairs = int(torch.bincount(local - first).max()) if local.numel() else 0
     nbytes = touched * expert_bytes
-    local_rows = int(((ids >= first) & (ids < first + count)).any(dim=1).sum())
     return {"rows": rows, "ids": ids, "x": x, "codes": codes, "scales": scales,
-            "pairs": int(local.numel()), "local_rows": local_rows, "touched": touched, "max_pairs": max_pairs,
+            "pairs": int(local.numel()), "local_rows": int(is_local.any(dim=1).sum()),
+            "touched": touched, "max_pairs": max_pairs,
             "bytes": nbytes,
             "limit_us": nbytes / (read_gbs * 1e9) * 1e6}
 
