@@ -11,6 +11,7 @@ import functools
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -26,7 +27,7 @@ BLACKWELL = ("sm_100a", "sm_103a")
 def _plan(arch: str, world_size: int = 1) -> list[dict]:
     """The plan's cases for ``arch``, from the command line (a process of its own: the
     plan runs pytest's collection of ``verify/``)."""
-    out = Path(ROOT / f".verify-plan-{arch}-{world_size}.json")
+    out = Path(tempfile.mkdtemp()) / f"plan-{arch}-{world_size}.json"
     try:
         done = subprocess.run([sys.executable, "-m", "verify.plan", "--arch", arch,
                                "--world-size", str(world_size), "--json", str(out)],
@@ -35,6 +36,7 @@ def _plan(arch: str, world_size: int = 1) -> list[dict]:
         return json.loads(out.read_text())["cases"]
     finally:
         out.unlink(missing_ok=True)
+        out.parent.rmdir()
 
 
 @pytest.mark.parametrize("arch", BLACKWELL)
