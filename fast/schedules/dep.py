@@ -200,13 +200,17 @@ class DepLayer:
                                           dtype=torch.int64, device=device)
         self._fn = {kind: compiled_kernel(kind, self.arch, p)
                     for kind, p in kernel_params(c, ranks).items()}
-        #: every virtual rank's resources of the rank program (``DepRank``; no signal, no wait)
-        self.rank_resources = [
+        # every virtual rank's resources of the rank program (no signal, no wait)
+        self._resources = [
             DepRank(config=c, rank=r, ranks=ranks, device=device, dense=self.dense,
                     engine=self.engines[r], buffers=self._owner[r],
                     dispatch_table=self.dispatch_table, combine_table=self.combine_table,
                     kernels=self._fn)
             for r in range(ranks)]
+
+    def rank_resources(self, r: int) -> DepRank:
+        """Virtual rank ``r``'s resources of the rank program."""
+        return self._resources[r]
 
     # -- checks -------------------------------------------------------------------------
 
@@ -239,7 +243,7 @@ class DepLayer:
             raise ValueError(f"DepLayer: order must be 'side' or 'serial', got {order!r}")
         tokens = self._check_inputs(xs)
         calls = [DepCall(x, tokens, order=order, side_delay_cycles=side_delay_cycles) for x in xs]
-        run_steps(DEP_STEPS, self.rank_resources, calls)
+        run_steps(DEP_STEPS, self._resources, calls)
         if check:
             self.check()
         return [call.outputs for call in calls]
@@ -258,27 +262,27 @@ class DepLayer:
     def dispatch_stage(self, r: int, dense: tuple, tokens: int) -> None:
         """Source ``r``'s tokens into every owner's receive rows ``r*T + t``
         (``fast.schedules.dep_program.dispatch``)."""
-        dispatch(self.rank_resources[r], dense, tokens)
+        dispatch(self.rank_resources(r), dense, tokens)
 
     def experts_stage(self, o: int, tokens: int) -> None:
         """Owner ``o``'s experts over its ``N*T`` receive rows
         (``fast.schedules.dep_program.run_experts``)."""
-        run_experts(self.rank_resources[o], tokens)
+        run_experts(self.rank_resources(o), tokens)
 
     def partial_stage(self, o: int, tokens: int) -> None:
         """Owner ``o``'s partial finalize of its receive rows
         (``fast.schedules.dep_program.owner_finalize``)."""
-        owner_finalize(self.rank_resources[o], tokens)
+        owner_finalize(self.rank_resources(o), tokens)
 
     def combine_stage(self, r: int, dense: tuple, tokens: int) -> tuple:
         """Home ``r``'s combine of its owners' partials fused with the RMSNorm (the kernel
         alone, ``fast.schedules.dep_program.combine``): ``(routed, normed)``."""
-        return combine(self.rank_resources[r], dense, tokens)
+        return combine(self.rank_resources(r), dense, tokens)
 
     def home_stage(self, r: int, dense: tuple, tokens: int) -> tuple:
         """Home ``r``'s combine fused with the RMSNorm, and the up-projection
         (``fast.schedules.dep_program.home``): ``(routed, normed, out)``."""
-        return home(self.rank_resources[r], dense, tokens)
+        return home(self.rank_resources(r), dense, tokens)
 
     def check(self) -> None:
         """Raise the first engine error recorded since the last check (``EngineError``

@@ -192,14 +192,20 @@ class DepPeerLayer:
         self.expected, self.error = scratch.expected, scratch.error
         self._fn = {kind: compiled_kernel(kind, self.arch, p)
                     for kind, p in kernel_params(c, self.ranks, peers=True).items()}
-        #: this rank's resources of the rank program (``DepRank``): the peers' addresses in
-        #: the tables, the arrival counters signalled and waited on
-        self.rank_resources = DepRank(
+        # this rank's resources of the rank program: the peers' addresses in the tables,
+        # the arrival counters signalled and waited on
+        self._resources = DepRank(
             config=c, rank=self.rank, ranks=self.ranks, device=self.device, dense=self.dense,
             engine=self.engine, buffers={**self.buffers, "rows": self.rows},
             dispatch_table=self.dispatch_table, combine_table=self.combine_table,
             kernels=self._fn, signal_tables=tuple(self.arrival_tables), wait=self._wait)
         self._prepared: set[int] = set()
+
+    def rank_resources(self, r: int) -> DepRank:
+        """This rank's resources of the rank program (``r`` must be :attr:`rank`)."""
+        if r != self.rank:
+            raise ValueError(f"DepPeerLayer: rank {r} is not this layer's rank {self.rank}")
+        return self._resources
 
     # -- checks -------------------------------------------------------------------------
 
@@ -246,7 +252,7 @@ class DepPeerLayer:
             self._prepare(tokens)
         call = DepCall(x, tokens, order=order, side_delay_cycles=side_delay_cycles,
                        keep_received=keep_received)
-        run_steps(DEP_STEPS, [self.rank_resources], [call])
+        run_steps(DEP_STEPS, [self._resources], [call])
         if check:
             self.check()
         return call.outputs
