@@ -273,12 +273,11 @@ class DepPeerLayer:
         (:class:`fast.device.arrival.ArrivalTimeout`, naming this rank, the peer and what
         it waited for; the layer's counters are then out of step with its peers' and it
         must be rebuilt), or an engine error (``EngineError``). Synchronizes the device."""
-        from fast.device.arrival import WAIT_ERROR_FIELDS, ArrivalTimeout, wait_timeout_message
+        from fast.device.arrival import WAIT_ERROR_FIELDS, wait_timeout
 
         record = dict(zip(WAIT_ERROR_FIELDS, (int(v) for v in self.error.tolist())))
         if record["code"]:
-            raise ArrivalTimeout(wait_timeout_message("DEP", WAITS, record, self.ranks,
-                                                      self.timeout_s))
+            raise wait_timeout("DEP", WAITS, record, self.ranks, self.timeout_s)
         self.engine.check()
 
     def graph(self, x: torch.Tensor, *, order: str = "side"):

@@ -74,18 +74,13 @@ from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFE
 from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
 
-__all__ = ["WideLayer", "WideRankOutputs", "MailboxTimeout", "check_ranks",
+__all__ = ["WideLayer", "WideRankOutputs", "mailbox_timeout", "check_ranks",
            "kernel_params", "compiled_kernel", "compile_all", "mailbox_timeout_message", "MAX_RANKS",
            "MAILBOX_BUFFERS", "SHARED_PLACEMENTS", "DEFAULT_SHARED_PLACEMENT",
            "check_call_options", "check_rows_and_timeout"]
 
 #: The tail kernels keep one 16-byte granule of every rank in registers.
 MAX_RANKS = 16
-
-
-class MailboxTimeout(TimeoutError):
-    """A rank's poll found a mailbox word still empty after the layer's timeout (its
-    writer never published). Raised by :meth:`WideLayer.check`."""
 
 
 def check_ranks(config: LatentMoEConfig, ranks) -> None:
@@ -121,21 +116,38 @@ def check_ranks(config: LatentMoEConfig, ranks) -> None:
         raise ValueError(f"wide layer: {n} ranks cannot split this layer: " + ", ".join(bad))
 
 
+def mailbox_writer(config: LatentMoEConfig, ranks: int, column: int) -> tuple[str, int]:
+    """The region (``"latent"`` or ``"logit"``) of a mailbox row's 16-bit ``column`` and the
+    rank that writes it."""
+    c, n = config, ranks
+    if column < c.latent:
+        return "latent", column // (c.latent // n)
+    return "logit", (column - c.latent) // (2 * c.experts // n)
+
+
 def mailbox_timeout_message(who: str, config: LatentMoEConfig, ranks: int, record: dict,
                             timeout_s: float, advice: str) -> str:
-    """The message of a :class:`MailboxTimeout` from a poll's error record (``ERROR_FIELDS``
-    of ``fast.schedules.wide_kernels``): the reader's rank, the buffer, the token, the
-    first empty 16-bit column, its region and the rank that should have written it."""
-    c, n = config, ranks
+    """The message of a poll's timeout from its error record (``ERROR_FIELDS`` of
+    ``fast.schedules.wide_kernels``): the reader's rank, the buffer, the token, the first
+    empty 16-bit column, its region and the rank that should have written it."""
     column = record["column"]
-    if column < c.latent:
-        region, writer = "latent", column // (c.latent // n)
-    else:
-        region, writer = "logit", (column - c.latent) // (2 * c.experts // n)
+    region, writer = mailbox_writer(config, ranks, column)
     return (f"{who}: rank {record['rank']} timed out polling mailbox buffer "
             f"{record['buffer']}: token {record['token']}, column {column} (16-bit word, "
             f"{region} region written by rank {writer}) still empty after "
             f"{timeout_s} s; {record['granules']} 16-byte granules timed out. {advice}")
+
+
+def mailbox_timeout(who: str, config: LatentMoEConfig, ranks: int, record: dict,
+                    timeout_s: float, advice: str):
+    """The ``fast.device.arrival.ArrivalTimeout`` of a poll's error record
+    (:func:`mailbox_timeout_message`; ``rank`` the reader, ``what`` ``"mailbox"``, ``peer``
+    the writer of the first empty column)."""
+    from fast.device.arrival import ArrivalTimeout
+
+    return ArrivalTimeout(mailbox_timeout_message(who, config, ranks, record, timeout_s, advice),
+                          rank=record["rank"], what="mailbox",
+                          peer=mailbox_writer(config, ranks, record["column"])[1])
 
 
 def slice_list_params(config: LatentMoEConfig) -> dict:
@@ -253,7 +265,7 @@ class WideLayer(WideStageCalls):
             (default ``wide_rows``); every buffer is sized for it once.
         device: the CUDA device.
         timeout_s: how long a poll waits for a mailbox word before it gives up and records
-            the error :meth:`check` raises (:class:`MailboxTimeout`).
+            the error :meth:`check` raises (``fast.device.arrival.ArrivalTimeout``).
         experts_tactic: the experts engine's FC kernel settings for every call
             (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
             the engine's defaults.
@@ -363,7 +375,7 @@ class WideLayer(WideStageCalls):
     def reset(self) -> None:
         """Arm every mailbox buffer of every rank (latent words ``0x8000``, logit words
         ``0x80000000``), drop every engine's unconsumed routing-list appends and clear the
-        error record; synchronizes the device. Needed only after a :class:`MailboxTimeout`
+        error record; synchronizes the device. Needed only after a poll's ``ArrivalTimeout``
         (a timed-out poll leaves its slots as they were) or a route stage run without its
         experts stage."""
         from fast.schedules.wide_kernels import SENTINEL_LATENT_WORD, SENTINEL_LOGIT_WORD
@@ -379,9 +391,10 @@ class WideLayer(WideStageCalls):
         torch.cuda.synchronize(self.device)
 
     def check(self) -> None:
-        """Raise :class:`MailboxTimeout` if a poll timed out since the last check (naming
-        the reader's rank, the buffer, the token, the first empty 16-bit column and the
-        rank that should have written it), then the engine error of the lowest rank that
+        """Raise ``fast.device.arrival.ArrivalTimeout`` if a poll timed out since the last
+        check (``what`` ``"mailbox"``; its message names the reader's rank, the buffer, the
+        token, the first empty 16-bit column and the rank that should have written it),
+        then the engine error of the lowest rank that
         has one (``EngineError``, naming the rank and how many other ranks had one: every
         engine's error is read and cleared); synchronizes the device and clears the
         errors it reports."""
@@ -392,9 +405,9 @@ class WideLayer(WideStageCalls):
         record = dict(zip(ERROR_FIELDS, self.error.tolist()))
         if record["flag"]:
             self.error.zero_()
-            raise MailboxTimeout(mailbox_timeout_message(
+            raise mailbox_timeout(
                 "WideLayer", self.config, self.ranks, record, self.timeout_s,
-                "The mailboxes are left as they were: call reset() before the next call."))
+                "The mailboxes are left as they were: call reset() before the next call.")
         errors = {}
         for r, engine in enumerate(self.engines):
             try:

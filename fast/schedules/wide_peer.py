@@ -62,8 +62,8 @@ analysis above).
 
 Every rank must call the layer with the same ``T`` (the wide bucket's contract: every
 rank holds the same tokens). A poll or a wait that gives up after ``timeout_s`` records
-who and what; :meth:`WidePeerLayer.check` raises (:class:`MailboxTimeout` for the
-mailbox, :class:`fast.device.arrival.ArrivalTimeout` for a wait), and the layer must then
+who and what; :meth:`WidePeerLayer.check` raises :class:`fast.device.arrival.ArrivalTimeout`
+(``what`` ``"mailbox"`` for the poll, the wait's name for a wait), and the layer must then
 be rebuilt on every rank (its mailboxes and counters are out of step with its peers').
 """
 
@@ -74,9 +74,9 @@ import torch
 from fast import activation, backend, finalize, mx, router, stock
 from fast.schedules.dense import check_hidden_rows
 from fast.schedules.steps import run_steps
-from fast.schedules.wide import (MailboxTimeout, compiled_kernel, check_list_params,
-                                 check_call_options, check_ranks, check_rows_and_timeout,
-                                 kernel_params, mailbox_timeout_message)
+from fast.schedules.wide import (compiled_kernel, check_list_params, check_call_options,
+                                 check_ranks, check_rows_and_timeout, kernel_params,
+                                 mailbox_timeout)
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, WIDE_STEPS,
                                          WideCall, WideRank, WideRankOutputs, WideStageCalls,
                                          as_int32, mm_bf16_into)
@@ -299,26 +299,25 @@ class WidePeerLayer(WideStageCalls):
 
     def check(self) -> None:
         """Raise the first error recorded since the last check: a poll that timed out
-        (:class:`MailboxTimeout`: this rank, the buffer, token, column and the writer that
-        never published; that record is then cleared), a wait that timed out
-        (:class:`fast.device.arrival.ArrivalTimeout`: this rank, the peer and what it
-        waited for), or an engine error (``EngineError``). After a timeout the layer must
+        (:class:`fast.device.arrival.ArrivalTimeout`, ``what`` ``"mailbox"``: this rank, the
+        buffer, token, column and the writer that never published; that record is then
+        cleared), a wait that timed out (``ArrivalTimeout``: this rank, the peer and what
+        it waited for), or an engine error (``EngineError``). After a timeout the layer must
         be rebuilt on every rank. Synchronizes the device."""
-        from fast.device.arrival import WAIT_ERROR_FIELDS, ArrivalTimeout, wait_timeout_message
+        from fast.device.arrival import WAIT_ERROR_FIELDS, wait_timeout
         from fast.schedules.wide_kernels import ERROR_FIELDS
 
         torch.cuda.synchronize(self.device)
         record = dict(zip(ERROR_FIELDS, self.error.tolist()))
         if record["flag"]:
             self.error.zero_()
-            raise MailboxTimeout(mailbox_timeout_message(
+            raise mailbox_timeout(
                 f"WidePeerLayer (TP {self.ranks})", self.config, self.ranks, record,
                 self.timeout_s, "Every rank must call the layer with the same T; the "
-                "mailboxes and counters are now out of step: rebuild the layer on every rank."))
+                "mailboxes and counters are now out of step: rebuild the layer on every rank.")
         wait = dict(zip(WAIT_ERROR_FIELDS, (int(v) for v in self.wait_error.tolist())))
         if wait["code"]:
-            raise ArrivalTimeout(wait_timeout_message("wide", WAITS, wait, self.ranks,
-                                                       self.timeout_s))
+            raise wait_timeout("wide", WAITS, wait, self.ranks, self.timeout_s)
         self.engine.check()
 
     # -- the call ---------------------------------------------------------------------------
