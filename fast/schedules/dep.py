@@ -17,6 +17,12 @@ What runs, per rank ``r`` of ``N`` (the order of ``reference.schedules.dep``)::
                       exact tree) -> normed ; out = shared + normed @ up^T
                       (DenseFront.up_projection)
 
+The stages are the rank program ``fast.schedules.dep_program.DEP_STEPS`` over each rank's
+``DepRank`` (its resources), which the real ranks (``fast.schedules.dep_peer``) run too. A
+call runs each step for every virtual rank before the next step
+(``fast.schedules.steps.run_steps``: every dispatch before any owner's experts, every
+owner finalize before any combine); a virtual rank's ``wait`` does nothing.
+
 Rounding points differ from the reference only where a GEMM's accumulation order does
 (the dense GEMMs, cuBLAS or fast.gemm, and the experts engine's FC1/FC2: bounded by the
 contracts); the router, SiTU, MXFP8, dispatch, owner finalize, combine and RMSNorm are

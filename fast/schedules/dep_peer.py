@@ -2,9 +2,11 @@
 partials in torch symmetric memory, reached by unicast peer stores and loads (never a
 multicast object).
 
-Each rank runs the same stages and kernels as a virtual rank of
-``fast.schedules.dep.DepLayer``; only the addresses in the kernels' tables differ (peer
-addresses from the symmetric-memory handle), and two waits join the ranks::
+Each rank runs the rank program of a virtual rank of ``fast.schedules.dep.DepLayer``
+(``fast.schedules.dep_program.DEP_STEPS`` on this rank's ``DepRank``: the same stages and
+kernels); only the addresses in the kernels' tables differ (peer addresses from the
+symmetric-memory handle), and two waits join the ranks (the rank's ``wait`` hook, which
+the program calls after the dispatch and after the owner finalize)::
 
     dense part (fast.schedules.dense.DenseFront; router and shared expert on a side stream)
     DispatchKernel(signal)      my tokens -> every owner's receive rows rank*T + t;

@@ -23,8 +23,11 @@ per rank, in the order of ``reference.schedules.wide.wide_rank``::
             hidden_stage   HiddenAllReduceKernel: every rank's hidden partial (shared_o,
                            rank o's columns taken from up_o), rank order -> out [T, H]
 
-A call runs each stage for every rank before the next stage (every publish before any
-poll: on one stream a poll that waited for a later launch would only time out).
+The stages are the rank program ``fast.schedules.wide_program.WIDE_STEPS`` over each
+rank's ``WideRank`` (its resources), which the real ranks (``fast.schedules.wide_peer``)
+run too. A call runs each step for every rank before the next step
+(``fast.schedules.steps.run_steps``: every publish before any poll; on one stream a poll
+that waited for a later launch would only time out); a virtual rank's ``wait`` does nothing.
 
 Rounding points and what the contracts (``verify/test_wide_fast.py``) compare, per rank
 on its own inputs:

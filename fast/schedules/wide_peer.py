@@ -2,11 +2,12 @@
 a peer writes or reads in one torch symmetric-memory buffer per rank, reached by unicast
 peer stores and loads (never a multicast object).
 
-Each rank runs the stages of the virtual layer's rank (``fast.schedules.wide.WideStages``,
-the same code and kernels as :class:`fast.schedules.wide.WideLayer`); only the address
-tables differ (peer addresses from the symmetric-memory handle), and two signal/wait pairs
+Each rank runs the rank program of the virtual layer's ranks
+(``fast.schedules.wide_program.WIDE_STEPS`` on this rank's ``WideRank``, the same code and
+kernels as :class:`fast.schedules.wide.WideLayer`); only the address tables differ (peer addresses from the symmetric-memory handle), and two signal/wait pairs
 join the ranks where a kernel reads what a peer wrote with kernels that cannot signal
-(cuBLAS, ``fast.finalize``)::
+(cuBLAS, ``fast.finalize``): the rank's ``wait`` hook, which the program calls after the
+Finalize and after the up columns::
 
     side : shared_stage   shared partial -> shared[c % 2] (symmetric) ─────────────┐
     main : front_stage, publish_stage   my front -> every rank's mailbox c % 2      │
