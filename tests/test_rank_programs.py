@@ -60,6 +60,10 @@ class Recorder:
     def __init__(self):
         self.log, self.rank, self.programs = [], None, []
 
+    def clear(self):
+        self.log.clear()
+        self.programs.clear()
+
     def add(self, *event):
         self.log.append((self.rank, event))
 
@@ -330,7 +334,7 @@ def test_dep_virtual_and_real_ranks_run_one_program(stand_ins, monkeypatch):
     want = {r: rec.of(r) for r in range(RANKS)}
     assert [o.out.shape for o in outs] == [(TOKENS, CFG.hidden)] * RANKS
     for r in range(RANKS):
-        rec.log.clear(), rec.programs.clear()
+        rec.clear()
         peer_world(monkeypatch, dep_peer, r, RANKS)
         real = dep_peer.DepPeerLayer(w, max_tokens=4, timeout_s=1.0)
         real._prepared.add(TOKENS)
@@ -384,14 +388,14 @@ def test_wide_virtual_and_real_ranks_run_one_program(stand_ins, monkeypatch):
         reals[-1]._prepared.add(tokens)
     for shared in SHARED_PLACEMENTS:
         for _ in range(2):
-            rec.log.clear(), rec.programs.clear()
+            rec.clear()
             index = virtual.mailbox_index
             outs = virtual(x, check=False, shared=shared, side_delay_cycles=7)
             assert rec.programs == [WIDE_STEPS]
             assert [o.mailbox_index for o in outs] == [index] * RANKS
             want = {r: rec.of(r) for r in range(RANKS)}
             for r, real in enumerate(reals):
-                rec.log.clear(), rec.programs.clear()
+                rec.clear()
                 assert real.mailbox_index == index
                 out = real(x, check=False, shared=shared, side_delay_cycles=7)
                 assert rec.programs == [WIDE_STEPS] and out.mailbox_index == index

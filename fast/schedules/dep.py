@@ -54,7 +54,8 @@ import torch
 from fast import backend
 from fast.schedules.dense import DenseFront, DenseOutputs, check_hidden_rows
 from fast.schedules.dep_program import (DEP_STEPS, DepCall, DepRank, DepRankOutputs, combine,
-                                        dispatch, home, owner_finalize, run_experts)
+                                        dense_part, dispatch, home, owner_finalize,
+                                        run_experts)
 from fast.schedules.steps import run_steps
 from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
@@ -259,11 +260,12 @@ class DepLayer:
 
     def dense_stage(self, r: int, x: torch.Tensor, *, order: str = "serial",
                     side_delay_cycles: int = 0) -> DenseOutputs:
-        """Rank ``r``'s dense part (``fast.schedules.dense.DenseFront``): with
+        """Rank ``r``'s dense part (``fast.schedules.dep_program.dense_part``): with
         ``order="side"`` the router and the shared expert run on the side stream; the
         current stream waits for the router before returning (the dispatch reads ids and
         weights) and for the shared expert in :meth:`home_stage`."""
-        return self.dense(x, order=order, side_delay_cycles=side_delay_cycles)
+        return dense_part(self.rank_resources(r), x, order=order,
+                          side_delay_cycles=side_delay_cycles)
 
     def dispatch_stage(self, r: int, dense: tuple, tokens: int) -> None:
         """Source ``r``'s tokens into every owner's receive rows ``r*T + t``

@@ -36,7 +36,7 @@ import torch
 
 from fast import backend
 
-__all__ = ["DepRank", "DepCall", "DepRankOutputs", "DEP_STEPS", "dispatch",
+__all__ = ["DepRank", "DepCall", "DepRankOutputs", "DEP_STEPS", "dense_part", "dispatch",
            "run_experts", "owner_finalize", "combine", "home", "received_rows"]
 
 
@@ -144,6 +144,15 @@ class DepCall:
 
 # -- one rank's stages ----------------------------------------------------------------------
 
+def dense_part(rank: DepRank, x: torch.Tensor, *, order: str = "serial",
+               side_delay_cycles: int = 0) -> tuple:
+    """The rank's dense part (``fast.schedules.dense.DenseFront``) on its tokens ``x``
+    BF16 ``[T, H]``: with ``order="side"`` the router and the shared expert run on the
+    side stream; the current stream waits for the router before returning (the dispatch
+    reads ids and weights) and for the shared expert in :func:`home`."""
+    return rank.dense(x, order=order, side_delay_cycles=side_delay_cycles)
+
+
 def dispatch(rank: DepRank, dense: tuple, tokens: int) -> None:
     """Source ``rank``'s tokens into every owner's receive rows ``rank*T + t``
     (``DispatchKernel``; a real rank's CTAs then signal the owners)."""
@@ -213,7 +222,8 @@ def home(rank: DepRank, dense: tuple, tokens: int) -> tuple:
 
 def dense_and_dispatch(rank: DepRank, call: DepCall) -> None:
     """Step 1: the dense part and the dispatch; then the wait for the receive rows."""
-    call.dense = rank.dense(call.x, order=call.order, side_delay_cycles=call.side_delay_cycles)
+    call.dense = dense_part(rank, call.x, order=call.order,
+                            side_delay_cycles=call.side_delay_cycles)
     dispatch(rank, call.dense, call.tokens)
     rank.wait(0, call.tokens)
 
