@@ -12,8 +12,9 @@ time of ``--reps`` CUDA-graph replays, the L2 flushed before each by the 256 MiB
 (``benchmarks.experts_table.l2_flush``), every rank's replays started together (the barrier
 of ``benchmarks.dep_peer_table``). Per ``T`` and rank:
 
-* each stage alone (``WideStages``' public stage calls on the rank's buffers, which a full
-  call and the stages before it filled; a barrier between stages, every rank timing the
+* each stage alone (the layer's public stage calls, ``fast.schedules.wide_program.
+  WideStageCalls``, on the rank's buffers, which a full call and the stages before it
+  filled; a barrier between stages, every rank timing the
   same stage at the same time): ``shared`` (side stream, joined), ``front``, ``publish``
   (peer stores into every rank's mailbox), ``route`` (poll + router + plan rows),
   ``experts``, ``finalize``, ``latent`` (latent all-reduce reading the peers' partials +

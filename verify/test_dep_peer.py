@@ -163,8 +163,9 @@ def test_dep_peer_missing_peer_times_out(backend, process_group):
     if rank == 0:
         with pytest.raises(ArrivalTimeout,
                            match=rf"DEP rank 0 of {n}: the receive rows from rank 1 did not "
-                                 r"arrive within 0.2 s"):
+                                 r"arrive within 0.2 s") as error:
             layer(xs[0])
+        assert (error.value.rank, error.value.what, error.value.peer) == (0, "receive rows", 1)
     dist.barrier()
 
 

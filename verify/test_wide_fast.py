@@ -272,14 +272,14 @@ def test_wide_fast_poll_timeout(backend, seed, contract):
     (50 ms here), the kernel ends, ``check`` raises naming the reader's rank, the buffer,
     the token and the missing writer; after ``reset`` the layer runs a call that passes
     every contract."""
-    from fast.schedules.wide import MailboxTimeout
+    from fast.device.arrival import ArrivalTimeout
 
     tokens = 65
     layer = _layer("small", 2, 96, timeout_s=0.05)
     x = _inputs(layer.config, tokens, seed)
     started = time.monotonic()
     layer.route_stage(0, tokens)  # nobody published
-    with pytest.raises(MailboxTimeout, match=r"rank 0 timed out polling mailbox buffer 0: "
+    with pytest.raises(ArrivalTimeout, match=r"rank 0 timed out polling mailbox buffer 0: "
                                              r"token \d+, column \d+ .*written by rank [01]"):
         layer.check()
     elapsed = time.monotonic() - started
@@ -287,9 +287,10 @@ def test_wide_fast_poll_timeout(backend, seed, contract):
     layer.reset()
     layer.publish_stage(0, layer.front_stage(0, x), tokens)  # rank 1 never publishes
     layer.route_stage(1, tokens)
-    with pytest.raises(MailboxTimeout, match=r"rank 1 timed out polling mailbox buffer 0: .*"
-                                             r"(latent|logit) region written by rank 1\)"):
+    with pytest.raises(ArrivalTimeout, match=r"rank 1 timed out polling mailbox buffer 0: .*"
+                                             r"(latent|logit) region written by rank 1\)") as error:
         layer.check()
+    assert (error.value.rank, error.value.what, error.value.peer) == (1, "mailbox", 1)
     layer.reset()
     layer.check()  # the error record is cleared
     check_wide_fast(contract, layer, layer(x), x)

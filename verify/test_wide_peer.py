@@ -180,7 +180,6 @@ def test_wide_peer_missing_peer_times_out(backend, process_group):
 
     import torch.distributed as dist
 
-    from fast.schedules.wide import MailboxTimeout
     from fast.device.arrival import ArrivalTimeout
     from fast.schedules.wide_peer import WidePeerLayer
 
@@ -193,14 +192,16 @@ def test_wide_peer_missing_peer_times_out(backend, process_group):
     dist.barrier()
     if rank == 0:
         start = time.monotonic()
-        with pytest.raises(MailboxTimeout,
+        with pytest.raises(ArrivalTimeout,
                            match=rf"WidePeerLayer \(TP {n}\): rank 0 timed out polling mailbox "
                                  r"buffer 1: token \d+, column \d+ \(16-bit word, (latent|logit) "
-                                 r"region written by rank 1\) still empty after 0.2 s"):
+                                 r"region written by rank 1\) still empty after 0.2 s") as poll:
             layer(xs[0])
+        assert (poll.value.rank, poll.value.what, poll.value.peer) == (0, "mailbox", 1)
         with pytest.raises(ArrivalTimeout,
                            match=rf"wide rank 0 of {n}: the routed partials from rank 1 did not "
-                                 r"arrive within 0.2 s"):
+                                 r"arrive within 0.2 s") as wait:
             layer.check()
+        assert (wait.value.rank, wait.value.what, wait.value.peer) == (0, "routed partials", 1)
         assert time.monotonic() - start < 30, "the timeouts took far longer than 3 x 0.2 s"
     dist.barrier()

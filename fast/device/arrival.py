@@ -9,7 +9,8 @@ a peer's memory tells it so, and how the peer waits for it without ever hanging.
 * ``ArrivalWaitKernel`` -- holds the receiver's stream until every sender's counter reached
   this call's target, or a timeout passes; a timeout writes an error record
   (``WAIT_ERROR_FIELDS``) that the layer's ``check`` raises as :class:`ArrivalTimeout`
-  (with ``wait_timeout_message``).
+  (:func:`wait_timeout`), the one timeout type of the real-rank schedules (the wide
+  layer's mailbox poll raises it too).
 
 The DEP (``fast.schedules.dep_peer``) and wide (``fast.schedules.wide_peer``) layers over
 real ranks both use these pieces; their counters live in symmetric memory.
@@ -24,13 +25,25 @@ from cutlass import Int32, Int64
 from fast.device import ptx as p
 
 __all__ = ["signal_arrival", "ArrivalSignalKernel", "ArrivalWaitKernel", "WAIT_ERROR_FIELDS",
-           "WAIT_TIMEOUT", "wait_timeout_message", "ArrivalTimeout"]
+           "WAIT_TIMEOUT", "wait_timeout_message", "wait_timeout", "ArrivalTimeout"]
 
 
 class ArrivalTimeout(TimeoutError):
-    """A rank's ``ArrivalWaitKernel`` gave up: a peer's writes did not arrive within the
-    layer's timeout (raised by ``DepPeerLayer.check`` and ``WidePeerLayer.check`` with
-    :func:`wait_timeout_message`; the layer must then be rebuilt on every rank)."""
+    """A rank gave up waiting for a peer's writes, after the layer's timeout: an
+    ``ArrivalWaitKernel`` whose counter for ``peer`` fell short (``DepPeerLayer.check``,
+    ``WidePeerLayer.check``, from :func:`wait_timeout`), or the wide layer's mailbox poll
+    that found a word of ``peer``'s still empty (``WideLayer.check``,
+    ``WidePeerLayer.check``, from ``fast.schedules.wide.mailbox_timeout``). The layer must
+    then be reset (the virtual wide layer) or rebuilt on every rank.
+
+    Fields (None where not known): ``rank``, the rank that waited; ``what``, what it waited
+    for (a schedule's name of the wait, e.g. ``"receive rows"``, or ``"mailbox"``);
+    ``peer``, the rank whose writes did not arrive. ``str(error)`` says all of it."""
+
+    def __init__(self, message: str, *, rank: int | None = None, what: str | None = None,
+                 peer: int | None = None):
+        super().__init__(message)
+        self.rank, self.what, self.peer = rank, what, peer
 
 
 def signal_arrival(counter: Int64, tid):
@@ -92,6 +105,15 @@ def wait_timeout_message(schedule: str, waits: tuple[str, ...], record: dict, ra
             f"read {record['seen']}, the call needed {record['target']}); every rank must call "
             "the layer with the same T. The layer's counters are now out of step with its "
             "peers': rebuild it on every rank.")
+
+
+def wait_timeout(schedule: str, waits: tuple[str, ...], record: dict, ranks: int,
+                 timeout_s: float) -> ArrivalTimeout:
+    """The :class:`ArrivalTimeout` of an ``ArrivalWaitKernel`` error record
+    (:func:`wait_timeout_message`, with the record's ``rank``, ``waits[what]`` and
+    ``peer``)."""
+    return ArrivalTimeout(wait_timeout_message(schedule, waits, record, ranks, timeout_s),
+                          rank=record["rank"], what=waits[record["what"]], peer=record["peer"])
 
 
 class ArrivalWaitKernel:

@@ -23,7 +23,7 @@ __all__ = [
     "cp_async_16", "cp_async_4", "cp_async_4z", "lds_u16", "lds_u8", "lds_v4", "sts_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
     "mma_bf16", "rotr", "prmt", "mul_bf16x2", "atomic_add", "atomic_max", "shfl_xor", "shfl_up",
     "e4m3x2_to_f32", "f32x2_to_e4m3x2", "f32_to_bf16_bits",
-    "smem_matrix_descriptor", "smem_descriptor_offset", "wgmma_bf16", "wgmma_bf16_ss", "wgmma_settle", "ld_relaxed_gpu",
+    "smem_matrix_descriptor", "smem_matrix_descriptor_sw128", "smem_descriptor_offset", "wgmma_bf16", "wgmma_bf16_ss", "wgmma_settle", "ld_relaxed_gpu",
     "fence_acq_rel_gpu",
     "red_release_gpu_add", "pinned_i32", "lds_u32", "load_v4", "store_v4",
 ]
@@ -310,6 +310,23 @@ def smem_matrix_descriptor(address, leading: int, stride: int):
                          f"got leading={leading}, stride={stride}")
     high = Int64((stride >> 4) << 32)
     low = Int64(((Int32(address) >> 4) & Int32(0x3FFF)) | Int32((leading >> 4) << 16))
+    return high | low
+
+
+def smem_matrix_descriptor_sw128(address, stride: int):
+    """The 64-bit shared-memory matrix descriptor of ``wgmma`` for a K-major operand under
+    the 128-byte swizzle: rows of 128 bytes (64 BF16 k), 16-byte chunk ``c`` of row ``r``
+    stored at chunk ``c ^ (r % 8)``, ``stride`` bytes between 8-row groups (1024 when the
+    groups are contiguous); ``address`` (Int32 shared-window address) the first row's
+    address plus the bytes into the row of the step's first k (the tensor cores swizzle the
+    address they form, so the 8-row atoms must start 1024-byte aligned). Bits 0-13 address
+    >> 4, 16-29 leading byte offset >> 4 (unused by this layout: 1), 32-45 stride >> 4,
+    49-51 base offset 0, 62-63 layout 1 (128-byte swizzle)."""
+    if stride % 16 or not (0 < stride < 1 << 18):
+        raise ValueError(f"descriptor stride must be a positive multiple of 16 below 256 KiB, "
+                         f"got {stride}")
+    high = Int64(((stride >> 4) << 32) | (1 << 62))
+    low = Int64(((Int32(address) >> 4) & Int32(0x3FFF)) | Int32(1 << 16))
     return high | low
 
 

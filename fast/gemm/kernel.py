@@ -163,7 +163,10 @@ class SplitKGemmKernel:
         SLOT: cutlass.Constexpr = self.slot_bytes
         threads: cutlass.Constexpr = self.threads
 
-        ring = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=128).toint()
+        # the wgmma tactic's swizzle atoms need 1024-byte alignment (every slot and operand
+        # block is a multiple of 1024 bytes)
+        ring = cute.arch.get_dyn_smem(cutlass.Uint8,
+                                      alignment=1024 if self.wgmma else 128).toint()
         flag = cute.arch.alloc_smem(Int32, 4, alignment=16).toint()
 
         block = cute.arch.block_idx()[0]
@@ -192,7 +195,7 @@ class SplitKGemmKernel:
             token = gid // self.pieces
             piece = gid % self.pieces
             if cutlass.const_expr(self.wgmma):
-                dst[i] = lay.b_offset_wgmma(token, piece, SUBS, self.a_bytes)
+                dst[i] = lay.b_offset_wgmma(token, piece, SUBS, self.a_bytes, W)
             else:
                 dst[i] = lay.b_offset(token, piece, SUBS, self.a_bytes)
             off = Int32(-2)
@@ -304,7 +307,8 @@ class SplitKGemmKernel:
             for half in cutlass.range_constexpr(2):
                 for sub in cutlass.range_constexpr(SUBS):
                     if cutlass.const_expr(self.wgmma):
-                        at = lay.a_offset_wgmma(warp, mt, sub, half, lane, MT, SUBS)
+                        at = lay.a_offset_wgmma(warp, mt, sub, half, lane, MT, SUBS,
+                                                self.tile_rows)
                     else:
                         at = lay.a_offset(warp, mt, sub, half, lane, MT, SUBS)
                     p.cp_async_16(slot + at, asrc[mt * 2 + half] + offset + sub * (lay.SUB_K * 2),
@@ -364,11 +368,11 @@ class SplitKGemmKernel:
         for sub in cutlass.range_constexpr(SUBS):
             for j in cutlass.range_constexpr(2):
                 for mt in cutlass.range_constexpr(MT):
-                    a, b = lay.wgmma_descriptors(wg, mt, sub, j, MT, SUBS, self.a_bytes)
+                    a, b = lay.wgmma_descriptors(wg, mt, sub, j, MT, SUBS, self.a_bytes, W)
                     base = mt * W * 4
                     d = p.wgmma_bf16_ss([acc[base + i] for i in range(4 * W)],
-                                        p.smem_matrix_descriptor(slot + a[0], a[1], a[2]),
-                                        p.smem_matrix_descriptor(slot + b[0], b[1], b[2]),
+                                        p.smem_matrix_descriptor_sw128(slot + a[0], a[1]),
+                                        p.smem_matrix_descriptor_sw128(slot + b[0], b[1]),
                                         8 * W)
                     for i in cutlass.range_constexpr(4 * W):
                         acc[base + i] = d[i]

@@ -39,7 +39,7 @@ import dataclasses
 __all__ = [
     "WINDOW", "MAX_TOKENS", "MAX_WINDOWS", "SUB_K", "PIECE", "BLOCK",
     "a_source", "a_offset", "b_offset", "b_read_offset", "mma_operands", "c_map", "ws_offset",
-    "a_offset_wgmma", "b_offset_wgmma", "wgmma_descriptors",
+    "a_offset_wgmma", "b_offset_wgmma", "wgmma_descriptors", "swizzled_chunk", "ROW_BYTES", "ATOM_BYTES",
     "windows_for", "Tactic", "SMEM_PER_SM", "MAX_ACCUMULATORS", "slot_bytes", "ring_for",
 ]
 
@@ -54,6 +54,8 @@ SUB_K = 32
 PIECE = 16
 #: Bytes a warp reads with one 16-byte shared load per lane.
 BLOCK = 32 * PIECE
+#: One 128-byte swizzled row (64 BF16 k) and one 8-row swizzle atom of the ``wgmma`` tactic.
+ROW_BYTES, ATOM_BYTES = 128, 1024
 #: The most (m-tile, window) accumulator tiles of one warp (4 FP32 registers each): beyond
 #: it, ptxas spills (measured with the kernel's code: 4 m-tiles x 5 windows fit in 250
 #: registers, 4 x 6 spill).
@@ -87,34 +89,52 @@ def b_read_offset(window, sub, lane, subs: int, a_bytes: int):
     return a_bytes + ((window * subs + sub) * 32 + lane) * PIECE
 
 
-def a_offset_wgmma(warp, mt, sub, half, lane, mtiles: int, subs: int):
-    """Byte offset in a ring slot of the same lane's piece for the ``wgmma`` tactic: K-major
-    core matrices (8 rows x 16 bytes of 8 consecutive k), one per (warpgroup, m-tile, row
-    group, 8-k granule) at ``(((wg mtiles + mt) 8 + rg) 4 subs + kg) 128``; the 64 rows of
-    (warpgroup ``wg``, m-tile ``mt``) are row groups ``rg = 2 w + half`` of its warps ``w``
-    (tile rows ``((4 wg + w) mtiles + mt) 16 + 8 half + g``, the ``mma.sync`` rows of that
-    warp), so the accumulators keep ``c_map``'s rows. No k permutation: the tensor cores
-    read A and B in the same (natural) k order."""
+def swizzled_chunk(row, chunk):
+    """Byte offset of 16-byte chunk ``chunk`` (0..7) of row ``row`` in a run of 128-byte
+    rows under the 128-byte swizzle of ``wgmma`` (the PTX ISA's SWIZZLE_128B K-major
+    layout): row ``row`` at ``128 row``, its chunks permuted by ``chunk ^ (row % 8)``, so
+    eight rows form a 1024-byte atom whose 8 chunks of one k sit in 8 different bank groups."""
+    return row * ROW_BYTES + (chunk ^ (row % 8)) * PIECE
+
+
+def a_offset_wgmma(warp, mt, sub, half, lane, mtiles: int, subs: int, tile_rows: int):
+    """Byte offset in a ring slot of the same lane's piece for the ``wgmma`` tactic: per
+    64-k block ``kb`` of the stage (``tile_rows`` rows of 128 bytes at ``kb tile_rows
+    128``), per (warpgroup ``wg``, m-tile ``mt``) 64 rows at ``(wg mtiles + mt) 8192``,
+    each row the 64 k of that block, 128-byte swizzled (``swizzled_chunk``). The 64 rows
+    of (wg, mt) are row groups ``rg = 2 w + half`` of its warps ``w`` (tile rows ``((4 wg
+    + w) mtiles + mt) 16 + 8 half + g``, the ``mma.sync`` rows of that warp), so the
+    accumulators keep ``c_map``'s rows. The four lanes of a row copy 64 contiguous bytes
+    into one 128-byte row of the slot: each ``cp.async`` of a warp reads 8 rows x 64 bytes
+    and writes 8 slot rows (with the unswizzled core-matrix layout the 4 lanes of a row
+    wrote 4 rows 128 bytes apart, and every lane became its own L2 request)."""
     wg, w = warp // 4, warp % 4
-    granules = 4 * subs
-    return ((((wg * mtiles + mt) * 8 + 2 * w + half) * granules + sub * 4 + lane % 4) * 128
-            + (lane // 4) * PIECE)
+    chunk = sub * 4 + lane % 4
+    row = (2 * w + half) * 8 + lane // 4
+    return ((chunk // 8) * tile_rows * ROW_BYTES + (wg * mtiles + mt) * 64 * ROW_BYTES
+            + swizzled_chunk(row, chunk % 8))
 
 
-def b_offset_wgmma(token, piece, subs: int, a_bytes: int):
-    """Byte offset of token ``token``'s piece ``piece`` for ``wgmma``: core matrix (window,
-    8-k granule ``piece``) at ``a_bytes + (window 4 subs + piece) 128``, row ``token % 8``."""
-    return a_bytes + ((token // WINDOW) * 4 * subs + piece) * 128 + (token % WINDOW) * PIECE
+def b_offset_wgmma(token, piece, subs: int, a_bytes: int, windows: int):
+    """Byte offset of token ``token``'s piece ``piece`` (k ``8 piece ..`` of the stage) for
+    ``wgmma``: per 64-k block ``kb = piece // 8`` the ``8 windows`` token rows of 128 bytes
+    at ``a_bytes + kb 8 windows 128``, 128-byte swizzled (``swizzled_chunk``)."""
+    return (a_bytes + (piece // 8) * WINDOW * windows * ROW_BYTES
+            + swizzled_chunk(token, piece % 8))
 
 
-def wgmma_descriptors(wg, mt, sub, j: int, mtiles: int, subs: int, a_bytes: int):
-    """((start, leading, stride) of A, (start, leading, stride) of B) of MMA step ``j``
-    (k ``32 sub + 16 j ..``) of (warpgroup ``wg``, m-tile ``mt``): 128 bytes to the next
-    8 k, one row group (A) or window (B) of ``4 subs`` core matrices to the next 8 rows."""
-    granules = 4 * subs
-    kg = sub * 4 + 2 * j
-    a = ((((wg * mtiles + mt) * 8) * granules + kg) * 128, 128, granules * 128)
-    b = (a_bytes + kg * 128, 128, granules * 128)
+def wgmma_descriptors(wg, mt, sub, j: int, mtiles: int, subs: int, a_bytes: int, windows: int):
+    """((start, stride) of A, (start, stride) of B) of MMA step ``j`` (k ``32 sub + 16 j
+    ..``) of (warpgroup ``wg``, m-tile ``mt``), both 128-byte swizzled K-major
+    (``fast.device.ptx.smem_matrix_descriptor_sw128``): the start is the row block's first
+    row plus 32 bytes per 16 k into the row (the swizzle is applied to the address the
+    tensor cores form, so the atom's base stays 1024-byte aligned), 1024 bytes from one 8
+    rows to the next."""
+    tile_rows = a_bytes // (2 * SUB_K * subs)
+    chunk = sub * 4 + 2 * j
+    kb, into = chunk // 8, (chunk % 8) * PIECE
+    a = (kb * tile_rows * ROW_BYTES + (wg * mtiles + mt) * 64 * ROW_BYTES + into, ATOM_BYTES)
+    b = (a_bytes + kb * WINDOW * windows * ROW_BYTES + into, ATOM_BYTES)
     return a, b
 
 

@@ -17,6 +17,12 @@ What runs, per rank ``r`` of ``N`` (the order of ``reference.schedules.dep``)::
                       exact tree) -> normed ; out = shared + normed @ up^T
                       (DenseFront.up_projection)
 
+The stages are the rank program ``fast.schedules.dep_program.DEP_STEPS`` over each rank's
+``DepRank`` (its resources), which the real ranks (``fast.schedules.dep_peer``) run too. A
+call runs each step for every virtual rank before the next step
+(``fast.schedules.steps.run_steps``: every dispatch before any owner's experts, every
+owner finalize before any combine); a virtual rank's ``wait`` does nothing.
+
 Rounding points differ from the reference only where a GEMM's accumulation order does
 (the dense GEMMs, cuBLAS or fast.gemm, and the experts engine's FC1/FC2: bounded by the
 contracts); the router, SiTU, MXFP8, dispatch, owner finalize, combine and RMSNorm are
@@ -41,49 +47,21 @@ symmetric memory: ``fast.schedules.dep_peer``.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
 
 from fast import backend
 from fast.schedules.dense import DenseFront, DenseOutputs, check_hidden_rows
+from fast.schedules.dep_program import (DEP_STEPS, DepCall, DepRank, DepRankOutputs, combine,
+                                        dense_part, dispatch, home, owner_finalize,
+                                        run_experts)
+from fast.schedules.steps import run_steps
 from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
 
 __all__ = ["DepLayer", "DepRankOutputs", "check_token_rows", "kernel_params",
            "compiled_kernel", "compile_all"]
-
-
-@dataclasses.dataclass
-class DepRankOutputs:
-    """One rank's stage outputs of one call (views into the layer's buffers, valid until
-    the next call), shapes for ``T`` tokens and ``N`` ranks:
-
-    logits FP32 ``[T, E]``; weights FP32 / ids int32 ``[T, K]``; front BF16 ``[T, 2S + L]``;
-    shared BF16 ``[T, H]``; codes float8_e4m3fn ``[T, L]``; scales uint8 ``[T, L/32]``;
-    as owner: recv_codes ``[N*T, L]`` (uint8), recv_scales, recv_ids, recv_weights
-    ``[N*T, ...]`` (row ``s*T + t`` = source ``s``'s token ``t``, poisoned where not sent),
-    rows BF16 ``[N*T*K, L]`` (the engine's row of each local pair; other rows unspecified),
-    partials BF16 ``[N*T, L]``; as home: routed, normed BF16 ``[T, L]``, out BF16 ``[T, H]``.
-    """
-
-    logits: torch.Tensor
-    weights: torch.Tensor
-    ids: torch.Tensor
-    front: torch.Tensor
-    shared: torch.Tensor
-    codes: torch.Tensor
-    scales: torch.Tensor
-    recv_codes: torch.Tensor
-    recv_scales: torch.Tensor
-    recv_ids: torch.Tensor
-    recv_weights: torch.Tensor
-    rows: torch.Tensor
-    partials: torch.Tensor
-    routed: torch.Tensor
-    normed: torch.Tensor
-    out: torch.Tensor
 
 
 @functools.lru_cache(maxsize=None)
@@ -230,6 +208,17 @@ class DepLayer:
                                           dtype=torch.int64, device=device)
         self._fn = {kind: compiled_kernel(kind, self.arch, p)
                     for kind, p in kernel_params(c, ranks).items()}
+        # every virtual rank's resources of the rank program (no signal, no wait)
+        self._resources = [
+            DepRank(config=c, rank=r, ranks=ranks, device=device, dense=self.dense,
+                    engine=self.engines[r], buffers=self._owner[r],
+                    dispatch_table=self.dispatch_table, combine_table=self.combine_table,
+                    kernels=self._fn)
+            for r in range(ranks)]
+
+    def rank_resources(self, r: int) -> DepRank:
+        """Virtual rank ``r``'s resources of the rank program."""
+        return self._resources[r]
 
     # -- checks -------------------------------------------------------------------------
 
@@ -261,88 +250,48 @@ class DepLayer:
         if order not in ("side", "serial"):
             raise ValueError(f"DepLayer: order must be 'side' or 'serial', got {order!r}")
         tokens = self._check_inputs(xs)
-        dense = []
-        for r, x in enumerate(xs):
-            dense.append(self.dense_stage(r, x, order=order, side_delay_cycles=side_delay_cycles))
-            self.dispatch_stage(r, dense[-1], tokens)
-        for o in range(self.ranks):
-            self.experts_stage(o, tokens)
-            self.partial_stage(o, tokens)
-        outputs = [self._outputs(r, d, *self.home_stage(r, d, tokens), tokens)
-                   for r, d in enumerate(dense)]
+        calls = [DepCall(x, tokens, order=order, side_delay_cycles=side_delay_cycles) for x in xs]
+        run_steps(DEP_STEPS, self._resources, calls)
         if check:
             self.check()
-        return outputs
+        return [call.outputs for call in calls]
 
     # -- one rank's stages (a call runs them for every rank; the benchmark times one
     # rank's own work by replaying its stages after a full call filled the others') -----
 
     def dense_stage(self, r: int, x: torch.Tensor, *, order: str = "serial",
                     side_delay_cycles: int = 0) -> DenseOutputs:
-        """Rank ``r``'s dense part (``fast.schedules.dense.DenseFront``): with
+        """Rank ``r``'s dense part (``fast.schedules.dep_program.dense_part``): with
         ``order="side"`` the router and the shared expert run on the side stream; the
         current stream waits for the router before returning (the dispatch reads ids and
         weights) and for the shared expert in :meth:`home_stage`."""
-        return self.dense(x, order=order, side_delay_cycles=side_delay_cycles)
+        return dense_part(self.rank_resources(r), x, order=order,
+                          side_delay_cycles=side_delay_cycles)
 
     def dispatch_stage(self, r: int, dense: tuple, tokens: int) -> None:
-        """Source ``r``'s tokens into every owner's receive rows ``r*T + t``."""
-        from cutlass import Int32, Int64
-
-        _, weights, ids, _, _, codes, scales, _ = dense
-        self._fn["dispatch"](
-            Int64(codes.data_ptr()), Int64(scales.data_ptr()), Int64(ids.data_ptr()),
-            Int64(weights.data_ptr()), Int64(self.dispatch_table.data_ptr()), Int64(0),
-            Int32(r), Int32(tokens), Int32(self.ranks), backend.stream(self.device))
+        """Source ``r``'s tokens into every owner's receive rows ``r*T + t``
+        (``fast.schedules.dep_program.dispatch``)."""
+        dispatch(self.rank_resources(r), dense, tokens)
 
     def experts_stage(self, o: int, tokens: int) -> None:
-        """Owner ``o``'s experts over its ``N*T`` receive rows."""
-        b, k, received = self._owner[o], self.config.top_k, self.ranks * tokens
-        self.engines[o](b["codes"][:received].view(torch.float8_e4m3fn), b["scales"][:received],
-                        b["ids"][:received], out=b["rows"][: received * k], validate=False)
+        """Owner ``o``'s experts over its ``N*T`` receive rows
+        (``fast.schedules.dep_program.run_experts``)."""
+        run_experts(self.rank_resources(o), tokens)
 
     def partial_stage(self, o: int, tokens: int) -> None:
-        """Owner ``o``'s partial finalize of its receive rows."""
-        from cutlass import Int32, Int64
-
-        b = self._owner[o]
-        self._fn["owner_finalize"](
-            Int64(b["rows"].data_ptr()), Int64(b["weights"].data_ptr()), Int64(b["ids"].data_ptr()),
-            Int64(b["partials"].data_ptr()), Int64(0), Int32(o * self.per), Int32(self.per),
-            Int32(tokens), Int32(self.ranks * tokens), backend.stream(self.device))
+        """Owner ``o``'s partial finalize of its receive rows
+        (``fast.schedules.dep_program.owner_finalize``)."""
+        owner_finalize(self.rank_resources(o), tokens)
 
     def combine_stage(self, r: int, dense: tuple, tokens: int) -> tuple:
         """Home ``r``'s combine of its owners' partials fused with the RMSNorm (the kernel
-        alone): ``(routed, normed)``."""
-        from cutlass import Float32, Int32, Int64
-
-        c = self.config
-        routed = torch.empty(tokens, c.latent, dtype=torch.bfloat16, device=self.device)
-        normed = torch.empty_like(routed)
-        self._fn["combine"](Int64(dense.ids.data_ptr()), Int64(self.combine_table.data_ptr()),
-                            Int64(routed.data_ptr()), Int64(self.dense.latent_norm.data_ptr()),
-                            Int64(normed.data_ptr()), Float32(c.rms_eps), Int32(r),
-                            Int32(tokens), backend.stream(self.device))
-        return routed, normed
+        alone, ``fast.schedules.dep_program.combine``): ``(routed, normed)``."""
+        return combine(self.rank_resources(r), dense, tokens)
 
     def home_stage(self, r: int, dense: tuple, tokens: int) -> tuple:
-        """Home ``r``'s combine fused with the RMSNorm, and the up-projection:
-        ``(routed, normed, out)``. The wait for the side stream's shared expert comes before
-        the combine, so the up-projection follows the combine directly (and overlaps it
-        where it launches with programmatic dependent launch)."""
-        self.dense.wait_for_shared(dense)
-        routed, normed = self.combine_stage(r, dense, tokens)
-        return routed, normed, self.dense.up_projection(dense, normed)
-
-    def _outputs(self, r: int, dense: tuple, routed, normed, out, tokens: int) -> DepRankOutputs:
-        logits, weights, ids, front, shared, codes, scales, _ = dense
-        b, received = self._owner[r], self.ranks * tokens
-        return DepRankOutputs(
-            logits=logits, weights=weights, ids=ids, front=front, shared=shared, codes=codes,
-            scales=scales, recv_codes=b["codes"][:received], recv_scales=b["scales"][:received],
-            recv_ids=b["ids"][:received], recv_weights=b["weights"][:received],
-            rows=b["rows"][: received * self.config.top_k], partials=b["partials"][:received],
-            routed=routed, normed=normed, out=out)
+        """Home ``r``'s combine fused with the RMSNorm, and the up-projection
+        (``fast.schedules.dep_program.home``): ``(routed, normed, out)``."""
+        return home(self.rank_resources(r), dense, tokens)
 
     def check(self) -> None:
         """Raise the first engine error recorded since the last check (``EngineError``

@@ -2,9 +2,11 @@
 partials in torch symmetric memory, reached by unicast peer stores and loads (never a
 multicast object).
 
-Each rank runs the same stages and kernels as a virtual rank of
-``fast.schedules.dep.DepLayer``; only the addresses in the kernels' tables differ (peer
-addresses from the symmetric-memory handle), and two waits join the ranks::
+Each rank runs the rank program of a virtual rank of ``fast.schedules.dep.DepLayer``
+(``fast.schedules.dep_program.DEP_STEPS`` on this rank's ``DepRank``: the same stages and
+kernels); only the addresses in the kernels' tables differ (peer addresses from the
+symmetric-memory handle), and two waits join the ranks (the rank's ``wait`` hook, which
+the program calls after the dispatch and after the owner finalize)::
 
     dense part (fast.schedules.dense.DenseFront; router and shared expert on a side stream)
     DispatchKernel(signal)      my tokens -> every owner's receive rows rank*T + t;
@@ -42,7 +44,9 @@ import torch
 
 from fast import backend
 from fast.schedules.dense import DenseFront
-from fast.schedules.dep import DepRankOutputs, compiled_kernel, check_token_rows, kernel_params
+from fast.schedules.dep import compiled_kernel, check_token_rows, kernel_params
+from fast.schedules.dep_program import DEP_STEPS, DepCall, DepRank, DepRankOutputs
+from fast.schedules.steps import run_steps
 from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
 from reference.weights import LatentMoEWeights
 
@@ -191,7 +195,20 @@ class DepPeerLayer:
         self.expected, self.error = scratch.expected, scratch.error
         self._fn = {kind: compiled_kernel(kind, self.arch, p)
                     for kind, p in kernel_params(c, self.ranks, peers=True).items()}
+        # this rank's resources of the rank program: the peers' addresses in the tables,
+        # the arrival counters signalled and waited on
+        self._resources = DepRank(
+            config=c, rank=self.rank, ranks=self.ranks, device=self.device, dense=self.dense,
+            engine=self.engine, buffers={**self.buffers, "rows": self.rows},
+            dispatch_table=self.dispatch_table, combine_table=self.combine_table,
+            kernels=self._fn, signal_tables=tuple(self.arrival_tables), wait=self._wait)
         self._prepared: set[int] = set()
+
+    def rank_resources(self, r: int) -> DepRank:
+        """This rank's resources of the rank program (``r`` must be :attr:`rank`)."""
+        if r != self.rank:
+            raise ValueError(f"DepPeerLayer: rank {r} is not this layer's rank {self.rank}")
+        return self._resources
 
     # -- checks -------------------------------------------------------------------------
 
@@ -230,74 +247,40 @@ class DepPeerLayer:
         owner finalize signals the homes (four copies of ``N*T`` rows), and returns the
         copies. Every other output is written by this rank alone and stays valid until its
         own next call."""
-        from cutlass import Float32, Int32, Int64
-
         tokens = self._check_input(x)
         if tokens not in self._prepared:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"DepPeerLayer: T={tokens} is captured before an eager call "
                                    "of that T (use DepPeerLayer.graph)")
             self._prepare(tokens)
-        c, n, k = self.config, self.ranks, self.config.top_k
-        received = n * tokens
-        b = self.buffers
-        stream = backend.stream(self.device)
-
-        def ptr(t):
-            return Int64(t.data_ptr())
-
-        dense = self.dense(x, order=order, side_delay_cycles=side_delay_cycles)
-        self._fn["dispatch"](ptr(dense.codes), ptr(dense.scales), ptr(dense.ids),
-                             ptr(dense.weights), ptr(self.dispatch_table),
-                             ptr(self.arrival_tables[0]), Int32(self.rank), Int32(tokens),
-                             Int32(n), stream)
-        self._wait(0, tokens, stream)
-        self.engine(b["codes"][:received].view(torch.float8_e4m3fn), b["scales"][:received],
-                    b["ids"][:received], out=self.rows[:received * k], validate=False)
-        received_rows = {f: b[f][:received] for f in ("codes", "scales", "ids", "weights")}
-        if keep_received:  # before owner_finalize lets the sources start their next call
-            received_rows = {f: t.clone() for f, t in received_rows.items()}
-        self._fn["owner_finalize"](ptr(self.rows), ptr(b["weights"]), ptr(b["ids"]),
-                                   ptr(b["partials"]), ptr(self.arrival_tables[1]),
-                                   Int32(self.rank * self.per), Int32(self.per), Int32(tokens),
-                                   Int32(received), stream)
-        self._wait(1, tokens, stream)
-        self.dense.wait_for_shared(dense)  # here, so the up-projection follows the combine
-        routed = torch.empty(tokens, c.latent, dtype=torch.bfloat16, device=self.device)
-        normed = torch.empty_like(routed)
-        self._fn["combine"](ptr(dense.ids), ptr(self.combine_table), ptr(routed),
-                            ptr(self.dense.latent_norm), ptr(normed), Float32(c.rms_eps),
-                            Int32(self.rank), Int32(tokens), stream)
-        out = self.dense.up_projection(dense, normed)
+        call = DepCall(x, tokens, order=order, side_delay_cycles=side_delay_cycles,
+                       keep_received=keep_received)
+        run_steps(DEP_STEPS, [self._resources], [call])
         if check:
             self.check()
-        return DepRankOutputs(
-            logits=dense.logits, weights=dense.weights, ids=dense.ids, front=dense.front,
-            shared=dense.shared, codes=dense.codes, scales=dense.scales,
-            recv_codes=received_rows["codes"], recv_scales=received_rows["scales"],
-            recv_ids=received_rows["ids"], recv_weights=received_rows["weights"],
-            rows=self.rows[:received * k], partials=b["partials"][:received],
-            routed=routed, normed=normed, out=out)
+        return call.outputs
 
-    def _wait(self, what: int, tokens: int, stream) -> None:
+    def _wait(self, what: int, tokens: int) -> None:
+        """The rank program's ``wait``: ``ArrivalWaitKernel`` on the current stream, until
+        every peer's counter ``what`` here grew by ``tokens`` (``WAITS[what]``)."""
         from cutlass import Int32, Int64
 
         counters = self.buffers["arrivals"][what]
         self._fn["wait"](Int64(counters.data_ptr()), Int64(self.expected[what:].data_ptr()),
                          Int64(self.error.data_ptr()), Int64(int(self.timeout_s * 1e9)),
-                         Int32(tokens), Int32(self.rank), Int32(what), stream)
+                         Int32(tokens), Int32(self.rank), Int32(what),
+                         backend.stream(self.device))
 
     def check(self) -> None:
         """Raise the first error recorded since the layer was built: a wait that timed out
         (:class:`fast.device.arrival.ArrivalTimeout`, naming this rank, the peer and what
         it waited for; the layer's counters are then out of step with its peers' and it
         must be rebuilt), or an engine error (``EngineError``). Synchronizes the device."""
-        from fast.device.arrival import WAIT_ERROR_FIELDS, ArrivalTimeout, wait_timeout_message
+        from fast.device.arrival import WAIT_ERROR_FIELDS, wait_timeout
 
         record = dict(zip(WAIT_ERROR_FIELDS, (int(v) for v in self.error.tolist())))
         if record["code"]:
-            raise ArrivalTimeout(wait_timeout_message("DEP", WAITS, record, self.ranks,
-                                                      self.timeout_s))
+            raise wait_timeout("DEP", WAITS, record, self.ranks, self.timeout_s)
         self.engine.check()
 
     def graph(self, x: torch.Tensor, *, order: str = "side"):

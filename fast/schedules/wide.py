@@ -23,8 +23,11 @@ per rank, in the order of ``reference.schedules.wide.wide_rank``::
             hidden_stage   HiddenAllReduceKernel: every rank's hidden partial (shared_o,
                            rank o's columns taken from up_o), rank order -> out [T, H]
 
-A call runs each stage for every rank before the next stage (every publish before any
-poll: on one stream a poll that waited for a later launch would only time out).
+The stages are the rank program ``fast.schedules.wide_program.WIDE_STEPS`` over each
+rank's ``WideRank`` (its resources), which the real ranks (``fast.schedules.wide_peer``)
+run too. A call runs each step for every rank before the next step
+(``fast.schedules.steps.run_steps``: every publish before any poll; on one stream a poll
+that waited for a later launch would only time out); a virtual rank's ``wait`` does nothing.
 
 Rounding points and what the contracts (``verify/test_wide_fast.py``) compare, per rank
 on its own inputs:
@@ -61,30 +64,26 @@ is written and not yet run on two GPUs). Real ranks: ``fast.schedules.wide_peer`
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
 
-from fast import activation, backend, finalize, stock
+from fast import backend
 from fast.schedules.dense import check_hidden_rows
+from fast.schedules.steps import run_steps
+from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
+                                         SHARED_PLACEMENTS, WIDE_STEPS, WideCall, WideRank,
+                                         WideRankOutputs, WideStageCalls, as_int32)
 from reference.config import LatentMoEConfig
 from reference.weights import LatentMoEWeights
 
-__all__ = ["WideLayer", "WideStages", "WideRankOutputs", "MailboxTimeout", "check_ranks",
+__all__ = ["WideLayer", "WideRankOutputs", "mailbox_timeout", "check_ranks",
            "kernel_params", "compiled_kernel", "compile_all", "mailbox_timeout_message", "MAX_RANKS",
            "MAILBOX_BUFFERS", "SHARED_PLACEMENTS", "DEFAULT_SHARED_PLACEMENT",
            "check_call_options", "check_rows_and_timeout"]
 
 #: The tail kernels keep one 16-byte granule of every rank in registers.
 MAX_RANKS = 16
-#: Rotating mailbox buffers per rank (calls alternate between them).
-MAILBOX_BUFFERS = 2
-
-
-class MailboxTimeout(TimeoutError):
-    """A rank's poll found a mailbox word still empty after the layer's timeout (its
-    writer never published). Raised by :meth:`WideLayer.check`."""
 
 
 def check_ranks(config: LatentMoEConfig, ranks) -> None:
@@ -120,60 +119,38 @@ def check_ranks(config: LatentMoEConfig, ranks) -> None:
         raise ValueError(f"wide layer: {n} ranks cannot split this layer: " + ", ".join(bad))
 
 
+def mailbox_writer(config: LatentMoEConfig, ranks: int, column: int) -> tuple[str, int]:
+    """The region (``"latent"`` or ``"logit"``) of a mailbox row's 16-bit ``column`` and the
+    rank that writes it."""
+    c, n = config, ranks
+    if column < c.latent:
+        return "latent", column // (c.latent // n)
+    return "logit", (column - c.latent) // (2 * c.experts // n)
+
+
 def mailbox_timeout_message(who: str, config: LatentMoEConfig, ranks: int, record: dict,
                             timeout_s: float, advice: str) -> str:
-    """The message of a :class:`MailboxTimeout` from a poll's error record (``ERROR_FIELDS``
-    of ``fast.schedules.wide_kernels``): the reader's rank, the buffer, the token, the
-    first empty 16-bit column, its region and the rank that should have written it."""
-    c, n = config, ranks
+    """The message of a poll's timeout from its error record (``ERROR_FIELDS`` of
+    ``fast.schedules.wide_kernels``): the reader's rank, the buffer, the token, the first
+    empty 16-bit column, its region and the rank that should have written it."""
     column = record["column"]
-    if column < c.latent:
-        region, writer = "latent", column // (c.latent // n)
-    else:
-        region, writer = "logit", (column - c.latent) // (2 * c.experts // n)
+    region, writer = mailbox_writer(config, ranks, column)
     return (f"{who}: rank {record['rank']} timed out polling mailbox buffer "
             f"{record['buffer']}: token {record['token']}, column {column} (16-bit word, "
             f"{region} region written by rank {writer}) still empty after "
             f"{timeout_s} s; {record['granules']} 16-byte granules timed out. {advice}")
 
 
-@dataclasses.dataclass
-class WideRankOutputs:
-    """One rank's stage outputs of one call (views into the layer's buffers, valid until
-    the next call), for ``T`` tokens and ``N`` ranks:
+def mailbox_timeout(who: str, config: LatentMoEConfig, ranks: int, record: dict,
+                    timeout_s: float, advice: str):
+    """The ``fast.device.arrival.ArrivalTimeout`` of a poll's error record
+    (:func:`mailbox_timeout_message`; ``rank`` the reader, ``what`` ``"mailbox"``, ``peer``
+    the writer of the first empty column)."""
+    from fast.device.arrival import ArrivalTimeout
 
-    front FP32 ``[T, E/N + L/N]`` (router logits, then the latent shard); logits FP32
-    ``[T, E]`` and latent BF16 ``[T, L]`` (polled); weights FP32 / ids int32 ``[T, K]``;
-    codes float8_e4m3fn ``[T, L]``, scales uint8 ``[T, L/32]`` (the plan rows); lists int32
-    ``[E, max_rows]`` (the engine's routing lists: pair indices ``t K + j``; entries at and
-    beyond ``counts[e]`` are stale) and counts int32 ``[E]``; rows BF16 ``[T K, L]`` (this
-    rank's partial expert rows); routed_partial, routed, normed BF16 ``[T, L]``;
-    shared_gate_up BF16 ``[T, 2 S/N]`` (this rank's shared gate and up columns) and
-    shared_act BF16 ``[T, S/N]`` (their SiTU); shared BF16 ``[T, H]`` (this rank's
-    shared-expert partial); up_columns BF16 ``[T, H/N]``
-    (``shared[:, cols_r] + normed @ up_r^T``); out BF16 ``[T, H]``; mailbox_index: the
-    rotating buffer this call used.
-    """
-
-    front: torch.Tensor
-    logits: torch.Tensor
-    latent: torch.Tensor
-    weights: torch.Tensor
-    ids: torch.Tensor
-    codes: torch.Tensor
-    scales: torch.Tensor
-    lists: torch.Tensor
-    counts: torch.Tensor
-    rows: torch.Tensor
-    routed_partial: torch.Tensor
-    routed: torch.Tensor
-    normed: torch.Tensor
-    shared_gate_up: torch.Tensor
-    shared_act: torch.Tensor
-    shared: torch.Tensor
-    up_columns: torch.Tensor
-    out: torch.Tensor
-    mailbox_index: int
+    return ArrivalTimeout(mailbox_timeout_message(who, config, ranks, record, timeout_s, advice),
+                          rank=record["rank"], what="mailbox",
+                          peer=mailbox_writer(config, ranks, record["column"])[1])
 
 
 def slice_list_params(config: LatentMoEConfig) -> dict:
@@ -254,20 +231,6 @@ def compile_all(config: LatentMoEConfig, ranks: int, arch: str, *, peers: bool =
             for kind, params in kernel_params(config, ranks, peers=peers).items()]
 
 
-#: Where the shared expert's side-stream segment forks from the main stream (seed 001's
-#: placements): ``"front"`` at the start of the call, beside the front GEMM, the publish,
-#: the poll and the experts; ``"beside"`` after the rank's routing, beside its experts;
-#: ``"tail"`` after its experts, beside the Finalize and the latent all-reduce. The
-#: placement moves only when the side stream starts: no bit changes.
-SHARED_PLACEMENTS = ("front", "beside", "tail")
-
-#: The calls' default placement: beside the experts was the fastest at every row count of
-#: a virtual TP8 rank on the H200, 2 to 3% ahead of front (archived runs
-#: ``wide/h200_tp8_v2_placements`` and ``wide/h200_tp8_v3``, ``docs/ledger.md``), and every placement's contracts
-#: pass there on one GPU and two.
-DEFAULT_SHARED_PLACEMENT = "beside"
-
-
 def check_rows_and_timeout(owner: str, config: LatentMoEConfig, max_rows, timeout_s) -> int:
     """A wide layer's ``max_rows`` (default ``wide_rows``; within the bucket ``[front_max +
     1, wide_rows]``) and ``timeout_s`` (seconds in (0, 600]), refused by name; returns
@@ -293,217 +256,7 @@ def check_call_options(owner: str, order: str, shared: str) -> None:
         raise ValueError(f"{owner}: shared must be one of {SHARED_PLACEMENTS}, got {shared!r}")
 
 
-class WideStages:
-    """The stages of one wide-layer rank, shared by the virtual layer (:class:`WideLayer`,
-    every rank in this process) and the real rank (``fast.schedules.wide_peer``, one rank
-    per process). Each stage takes the rank ``r`` and reads the per-rank containers
-    (indexed by rank: lists in the virtual layer, ``{rank: ...}`` in a real rank):
-    ``_buffers``, ``engines``, ``mailboxes``, ``front_weights``, ``shared_gate_up``,
-    ``shared_down``, ``up``, ``_front``, ``_shared_ready``; the address tables
-    ``mailbox_table``, ``partial_table``, ``up_table`` and the shared partials through
-    :meth:`_shared` / :meth:`_shared_table` (one buffer in the virtual layer, one per
-    mailbox buffer in a real rank); and ``config``, ``ranks``, ``max_rows``, ``device``,
-    ``columns``, ``bias``, ``latent_norm``, ``error``, ``timeout_s``, ``calls``,
-    ``_side``, ``_fn``."""
-
-    @property
-    def mailbox_index(self) -> int:
-        """The rotating mailbox buffer the next call (or stage) uses: ``calls % 2``."""
-        return self.calls % MAILBOX_BUFFERS
-
-
-    def _shared(self, r: int) -> torch.Tensor:
-        """Rank ``r``'s shared-expert partial buffer BF16 ``[max_rows, H]`` this call writes."""
-        return self._buffers[r]["shared"]
-
-    def _shared_table(self) -> torch.Tensor:
-        """The int64 ``[N]`` table of every rank's :meth:`_shared` buffer for this call."""
-        return self.shared_table
-
-    def _up(self, r: int) -> torch.Tensor:
-        """Rank ``r``'s up-projection columns buffer BF16 ``[max_rows, H/N]`` this call
-        writes."""
-        return self._buffers[r]["up"]
-
-    def _up_table(self) -> torch.Tensor:
-        """The int64 ``[N]`` table of every rank's :meth:`_up` buffer for this call."""
-        return self.up_table
-
-    # -- one rank's stages (a call runs each for every rank; a benchmark times one rank's
-    # own work by replaying its stages after a full call filled the peers' buffers) ---------
-
-    def front_stage(self, r: int, x: torch.Tensor) -> torch.Tensor:
-        """Rank ``r``'s FP32-out GEMM ``x @ [gate_r; down_r]^T`` (cuBLAS): FP32 ``[T, E/N +
-        L/N]``, kept for this call's publish."""
-        self._front[r] = stock.mm_fp32_out(x, self.front_weights[r])
-        return self._front[r]
-
-    def shared_stage(self, r: int, x: torch.Tensor, *, order: str = "side",
-                     side_delay_cycles: int = 0):
-        """Rank ``r``'s shared-expert partial into its ``shared`` buffer: ``h = x @
-        gate_up_r^T``, ``act = situ_and_mul(h)``, ``act @ down_r^T`` (BF16 at each); then its
-        columns ``cols_r`` copied into the ``up`` buffer, the addend :meth:`latent_stage`
-        accumulates into in place (the copy ``torch.addmm`` would otherwise make on the main
-        stream after the latent all-reduce). With ``order="side"`` on the side stream (it
-        waits for the current stream first).
-        Returns the event :meth:`latent_stage` waits on (None when serial)."""
-        c, tokens = self.config, x.shape[0]
-        main = torch.cuda.current_stream(self.device)
-        side = self._side if order == "side" else main
-        if side is not main:
-            side.wait_stream(main)
-        with torch.cuda.stream(side):
-            if side is not main and side_delay_cycles:
-                torch.cuda._sleep(int(side_delay_cycles))
-            b = self._buffers[r]
-            h = b["gate_up"][:tokens]
-            mm_bf16_into(x, self.shared_gate_up[r], h)
-            act = activation.situ_and_mul(h, beta=c.situ_beta, linear_beta=c.situ_linear_beta,
-                                          out=b["act"][:tokens])
-            mm_bf16_into(act, self.shared_down[r], self._shared(r)[:tokens])
-            cols = slice(r * self.columns, (r + 1) * self.columns)
-            self._up(r)[:tokens].copy_(self._shared(r)[:tokens, cols])
-        self._shared_ready[r] = side.record_event() if side is not main else None
-        return self._shared_ready[r]
-
-    def publish_stage(self, r: int, front: torch.Tensor, tokens: int) -> None:
-        """``WidePublish``: rank ``r``'s front rows into every rank's current mailbox
-        buffer (``PublishKernel``). ``front``: FP32 ``[T, E/N + L/N]`` contiguous."""
-        from cutlass import Int32, Int64
-
-        c, n = self.config, self.ranks
-        width = c.experts // n + c.latent // n
-        if front.dtype != torch.float32 or tuple(front.shape) != (tokens, width) \
-                or not front.is_contiguous() or front.device != self.device \
-                or front.data_ptr() % 16:
-            raise ValueError(f"WideLayer.publish_stage: front must be contiguous 16-byte aligned "
-                             f"FP32 [{tokens}, {width}] on {self.device}")
-        self._fn["publish"](Int64(front.data_ptr()), Int64(self.mailbox_table.data_ptr()),
-                            Int32(r), Int32(self.mailbox_index), Int32(self.max_rows),
-                            Int32(tokens), backend.stream(self.device))
-
-    def route_stage(self, r: int, tokens: int) -> None:
-        """Rank ``r``'s polled routing in one kernel (``fast.schedules.wide_route.
-        PolledRouteKernel``): the poll of its mailbox (logits and latent out, slots
-        re-armed), the MXFP8 plan rows of the latent (``fast.mx``'s quantizer) and the
-        router (``fast.router``'s) over the polled logits, each pair appended to the rank's
-        engine's routing lists. Those appends are the next :meth:`experts_stage`'s input:
-        a second route stage before it makes that experts stage compute nothing and
-        :meth:`check` raise ``EngineError`` (its lists hold more pairs than the call's);
-        :meth:`reset` drops them."""
-        from cutlass import Float32, Int32, Int64
-
-        c, b, engine = self.config, self._buffers[r], self.engines[r]
-        self._fn["route"](Int64(self.mailboxes[r].data_ptr()), Int64(b["logits"].data_ptr()),
-                          Int64(b["latent"].data_ptr()), Int64(b["codes"].data_ptr()),
-                          Int64(b["scales"].data_ptr()), Int64(self.error.data_ptr()),
-                          Int64(int(self.timeout_s * 1e9)), backend.ptr(self.bias, "f32", 4),
-                          backend.ptr(b["weights"], "f32", 4), backend.ptr(b["ids"], "i32", 4),
-                          Float32(c.routed_scaling_factor), Int32(r), Int32(self.mailbox_index),
-                          Int32(self.max_rows), Int64(engine.plan.data_ptr()),
-                          Int64(engine.lists.data_ptr()), Int64(engine.work.data_ptr()),
-                          Int32(engine.max_rows), Int32(tokens), backend.stream(self.device))
-
-    def experts_stage(self, r: int, tokens: int) -> None:
-        """Rank ``r``'s listed engine (every expert's TP slice) over the plan rows:
-        this rank's partial expert rows ``[T K, L]``."""
-        b, k = self._buffers[r], self.config.top_k
-        codes, scales = b["codes"][:tokens], b["scales"][:tokens]
-        self.engines[r](codes, scales, b["ids"][:tokens], out=b["rows"][: tokens * k],
-                        validate=False, listed=True)
-
-    def finalize_stage(self, r: int, tokens: int) -> None:
-        """Rank ``r``'s Finalize of its partial rows: its BF16 partial of the routed latent."""
-        b, k = self._buffers[r], self.config.top_k
-        finalize.finalize(b["rows"][: tokens * k], b["weights"][:tokens],
-                          out=b["partial"][:tokens])
-
-    def latent_stage(self, r: int, tokens: int, *, wait_shared: bool = True) -> None:
-        """Rank ``r``'s latent all-reduce fused with the RMSNorm
-        (``LatentAllReduceNormKernel``, every rank's partial in rank order), then (after
-        the shared expert) its up-projection columns ``shared_r[:, cols_r] + normed @
-        up_r^T`` (cuBLAS addmm) in place in its ``up`` buffer, which :meth:`shared_stage`
-        filled with ``shared_r[:, cols_r]`` (the cuBLAS call of an out-of-place ``addmm``,
-        which copies its addend into its output first: the same bits).
-
-        ``wait_shared``: before the addmm, the current stream waits for the event of the
-        last :meth:`shared_stage` on the side stream (none after a serial one). Pass
-        False to time this stage alone, without the shared expert: the addmm then reads
-        whatever the ``shared`` buffer holds (what an earlier shared stage left there),
-        and the event (which may belong to another graph's capture) is neither waited on
-        nor changed, and the addmm accumulates into whatever the ``up`` buffer holds."""
-        from cutlass import Float32, Int32, Int64
-
-        c, b = self.config, self._buffers[r]
-        self._fn["latent_all_reduce"](
-            Int64(self.partial_table.data_ptr()), Int64(b["routed"].data_ptr()),
-            Int64(self.latent_norm.data_ptr()), Int64(b["normed"].data_ptr()),
-            Float32(c.rms_eps), Int32(tokens), backend.stream(self.device))
-        if wait_shared and self._shared_ready[r] is not None:
-            torch.cuda.current_stream(self.device).wait_event(self._shared_ready[r])
-        up = self._up(r)[:tokens]
-        _addmm_bf16_into(up, b["normed"][:tokens], self.up[r], up)
-
-    def hidden_stage(self, r: int, tokens: int) -> None:
-        """Rank ``r``'s all-reduce of the hidden partials (``HiddenAllReduceKernel``) into
-        its ``out`` buffer."""
-        from cutlass import Int32, Int64
-
-        self._fn["hidden_all_reduce"](
-            Int64(self._shared_table().data_ptr()), Int64(self._up_table().data_ptr()),
-            Int64(self._buffers[r]["out"].data_ptr()), Int32(tokens), backend.stream(self.device))
-
-    def outputs(self, r: int, tokens: int) -> WideRankOutputs:
-        """Rank ``r``'s :class:`WideRankOutputs` of the stages run last with ``tokens``
-        rows (views into the layer's buffers; ``front`` is the last one its front stage
-        made)."""
-        b, engine, k = self._buffers[r], self.engines[r], self.config.top_k
-        counts_at = engine.layout.count
-        codes, scales = b["codes"][:tokens], b["scales"][:tokens]
-        return WideRankOutputs(
-            front=self._front[r], logits=b["logits"][:tokens], latent=b["latent"][:tokens],
-            weights=b["weights"][:tokens], ids=b["ids"][:tokens], codes=codes, scales=scales,
-            lists=engine.lists, counts=engine.work[counts_at:counts_at + self.config.experts],
-            rows=b["rows"][: tokens * k], routed_partial=b["partial"][:tokens],
-            routed=b["routed"][:tokens], normed=b["normed"][:tokens],
-            shared_gate_up=b["gate_up"][:tokens], shared_act=b["act"][:tokens],
-            shared=self._shared(r)[:tokens],
-            up_columns=self._up(r)[:tokens], out=b["out"][:tokens], mailbox_index=self.mailbox_index)
-
-    def graph(self, xs, *, order: str = "side", shared: str = DEFAULT_SHARED_PLACEMENT):
-        """Capture one call on the static inputs ``xs`` in CUDA graphs, one per mailbox
-        buffer (both streams, forked from and joined back into the capture stream);
-        returns ``(replay, outputs)``: ``replay()`` reruns the whole layer on whatever
-        ``xs`` then hold, alternating the graphs as eager calls alternate the buffers
-        (eager calls and replays may be interleaved), and returns that graph's outputs.
-        The stage outputs that live in the layer's buffers are the same tensors for both
-        graphs; ``front`` is each graph's own."""
-        self(xs, order=order, shared=shared)  # compile and warm every kernel outside the capture
-        torch.cuda.synchronize(self.device)
-        first = self.calls
-        captured = []
-        capture = torch.cuda.Stream(self.device)
-        for _ in range(MAILBOX_BUFFERS):
-            graph = torch.cuda.CUDAGraph()
-            capture.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(capture):
-                with torch.cuda.graph(graph, stream=capture):
-                    outputs = self(xs, check=False, order=order, shared=shared)
-            torch.cuda.current_stream(self.device).wait_stream(capture)
-            captured.append((graph, outputs))
-        torch.cuda.synchronize(self.device)
-        self.calls = first  # capturing ran nothing: the next call is still call `first`
-
-        def replay():
-            graph, outputs = captured[(self.calls - first) % MAILBOX_BUFFERS]
-            graph.replay()
-            self.calls += 1
-            return outputs
-
-        return replay, captured[0][1]
-
-
-class WideLayer(WideStages):
+class WideLayer(WideStageCalls):
     """S2 over ``ranks`` virtual ranks on one CUDA device, reusable across calls.
 
     Args:
@@ -515,7 +268,7 @@ class WideLayer(WideStages):
             (default ``wide_rows``); every buffer is sized for it once.
         device: the CUDA device.
         timeout_s: how long a poll waits for a mailbox word before it gives up and records
-            the error :meth:`check` raises (:class:`MailboxTimeout`).
+            the error :meth:`check` raises (``fast.device.arrival.ArrivalTimeout``).
         experts_tactic: the experts engine's FC kernel settings for every call
             (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
             the engine's defaults.
@@ -601,18 +354,33 @@ class WideLayer(WideStages):
         self.error = torch.zeros(ERROR_WORDS, dtype=torch.int32, device=device)
         self._side = torch.cuda.Stream(device)
         self._fn = {kind: compiled_kernel(kind, self.arch, p) for kind, p in kernel_params(c, n).items()}
-        # this call's per-rank temporaries (the front, the side stream's event)
-        self._front = [None] * n
-        self._shared_ready = [None] * n
+        #: every virtual rank's resources of the rank program (``WideRank``; one shared and
+        #: one up buffer each, used for both mailbox buffers; no wait)
+        self._resources = [WideRank(
+            config=c, rank=r, ranks=n, max_rows=max_rows, device=device,
+            timeout_s=self.timeout_s, front_weights=self.front_weights[r],
+            shared_gate_up=self.shared_gate_up[r], shared_down=self.shared_down[r],
+            up=self.up[r], bias=self.bias, latent_norm=self.latent_norm,
+            engine=self.engines[r], buffers=self._buffers[r], mailbox=self.mailboxes[r],
+            shared=(self._buffers[r]["shared"],) * MAILBOX_BUFFERS,
+            up_columns=(self._buffers[r]["up"],) * MAILBOX_BUFFERS,
+            mailbox_table=self.mailbox_table, partial_table=self.partial_table,
+            shared_tables=(self.shared_table,) * MAILBOX_BUFFERS,
+            up_tables=(self.up_table,) * MAILBOX_BUFFERS, error=self.error, side=self._side,
+            kernels=self._fn) for r in range(n)]
         self.calls = 0
         self.reset()
+
+    def rank_resources(self, r: int) -> WideRank:
+        """Virtual rank ``r``'s resources of the rank program."""
+        return self._resources[r]
 
     # -- state ----------------------------------------------------------------------------
 
     def reset(self) -> None:
         """Arm every mailbox buffer of every rank (latent words ``0x8000``, logit words
         ``0x80000000``), drop every engine's unconsumed routing-list appends and clear the
-        error record; synchronizes the device. Needed only after a :class:`MailboxTimeout`
+        error record; synchronizes the device. Needed only after a poll's ``ArrivalTimeout``
         (a timed-out poll leaves its slots as they were) or a route stage run without its
         experts stage."""
         from fast.schedules.wide_kernels import SENTINEL_LATENT_WORD, SENTINEL_LOGIT_WORD
@@ -628,9 +396,10 @@ class WideLayer(WideStages):
         torch.cuda.synchronize(self.device)
 
     def check(self) -> None:
-        """Raise :class:`MailboxTimeout` if a poll timed out since the last check (naming
-        the reader's rank, the buffer, the token, the first empty 16-bit column and the
-        rank that should have written it), then the engine error of the lowest rank that
+        """Raise ``fast.device.arrival.ArrivalTimeout`` if a poll timed out since the last
+        check (``what`` ``"mailbox"``; its message names the reader's rank, the buffer, the
+        token, the first empty 16-bit column and the rank that should have written it),
+        then the engine error of the lowest rank that
         has one (``EngineError``, naming the rank and how many other ranks had one: every
         engine's error is read and cleared); synchronizes the device and clears the
         errors it reports."""
@@ -641,9 +410,9 @@ class WideLayer(WideStages):
         record = dict(zip(ERROR_FIELDS, self.error.tolist()))
         if record["flag"]:
             self.error.zero_()
-            raise MailboxTimeout(mailbox_timeout_message(
+            raise mailbox_timeout(
                 "WideLayer", self.config, self.ranks, record, self.timeout_s,
-                "The mailboxes are left as they were: call reset() before the next call."))
+                "The mailboxes are left as they were: call reset() before the next call.")
         errors = {}
         for r, engine in enumerate(self.engines):
             try:
@@ -707,49 +476,12 @@ class WideLayer(WideStages):
         same bits on every rank)."""
         check_call_options("WideLayer", order, shared)
         xs, tokens = self._check_inputs(xs)
-        n = self.ranks
-
-        def shared_expert(r):
-            self.shared_stage(r, xs[r], order=order, side_delay_cycles=side_delay_cycles)
-
-        if shared == "front":
-            for r in range(n):
-                shared_expert(r)
-        for r in range(n):
-            self.publish_stage(r, self.front_stage(r, xs[r]), tokens)
-        for r in range(n):
-            self.route_stage(r, tokens)
-            if shared == "beside":
-                shared_expert(r)
-            self.experts_stage(r, tokens)
-            if shared == "tail":
-                shared_expert(r)
-            self.finalize_stage(r, tokens)
-        for r in range(n):
-            self.latent_stage(r, tokens)
-        for r in range(n):
-            self.hidden_stage(r, tokens)
-        outputs = [self.outputs(r, tokens) for r in range(n)]
+        index = self.mailbox_index
+        calls = [WideCall(x, tokens, index, order=order, shared=shared,
+                          side_delay_cycles=side_delay_cycles) for x in xs]
+        run_steps(WIDE_STEPS, self._resources, calls)
+        outputs = [call.outputs for call in calls]
         self.calls += 1
         if check:
             self.check()
         return outputs
-
-def as_int32(word: int) -> int:
-    """A 32-bit pattern as the signed value an int32 tensor holds."""
-    return word - (1 << 32) if word >= 1 << 31 else word
-
-
-def mm_bf16_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = a @ b^T`` in BF16 (cuBLAS, FP32 accumulation, one rounding: the call of
-    ``fast.stock.mm_bf16`` writing into a given buffer)."""
-    with stock.fp32_reduction():
-        torch.mm(a, b.t(), out=out)
-
-
-def _addmm_bf16_into(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
-    """``out = c + a @ b^T`` in BF16 (cuBLAS ``addmm``: ``fast.stock.addmm_bf16`` writing
-    into a given buffer). ``c`` may be ``out`` itself (accumulated in place, no copy) or
-    another tensor, which torch copies into ``out`` first."""
-    with stock.fp32_reduction():
-        torch.addmm(c, a, b.t(), out=out)

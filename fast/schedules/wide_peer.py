@@ -2,11 +2,12 @@
 a peer writes or reads in one torch symmetric-memory buffer per rank, reached by unicast
 peer stores and loads (never a multicast object).
 
-Each rank runs the stages of the virtual layer's rank (``fast.schedules.wide.WideStages``,
-the same code and kernels as :class:`fast.schedules.wide.WideLayer`); only the address
-tables differ (peer addresses from the symmetric-memory handle), and two signal/wait pairs
+Each rank runs the rank program of the virtual layer's ranks
+(``fast.schedules.wide_program.WIDE_STEPS`` on this rank's ``WideRank``, the same code and
+kernels as :class:`fast.schedules.wide.WideLayer`); only the address tables differ (peer addresses from the symmetric-memory handle), and two signal/wait pairs
 join the ranks where a kernel reads what a peer wrote with kernels that cannot signal
-(cuBLAS, ``fast.finalize``)::
+(cuBLAS, ``fast.finalize``): the rank's ``wait`` hook, which the program calls after the
+Finalize and after the up columns::
 
     side : shared_stage   shared partial -> shared[c % 2] (symmetric) ─────────────┐
     main : front_stage, publish_stage   my front -> every rank's mailbox c % 2      │
@@ -62,8 +63,8 @@ analysis above).
 
 Every rank must call the layer with the same ``T`` (the wide bucket's contract: every
 rank holds the same tokens). A poll or a wait that gives up after ``timeout_s`` records
-who and what; :meth:`WidePeerLayer.check` raises (:class:`MailboxTimeout` for the
-mailbox, :class:`fast.device.arrival.ArrivalTimeout` for a wait), and the layer must then
+who and what; :meth:`WidePeerLayer.check` raises :class:`fast.device.arrival.ArrivalTimeout`
+(``what`` ``"mailbox"`` for the poll, the wait's name for a wait), and the layer must then
 be rebuilt on every rank (its mailboxes and counters are out of step with its peers').
 """
 
@@ -73,12 +74,13 @@ import torch
 
 from fast import activation, backend, finalize, mx, router, stock
 from fast.schedules.dense import check_hidden_rows
-from fast.schedules.wide import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, MailboxTimeout,
-                                 WideRankOutputs, WideStages, as_int32, compiled_kernel,
-                                 check_list_params,
-                                 mm_bf16_into, check_call_options, check_ranks,
-                                 check_rows_and_timeout, kernel_params,
-                                 mailbox_timeout_message)
+from fast.schedules.steps import run_steps
+from fast.schedules.wide import (compiled_kernel, check_list_params, check_call_options,
+                                 check_ranks, check_rows_and_timeout, kernel_params,
+                                 mailbox_timeout)
+from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, WIDE_STEPS,
+                                         WideCall, WideRank, WideRankOutputs, WideStageCalls,
+                                         as_int32, mm_bf16_into)
 from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
 from reference.weights import LatentMoEWeights
 
@@ -111,7 +113,7 @@ def symmetric_layout(config, ranks: int, max_rows: int) -> tuple[dict, int]:
     })
 
 
-class WidePeerLayer(WideStages):
+class WidePeerLayer(WideStageCalls):
     """One real TP rank of S2 (this process, this GPU), reusable across calls.
 
     Args:
@@ -222,7 +224,19 @@ class WidePeerLayer(WideStages):
         self._side = torch.cuda.Stream(device)
         self._fn = {kind: compiled_kernel(kind, self.arch, p)
                     for kind, p in kernel_params(c, n, peers=True).items()}
-        self._front, self._shared_ready = {r: None}, {r: None}
+        # this rank's resources of the rank program: the peers' addresses in the tables,
+        # the shared and up buffers rotating with the mailbox, the arrival signal and wait
+        self._resources = WideRank(
+            config=c, rank=r, ranks=n, max_rows=max_rows, device=device,
+            timeout_s=self.timeout_s, front_weights=self.front_weights[r],
+            shared_gate_up=self.shared_gate_up[r], shared_down=self.shared_down[r],
+            up=self.up[r], bias=self.bias, latent_norm=self.latent_norm, engine=self.engine,
+            buffers=self._buffers[r], mailbox=self.mailboxes[r],
+            shared=tuple(sym["shared"][i] for i in range(MAILBOX_BUFFERS)),
+            up_columns=tuple(sym["up"][i] for i in range(MAILBOX_BUFFERS)),
+            mailbox_table=self.mailbox_table, partial_table=self.partial_table,
+            shared_tables=tuple(self.shared_tables), up_tables=tuple(self.up_tables),
+            error=self.error, side=self._side, kernels=self._fn, wait=self._signal_and_wait)
         self.calls = 0
         self._prepared: set[int] = set()
         self._arm()
@@ -241,19 +255,11 @@ class WidePeerLayer(WideStages):
         words[..., :half] = as_int32(SENTINEL_LATENT_WORD)
         words[..., half:] = as_int32(SENTINEL_LOGIT_WORD)
 
-    def _shared(self, r: int) -> torch.Tensor:
-        """This rank's shared-expert partial of the current call: buffer ``calls % 2``."""
-        return self.symmetric["shared"][self.mailbox_index]
-
-    def _shared_table(self) -> torch.Tensor:
-        return self.shared_tables[self.mailbox_index]
-
-    def _up(self, r: int) -> torch.Tensor:
-        """This rank's up-projection columns of the current call: buffer ``calls % 2``."""
-        return self.symmetric["up"][self.mailbox_index]
-
-    def _up_table(self) -> torch.Tensor:
-        return self.up_tables[self.mailbox_index]
+    def rank_resources(self, r: int) -> WideRank:
+        """This rank's resources of the rank program (``r`` must be :attr:`rank`)."""
+        if r != self.rank:
+            raise ValueError(f"WidePeerLayer: rank {r} is not this layer's rank {self.rank}")
+        return self._resources
 
     def _prepare(self, tokens: int) -> None:
         """Before the first call of ``tokens`` rows: compile the engine's kernels for it
@@ -296,26 +302,25 @@ class WidePeerLayer(WideStages):
 
     def check(self) -> None:
         """Raise the first error recorded since the last check: a poll that timed out
-        (:class:`MailboxTimeout`: this rank, the buffer, token, column and the writer that
-        never published; that record is then cleared), a wait that timed out
-        (:class:`fast.device.arrival.ArrivalTimeout`: this rank, the peer and what it
-        waited for), or an engine error (``EngineError``). After a timeout the layer must
+        (:class:`fast.device.arrival.ArrivalTimeout`, ``what`` ``"mailbox"``: this rank, the
+        buffer, token, column and the writer that never published; that record is then
+        cleared), a wait that timed out (``ArrivalTimeout``: this rank, the peer and what
+        it waited for), or an engine error (``EngineError``). After a timeout the layer must
         be rebuilt on every rank. Synchronizes the device."""
-        from fast.device.arrival import WAIT_ERROR_FIELDS, ArrivalTimeout, wait_timeout_message
+        from fast.device.arrival import WAIT_ERROR_FIELDS, wait_timeout
         from fast.schedules.wide_kernels import ERROR_FIELDS
 
         torch.cuda.synchronize(self.device)
         record = dict(zip(ERROR_FIELDS, self.error.tolist()))
         if record["flag"]:
             self.error.zero_()
-            raise MailboxTimeout(mailbox_timeout_message(
+            raise mailbox_timeout(
                 f"WidePeerLayer (TP {self.ranks})", self.config, self.ranks, record,
                 self.timeout_s, "Every rank must call the layer with the same T; the "
-                "mailboxes and counters are now out of step: rebuild the layer on every rank."))
+                "mailboxes and counters are now out of step: rebuild the layer on every rank.")
         wait = dict(zip(WAIT_ERROR_FIELDS, (int(v) for v in self.wait_error.tolist())))
         if wait["code"]:
-            raise ArrivalTimeout(wait_timeout_message("wide", WAITS, wait, self.ranks,
-                                                       self.timeout_s))
+            raise wait_timeout("wide", WAITS, wait, self.ranks, self.timeout_s)
         self.engine.check()
 
     # -- the call ---------------------------------------------------------------------------
@@ -337,35 +342,19 @@ class WidePeerLayer(WideStages):
                 raise RuntimeError(f"WidePeerLayer: T={tokens} is captured before an eager call "
                                    "of that T (use WidePeerLayer.graph)")
             self._prepare(tokens)
-        r = self.rank
-
-        def shared_expert():
-            self.shared_stage(r, x, order=order, side_delay_cycles=side_delay_cycles)
-
-        if shared == "front":
-            shared_expert()
-        self.publish_stage(r, self.front_stage(r, x), tokens)
-        self.route_stage(r, tokens)
-        if shared == "beside":
-            shared_expert()
-        self.experts_stage(r, tokens)
-        if shared == "tail":
-            shared_expert()
-        self.finalize_stage(r, tokens)
-        self._signal_and_wait(0)
-        self.latent_stage(r, tokens)
-        self._signal_and_wait(1)
-        self.hidden_stage(r, tokens)
-        outputs = self.outputs(r, tokens)
+        call = WideCall(x, tokens, self.mailbox_index, order=order, shared=shared,
+                        side_delay_cycles=side_delay_cycles)
+        run_steps(WIDE_STEPS, [self._resources], [call])
+        outputs = call.outputs
         self.calls += 1
         if check:
             self.check()
         return outputs
 
-    def _signal_and_wait(self, what: int) -> None:
-        """``ArrivalSignalKernel`` (+1 on this rank's counter ``what`` at every rank) and
-        ``ArrivalWaitKernel`` (every rank's counter ``what`` here at ``expected + 1``) on
-        the current stream."""
+    def _signal_and_wait(self, what: int, tokens: int) -> None:
+        """The rank program's ``wait``: ``ArrivalSignalKernel`` (+1 on this rank's counter
+        ``what`` at every rank) and ``ArrivalWaitKernel`` (every rank's counter ``what``
+        here at ``expected + 1``, whatever ``tokens``) on the current stream."""
         from cutlass import Int32, Int64
 
         stream = backend.stream(self.device)
