@@ -9,6 +9,7 @@
 * ``model.exp_tanh`` -- the constants of the project's own FP32 exp and tanh.
 
 Data and formats only: no stage of the layer lives here, and the package imports nothing
-but PyTorch, the standard library and itself (``tests/test_import_rules.py``), so
-``reference`` and ``fast`` both import it and ``fast`` never imports ``reference``.
+but the standard library, PyTorch, safetensors (the checkpoint) and itself
+(``tests/test_import_rules.py``), so ``reference`` and ``fast`` both import it and ``fast``
+never imports ``reference``.
 """
