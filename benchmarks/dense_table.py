@@ -184,7 +184,7 @@ def main(argv=None):
     from benchmarks.experts_table import copy_bandwidth_gbs, device_time_us, read_bandwidth_gbs
     from fast.gemm import DenseGemm
     from fast.gemm.host import CANDIDATES
-    from reference.config import LatentMoEConfig
+    from model.config import LatentMoEConfig
     from verify import cases
 
     cfg = LatentMoEConfig.kimi_k3()

@@ -164,7 +164,7 @@ def random_weights(seed=7):
 
 
 def routing(rows: int, seed: int, skew: float) -> torch.Tensor:
-    from reference.config import LatentMoEConfig
+    from model.config import LatentMoEConfig
     from verify import cases
 
     return cases.routing(LatentMoEConfig.kimi_k3(), rows, seed, skew=skew)
@@ -484,7 +484,7 @@ def main(argv=None):
         if marlin is not None:
             peers_built.update(marlin_peers(marlin, w, first, count, shard, result))
         if "grouped_mm" in peers:
-            from reference.mx import dequantize_mxfp4
+            from model.formats import dequantize_mxfp4
 
             w13b = torch.stack([torch.cat([
                 dequantize_mxfp4(w.w13[e, lo:lo + inter], w.w13_scales[e, lo:lo + inter]),

@@ -78,7 +78,7 @@ UNTIMED = ("Each stage is timed alone, every rank running the same stage at the 
 
 def _tokens(text: str) -> list[int]:
     """``--tokens``: comma-separated row counts, each in the wide bucket of ``kimi_k3``."""
-    from reference.config import LatentMoEConfig
+    from model.config import LatentMoEConfig
 
     c = LatentMoEConfig.kimi_k3()
     low, high = c.front_max + 1, c.wide_rows

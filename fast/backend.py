@@ -22,7 +22,7 @@ import importlib
 
 import torch
 
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 
 __all__ = [
     "TARGETS",

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from fast import backend
-from tools.ptx_dump import dump_ptx, loops
 from fast.experts.layout import (
     MAX_SCALE_CODE, WORD_BITS, decode_tiles, pack_tiles, prepare_experts)
-from reference.config import LatentMoEConfig
-from reference.mx import dequantize_mxfp4, e2m1_to_float32
-from reference.weights import LatentMoEWeights
+from model.config import LatentMoEConfig
+from model.formats import dequantize_mxfp4, e2m1_to_float32
+from model.weights import LatentMoEWeights
+from tools.ptx_dump import dump_ptx, loops
 
 _cute_error = backend.cute_import_error()
 
@@ -158,7 +158,7 @@ def test_walk_refused_where_it_does_not_apply():
 _FUSED_PTX = """
 from fast.experts import engine
 from fast.experts.layout import Geometry
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 c = LatentMoEConfig.small()
 g = Geometry(c.latent, c.intermediate, 0, c.experts, (0, 1))
 params = engine.kernel_params(g, c, {windows}, False, False,

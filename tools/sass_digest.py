@@ -60,7 +60,7 @@ SETS = ([("stage", "real")] + [("experts", name) for name in ENGINES]
 
 _COMPILE = """
 import sys
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 
 c = LatentMoEConfig.kimi_k3()
 arch, family, name, kind = sys.argv[1:5]

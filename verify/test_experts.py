@@ -53,10 +53,11 @@ import functools
 import pytest
 import torch
 
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
+from model.formats import dequantize_mxfp4
+from model.weights import LatentMoEWeights
 from reference.experts import expert_rows_mxfp8
-from reference.mx import dequantize_mxfp4, dequantize_mxfp8, quantize_mxfp8
-from reference.weights import LatentMoEWeights
+from reference.mx import dequantize_mxfp8, quantize_mxfp8
 from verify import bounds, cases
 from verify.interface import Claim, ExpertRows
 from verify.oracles import stages as oracle_stages

@@ -32,7 +32,7 @@ the item's tokens its B = N = ``8 * windows`` columns):
 * weights: TMA (``make_tiled_tma_atom_A`` with ``internal_type=Int8``: the packed E2M1
   codes land in shared memory one per byte, the layout ``kind::mxf8f6f4`` reads when its
   operands differ in width) in stages of 128 rows x 128 k, with their scale factors (TMA of
-  the 128x4 tiled layout, ``reference.mx.swizzle_scales_128x4``), through a ring of
+  the 128x4 tiled layout, ``model.swizzle.swizzle_scales_128x4``), through a ring of
   ``ring`` stages on mbarriers (TMA transaction bytes = the packed bytes read, as CUTLASS
   counts them);
 * activations: the item's rows gathered once per item by all threads (``cp.async``, zero

@@ -57,8 +57,8 @@ from fast.schedules.dep_program import (DEP_STEPS, DepCall, DepRank, DepRankOutp
                                         dense_part, dispatch, home, owner_finalize,
                                         run_experts)
 from fast.schedules.steps import run_steps
-from reference.config import LatentMoEConfig
-from reference.weights import LatentMoEWeights
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 
 __all__ = ["DepLayer", "DepRankOutputs", "check_token_rows", "kernel_params",
            "compiled_kernel", "compile_all"]

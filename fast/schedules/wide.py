@@ -74,8 +74,8 @@ from fast.schedules.steps import run_steps
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
                                          SHARED_PLACEMENTS, WIDE_STEPS, WideCall, WideRank,
                                          WideRankOutputs, WideStageCalls, as_int32)
-from reference.config import LatentMoEConfig
-from reference.weights import LatentMoEWeights
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 
 __all__ = ["WideLayer", "WideRankOutputs", "mailbox_timeout", "check_ranks",
            "kernel_params", "compiled_kernel", "compile_all", "mailbox_timeout_message", "MAX_RANKS",
