@@ -339,8 +339,8 @@ def status(results: Path = history.RESULTS,
     for machine_dir in history.machine_dirs(results):
         if machine_dir.name.startswith("cpu-"):
             run = history.load_history(machine_dir)[-1]
-            cpu.append(_run_words(machine_dir.name, run, root).capitalize()
-                       + " (the reference on the CPU: no kernel SASS).")
+            words = _run_words(machine_dir.name, run, root)
+            cpu.append(words[0].upper() + words[1:] + " (the reference on the CPU: no kernel SASS).")
         else:
             gpu.append(_gpu_status(machine_dir, current_digests, not_checked, root))
     gpu.sort(key=lambda line: not line.startswith("**Stale"))

@@ -116,6 +116,7 @@ def test_a_run_without_digests_is_stale_and_an_unchecked_build_says_so(tmp_path,
 
 
 def test_without_git_the_distance_is_unknown_not_an_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # no repository above
     assert "not a git checkout" in performance_page.commits_behind("abc1234", tmp_path) \
         or shutil.which("git") is None
     monkeypatch.setenv("PATH", str(tmp_path))  # no git on the path
