@@ -23,6 +23,10 @@ and each run's figure, each unconfirmed one as a ``noise`` line. ``record`` save
 first run only. The command fails on a confirmed regression, on a failed case (in any
 run), and when no benchmark ran (status 5).
 
+A saved GPU run carries the SASS digests of the kernels it timed (``"sass_digest"``,
+``benchmarks.sass_check``), compiled on the CPU from the measured tree for the GPU's
+architecture after the run: the performance page compares them with the current tree's.
+
 Without git (a copy of the tree on a GPU node), pass ``--commit`` (``<sha>`` or
 ``<sha>-dirty``, e.g. from ``git describe --always --dirty --abbrev=12`` where the copy
 was made).
@@ -54,6 +58,21 @@ def drop_round_data(path: Path) -> None:
     for bench in data["benchmarks"]:
         bench["stats"].pop("data", None)
     path.write_text(json.dumps(data, indent=4) + "\n")
+
+
+def record_sass_digest(paths: list[Path]) -> None:
+    """Record the SASS digests of the kernels the GPU cases time (this tree, this GPU's
+    architecture) with each saved run in ``paths`` (``benchmarks.sass_check``)."""
+    from benchmarks import sass_check
+    from fast import backend
+
+    arch = backend.gpu_arch()
+    print(f"benchmarks.run: compiling the SASS digests ({arch}) to record with the run",
+          flush=True)
+    lines = sass_check.current_digests(arch)
+    for path in paths:
+        sass_check.record(path, arch, lines, "compiled on the CPU from the measured tree by "
+                          "benchmarks.run when the run was saved")
 
 
 def resolve_commit(given: str | None) -> tuple[str, bool]:
@@ -198,6 +217,8 @@ def _main(argv: list[str] | None) -> int:
                 drop_round_data(out)
             new.append(history.load_run(out))
             print(f"benchmarks.run: run {i + 1}/{args.runs} saved as {out.relative_to(ROOT)}")
+        if args.suite == "gpu":
+            record_sass_digest([run.path for run in new])
         note = args.note or (f"{args.runs} runs of {commit[:12]}{'-dirty' if dirty else ''} "
                              f"in one session on {machine}")
         if previous:
@@ -240,6 +261,8 @@ def _main(argv: list[str] | None) -> int:
     if out.exists():
         if args.suite in STATS_ONLY:
             drop_round_data(out)
+        if args.suite == "gpu" and first is not None:
+            record_sass_digest([out])
         print(f"benchmarks.run: saved {out.relative_to(ROOT)}")
     if baseline is None or first is None:
         return status
