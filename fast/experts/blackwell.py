@@ -68,7 +68,6 @@ engine integration (``ExpertsEngine`` does not dispatch here).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import cutlass
@@ -83,6 +82,7 @@ from cutlass.pipeline import NamedBarrier
 from fast.device import SMEM_PER_CTA
 from fast.device import fp32 as h
 from fast.device import ptx as p
+from fast.device.compile import compiled
 from fast.experts.blackwell_layout import (
     ARCHS,
     K_STAGE,
@@ -177,6 +177,11 @@ class BlockScaledExpertsKernel:
 
     def _mma_tiler(self):
         return (TILE_ROWS, self.tokens, K_STAGE)
+
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 11 + [Int32(1), Int32(1)]
 
     @cute.jit
     def __call__(self, weights: Int64, wscales: Int64, act: Int64, act_scales: Int64,
@@ -541,18 +546,16 @@ def _list_params(g, config, windows: int, strict: bool, empty_rows: bool) -> dic
     }
 
 
-@functools.lru_cache(maxsize=None)
 def _compiled(kind: str, arch: str, params: tuple):
-    from fast import backend
+    """The kernel ``kind`` (the Hopper engine's ``lists`` and ``plan``, or ``fc1`` / ``fc2``:
+    the block-scaled GEMM) compiled for ``arch`` (``fast.device.compile``; cached there)."""
     from fast.experts import engine
 
     if kind in ("lists", "plan"):
         return engine.compiled_kernel(kind, arch, params)
     if arch not in ARCHS:
         raise ValueError(f"the block-scaled experts kernel targets {'/'.join(ARCHS)}, got {arch}")
-    obj = BlockScaledExpertsKernel(**dict(params))
-    return cute.compile(obj, *([Int64(0)] * 11), Int32(1), Int32(1), backend.fake_stream(),
-                        options=f"--gpu-arch {arch}")
+    return compiled(BlockScaledExpertsKernel, arch, params)
 
 
 def compile_blackwell(geometry, config, *, windows: int, arch: str, capture: bool = False,

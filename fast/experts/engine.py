@@ -14,8 +14,8 @@ from fast.experts.layout import WINDOW, PreparedExperts, stages_of
 
 __all__ = ["ExpertsEngine", "EngineScratch", "Capture", "EngineError", "choose_windows",
            "choose_tile", "choose_tactic", "choose_walk", "complete_tactic", "check_tactic",
-           "TACTIC_KEYS", "WGMMA_TILE", "WGMMA_TILE_ROWS", "kernel_params", "compiled_kernel",
-           "compile_all"]
+           "TACTIC_KEYS", "WGMMA_TILE", "WGMMA_TILE_ROWS", "kernel_params", "kernel_class",
+           "compiled_kernel", "compile_all"]
 
 _TOP_K = 16
 
@@ -194,30 +194,21 @@ def complete_tactic(tactic: dict, arch: str) -> dict:
     return tactic
 
 
-@functools.lru_cache(maxsize=None)
-def compiled_kernel(kind: str, arch: str, params: tuple):
-    """The kernel ``kind`` of :func:`kernel_params` compiled for ``arch`` with ``params``
-    (fake arguments, no GPU needed; cached)."""
-    import cutlass.cute as cute
-    from cutlass import Int32, Int64
-
+def kernel_class(kind: str) -> type:
+    """The class of the kernel ``kind`` of :func:`kernel_params`."""
     from fast.experts import kernels, lists
 
-    kw = dict(params)
-    if kind == "lists":
-        obj = lists.RoutingListsKernel(**kw)
-        args = [Int64(0)] * 6 + [Int32(1), Int32(1)]
-    elif kind == "plan":
-        obj = lists.PlanKernel(**kw)
-        args = [Int64(0), Int32(1), Int32(1)]
-    elif kind == "fused":
-        obj = kernels.FusedExpertsKernel(kernels.ExpertsGemmKernel(**dict(kw["fc1"])),
-                                         kernels.ExpertsGemmKernel(**dict(kw["fc2"])))
-        args = [Int64(0)] * 12 + [Int32(1), Int32(1)]
-    else:
-        obj = kernels.ExpertsGemmKernel(**kw)
-        args = [Int64(0)] * 9 + [Int32(1), Int32(1)]
-    return cute.compile(obj, *args, backend.fake_stream(), options=f"--gpu-arch {arch}")
+    return {"lists": lists.RoutingListsKernel, "plan": lists.PlanKernel,
+            "fused": kernels.FusedExpertsKernel, "fc1": kernels.ExpertsGemmKernel,
+            "fc2": kernels.ExpertsGemmKernel}[kind]
+
+
+def compiled_kernel(kind: str, arch: str, params: tuple):
+    """The kernel ``kind`` of :func:`kernel_params` compiled for ``arch`` with ``params``
+    (``fast.device.compile``: fake arguments, no GPU needed; cached)."""
+    from fast.device.compile import compiled
+
+    return compiled(kernel_class(kind), arch, params)
 
 
 @functools.lru_cache(maxsize=None)

@@ -165,6 +165,11 @@ class ExpertsGemmKernel:
         self.ws = Workspace(count)
         self.search_steps = max(1, math.ceil(math.log2(count + 1)))
 
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 9 + [Int32(1), Int32(1)]
+
     @cute.jit
     def __call__(self, weights: Int64, scales: Int64, act: Int64, lists: Int64, work: Int64,
                  out: Int64, cap_fc1: Int64, cap_codes: Int64, cap_scales: Int64,
@@ -894,6 +899,12 @@ class FusedExpertsKernel:
         self.occupancy = min(fc1.occupancy, fc2.occupancy)
         self.pdl_chain = fc1.pdl_chain
         self.ws = fc1.ws
+
+    @classmethod
+    def compile_args(cls, *, fc1: tuple, fc2: tuple):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return (cls(ExpertsGemmKernel(**dict(fc1)), ExpertsGemmKernel(**dict(fc2))),
+                [Int64(0)] * 12 + [Int32(1), Int32(1)])
 
     @cute.jit
     def __call__(self, w13: Int64, s13: Int64, plan: Int64, lists: Int64, work: Int64,

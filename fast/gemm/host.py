@@ -4,11 +4,10 @@ the launch."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from fast import backend
+from fast.device.compile import compiled, frozen
 from fast.gemm.layout import MAX_ACCUMULATORS, MAX_TOKENS, MAX_WINDOWS, Tactic, windows_for
 
 __all__ = ["DenseGemm", "choose_tactic", "splits_of", "CANDIDATES", "DEFAULT_TACTICS",
@@ -105,16 +104,12 @@ def kernel_shapes(tactics) -> list[dict]:
     return seen
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(arch: str, params: tuple):
-    import cutlass.cute as cute
-    from cutlass import Int32, Int64
-
+def _compiled(arch: str, params: dict):
+    """The ``SplitKGemmKernel`` of one shape compiled for ``arch`` (``fast.device.compile``:
+    fake arguments, no GPU needed; cached there per arch and shape)."""
     from fast.gemm.kernel import SplitKGemmKernel
 
-    obj = SplitKGemmKernel(**dict(params))
-    args = [Int64(0)] * 6 + [Int32(1)] * 7
-    return cute.compile(obj, *args, backend.fake_stream(), options=f"--gpu-arch {arch}")
+    return compiled(SplitKGemmKernel, arch, frozen(params))
 
 
 def compile_kernel(arch: str, **params):
@@ -125,7 +120,7 @@ def compile_kernel(arch: str, **params):
     if params.get("wgmma") and arch != "sm_90a":
         raise ValueError(f"fast.gemm: tactic wgmma needs sm_90a (warpgroup MMA is Hopper's), "
                          f"the target is {arch}")
-    return _compiled(arch, tuple(sorted(params.items())))
+    return _compiled(arch, params)
 
 
 _BF16, _F32 = torch.bfloat16, torch.float32
@@ -282,7 +277,7 @@ class DenseGemm:
         from fast.gemm.kernel import FLAG_ADD_BF16, FLAG_ADD_F32, FLAG_F32_OUT
 
         params = tactic.kernel_params(windows_for(t))
-        fn = _compiled(self.arch, tuple(sorted(params.items())))
+        fn = _compiled(self.arch, params)
         flags = (FLAG_F32_OUT if out_dtype == _F32 else 0)
         if addend is not None:
             flags |= FLAG_ADD_BF16 if addend.dtype == _BF16 else FLAG_ADD_F32
