@@ -96,7 +96,8 @@ from fast.experts.kernels import ExpertsGemmKernel
 from fast.experts.layout import WINDOW
 from fast.experts.lists import Workspace
 
-__all__ = ["BlockScaledExpertsKernel", "BlackwellExpertsEngine", "compile_blackwell"]
+__all__ = ["BlockScaledExpertsKernel", "BlackwellExpertsEngine", "compiled_kernel",
+           "compile_blackwell"]
 
 _TOP_K = 16
 _GMEM = cute.AddressSpace.gmem
@@ -546,7 +547,7 @@ def _list_params(g, config, windows: int, strict: bool, empty_rows: bool) -> dic
     }
 
 
-def _compiled(kind: str, arch: str, params: tuple):
+def compiled_kernel(kind: str, arch: str, params: tuple):
     """The kernel ``kind`` (the Hopper engine's ``lists`` and ``plan``, or ``fc1`` / ``fc2``:
     the block-scaled GEMM) compiled for ``arch`` (``fast.device.compile``; cached there)."""
     from fast.experts import engine
@@ -568,7 +569,7 @@ def compile_blackwell(geometry, config, *, windows: int, arch: str, capture: boo
         raise ValueError(f"windows must be 1, 2 or 4, got {windows}")
     params = {**_list_params(geometry, config, windows, strict, empty_rows),
               **_fc_params(geometry, config, windows, capture)}
-    return [_compiled(kind, arch, p_) for kind, p_ in params.items()]
+    return [compiled_kernel(kind, arch, p_) for kind, p_ in params.items()]
 
 
 class BlackwellExpertsEngine:
@@ -646,7 +647,7 @@ class BlackwellExpertsEngine:
         c, g = self.config, self.geometry
         params = {**_list_params(g, c, windows, self.strict, self.empty_rows),
                   **_fc_params(g, c, windows, capture)}
-        fn = {kind: _compiled(kind, self.arch, p_) for kind, p_ in params.items()}
+        fn = {kind: compiled_kernel(kind, self.arch, p_) for kind, p_ in params.items()}
         cap = self.capture_buffers(rows) if capture else None
 
         def i64(t):

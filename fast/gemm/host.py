@@ -104,23 +104,17 @@ def kernel_shapes(tactics) -> list[dict]:
     return seen
 
 
-def _compiled(arch: str, params: dict):
-    """The ``SplitKGemmKernel`` of one shape compiled for ``arch`` (``fast.device.compile``:
-    fake arguments, no GPU needed; cached there per arch and shape)."""
-    from fast.gemm.kernel import SplitKGemmKernel
-
-    return compiled(SplitKGemmKernel, arch, frozen(params))
-
-
 def compile_kernel(arch: str, **params):
     """Compile the kernel of one shape (``Tactic.kernel_params``) for ``arch``; no GPU
-    needed. Cached per (arch, shape)."""
+    needed. Cached per (arch, shape) by ``fast.device.compile``."""
     if arch not in backend.TARGETS:
         raise ValueError(f"arch must be one of {backend.TARGETS}, got {arch!r}")
     if params.get("wgmma") and arch != "sm_90a":
         raise ValueError(f"fast.gemm: tactic wgmma needs sm_90a (warpgroup MMA is Hopper's), "
                          f"the target is {arch}")
-    return _compiled(arch, params)
+    from fast.gemm.kernel import SplitKGemmKernel
+
+    return compiled(SplitKGemmKernel, arch, frozen(params))
 
 
 _BF16, _F32 = torch.bfloat16, torch.float32
@@ -274,10 +268,10 @@ class DenseGemm:
             out = torch.empty(t, self.n, dtype=out_dtype, device=self.device)
         from cutlass import Int32, Int64
 
-        from fast.gemm.kernel import FLAG_ADD_BF16, FLAG_ADD_F32, FLAG_F32_OUT
+        from fast.gemm.kernel import FLAG_ADD_BF16, FLAG_ADD_F32, FLAG_F32_OUT, SplitKGemmKernel
 
         params = tactic.kernel_params(windows_for(t))
-        fn = _compiled(self.arch, params)
+        fn = compiled(SplitKGemmKernel, self.arch, frozen(params))
         flags = (FLAG_F32_OUT if out_dtype == _F32 else 0)
         if addend is not None:
             flags |= FLAG_ADD_BF16 if addend.dtype == _BF16 else FLAG_ADD_F32
