@@ -157,7 +157,7 @@ class ExpertsGemmKernel:
         self.granules = WINDOW * windows * 8 * self.stage_chunks  # 16-byte B copies per stage
         # dynamic: the ring, then (walked) the resident B operand
         self.smem_bytes = ring * self.slot_bytes + (self.stages * self.b_bytes
-                                                    if self.resident_b else 0)
+                                               if self.resident_b else 0)
         # static: the item's info and token table, the FC1 epilogue's block maxima
         static = 4 * (8 + 3 * WINDOW * windows + warps * mtiles * WINDOW * windows) + 1024
         #: CTAs per multiprocessor the kernel is built for (launch bounds; the grid size)
