@@ -400,8 +400,8 @@ def main(argv=None):
     ap.add_argument("--peers", default="triton,marlin,grouped_mm")
     ap.add_argument("--windows", default="auto")
     ap.add_argument("--tactics", default="",
-                    help="extra engine tactics, e.g. 'ring=6;warps=8,mtiles=1;wgmma=1,windows=8' "
-                         "(windows=N sets that variant's window count)")
+                    help="extra engine tactics, e.g. 'ring=6;warps=8,mtiles=1;wgmma=1,windows=4' "
+                         "(windows=N sets that variant's window count: 1, 2 or 4)")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
@@ -501,7 +501,7 @@ def main(argv=None):
                     reps=args.reps, flush=flush)
                 for spec in [t for t in args.tactics.split(";") if t]:
                     tac = parse_tactic(spec)
-                    # a spec may set the windows too (8 needs wgmma): 'wgmma=1,windows=8'
+                    # a spec may set the windows too: 'wgmma=1,windows=4'
                     spec_win = tac.pop("windows", win)
                     # over the call's default tactic (engine.default_tactic's rules)
                     tac = engine.default_tactic(rows, spec_win, over=tac)

@@ -101,6 +101,13 @@ class QuantizeKernel:
         self.kb = k // _BLOCK
         self.cols = _pad(self.kb, 4) if swizzled else self.kb
 
+    @classmethod
+    def compile_args(cls, *, k: int, swizzled: bool):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(k, bool(swizzled)), (backend.ptr(None, "bf16"), backend.ptr(None, "u8"),
+                                        backend.ptr(None, "u8", 1), backend.int32(1),
+                                        backend.int32(1))
+
     @cute.jit
     def __call__(self, x, codes, scales, rows, total, stream):
         self.kernel(x, codes, scales, rows, total).launch(
@@ -133,13 +140,6 @@ class QuantizeKernel:
                 off = ((r // 128) * (cols // 4) + c // 4) * 512 + (r % 32) * 16 \
                     + ((r % 128) // 32) * 4 + c % 4
             cute.arch.store(scales + off, cutlass.Uint8(code))
-
-
-def compile_args(*, k: int, swizzled: bool):
-    """(kernel object, fake arguments but the stream) for ``backend.compile_for_target``."""
-    obj = QuantizeKernel(k, bool(swizzled))
-    return obj, (backend.ptr(None, "bf16"), backend.ptr(None, "u8"), backend.ptr(None, "u8", 1),
-                 backend.int32(1), backend.int32(1))
 
 
 def quantize_mxfp8(x: torch.Tensor, *, swizzled: bool = False):

@@ -68,7 +68,6 @@ engine integration (``ExpertsEngine`` does not dispatch here).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import cutlass
@@ -83,6 +82,7 @@ from cutlass.pipeline import NamedBarrier
 from fast.device import SMEM_PER_CTA
 from fast.device import fp32 as h
 from fast.device import ptx as p
+from fast.device.compile import compiled
 from fast.experts.blackwell_layout import (
     ARCHS,
     K_STAGE,
@@ -96,7 +96,8 @@ from fast.experts.kernels import ExpertsGemmKernel
 from fast.experts.layout import WINDOW
 from fast.experts.lists import Workspace
 
-__all__ = ["BlockScaledExpertsKernel", "BlackwellExpertsEngine", "compile_blackwell"]
+__all__ = ["BlockScaledExpertsKernel", "BlackwellExpertsEngine", "compiled_kernel",
+           "compile_blackwell"]
 
 _TOP_K = 16
 _GMEM = cute.AddressSpace.gmem
@@ -177,6 +178,11 @@ class BlockScaledExpertsKernel:
 
     def _mma_tiler(self):
         return (TILE_ROWS, self.tokens, K_STAGE)
+
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 11 + [Int32(1), Int32(1)]
 
     @cute.jit
     def __call__(self, weights: Int64, wscales: Int64, act: Int64, act_scales: Int64,
@@ -541,18 +547,16 @@ def _list_params(g, config, windows: int, strict: bool, empty_rows: bool) -> dic
     }
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(kind: str, arch: str, params: tuple):
-    from fast import backend
+def compiled_kernel(kind: str, arch: str, params: tuple):
+    """The kernel ``kind`` (the Hopper engine's ``lists`` and ``plan``, or ``fc1`` / ``fc2``:
+    the block-scaled GEMM) compiled for ``arch`` (``fast.device.compile``; cached there)."""
     from fast.experts import engine
 
     if kind in ("lists", "plan"):
         return engine.compiled_kernel(kind, arch, params)
     if arch not in ARCHS:
         raise ValueError(f"the block-scaled experts kernel targets {'/'.join(ARCHS)}, got {arch}")
-    obj = BlockScaledExpertsKernel(**dict(params))
-    return cute.compile(obj, *([Int64(0)] * 11), Int32(1), Int32(1), backend.fake_stream(),
-                        options=f"--gpu-arch {arch}")
+    return compiled(BlockScaledExpertsKernel, arch, params)
 
 
 def compile_blackwell(geometry, config, *, windows: int, arch: str, capture: bool = False,
@@ -565,7 +569,7 @@ def compile_blackwell(geometry, config, *, windows: int, arch: str, capture: boo
         raise ValueError(f"windows must be 1, 2 or 4, got {windows}")
     params = {**_list_params(geometry, config, windows, strict, empty_rows),
               **_fc_params(geometry, config, windows, capture)}
-    return [_compiled(kind, arch, p_) for kind, p_ in params.items()]
+    return [compiled_kernel(kind, arch, p_) for kind, p_ in params.items()]
 
 
 class BlackwellExpertsEngine:
@@ -643,7 +647,7 @@ class BlackwellExpertsEngine:
         c, g = self.config, self.geometry
         params = {**_list_params(g, c, windows, self.strict, self.empty_rows),
                   **_fc_params(g, c, windows, capture)}
-        fn = {kind: _compiled(kind, self.arch, p_) for kind, p_ in params.items()}
+        fn = {kind: compiled_kernel(kind, self.arch, p_) for kind, p_ in params.items()}
         cap = self.capture_buffers(rows) if capture else None
 
         def i64(t):
