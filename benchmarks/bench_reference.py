@@ -24,9 +24,9 @@ import time
 import pytest
 import torch
 
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 from reference import activation, experts, finalize, gemm, mx, norm, router
-from reference.config import LatentMoEConfig
-from reference.weights import LatentMoEWeights
 
 CONFIG = LatentMoEConfig.kimi_k3()
 CPU_BATCHES = (1, 16, 64)

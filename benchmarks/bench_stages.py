@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from benchmarks import gpu_timing
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 
 _REAL = LatentMoEConfig.kimi_k3()
 LATENT, EXPERTS, TOP_K, SHARED_I = _REAL.latent, _REAL.experts, _REAL.top_k, _REAL.shared_intermediate

@@ -132,7 +132,7 @@ def render(result: dict) -> str:
     its fraction of the byte limit; then per GEMM timed alone, cuBLAS against the best and the
     default tactic."""
     lines = [f"Device {result['device']}, torch {result['torch']}; read bandwidth "
-             f"{result['read_gbs']:.0f} GB/s, copy {result['copy_gbs']:.0f} GB/s (this run); "
+             f"{result['read_gbs']:.0f} GB/s (this run); "
              "fraction = byte limit / time; medians of graph replays after an L2 flush by a "
              "256 MiB read (the write flush: a 256 MiB write, whose dirty lines drain during "
              "the timed run).", "",
@@ -181,10 +181,11 @@ def main(argv=None):
     if rendered(args, render):
         return
 
-    from benchmarks.experts_table import copy_bandwidth_gbs, device_time_us, read_bandwidth_gbs
+    from benchmarks.experts_table import device_time_us
+    from benchmarks.readbw import read_bandwidth_gbs
     from fast.gemm import DenseGemm
     from fast.gemm.host import CANDIDATES
-    from reference.config import LatentMoEConfig
+    from model.config import LatentMoEConfig
     from verify import cases
 
     cfg = LatentMoEConfig.kimi_k3()
@@ -198,8 +199,7 @@ def main(argv=None):
               "python": platform.python_version(), "rows": []}
     t0 = time.time()
     result["read_gbs"] = read_bandwidth_gbs()
-    result["copy_gbs"] = copy_bandwidth_gbs()
-    print(f"read {result['read_gbs']:.0f} GB/s, copy {result['copy_gbs']:.0f} GB/s", flush=True)
+    print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     w = cases.dense_weights("kimi_k3", "cuda")
     gemms = [g for g in args.gemms.split(",") if g]
     probe = _inputs(cfg, w, 1, 0)

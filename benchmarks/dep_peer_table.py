@@ -33,8 +33,9 @@ import statistics
 
 import torch
 
-from benchmarks.experts_table import capture_graph, copy_bandwidth_gbs, l2_flush, \
-    read_bandwidth_gbs, replay_times_us, parse_tactic, rendered
+from benchmarks.experts_table import capture_graph, l2_flush, replay_times_us, parse_tactic, \
+    rendered
+from benchmarks.readbw import read_bandwidth_gbs
 
 
 def replay_times_us_in_step(replay, *, reps: int, flush) -> list[float]:
@@ -152,8 +153,7 @@ def main(argv=None):
     flush = l2_flush()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "ranks": ranks, "cases": [],
-              "read_gbs": read_bandwidth_gbs(), "copy_gbs": copy_bandwidth_gbs(),
-              "peer_gbs": peer_bandwidth_gbs()}
+              "read_gbs": read_bandwidth_gbs(), "peer_gbs": peer_bandwidth_gbs()}
     if rank == 0:
         print(f"read {result['read_gbs']:.0f} GB/s, peer {result['peer_gbs']}", flush=True)
     w = cases.device_weights("kimi_k3")

@@ -37,8 +37,8 @@ import statistics
 
 import torch
 
-from benchmarks.experts_table import copy_bandwidth_gbs, device_time_us, l2_flush, \
-    read_bandwidth_gbs, parse_tactic, rendered
+from benchmarks.experts_table import device_time_us, l2_flush, parse_tactic, rendered
+from benchmarks.readbw import read_bandwidth_gbs
 
 STAGES = ("dense", "dispatch", "experts", "partial", "home", "rank")
 #: Timed apart as well, inside a stage above: the combine kernel alone (in "home").
@@ -183,8 +183,7 @@ def main(argv=None):
               "python": platform.python_version(), "ranks": args.ranks,
               "batch_invariant": args.batch_invariant, "cases": []}
     result["read_gbs"] = read_bandwidth_gbs()
-    result["copy_gbs"] = copy_bandwidth_gbs()
-    print(f"read {result['read_gbs']:.0f} GB/s, copy {result['copy_gbs']:.0f} GB/s", flush=True)
+    print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     w = cases.device_weights("kimi_k3")
     c = w.config
     layer = DepLayer(w, ranks=args.ranks, max_tokens=max(tokens_list), dense_gemm=args.dense_gemm,

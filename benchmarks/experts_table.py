@@ -29,7 +29,8 @@ L2 flushed (a 256 MiB streaming read, ``l2_flush``) before every replay, median 
   else an FP32 PyTorch sum) whose results pass, and check the compact layout;
 * ``grouped_mm``: ``torch._grouped_mm`` on BF16-resident weights (rows sorted by expert);
 * the byte limit: touched experts x bytes per expert, at the read bandwidth measured in
-  the same run (a streaming read of 4 GiB with the engine's load instruction).
+  the same run (``benchmarks.readbw.read_bandwidth_gbs``: a streaming read of 4 GiB with
+  the engine's load instruction).
 
 The compact layouts' batch sizes (local rows, local pairs) are host ints computed before
 the timed call, as a DEP dispatch knows what it received; the calls themselves do no host
@@ -118,25 +119,6 @@ def device_time_us(fn, *, reps: int, flush) -> list[float]:
     return replay_times_us(capture_graph(fn, flush), reps=reps, flush=flush)
 
 
-def read_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 20) -> float:
-    """Streaming read bandwidth (GB/s): ``benchmarks.readbw`` reads ``nbytes`` with the
-    engine's 16-byte non-allocating loads; median of ``reps``."""
-    from benchmarks import readbw
-
-    buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
-    out = torch.zeros(4096, dtype=torch.int32, device="cuda")
-    times = device_time_us(lambda: readbw.read(buf, out), reps=reps, flush=lambda: None)
-    return nbytes / (statistics.median(times) * 1e-6) / 1e9
-
-
-def copy_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 20) -> float:
-    """Device-to-device copy bandwidth counting bytes read plus written (GB/s)."""
-    a = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    times = device_time_us(lambda: b.copy_(a), reps=reps, flush=lambda: None)
-    return nbytes / (statistics.median(times) * 1e-6) / 1e9
-
-
 def rendered(args, render) -> bool:
     """With ``--render``: print ``render`` of that result JSON and return True (no run)."""
     if not args.render:
@@ -151,7 +133,9 @@ def new_result() -> dict:
     bandwidth measured now (``read_gbs``, the byte limits' rate)."""
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "cases": []}
-    result["read_gbs"] = read_bandwidth_gbs()
+    from benchmarks import readbw
+
+    result["read_gbs"] = readbw.read_bandwidth_gbs()
     return result
 
 
@@ -164,7 +148,7 @@ def random_weights(seed=7):
 
 
 def routing(rows: int, seed: int, skew: float) -> torch.Tensor:
-    from reference.config import LatentMoEConfig
+    from model.config import LatentMoEConfig
     from verify import cases
 
     return cases.routing(LatentMoEConfig.kimi_k3(), rows, seed, skew=skew)
@@ -416,8 +400,8 @@ def main(argv=None):
     ap.add_argument("--peers", default="triton,marlin,grouped_mm")
     ap.add_argument("--windows", default="auto")
     ap.add_argument("--tactics", default="",
-                    help="extra engine tactics, e.g. 'ring=6;warps=8,mtiles=1;wgmma=1,windows=8' "
-                         "(windows=N sets that variant's window count)")
+                    help="extra engine tactics, e.g. 'ring=6;warps=8,mtiles=1;wgmma=1,windows=4' "
+                         "(windows=N sets that variant's window count: 1, 2 or 4)")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
@@ -425,8 +409,6 @@ def main(argv=None):
     from fast.experts import ExpertsEngine, prepare_experts
 
     flush, t0, result, w = start_run()
-    result["copy_gbs"] = copy_bandwidth_gbs()
-    print(f"copy {result['copy_gbs']:.0f} GB/s", flush=True)
     peers = [p for p in args.peers.split(",") if p]
     triton, triton_compact = None, True
     if "triton" in peers:
@@ -484,7 +466,7 @@ def main(argv=None):
         if marlin is not None:
             peers_built.update(marlin_peers(marlin, w, first, count, shard, result))
         if "grouped_mm" in peers:
-            from reference.mx import dequantize_mxfp4
+            from model.formats import dequantize_mxfp4
 
             w13b = torch.stack([torch.cat([
                 dequantize_mxfp4(w.w13[e, lo:lo + inter], w.w13_scales[e, lo:lo + inter]),
@@ -519,7 +501,7 @@ def main(argv=None):
                     reps=args.reps, flush=flush)
                 for spec in [t for t in args.tactics.split(";") if t]:
                     tac = parse_tactic(spec)
-                    # a spec may set the windows too (8 needs wgmma): 'wgmma=1,windows=8'
+                    # a spec may set the windows too: 'wgmma=1,windows=4'
                     spec_win = tac.pop("windows", win)
                     # over the call's default tactic (engine.default_tactic's rules)
                     tac = engine.default_tactic(rows, spec_win, over=tac)

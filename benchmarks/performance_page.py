@@ -1,8 +1,17 @@
 """The performance page of the site, built from the committed history at build time.
 
-:func:`build` returns the page's generated Markdown and its figures (SVG bytes by path
-under ``docs/``); ``benchmarks/mkdocs_hook.py`` puts them into the site. For every machine
-of ``benchmarks/results/``:
+:func:`build` returns the page's generated parts (:class:`Page`): its status, the first
+lines of the page, and its body and figures (SVG bytes by path under ``docs/``);
+``benchmarks/mkdocs_hook.py`` puts them into the site.
+
+The status says, per machine, which run the figures are from, its commit and how many
+commits that is behind HEAD (git, when the page is built; where git cannot tell, it says
+so). For a GPU machine it also compares the SASS digests recorded with the run
+(``benchmarks.sass_check``) with the current tree's, given to :func:`build`: where a
+kernel the page draws has changed, or the run has no digests, the first line says
+**Stale** and names the kernels.
+
+The body, for every machine of ``benchmarks/results/``:
 
 * a GPU machine: per stage and per schedule of its newest run, the device time and the
   fraction of the copy bandwidth against the batch, this project's kernel and every peer
@@ -15,10 +24,16 @@ Times are each suite's compared statistic (``benchmarks.history.STATISTICS``).
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import subprocess
 from collections import defaultdict
+from pathlib import Path
+from typing import Callable
 
-from benchmarks import history
+from benchmarks import history, sass_check
+
+ROOT = Path(__file__).resolve().parent.parent
 
 STAGE_ORDER = ("mx", "router", "activation", "experts", "finalize", "norm")
 SCHEDULE_ORDER = ("stock", "dep", "wide")
@@ -68,6 +83,13 @@ def _group_cases(run: history.Run, statistic: str):
         for points in variants.values():
             points.sort(key=lambda p: p[0])
     return groups, sorted(unplaced)
+
+
+def drawn_groups(run: history.Run) -> list[tuple[str, str]]:
+    """The (kind, name) groups of a GPU run that the page draws, e.g. ``("stage", "mx")``,
+    ``("schedule", "dep")``."""
+    groups, _ = _group_cases(run, history.STATISTICS["gpu"])
+    return sorted(groups, key=_order)
 
 
 def _order(key):
@@ -254,8 +276,91 @@ def _cpu_machine(machine_dir, images) -> list[str]:
     return lines + [""]
 
 
-def build(results=history.RESULTS) -> tuple[str, dict[str, bytes]]:
-    """(the page's generated Markdown, {image path under docs/: SVG bytes})."""
+def commits_behind(commit: str, root: Path = ROOT) -> str:
+    """How far ``commit`` is behind HEAD of the git checkout at ``root``, as words: "at
+    HEAD", "62 commits behind HEAD", "not an ancestor of HEAD ...", or why git cannot tell
+    (git missing, no repository, the commit absent from a shallow clone)."""
+    def git(*args) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+
+    try:
+        head = git("rev-parse", "--verify", "--quiet", "HEAD")
+        known = git("rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}")
+    except OSError as error:
+        return f"how far behind HEAD is unknown: git is unavailable here ({error.strerror})"
+    if head.returncode != 0:
+        return "how far behind HEAD is unknown: the tree is not a git checkout"
+    if known.returncode != 0:
+        return ("how far behind HEAD is unknown: the commit is not in this checkout's "
+                "history (a shallow clone?)")
+    count = int(git("rev-list", "--count", f"{commit}..HEAD").stdout)
+    if git("merge-base", "--is-ancestor", commit, "HEAD").returncode != 0:
+        return f"not an ancestor of HEAD ({count} commits of HEAD are not in it)"
+    if count == 0:
+        return "at HEAD"
+    return f"{count} commit{'s' if count != 1 else ''} behind HEAD"
+
+
+def _run_words(machine: str, run: history.Run, root: Path) -> str:
+    commit = f"`{run.commit}`" + (" (with uncommitted changes)" if run.dirty else "")
+    return (f"the {machine} figures below are from run `{run.name}` of commit {commit}, "
+            f"{commits_behind(run.commit, root)}")
+
+
+def _gpu_status(machine_dir: Path, current_digests, not_checked: str, root: Path) -> str:
+    run = history.load_history(machine_dir)[-1]
+    groups = drawn_groups(run)
+    words = _run_words(machine_dir.name, run, root)
+    recorded = sass_check.recorded_digests(run.data)
+    if recorded is None:
+        return (f"**Stale:** {words}, and no SASS digest is recorded with that run, so "
+                "nothing shows that the kernels it timed are the current ones.")
+    arch, lines = recorded
+    if current_digests is None:
+        return (f"**Not checked:** {words}; the current SASS digests were not computed in "
+                f"this build ({not_checked}).")
+    changed = sass_check.changed_kernels(lines, current_digests(arch), groups)
+    if changed:
+        return (f"**Stale:** {words}, and the SASS ({arch}) of {len(changed)} kernel"
+                f"{'s' if len(changed) != 1 else ''} they draw differs from the digest "
+                "recorded with that run: " + ", ".join(f"`{k}`" for k in changed) + ".")
+    return (f"**Current:** {words}; every kernel they draw compiles ({arch}, from this tree "
+            "when the site was built) to the SASS digest recorded with that run.")
+
+
+def status(results: Path = history.RESULTS,
+           current_digests: Callable[[str], list[str]] | None = None,
+           not_checked: str = "", root: Path = ROOT) -> list[str]:
+    """The page's first lines, one paragraph per machine, GPU machines first and stale
+    ones first of those (see the module docstring). ``current_digests(arch)``: the current
+    tree's digest lines (``sass_check.current_digests``); None where they were not
+    computed, ``not_checked`` saying why."""
+    gpu, cpu = [], []
+    for machine_dir in history.machine_dirs(results):
+        if machine_dir.name.startswith("cpu-"):
+            run = history.load_history(machine_dir)[-1]
+            words = _run_words(machine_dir.name, run, root)
+            cpu.append(words[0].upper() + words[1:] + " (the reference on the CPU: no kernel SASS).")
+        else:
+            gpu.append(_gpu_status(machine_dir, current_digests, not_checked, root))
+    gpu.sort(key=lambda line: not line.startswith("**Stale"))
+    return [line for paragraph in gpu + cpu for line in (paragraph, "")]
+
+
+@dataclasses.dataclass(frozen=True)
+class Page:
+    """The generated parts of the page: ``status`` (Markdown, the page's first lines),
+    ``body`` (Markdown) and ``images`` ({image path under docs/: SVG bytes})."""
+
+    status: str
+    body: str
+    images: dict[str, bytes]
+
+
+def build(results: Path = history.RESULTS,
+          current_digests: Callable[[str], list[str]] | None = None,
+          not_checked: str = "", root: Path = ROOT) -> Page:
+    """The page's status (:func:`status`, same arguments), body and figures."""
     images: dict[str, bytes] = {}
     lines: list[str] = []
     dirs = history.machine_dirs(results)
@@ -265,4 +370,5 @@ def build(results=history.RESULTS) -> tuple[str, dict[str, bytes]]:
     for machine_dir in dirs:
         if machine_dir.name.startswith("cpu-"):
             lines += _cpu_machine(machine_dir, images)
-    return "\n".join(lines), images
+    head = status(results, current_digests, not_checked, root)
+    return Page(status="\n".join(head), body="\n".join(lines), images=images)

@@ -1,13 +1,19 @@
 """A streaming read of a large buffer with the experts engine's load instruction
-(``ld.global.nc.L1::no_allocate.v4.u32``): the read-bandwidth ceiling of a weight stream.
+(``ld.global.nc.L1::no_allocate.v4.u32``): the read-bandwidth ceiling of a weight stream,
+and the project's one bandwidth (``docs/targets.md``).
 
 ``read(buf, out)``: each of ``4096`` CTAs of 256 threads reads a contiguous share of
 ``buf`` (16 bytes per thread per step, 4 loads in flight per thread) and writes the XOR of
-what it read to ``out[cta]`` (so no load can be optimized away).
+what it read to ``out[cta]`` (so no load can be optimized away). The benchmark tables also
+flush L2 with it (``benchmarks.experts_table.l2_flush``).
+
+:func:`read_bandwidth_gbs`: the read bandwidth every table measures in its own run and
+divides its byte limits by.
 """
 
 
 import functools
+import statistics
 
 import torch
 
@@ -59,3 +65,27 @@ def read(buf: torch.Tensor, out: torch.Tensor) -> None:
         raise ValueError(f"read: buf must be a multiple of {per} bytes, got {buf.numel()}")
     _compiled()(Int64(buf.data_ptr()), Int64(out.data_ptr()), Int32(buf.numel() // per),
                 backend.stream(buf.device))
+
+
+def read_bandwidth_gbs(nbytes: int = 4 << 30, reps: int = 20) -> float:
+    """The read bandwidth (GB/s, 1e9 bytes per second) of this GPU: ``nbytes`` (4 GiB, 80x
+    the H200's L2) of random bytes read once by :func:`read`, the call captured in a CUDA
+    graph and its replay timed by CUDA events ``reps`` times (no flush between: the buffer
+    does not fit in L2); ``nbytes`` over the median time."""
+    buf = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    out = torch.zeros(CTAS, dtype=torch.int32, device="cuda")
+    read(buf, out)  # compiles
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        read(buf, out)
+    torch.cuda.synchronize()
+    times_us = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times_us.append(start.elapsed_time(end) * 1e3)
+    return nbytes / (statistics.median(times_us) * 1e-6) / 1e9

@@ -23,6 +23,10 @@ and each run's figure, each unconfirmed one as a ``noise`` line. ``record`` save
 first run only. The command fails on a confirmed regression, on a failed case (in any
 run), and when no benchmark ran (status 5).
 
+A saved GPU run carries the SASS digests of the kernels it timed (``"sass_digest"``,
+``benchmarks.sass_check``), compiled on the CPU from the measured tree for the GPU's
+architecture after the run: the performance page compares them with the current tree's.
+
 Without git (a copy of the tree on a GPU node), pass ``--commit`` (``<sha>`` or
 ``<sha>-dirty``, e.g. from ``git describe --always --dirty --abbrev=12`` where the copy
 was made).
@@ -54,6 +58,21 @@ def drop_round_data(path: Path) -> None:
     for bench in data["benchmarks"]:
         bench["stats"].pop("data", None)
     path.write_text(json.dumps(data, indent=4) + "\n")
+
+
+def record_sass_digest(paths: list[Path]) -> None:
+    """Record the SASS digests of the kernels the GPU cases time (this tree, this GPU's
+    architecture) with each saved run in ``paths`` (``benchmarks.sass_check``)."""
+    from benchmarks import sass_check
+    from fast import backend
+
+    arch = backend.gpu_arch()
+    print(f"benchmarks.run: compiling the SASS digests ({arch}) to record with the run",
+          flush=True)
+    lines = sass_check.current_digests(arch)
+    for path in paths:
+        sass_check.record(path, arch, lines, "compiled on the CPU from the measured tree by "
+                          "benchmarks.run when the run was saved")
 
 
 def resolve_commit(given: str | None) -> tuple[str, bool]:
@@ -171,6 +190,10 @@ def _main(argv: list[str] | None) -> int:
     parser.add_argument("--note", default="", help="noise: how the runs were made")
     parser.add_argument("--machine", help="history directory (default: from the hardware)")
     parser.add_argument("--commit", help="<sha>[-dirty] measured (default: git)")
+    parser.add_argument("--without-baseline", choices=("fail", "run"), default="fail",
+                        help="check on a machine with no committed history: fail (default), "
+                             "or run the cases once, compare nothing and say so (make test: "
+                             "timings of another processor model are no baseline)")
     parser.epilog = "Arguments after -- go to pytest (e.g. -- -k finalize)."
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
@@ -198,6 +221,8 @@ def _main(argv: list[str] | None) -> int:
                 drop_round_data(out)
             new.append(history.load_run(out))
             print(f"benchmarks.run: run {i + 1}/{args.runs} saved as {out.relative_to(ROOT)}")
+        if args.suite == "gpu":
+            record_sass_digest([run.path for run in new])
         note = args.note or (f"{args.runs} runs of {commit[:12]}{'-dirty' if dirty else ''} "
                              f"in one session on {machine}")
         if previous:
@@ -213,11 +238,19 @@ def _main(argv: list[str] | None) -> int:
     noise = history.load_noise(machine_dir, runs) if baseline is not None else None
     if args.mode == "check":
         if baseline is None:
-            print(f"benchmarks.run: no baseline for machine {machine!r} in "
-                  f"benchmarks/results/{machine}/: record one with `python -m benchmarks.run "
-                  f"{args.suite} noise --runs 5 --fresh` on this machine and commit it",
-                  file=sys.stderr)
-            return 2
+            advice = (f"no baseline for machine {machine!r} in benchmarks/results/{machine}/: "
+                      f"record one with `python -m benchmarks.run {args.suite} noise --runs 5 "
+                      f"--fresh` on this machine and commit it")
+            if args.without_baseline == "fail":
+                print(f"benchmarks.run: {advice}", file=sys.stderr)
+                return 2
+            # the cases must still run and pass; only the timing comparison is left out
+            with tempfile.TemporaryDirectory() as tmp:
+                status = run_pytest(args.suite, Path(tmp) / "run-1.json", machine=machine,
+                                    commit=None, dirty=False, extra=args.pytest_args)
+            print(f"benchmarks.run: NOT COMPARED: {advice}; the {args.suite} cases ran once "
+                  f"(pytest status {status})", file=sys.stderr)
+            return status
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "run-1.json"
             status = run_pytest(args.suite, out, machine=machine, commit=None, dirty=False,
@@ -240,6 +273,8 @@ def _main(argv: list[str] | None) -> int:
     if out.exists():
         if args.suite in STATS_ONLY:
             drop_round_data(out)
+        if args.suite == "gpu" and first is not None:
+            record_sass_digest([out])
         print(f"benchmarks.run: saved {out.relative_to(ROOT)}")
     if baseline is None or first is None:
         return status

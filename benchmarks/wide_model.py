@@ -6,7 +6,7 @@ GPU needed)::
                                              # and writes results/models/wide_model.md
     python -m benchmarks.wide_model --wide A.json --experts B.json --peers C.json --out ''
 
-Inputs (each a committed result JSON; the dimensions from ``reference.config``):
+Inputs (each a committed result JSON; the dimensions from ``model.config``):
 
 * ``--wide``: ``benchmarks.wide_table`` over 8 virtual TP ranks on one H200
   (``results/models/h200_tp8_v10_listed.json``): rank 0's median time per stage (shared, front,
@@ -92,7 +92,7 @@ import argparse
 import json
 from pathlib import Path
 
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 
 RESULTS = Path(__file__).resolve().parent / "results"
 #: the runs the model is fitted on (``benchmarks/results/README.md``)
@@ -271,7 +271,7 @@ def render(model: WideModel, ranks=(8, 16), inputs: dict | None = None) -> str:
         f"Inputs: `{names['wide']}` (one virtual TP8 rank, read "
         f"bandwidth {model.read_gbs:.0f} GB/s), `{names['experts']}` (the engine's TP8 rows), "
         f"`{names['peers']}` (NVLink peer write {pw:.0f} GB/s, read {pr:.0f} GB/s); "
-        "dimensions from `reference.config` (kimi_k3). Formulas: `benchmarks/wide_model.py`.",
+        "dimensions from `model.config` (kimi_k3). Formulas: `benchmarks/wide_model.py`.",
         "",
         f"Engine fit (TP8, one window, <= {ENGINE_FIT_ROWS} rows): fixed cost "
         f"{model.engine_cost_us:.1f} us, streaming fraction {model.engine_f1:.2f} of the read "

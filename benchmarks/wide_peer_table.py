@@ -58,8 +58,8 @@ import statistics
 import torch
 
 from benchmarks.dep_peer_table import replay_times_us_in_step
-from benchmarks.experts_table import capture_graph, copy_bandwidth_gbs, l2_flush, \
-    read_bandwidth_gbs, parse_tactic, rendered
+from benchmarks.experts_table import capture_graph, l2_flush, parse_tactic, rendered
+from benchmarks.readbw import read_bandwidth_gbs
 from benchmarks.wide_table import rank_dense_bytes, stock_step, triton_slice_moes
 
 STAGES = ("shared", "front", "publish", "route", "experts", "finalize", "latent", "hidden")
@@ -78,7 +78,7 @@ UNTIMED = ("Each stage is timed alone, every rank running the same stage at the 
 
 def _tokens(text: str) -> list[int]:
     """``--tokens``: comma-separated row counts, each in the wide bucket of ``kimi_k3``."""
-    from reference.config import LatentMoEConfig
+    from model.config import LatentMoEConfig
 
     c = LatentMoEConfig.kimi_k3()
     low, high = c.front_max + 1, c.wide_rows
@@ -486,11 +486,10 @@ def main(argv=None):
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "ranks": n, "reps": args.reps,
               "timeout_s": args.timeout_s, "read_gbs": read_gbs,
-              "copy_gbs": copy_bandwidth_gbs(), "read_gbs_per_rank": ranks.gather(read_gbs),
+              "read_gbs_per_rank": ranks.gather(read_gbs),
               "stages": list(STAGES), "untimed": UNTIMED, "cases": [], "per_rank": []}
     if rank == 0:
-        print(f"TP{n}: read {result['read_gbs_per_rank']} GB/s, copy {result['copy_gbs']:.0f} "
-              "GB/s", flush=True)
+        print(f"TP{n}: read {result['read_gbs_per_rank']} GB/s", flush=True)
     w = cases.device_weights("kimi_k3")  # the same weights on every rank (one seed)
     c = w.config
     layer = WidePeerLayer(w, max_rows=max(args.tokens), timeout_s=args.timeout_s,

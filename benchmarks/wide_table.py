@@ -37,8 +37,8 @@ import statistics
 
 import torch
 
-from benchmarks.experts_table import copy_bandwidth_gbs, device_time_us, l2_flush, \
-    read_bandwidth_gbs, parse_tactic, rendered
+from benchmarks.experts_table import device_time_us, l2_flush, parse_tactic, rendered
+from benchmarks.readbw import read_bandwidth_gbs
 
 STAGES = ("shared", "front", "publish", "route", "experts", "finalize", "latent", "hidden",
           "rank")
@@ -296,8 +296,7 @@ def main(argv=None):
 
     tokens_list = [int(t) for t in args.tokens.split(",")]
     layer, w, result, flush = measured_layer(args.ranks, tokens_list, args.experts_tactic)
-    result["copy_gbs"] = copy_bandwidth_gbs()
-    print(f"read {result['read_gbs']:.0f} GB/s, copy {result['copy_gbs']:.0f} GB/s", flush=True)
+    print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     c = w.config
     result["experts_tactic"] = args.experts_tactic or "default"
     peers = {}

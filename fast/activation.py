@@ -50,6 +50,13 @@ class SituKernel:
     def __init__(self, n: int):
         self.n = n
 
+    @classmethod
+    def compile_args(cls, *, n: int):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(n), (backend.ptr(None, "bf16"), backend.ptr(None, "bf16"),
+                        backend.int32(2 * n), backend.float32(4.0), backend.float32(25.0),
+                        backend.int32(1))
+
     @cute.jit
     def __call__(self, hp, out, stride, beta, linear_beta, tokens, stream):
         chunks = (self.n // _COLS + _THREADS - 1) // _THREADS
@@ -78,13 +85,6 @@ class SituKernel:
                     pair.append(h.fmul(a, b))
                 packed.append(h.pack_bf16x2(pair[0], pair[1]))
             p.store_v4(out + (token * n + col), packed)
-
-
-def compile_args(*, n: int):
-    """(kernel object, fake arguments but the stream) for ``backend.compile_for_target``."""
-    obj = SituKernel(n)
-    return obj, (backend.ptr(None, "bf16"), backend.ptr(None, "bf16"), backend.int32(2 * n),
-                 backend.float32(4.0), backend.float32(25.0), backend.int32(1))
 
 
 def situ_and_mul(h: torch.Tensor, *, beta: float, linear_beta: float, out=None) -> torch.Tensor:

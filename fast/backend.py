@@ -9,7 +9,8 @@ GPU architecture.
 * ``compile_for_target(kernel, arch, **params)`` -- compile a kernel with fake arguments
   (no GPU needed): the CPU CI compiles every kernel for every target this way.
 * ``compiled(kernel, arch, **params)`` -- the cached executable for one shape bucket
-  (the widths are compile-time constants; the row count is a run-time ``Int32``).
+  (the widths are compile-time constants; the row count is a run-time ``Int32``), built
+  by ``fast.device.compile`` from the stage kernel's class (``kernel_class``).
 
 Kernels take raw device addresses (``cute.runtime.make_ptr``) plus sizes, so one compile
 serves every batch and a launch costs a few pointer wraps, not a DLPack conversion.
@@ -22,7 +23,7 @@ import importlib
 
 import torch
 
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 
 __all__ = [
     "TARGETS",
@@ -36,6 +37,7 @@ __all__ = [
     "fake_stream",
     "compiled",
     "default_params",
+    "kernel_class",
 ]
 
 TARGETS = ("sm_90a", "sm_100a", "sm_103a")
@@ -43,14 +45,14 @@ TARGETS = ("sm_90a", "sm_100a", "sm_103a")
 #: The real layer, whose widths are every kernel's default compile parameters.
 REAL = LatentMoEConfig.kimi_k3()
 
-# kernel name -> (module, default compile parameters: the real widths)
-KERNELS: dict[str, tuple[str, dict]] = {
-    "finalize": ("fast.finalize", {"width": REAL.latent, "top_k": REAL.top_k}),
-    "norm": ("fast.norm", {"width": REAL.latent}),
-    "activation": ("fast.activation", {"n": REAL.shared_intermediate}),
-    "router": ("fast.router", {"experts": REAL.experts, "top_k": REAL.top_k,
-                               "renormalize": REAL.renormalize}),
-    "mx": ("fast.mx", {"k": REAL.latent, "swizzled": False}),
+# kernel name -> (module, kernel class, default compile parameters: the real widths)
+KERNELS: dict[str, tuple[str, str, dict]] = {
+    "finalize": ("fast.finalize", "FinalizeKernel", {"width": REAL.latent, "top_k": REAL.top_k}),
+    "norm": ("fast.norm", "NormKernel", {"width": REAL.latent}),
+    "activation": ("fast.activation", "SituKernel", {"n": REAL.shared_intermediate}),
+    "router": ("fast.router", "RouterKernel", {"experts": REAL.experts, "top_k": REAL.top_k,
+                                               "renormalize": REAL.renormalize}),
+    "mx": ("fast.mx", "QuantizeKernel", {"k": REAL.latent, "swizzled": False}),
 }
 
 _ARCHS = {(9, 0): "sm_90a", (10, 0): "sm_100a", (10, 3): "sm_103a"}
@@ -104,13 +106,15 @@ def available(kernel: str) -> tuple[bool, str]:
 
 
 def default_params(kernel: str) -> dict:
-    return dict(KERNELS[kernel][1])
+    return dict(KERNELS[kernel][2])
 
 
-def _module(kernel: str):
+def kernel_class(kernel: str) -> type:
+    """The class of the stage kernel named ``kernel`` (``KERNELS``)."""
     if kernel not in KERNELS:
         raise KeyError(f"unknown kernel {kernel!r}; known: {sorted(KERNELS)}")
-    return importlib.import_module(KERNELS[kernel][0])
+    module, name, _ = KERNELS[kernel]
+    return getattr(importlib.import_module(module), name)
 
 
 # --- argument wrapping -----------------------------------------------------------------
@@ -170,14 +174,6 @@ def fake_stream():
 # --- compiling -------------------------------------------------------------------------
 
 
-def _compile(kernel: str, arch: str, params: tuple):
-    import cutlass.cute as cute
-
-    module = _module(kernel)
-    obj, args = module.compile_args(**dict(params))
-    return cute.compile(obj, *args, fake_stream(), options=f"--gpu-arch {arch}")
-
-
 def compile_for_target(kernel: str, arch: str, **params):
     """Compile ``kernel`` for ``arch`` (one of TARGETS) with fake arguments; no GPU needed.
     ``params`` default to the real widths (``KERNELS``). Returns the compiled object."""
@@ -186,15 +182,12 @@ def compile_for_target(kernel: str, arch: str, **params):
     error = cute_import_error()
     if error:
         raise RuntimeError(f"CuTe DSL not importable: {error}")
-    merged = {**default_params(kernel), **params}
-    return _compile_cached(kernel, arch, tuple(sorted(merged.items())))
-
-
-@functools.lru_cache(maxsize=None)
-def _compile_cached(kernel: str, arch: str, params: tuple):
-    return _compile(kernel, arch, params)
+    return compiled(kernel, arch, **{**default_params(kernel), **params})
 
 
 def compiled(kernel: str, arch: str, **params):
-    """The cached executable of ``kernel`` for ``arch`` and one shape bucket (``params``)."""
-    return _compile_cached(kernel, arch, tuple(sorted(params.items())))
+    """The cached executable of ``kernel`` for ``arch`` and one shape bucket (``params``),
+    from ``fast.device.compile`` (the one compile path and cache of every fast kernel)."""
+    from fast.device import compile as device_compile
+
+    return device_compile.compiled(kernel_class(kernel), arch, device_compile.frozen(params))

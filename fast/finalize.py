@@ -49,6 +49,12 @@ class FinalizeKernel:
         self.width, self.top_k = width, top_k
         self.threads = width // _COLS
 
+    @classmethod
+    def compile_args(cls, *, width: int, top_k: int):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(width, top_k), (backend.ptr(None, "bf16"), backend.ptr(None, "f32"),
+                                   backend.ptr(None, "bf16"), backend.int32(1))
+
     @cute.jit
     def __call__(self, rows, weights, out, tokens: cutlass.Int32, stream):
         self.kernel(rows, weights, out).launch(
@@ -72,13 +78,6 @@ class FinalizeKernel:
                 acc[2 * i + 1] = h.ffma(w, h.bf16_hi(words[k][i]), acc[2 * i + 1])
         packed = [h.pack_bf16x2(acc[2 * i], acc[2 * i + 1]) for i in range(4)]
         p.store_v4(out + (token * width + tid * _COLS), packed)
-
-
-def compile_args(*, width: int, top_k: int):
-    """(kernel object, fake arguments but the stream) for ``backend.compile_for_target``."""
-    obj = FinalizeKernel(width, top_k)
-    args = (backend.ptr(None, "bf16"), backend.ptr(None, "f32"), backend.ptr(None, "bf16"))
-    return obj, args + (backend.int32(1),)
 
 
 def _check(rows, weights):

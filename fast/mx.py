@@ -80,7 +80,7 @@ class QuantizeKernel:
        rule): biased exponent ``E``, fraction ``m``: normal -> ``E + (m != 0)``;
        subnormal -> ``1`` if ``q > 2^-127`` else ``0`` (zero -> 0); capped at 254;
     5. multiplier ``2^(127 - code)`` built from bits (code 254: the FP32 subnormal
-       2^-127), and 1 for code 0 (``reference.mx.ScaleRule.RCEIL``'s convention);
+       2^-127), and 1 for code 0 (``model.formats.ScaleRule.RCEIL``'s convention);
     6. ``v = mul.rn.f32(x, multiplier)`` (exact unless |v| < 2^-126, which E4M3 rounds
        to 0 either way), ``cvt.rn.satfinite.e4m3x2.f32`` (RNE, saturating to ±448 --
        identical to clamping to ±448 first), two 16-byte stores of 32 codes, one byte
@@ -100,6 +100,13 @@ class QuantizeKernel:
         self.k, self.swizzled = k, swizzled
         self.kb = k // _BLOCK
         self.cols = _pad(self.kb, 4) if swizzled else self.kb
+
+    @classmethod
+    def compile_args(cls, *, k: int, swizzled: bool):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(k, bool(swizzled)), (backend.ptr(None, "bf16"), backend.ptr(None, "u8"),
+                                        backend.ptr(None, "u8", 1), backend.int32(1),
+                                        backend.int32(1))
 
     @cute.jit
     def __call__(self, x, codes, scales, rows, total, stream):
@@ -135,19 +142,12 @@ class QuantizeKernel:
             cute.arch.store(scales + off, cutlass.Uint8(code))
 
 
-def compile_args(*, k: int, swizzled: bool):
-    """(kernel object, fake arguments but the stream) for ``backend.compile_for_target``."""
-    obj = QuantizeKernel(k, bool(swizzled))
-    return obj, (backend.ptr(None, "bf16"), backend.ptr(None, "u8"), backend.ptr(None, "u8", 1),
-                 backend.int32(1), backend.int32(1))
-
-
 def quantize_mxfp8(x: torch.Tensor, *, swizzled: bool = False):
     """``(codes float8_e4m3fn [M, K], scales uint8)`` of BF16 ``x [M, K]`` (contiguous CUDA,
     K % 32 == 0), bit-identical to ``reference.mx.quantize_mxfp8`` (RCEIL). Scales are
     ``[M, K // 32]`` (linear) or, with ``swizzled``, the 128x4 layout flattened to
     ``pad128(M) * pad4(K // 32)`` bytes with zero padding
-    (``reference.mx.swizzle_scales_128x4``). Non-finite input is not checked; its
+    (``model.swizzle.swizzle_scales_128x4``). Non-finite input is not checked; its
     blocks' output is unspecified."""
     if not isinstance(x, torch.Tensor):
         raise TypeError("quantize_mxfp8: x must be a torch.Tensor")

@@ -45,6 +45,12 @@ class NormKernel:
         self.width = width
         self.threads = width // _COLS
 
+    @classmethod
+    def compile_args(cls, *, width: int):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(width), (backend.ptr(None, "bf16"), backend.ptr(None, "bf16"),
+                            backend.ptr(None, "bf16"), backend.float32(1e-5), backend.int32(1))
+
     @cute.jit
     def __call__(self, x, w, out, eps, tokens, stream):
         self.kernel(x, w, out, eps).launch(
@@ -60,14 +66,6 @@ class NormKernel:
         xw = p.load_v4(x + (token * width + tid * _COLS))
         ww = p.load_v4(w + tid * _COLS)
         p.store_v4(out + (token * width + tid * _COLS), normalize_row(xw, ww, eps, width, warps))
-
-
-def compile_args(*, width: int):
-    """(kernel object, fake arguments but the stream) for ``backend.compile_for_target``."""
-    obj = NormKernel(width)
-    x = backend.ptr(None, "bf16")
-    return obj, (x, backend.ptr(None, "bf16"), backend.ptr(None, "bf16"),
-                 backend.float32(1e-5), backend.int32(1))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *, out=None) -> torch.Tensor:

@@ -146,6 +146,13 @@ class RouterKernel:
         #: merge levels: ceil(log2(warps))
         self.levels = max(0, (self.warps - 1).bit_length())
 
+    @classmethod
+    def compile_args(cls, *, experts: int, top_k: int, renormalize: bool):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(experts, top_k, bool(renormalize)), (
+            backend.ptr(None, "f32", 4), backend.ptr(None, "f32", 4), backend.ptr(None, "f32", 4),
+            backend.ptr(None, "i32", 4), backend.float32(1.0), backend.int32(1))
+
     @cute.jit
     def __call__(self, logits, bias, weights, ids, scale, tokens, stream):
         self.kernel(logits, bias, weights, ids, scale).launch(
@@ -206,14 +213,6 @@ class RouterKernel:
             if lane < top_k:
                 cute.arch.store(weights + (token * top_k + lane), w)
                 cute.arch.store(ids + (token * top_k + lane), my_id)
-
-
-def compile_args(*, experts: int, top_k: int, renormalize: bool):
-    """(kernel object, fake arguments but the stream) for ``backend.compile_for_target``."""
-    obj = RouterKernel(experts, top_k, bool(renormalize))
-    return obj, (backend.ptr(None, "f32", 4), backend.ptr(None, "f32", 4),
-                 backend.ptr(None, "f32", 4), backend.ptr(None, "i32", 4),
-                 backend.float32(1.0), backend.int32(1))
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, *, top_k: int = 16,

@@ -10,14 +10,14 @@ the fast kernels must equal these functions **bitwise** (``verify/`` checks it).
 on the CPU (a GPU's torch kernels may contract or use other libm code).
 
 This module never imports ``fast``; the constants of exp and tanh are
-``reference.exp_tanh``'s, which the kernels read too.
+``model.exp_tanh``'s, which the kernels read too.
 """
 
 from __future__ import annotations
 
 import torch
 
-from reference.exp_tanh import (
+from model.exp_tanh import (
     EXP_COEFFS,
     EXP_HI,
     EXP_LO,

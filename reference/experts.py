@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import torch
 
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 from reference.activation import situ_and_mul_fp32
-from reference.config import LatentMoEConfig
 from reference.finalize import finalize
 from reference.gemm import matmul
 from reference.mx import dequantize_mxfp8, quantize_mxfp8
-from reference.weights import LatentMoEWeights
 
 __all__ = ["expert_rows_mxfp8", "expert_rows", "pair_rows_fp32", "routed_experts", "shard_rows"]
 

@@ -30,15 +30,15 @@ from dataclasses import dataclass
 
 import torch
 
+from model.config import LatentMoEConfig
+from model.formats import dequantize_mxfp4
+from model.weights import LatentMoEWeights
 from reference.activation import situ_and_mul, situ_and_mul_float64
-from reference.config import LatentMoEConfig
 from reference.experts import expert_rows
 from reference.finalize import finalize
 from reference.gemm import addmm, matmul
-from reference.mx import dequantize_mxfp4
 from reference.norm import rms_norm
 from reference.router import route, router_logits
-from reference.weights import LatentMoEWeights
 
 __all__ = ["StockTrace", "stock_order_trace", "stock_order", "ideal_layer", "sqnr_db"]
 

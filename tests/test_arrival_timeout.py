@@ -60,7 +60,7 @@ def test_mailbox_timeout_names_reader_and_writer(region, offset, writer):
     are rank ``w``'s; then ``2 E/N`` logit words per rank)."""
     from fast.device.arrival import ArrivalTimeout
     from fast.schedules.wide import mailbox_timeout
-    from reference.config import LatentMoEConfig
+    from model.config import LatentMoEConfig
 
     cfg = LatentMoEConfig.small()
     assert (cfg.latent, cfg.experts) == (256, 64), "the columns above are the small config's"

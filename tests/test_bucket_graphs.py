@@ -16,7 +16,7 @@ import torch
 from fast.schedules.dep import DepLayer
 from fast.schedules.dep_peer import DepPeerLayer
 from fast.schedules.graphs import BucketGraphs
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 
 CFG = LatentMoEConfig.small()
 

@@ -1,4 +1,4 @@
-"""reference.config and reference.weights: validation, init magnitudes, checkpoint."""
+"""model.config and model.weights: validation, init magnitudes, checkpoint."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from reference.config import LatentMoEConfig
-from reference.mx import dequantize_mxfp4
-from reference.weights import CHECKPOINT_FILE, CONFIG_FILE, LatentMoEWeights
+from model.config import LatentMoEConfig
+from model.formats import dequantize_mxfp4
+from model.weights import CHECKPOINT_FILE, CONFIG_FILE, LatentMoEWeights
 
 
 def test_configs():

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from fast.schedules import dense
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 

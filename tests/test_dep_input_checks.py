@@ -11,7 +11,7 @@ import torch
 
 from fast.schedules.dep import DepLayer
 from fast.schedules.dep_peer import DepPeerLayer
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 
 CFG = LatentMoEConfig.small()
 MAX_TOKENS, RANKS = 16, 3

@@ -13,11 +13,11 @@ import sys
 import pytest
 import torch
 
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 from reference.schedules.dep import dep_layer_virtual
 from reference.schedules.launch import make_inputs, trace_tensors
 from reference.schedules.wide import wide_layer_virtual
-from reference.config import LatentMoEConfig
-from reference.weights import LatentMoEWeights
 from verify.compare import assert_bitwise_equal
 
 # K = 16 and the block of 32 as in the real layer; I = 512 keeps whole MX blocks in every

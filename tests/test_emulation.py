@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
+from model.exp_tanh import EXP_HI, EXP_LO
 from reference import emulation as em
-from reference.exp_tanh import EXP_HI, EXP_LO
 from reference.norm import rms_norm
 from verify import bounds, tolerances
 from verify.oracles import stages as oracle

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 from reference.experts import expert_rows, expert_rows_mxfp8, shard_rows
 from reference.mx import quantize_mxfp8
-from reference.weights import LatentMoEWeights
 
 CFG = LatentMoEConfig.tiny()
 

@@ -37,7 +37,6 @@ import pytest
 import torch
 
 from fast import backend
-from tools.ptx_dump import dump_ptx
 from fast.experts.blackwell_layout import (
     ARCHS,
     BlackwellExperts,
@@ -47,13 +46,11 @@ from fast.experts.blackwell_layout import (
     prepare_blackwell_experts,
     sfb_smem_offset,
 )
-from reference.mx import (
-    dequantize_mxfp4,
-    dequantize_mxfp8,
-    quantize_mxfp8,
-    unswizzle_scales_128x4,
-)
-from reference.weights import LatentMoEWeights
+from model.formats import dequantize_mxfp4
+from model.swizzle import unswizzle_scales_128x4
+from model.weights import LatentMoEWeights
+from reference.mx import dequantize_mxfp8, quantize_mxfp8
+from tools.ptx_dump import dump_ptx
 from verify import bounds, cases
 from verify.compare import assert_bitwise_equal, assert_within_bound
 

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from fast import backend
-from tools.ptx_dump import dump_ptx, loops
 from fast.experts.layout import (
     MAX_SCALE_CODE, WORD_BITS, decode_tiles, pack_tiles, prepare_experts)
-from reference.config import LatentMoEConfig
-from reference.mx import dequantize_mxfp4, e2m1_to_float32
-from reference.weights import LatentMoEWeights
+from model.config import LatentMoEConfig
+from model.formats import dequantize_mxfp4, e2m1_to_float32
+from model.weights import LatentMoEWeights
+from tools.ptx_dump import dump_ptx, loops
 
 _cute_error = backend.cute_import_error()
 
@@ -106,9 +106,6 @@ def test_engine_kernels_compile(arch, geometry, windows, capture):
     if windows == 2:  # the launch chain (programmatic dependent launch of plan and FC1)
         assert all(compile_all(g, c, windows=windows, arch=arch, tactic=dict(pdl_chain=1),
                                empty_rows=empty_rows))
-    if windows in (1, 2):  # the next item claimed during the current one
-        assert all(compile_all(g, c, windows=windows, arch=arch, tactic=dict(claim_ahead=1),
-                               empty_rows=empty_rows))
     if geometry in ("dep16", "tp8") and windows in (1, 4):  # FC1 + FC2 in one grid
         assert all(compile_all(g, c, windows=windows, arch=arch, capture=capture,
                                tactic=dict(fused=1), empty_rows=empty_rows))
@@ -120,26 +117,10 @@ def test_engine_kernels_compile(arch, geometry, windows, capture):
 
 
 @pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
-def test_claim_ahead_one_stage_compiles_and_fused_refuses_it():
-    """``claim_ahead`` where a GEMM has a single stage (the tiny config's FC1, K = 64: the
-    next item's table is filled after the loop), and its refusal with ``fused``."""
-    from fast.experts.engine import compile_all
-    from fast.experts.layout import Geometry, chunks_per_stage
-
-    c = LatentMoEConfig.tiny()
-    assert c.latent // 64 // chunks_per_stage(c.latent) == 1  # FC1: one stage
-    g = Geometry(c.latent, c.intermediate, 0, c.experts, (0, 1))
-    tile = dict(warps=4, mtiles=1)  # 64-row tiles: the tiny config's FC2 has 64 rows
-    assert all(compile_all(g, c, windows=1, arch="sm_90a", tactic=dict(tile, claim_ahead=1)))
-    with pytest.raises(ValueError, match="claim_ahead is for the two-kernel path"):
-        compile_all(g, c, windows=1, arch="sm_90a", tactic=dict(claim_ahead=1, fused=1))
-
-
-@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
 def test_walk_refused_where_it_does_not_apply():
     """``walk`` (FC2 row tiles per item) is refused by name where it cannot hold: a count
-    that does not divide the tiles, with ``claim_ahead``, and a long FC2 (a DEP owner's 24
-    stages, which ``WALK_MAX_STAGES`` keeps from being unrolled)."""
+    that does not divide the tiles, and a long FC2 (a DEP owner's 24 stages, which
+    ``WALK_MAX_STAGES`` keeps from being unrolled)."""
     from fast.experts.engine import compile_all
     from fast.experts.layout import Geometry
 
@@ -147,18 +128,29 @@ def test_walk_refused_where_it_does_not_apply():
     g = Geometry(c.latent, c.intermediate, 0, c.experts, (0, 1))  # FC2: 2 tiles of 128 rows
     with pytest.raises(ValueError, match="walk must be an int >= 1 dividing the 2 row tiles"):
         compile_all(g, c, windows=1, arch="sm_90a", tactic=dict(walk=3))
-    with pytest.raises(ValueError, match="without claim_ahead"):
-        compile_all(g, c, windows=1, arch="sm_90a", tactic=dict(walk=2, claim_ahead=1))
     k3 = LatentMoEConfig.kimi_k3()
     dep = Geometry(k3.latent, k3.intermediate, 0, 56, (0, 1))
     with pytest.raises(ValueError, match="at most 8 stages"):
         compile_all(dep, k3, windows=1, arch="sm_90a", tactic=dict(walk=2))
 
 
+def test_windows_refused_past_four():
+    """A work item holds 1, 2 or 4 windows of 8 tokens (``choose_windows``); any other
+    count is refused by name before a kernel is built, with either MMA kind."""
+    from fast.experts.engine import kernel_params
+    from fast.experts.layout import Geometry
+
+    c = LatentMoEConfig.kimi_k3()
+    dep = Geometry(c.latent, c.intermediate, 0, 56, (0, 1))
+    for windows, tactic in ((8, dict(wgmma=1)), (8, {}), (3, {})):
+        with pytest.raises(ValueError, match=f"windows must be 1, 2 or 4, got {windows}"):
+            kernel_params(dep, c, windows, False, False, tactic)
+
+
 _FUSED_PTX = """
 from fast.experts import engine
 from fast.experts.layout import Geometry
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 c = LatentMoEConfig.small()
 g = Geometry(c.latent, c.intermediate, 0, c.experts, (0, 1))
 params = engine.kernel_params(g, c, {windows}, False, False,
@@ -194,7 +186,6 @@ def test_fused_gate_polls_relaxed_then_fences(tmp_path):
 @pytest.mark.parametrize("geometry,windows,tactic", [
     ("dep16", 1, dict(wgmma=1, warps=4, mtiles=1)), ("dep16", 2, dict(wgmma=1)),
     ("dep16", 4, dict(wgmma=1, pdl_chain=1)), ("tp8", 1, dict(wgmma=1, warps=8, mtiles=1)),
-    ("dep16", 8, dict(wgmma=1)), ("tp8", 8, dict(wgmma=1, fused=1)),
     # the sm_90a defaults at four windows (ExpertsEngine.default_tactic)
     ("dep16", 4, dict(wgmma=1, warps=8, mtiles=2, fused=1, pdl_chain=1)),
     ("tp8", 4, dict(wgmma=1, warps=8, mtiles=2, walk=7))])
@@ -235,7 +226,7 @@ def test_default_tactic_per_mode():
     rows) the warpgroup MMA with 8 warps of 2 m-tiles on sm_90a only (a TP8 slice's
     256-row tiles walk 7), not when the call asks for fewer windows or the engine's own
     tactic names the tile or the MMA; the engine's own tactic wins, key by key, as over a
-    DEP owner's default; with ``claim_ahead`` no walk."""
+    DEP owner's default."""
     from types import SimpleNamespace
 
     from fast.experts.engine import ExpertsEngine
@@ -271,7 +262,6 @@ def test_default_tactic_per_mode():
     for own in (dict(chains=2), dict(wgmma=0), dict(mtiles=2), dict(warps=4)):
         assert not default(0, 896, 8, 1024, own=own).get("wgmma"), own
     assert default(0, 896, 8, 1024, own=dict(wgmma=0)) == dict(wgmma=0, walk=4)
-    assert default(0, 896, 8, 512, own=dict(claim_ahead=1)) == dict(claim_ahead=1)
     # a variant laid over the engine's own tactic follows the same rules (the benchmarks')
     assert default(0, 896, 8, 1024, over=dict(chains=2)) == dict(chains=2, walk=4)
     assert default(0, 896, 8, 1024, over=dict(warps=4)) == dict(warps=4, walk=4)
@@ -284,114 +274,20 @@ def test_default_tactic_per_mode():
 @pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
 @pytest.mark.parametrize("windows", [1, 2, 4])
 def test_walk_resident_b_keeps_the_shared_memory_and_the_occupancy(windows):
-    """A walked FC2 keeps its B operand resident (``resident_b``, the default) in
-    ``stages`` blocks after a ring of weight-and-scale slots: at a TP8 slice (3 stages per
-    tile) it needs no more shared memory than the ring of full slots it replaces, so the
-    CTAs per multiprocessor (the persistent grid) do not change; ``resident_b=0`` (the
-    copy at every tile, kept for comparison) compiles too (the H200 contracts compare the
-    two bit for bit)."""
-    from fast.experts.engine import compile_all
+    """A walked FC2 keeps its B operand resident (``resident_b``) in ``stages`` blocks
+    after a ring of weight-and-scale slots: at a TP8 slice (3 stages per tile) it needs no
+    more shared memory than the unwalked kernel's ring of full slots, so the CTAs per
+    multiprocessor (the persistent grid) do not shrink."""
     from fast.experts.kernels import ExpertsGemmKernel
-    from fast.experts.layout import Geometry
 
     c = LatentMoEConfig.kimi_k3()
     inter = c.intermediate // 8
     fc2 = dict(fc1=False, rows=c.latent, k=inter, inter=inter, latent=c.latent,
                count=c.experts, windows=windows, walk=4)
-    resident, copied = ExpertsGemmKernel(**fc2), ExpertsGemmKernel(**fc2, resident_b=False)
-    assert resident.resident_b and not copied.resident_b
-    assert resident.slot_bytes == copied.slot_bytes - copied.b_bytes
-    assert resident.smem_bytes == (resident.RING * resident.slot_bytes
-                                   + resident.stages * resident.b_bytes)
-    assert resident.smem_bytes <= copied.smem_bytes
-    assert resident.occupancy >= copied.occupancy
-    assert not ExpertsGemmKernel(**dict(fc2, walk=1)).resident_b  # no walk: nothing to share
-    g = Geometry(c.latent, inter, 0, c.experts, (0, 8))
-    assert all(compile_all(g, c, windows=windows, arch="sm_90a",
-                           tactic=dict(walk=4, resident_b=0)))
-
-
-@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
-def test_slot_stages_pairs_the_ring_and_keeps_the_occupancy():
-    """Two stages per ring slot (tactic ``slot_stages=2``): FC1 and an unwalked FC2 of a
-    DEP16 owner at one window (``mma.sync``, also for sm_100a) and at four (the sm_90a
-    default's wgmma with 8 warps, fused), and FC1 of a TP8 slice whose FC2 walks (there
-    FC2 keeps single-stage slots). The ring of 2 two-stage slots holds the bytes of the
-    default's 4 (one window) or 3 (four windows) slots, within the CTAs per multiprocessor
-    the default gets."""
-    from fast.experts import engine
-    from fast.experts.engine import compile_all
-    from fast.experts.kernels import ExpertsGemmKernel
-    from fast.experts.layout import Geometry
-
-    c = LatentMoEConfig.kimi_k3()
-    dep = Geometry(c.latent, c.intermediate, 56, 56, (0, 1))
-    tp8 = Geometry(c.latent, c.intermediate // 8, 0, c.experts, (0, 8))
-    wgmma8 = dict(wgmma=1, warps=8, mtiles=2)
-    assert all(compile_all(dep, c, windows=4, arch="sm_90a",
-                           tactic=dict(wgmma8, fused=1, pdl_chain=1, slot_stages=2)))
-    assert all(compile_all(dep, c, windows=1, arch="sm_100a", tactic=dict(slot_stages=2)))
-    params = engine.kernel_params(tp8, c, 4, False, False, dict(wgmma8, walk=7, slot_stages=2))
-    assert dict(params["fc1"])["slot_stages"] == 2 and "slot_stages" not in dict(params["fc2"])
-    params = engine.kernel_params(dep, c, 4, False, False, dict(slot_stages=2))
-    assert dict(params["fc2"])["slot_stages"] == 2  # 24 stages, no walk: paired too
-    for windows, tile in ((1, {}), (4, dict(wgmma=True, warps=8, mtiles=2))):
-        kw = dict(fc1=True, rows=2 * c.intermediate, k=c.latent, inter=c.intermediate,
-                  latent=c.latent, count=56, windows=windows, **tile)
-        single, paired = ExpertsGemmKernel(**kw), ExpertsGemmKernel(**kw, slot_stages=2)
-        assert paired.RING == 2 and paired.ring_slot_bytes == 2 * paired.slot_bytes
-        assert paired.smem_bytes == 2 * paired.ring_slot_bytes
-        assert paired.smem_bytes <= single.smem_bytes + single.slot_bytes
-        assert paired.occupancy == single.occupancy
-
-
-@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
-def test_ablation_is_for_the_measurement_script_only():
-    """The kernels' ``ablate`` parameter (parts of the work left out, wrong rows) is
-    reachable only by ``benchmarks.experts_ablation``'s wrapper, for its own calls: the
-    engine's tactics refuse it by name, an unknown part is refused by name, the wrapper
-    leaves the engine's parameters as they were, and an ablated kernel compiles."""
-    from benchmarks.experts_ablation import ablated
-    from fast.experts import engine
-    from fast.experts.kernels import ExpertsGemmKernel
-    from fast.experts.layout import Geometry
-
-    c = LatentMoEConfig.kimi_k3()
-    kw = dict(fc1=True, rows=2 * c.intermediate, k=c.latent, inter=c.intermediate,
-              latent=c.latent, count=56, windows=4)
-    with pytest.raises(ValueError, match="unknown parts \\['fc2'\\]"):
-        ExpertsGemmKernel(**kw, ablate=("fc2",))
-    with pytest.raises(ValueError, match="unknown tactic keys \\['ablate'\\]"):
-        engine.check_tactic({"ablate": 1}, "sm_90a", "ExpertsEngine")
-    dep = Geometry(c.latent, c.intermediate, 56, 56, (0, 1))
-    tactic = engine.complete_tactic(dict(wgmma=1, warps=8, mtiles=2, fused=1), "sm_90a")
-    plain = engine.kernel_params(dep, c, 4, False, False, tactic)
-    with ablated(("decode", "situ")):
-        params = engine.kernel_params(dep, c, 4, False, False, tactic)
-    assert engine.kernel_params(dep, c, 4, False, False, tactic) == plain
-    assert all(dict(p)["ablate"] == ("decode", "situ") for _, p in params["fused"])
-    assert all("ablate" not in dict(p) for _, p in plain["fused"])
-    if _cute_error is None:
-        engine.compiled_kernel("fused", "sm_90a", params["fused"])
-
-
-def test_slot_stages_refused_where_it_does_not_apply():
-    """``slot_stages`` other than 1 or 2, with a walk, or where a GEMM's stages do not
-    pair up (the tiny config's FC1 has one stage) is refused by name."""
-    from fast.experts.kernels import ExpertsGemmKernel
-
-    c = LatentMoEConfig.kimi_k3()
-    inter = c.intermediate // 8
-    fc2 = dict(fc1=False, rows=c.latent, k=inter, inter=inter, latent=c.latent,
-               count=c.experts, windows=1)
-    with pytest.raises(ValueError, match="slot_stages .* must be 1 or 2"):
-        ExpertsGemmKernel(**fc2, slot_stages=3)
-    with pytest.raises(ValueError, match="stages pair up, without walk"):
-        ExpertsGemmKernel(**fc2, walk=4, slot_stages=2)
-    with pytest.raises(ValueError, match="got 3 stages"):  # a TP8 FC2 tile: 3 stages
-        ExpertsGemmKernel(**fc2, slot_stages=2)
-    t = LatentMoEConfig.tiny()
-    fc1 = dict(fc1=True, rows=2 * t.intermediate, k=t.latent, inter=t.intermediate,
-               latent=t.latent, count=t.experts, windows=1, warps=4, mtiles=1)
-    with pytest.raises(ValueError, match="got 1 stages"):
-        ExpertsGemmKernel(**fc1, slot_stages=2)
+    walked, unwalked = ExpertsGemmKernel(**fc2), ExpertsGemmKernel(**dict(fc2, walk=1))
+    assert walked.resident_b and not unwalked.resident_b  # no walk: nothing to share
+    assert walked.RING == unwalked.RING
+    assert walked.slot_bytes == unwalked.slot_bytes - unwalked.b_bytes
+    assert walked.smem_bytes == walked.RING * walked.slot_bytes + walked.stages * walked.b_bytes
+    assert walked.smem_bytes <= unwalked.smem_bytes
+    assert walked.occupancy >= unwalked.occupancy

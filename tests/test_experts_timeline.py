@@ -103,22 +103,9 @@ def test_experts_table_renders_tactic_variants():
     assert "| dep16 | 64 | 0.0 | 400.0 | 380.0 (0.95) | 440.0 (1.10) |" in text
 
 
-def test_experts_ablation_renders_each_part_over_the_full_call():
-    """``benchmarks.experts_ablation.render``: per case the full call (fraction of the byte
-    limit), then each ablated call's time and its ratio to the full call's."""
-    from benchmarks.experts_ablation import render
-
-    case = {"mode": "dep16", "size": 64, "touched": 56, "limit_us": 200.0,
-            "median_us": {"full": 400.0, "decode": 360.0, "decode+mma8 @ring=4": 300.0}}
-    text = render({"device": "X", "read_gbs": 4500.0, "cases": [case]})
-    assert "| rank | T / rows | touched | limit us | full us (fraction) | decode | " \
-           "decode+mma8 @ring=4 |" in text
-    assert "| DEP16 | 64 | 56 | 200.0 | 400.0 (0.50) | 360.0 (0.90) | 300.0 (0.75) |" in text
-
-
 def test_rank_case_counts_the_local_pairs_and_their_byte_limit():
-    """``benchmarks.experts_table.rank_case`` (the experts table's, timeline's and
-    ablation's inputs): 16 rows per token of a DEP16 rank, the pairs, distinct experts and
+    """``benchmarks.experts_table.rank_case`` (the experts table's and timeline's
+    inputs): 16 rows per token of a DEP16 rank, the pairs, distinct experts and
     most pairs of one expert among the rank's local ones, their bytes at ``expert_bytes``
     each, the time those take at ``read_gbs``, and latent rows whose MXFP8 codes are those
     of ``x``."""

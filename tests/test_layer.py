@@ -7,12 +7,12 @@ import dataclasses
 import pytest
 import torch
 
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 from reference.experts import routed_experts
 from reference.gemm import addmm
 from reference.layer import ideal_layer, stock_order, stock_order_trace
 from reference.norm import rms_norm
-from reference.weights import LatentMoEWeights
 
 CFG = LatentMoEConfig.small()
 

@@ -1,4 +1,4 @@
-"""E8M0 / E4M3 / E2M1 codecs of reference.mx: exhaustive over codes, midpoints, golden cases.
+"""E8M0 / E4M3 / E2M1 codecs of model.formats: exhaustive over codes, midpoints, golden cases.
 
 The independent implementations are ml_dtypes (decode, and encode where it agrees) and a
 round-to-nearest-even over the explicit list of representable values written here with
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from reference import mx
+from model import formats
 
 ALL_U8 = torch.arange(256, dtype=torch.uint8)
 ALL_E2M1 = torch.arange(16, dtype=torch.uint8)
@@ -31,7 +31,7 @@ def _f32(values) -> torch.Tensor:
 
 
 def _e4m3_codes(values) -> list[int]:
-    return mx.float32_to_e4m3(_f32(values)).view(torch.uint8).tolist()
+    return formats.float32_to_e4m3(_f32(values)).view(torch.uint8).tolist()
 
 
 def _grid(decode, codes):
@@ -52,8 +52,8 @@ def _ref_rne(x: float, grid) -> int:
     return best[1]
 
 
-E4M3_GRID = _grid(lambda c: mx.e4m3_to_float32(c).tolist(), ALL_U8[:128])
-E2M1_GRID = _grid(lambda c: mx.e2m1_to_float32(c).tolist(), ALL_E2M1[:8])
+E4M3_GRID = _grid(lambda c: formats.e4m3_to_float32(c).tolist(), ALL_U8[:128])
+E2M1_GRID = _grid(lambda c: formats.e2m1_to_float32(c).tolist(), ALL_E2M1[:8])
 
 
 # ------------------------------------------------------------------ decode, exhaustive
@@ -61,12 +61,12 @@ E2M1_GRID = _grid(lambda c: mx.e2m1_to_float32(c).tolist(), ALL_E2M1[:8])
 
 def test_e2m1_decode_all_16_codes_match_ml_dtypes():
     ref = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
-    assert _bits(mx.e2m1_to_float32(ALL_E2M1)) == ref.view(np.int32).tolist()
+    assert _bits(formats.e2m1_to_float32(ALL_E2M1)) == ref.view(np.int32).tolist()
 
 
 def test_e4m3_decode_all_256_codes_match_ml_dtypes():
     ref = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
-    got = mx.e4m3_to_float32(ALL_U8).numpy()
+    got = formats.e4m3_to_float32(ALL_U8).numpy()
     nan = np.isnan(ref)
     # the NaN codes are exactly S.1111.111 (0x7F, 0xFF); their payload bits may differ
     assert np.flatnonzero(nan).tolist() == [0x7F, 0xFF]
@@ -75,13 +75,13 @@ def test_e4m3_decode_all_256_codes_match_ml_dtypes():
 
 
 def test_e4m3_decode_accepts_uint8_bit_patterns_and_float8():
-    as_fp8 = mx.e4m3_to_float32(ALL_U8.view(torch.float8_e4m3fn))
-    assert _bits(as_fp8) == _bits(mx.e4m3_to_float32(ALL_U8))
+    as_fp8 = formats.e4m3_to_float32(ALL_U8.view(torch.float8_e4m3fn))
+    assert _bits(as_fp8) == _bits(formats.e4m3_to_float32(ALL_U8))
 
 
 def test_e8m0_decode_all_256_codes_match_ml_dtypes():
     ref = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e8m0fnu).astype(np.float32)
-    got = mx.e8m0_to_float32(ALL_U8).numpy()
+    got = formats.e8m0_to_float32(ALL_U8).numpy()
     assert np.isnan(got[255]) and np.isnan(ref[255])
     # code 0 is 2^-127, an FP32 subnormal, built from bits (0x00400000)
     assert got[:255].view(np.int32).tolist() == ref[:255].view(np.int32).tolist()
@@ -92,7 +92,7 @@ def test_e8m0_decode_all_256_codes_match_ml_dtypes():
 
 
 def test_e4m3_encode_round_trips_every_code():
-    back = mx.float32_to_e4m3(mx.e4m3_to_float32(ALL_U8)).view(torch.uint8)
+    back = formats.float32_to_e4m3(formats.e4m3_to_float32(ALL_U8)).view(torch.uint8)
     expected = ALL_U8.clone()
     expected[0xFF] = 0x7F  # both NaN codes encode back to the canonical NaN 0x7F
     assert back.tolist() == expected.tolist()
@@ -100,12 +100,12 @@ def test_e4m3_encode_round_trips_every_code():
 
 def test_e2m1_encode_round_trips_every_code():
     # includes code 8 = -0.0 -> 8
-    assert mx.float32_to_e2m1(mx.e2m1_to_float32(ALL_E2M1)).tolist() == ALL_E2M1.tolist()
+    assert formats.float32_to_e2m1(formats.e2m1_to_float32(ALL_E2M1)).tolist() == ALL_E2M1.tolist()
 
 
 def test_e2m1_agrees_with_torch_float4_e2m1fn_x2_packing():
     # torch.float4_e2m1fn_x2 is a packed-pair container; its bytes are what pack_e2m1 makes
-    packed = mx.pack_e2m1(ALL_E2M1)
+    packed = formats.pack_e2m1(ALL_E2M1)
     as_x2 = packed.view(torch.float4_e2m1fn_x2)
     assert as_x2.view(torch.uint8).tolist() == [0x10, 0x32, 0x54, 0x76, 0x98, 0xBA, 0xDC, 0xFE]
 
@@ -150,7 +150,7 @@ def test_e4m3_saturates_where_ml_dtypes_overflows_to_nan():
 
 def test_e2m1_every_midpoint_against_independent_rne_and_ml_dtypes():
     xs = _midpoint_cases(E2M1_GRID)
-    got = mx.float32_to_e2m1(torch.from_numpy(xs)).tolist()
+    got = formats.float32_to_e2m1(torch.from_numpy(xs)).tolist()
     want = [_ref_rne(float(x), E2M1_GRID) | (0x8 if x < 0 else 0) for x in xs]
     assert got == want
     # ml_dtypes' float4_e2m1fn (no NaN/Inf) saturates too, so it agrees everywhere
@@ -214,7 +214,7 @@ E2M1_GOLDEN = [
 
 @pytest.mark.parametrize("x, code", E2M1_GOLDEN, ids=[repr(c[0]) for c in E2M1_GOLDEN])
 def test_e2m1_golden(x, code):
-    assert mx.float32_to_e2m1(_f32([x])).tolist() == [code]
+    assert formats.float32_to_e2m1(_f32([x])).tolist() == [code]
 
 
 def _next_up(x: float) -> float:
@@ -241,7 +241,7 @@ E8M0_RCEIL_GOLDEN = [
 
 @pytest.mark.parametrize("q, code", E8M0_RCEIL_GOLDEN, ids=[repr(c[0]) for c in E8M0_RCEIL_GOLDEN])
 def test_e8m0_rceil_golden(q, code):
-    assert mx.float32_to_e8m0_rceil(_f32([q])).tolist() == [code]
+    assert formats.float32_to_e8m0_rceil(_f32([q])).tolist() == [code]
 
 
 def test_e8m0_rceil_is_the_exact_ceiling_over_all_binades():
@@ -252,7 +252,7 @@ def test_e8m0_rceil_is_the_exact_ceiling_over_all_binades():
         for frac in (0, 1, 0x400000, 0x7FFFFF):
             bits.append((field << 23) | frac)
     q = torch.tensor(bits, dtype=torch.int32).view(torch.float32)
-    codes = mx.float32_to_e8m0_rceil(q).tolist()
+    codes = formats.float32_to_e8m0_rceil(q).tolist()
     for qi, c in zip(q.tolist(), codes):
         fq = Fraction(qi)
         if fq > Fraction(2) ** 127:
@@ -267,7 +267,7 @@ def test_e8m0_rceil_is_the_exact_ceiling_over_all_binades():
 
 def test_pack_e2m1_puts_element_2i_in_the_low_nibble():
     codes = torch.tensor([[0x1, 0x2, 0xF, 0x8]], dtype=torch.uint8)
-    assert mx.pack_e2m1(codes).tolist() == [[0x21, 0x8F]]
+    assert formats.pack_e2m1(codes).tolist() == [[0x21, 0x8F]]
 
 
 def test_pack_unpack_round_trip_and_match_torchao():
@@ -275,9 +275,9 @@ def test_pack_unpack_round_trip_and_match_torchao():
 
     g = torch.Generator().manual_seed(1)
     codes = torch.randint(0, 16, (3, 5, 64), generator=g, dtype=torch.uint8)
-    packed = mx.pack_e2m1(codes)
+    packed = formats.pack_e2m1(codes)
     assert packed.shape == (3, 5, 32)
-    assert torch.equal(mx.unpack_e2m1(packed), codes)
+    assert torch.equal(formats.unpack_e2m1(packed), codes)
     assert torch.equal(packed, pack_uint4(codes))
 
 
@@ -287,17 +287,17 @@ def test_pack_unpack_round_trip_and_match_torchao():
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: mx.float32_to_e4m3(torch.zeros(4, dtype=torch.float16)), r"^x: .*float32"),
-        (lambda: mx.float32_to_e2m1(torch.zeros(4, dtype=torch.bfloat16)), r"^x: .*float32"),
-        (lambda: mx.float32_to_e2m1(_f32([1.0, float("nan")])), r"^x: E2M1 has no NaN.*\(1,\)"),
-        (lambda: mx.e2m1_to_float32(torch.tensor([16], dtype=torch.uint8)), r"^codes: .*0\.\.15"),
-        (lambda: mx.e2m1_to_float32(torch.tensor([1], dtype=torch.int32)), r"^codes: .*uint8"),
-        (lambda: mx.e8m0_to_float32(torch.zeros(2)), r"^codes: .*uint8"),
-        (lambda: mx.e4m3_to_float32(torch.zeros(2)), r"^codes: .*float8_e4m3fn"),
-        (lambda: mx.float32_to_e8m0_rceil(torch.zeros(2, dtype=torch.float64)), r"^q: .*float32"),
-        (lambda: mx.pack_e2m1(torch.zeros(3, dtype=torch.uint8)), r"^codes: .*K even"),
-        (lambda: mx.pack_e2m1(torch.full((2,), 16, dtype=torch.uint8)), r"^codes: .*0\.\.15"),
-        (lambda: mx.unpack_e2m1(torch.zeros(2, dtype=torch.int8)), r"^packed: .*uint8"),
+        (lambda: formats.float32_to_e4m3(torch.zeros(4, dtype=torch.float16)), r"^x: .*float32"),
+        (lambda: formats.float32_to_e2m1(torch.zeros(4, dtype=torch.bfloat16)), r"^x: .*float32"),
+        (lambda: formats.float32_to_e2m1(_f32([1.0, float("nan")])), r"^x: E2M1 has no NaN.*\(1,\)"),
+        (lambda: formats.e2m1_to_float32(torch.tensor([16], dtype=torch.uint8)), r"^codes: .*0\.\.15"),
+        (lambda: formats.e2m1_to_float32(torch.tensor([1], dtype=torch.int32)), r"^codes: .*uint8"),
+        (lambda: formats.e8m0_to_float32(torch.zeros(2)), r"^codes: .*uint8"),
+        (lambda: formats.e4m3_to_float32(torch.zeros(2)), r"^codes: .*float8_e4m3fn"),
+        (lambda: formats.float32_to_e8m0_rceil(torch.zeros(2, dtype=torch.float64)), r"^q: .*float32"),
+        (lambda: formats.pack_e2m1(torch.zeros(3, dtype=torch.uint8)), r"^codes: .*K even"),
+        (lambda: formats.pack_e2m1(torch.full((2,), 16, dtype=torch.uint8)), r"^codes: .*0\.\.15"),
+        (lambda: formats.unpack_e2m1(torch.zeros(2, dtype=torch.int8)), r"^packed: .*uint8"),
     ],
 )
 def test_codec_bad_input_names_the_argument(call, match):

@@ -1,4 +1,4 @@
-"""Hypothesis properties of the MX quantizers in reference.mx.
+"""Hypothesis properties of the MX quantizers in reference.mx and model.formats.
 
 Tolerances are derived, not tuned. Within a block with scale ``2^e`` an element is
 ``v = x * 2^-e``; round-to-nearest-even to a format with ``mbits`` fraction bits and
@@ -21,23 +21,24 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from model import formats
+from model.formats import ScaleRule
 from reference import mx
-from reference.mx import ScaleRule
 
 # (quantize, dequantize, element codes -> float, max, mbits, emin, emax)
 MXFP8 = (
     mx.quantize_mxfp8,
     mx.dequantize_mxfp8,
-    lambda c, s: mx.e4m3_to_float32(c),
+    lambda c, s: formats.e4m3_to_float32(c),
     448.0,
     3,
     -6,
     8,
 )
 MXFP4 = (
-    mx.quantize_mxfp4,
-    mx.dequantize_mxfp4,
-    lambda p, s: mx.e2m1_to_float32(mx.unpack_e2m1(p)),
+    formats.quantize_mxfp4,
+    formats.dequantize_mxfp4,
+    lambda p, s: formats.e2m1_to_float32(formats.unpack_e2m1(p)),
     6.0,
     1,
     0,
@@ -119,13 +120,13 @@ def representable_blocks(draw, fmt):
     if fmt is MXFP8:
         not_nan = st.integers(0, 253).map(lambda c: c + (c >= 0x7F))  # skips 0x7F and 0xFF
         codes = draw(hnp.arrays(np.uint8, (n, 32), elements=not_nan))
-        values = mx.e4m3_to_float32(torch.from_numpy(codes))
+        values = formats.e4m3_to_float32(torch.from_numpy(codes))
     else:
         codes = draw(hnp.arrays(np.uint8, (n, 32), elements=st.integers(0, 15)))
-        values = mx.e2m1_to_float32(torch.from_numpy(codes))
+        values = formats.e2m1_to_float32(torch.from_numpy(codes))
     # scales away from code 0 (RCEIL flush) and from FP32 overflow
     scale = draw(hnp.arrays(np.uint8, (n, 1), elements=st.integers(12, 230)))
-    return values * mx.e8m0_to_float32(torch.from_numpy(scale))
+    return values * formats.e8m0_to_float32(torch.from_numpy(scale))
 
 
 @given(data=st.data(), fmt=FORMATS, rule=RULES, bf16=st.booleans())

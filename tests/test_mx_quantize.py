@@ -1,4 +1,5 @@
-"""MXFP8 / MXFP4 quantizers of reference.mx: golden blocks, torchao cross-checks, bad input.
+"""The MXFP8 (reference.mx) and MXFP4 (model.formats) quantizers: golden blocks, torchao
+cross-checks, bad input.
 
 Every golden line is a whole 32-element block: the listed leading values, then zeros.
 """
@@ -9,8 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from model import formats
+from model.formats import ScaleRule
 from reference import mx
-from reference.mx import ScaleRule
 
 RCEIL, FLOOR = ScaleRule.RCEIL, ScaleRule.FLOOR
 
@@ -29,8 +31,8 @@ def q8(x, rule=RCEIL):
 
 
 def q4(x, rule=RCEIL):
-    packed, scales = mx.quantize_mxfp4(x, scale_rule=rule)
-    return mx.unpack_e2m1(packed)[0].tolist(), int(scales[0, 0])
+    packed, scales = formats.quantize_mxfp4(x, scale_rule=rule)
+    return formats.unpack_e2m1(packed)[0].tolist(), int(scales[0, 0])
 
 
 def pad(codes, n=32):
@@ -127,7 +129,7 @@ def test_mxfp4_golden(rule, values, codes, scale, dtype):
 
 
 def test_mxfp4_packs_element_2i_in_the_low_nibble():
-    packed, _ = mx.quantize_mxfp4(block(6.0, 1.0, -0.5, 4.0))  # codes 7, 2, 9, 6
+    packed, _ = formats.quantize_mxfp4(block(6.0, 1.0, -0.5, 4.0))  # codes 7, 2, 9, 6
     assert packed[0, :2].tolist() == [0x27, 0x69]
 
 
@@ -159,7 +161,7 @@ def test_dequantize_code0_scale_is_exact_subnormal():
 
 def test_batched_shapes_and_fp16_match_the_2d_float32_result(gen):
     x = torch.randn(2, 3, 128, generator=gen).to(torch.float16)
-    for quant in (mx.quantize_mxfp8, mx.quantize_mxfp4):
+    for quant in (mx.quantize_mxfp8, formats.quantize_mxfp4):
         codes, scales = quant(x)
         codes2, scales2 = quant(x.float().reshape(6, 128))
         assert scales.shape == (2, 3, 4)
@@ -169,7 +171,7 @@ def test_batched_shapes_and_fp16_match_the_2d_float32_result(gen):
 
 def test_non_contiguous_input_equals_contiguous(gen):
     xt = torch.randn(64, 96, generator=gen).t()  # [96, 64], strides (1, 96)
-    for quant in (mx.quantize_mxfp8, mx.quantize_mxfp4):
+    for quant in (mx.quantize_mxfp8, formats.quantize_mxfp4):
         (c1, s1), (c2, s2) = quant(xt), quant(xt.contiguous())
         assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8)) and torch.equal(s1, s2)
 
@@ -191,7 +193,7 @@ def _ours_and_torchao(x, elem, rule):
         codes, scales = mx.quantize_mxfp8(x, scale_rule=rule)
         codes = codes.view(torch.uint8)
     else:
-        codes, scales = mx.quantize_mxfp4(x, scale_rule=rule)
+        codes, scales = formats.quantize_mxfp4(x, scale_rule=rule)
     return (codes, scales), (ao_data.view(torch.uint8), ao_scales.view(torch.uint8))
 
 
@@ -280,7 +282,7 @@ def test_bitwise_equal_to_torchao_on_random_fp32(elem, gen):
 # ------------------------------------------------------------------ bad input
 
 
-@pytest.mark.parametrize("quant", [mx.quantize_mxfp8, mx.quantize_mxfp4])
+@pytest.mark.parametrize("quant", [mx.quantize_mxfp8, formats.quantize_mxfp4])
 @pytest.mark.parametrize(
     "x, match",
     [
@@ -296,7 +298,7 @@ def test_quantize_bad_input(quant, x, match):
         quant(x)
 
 
-@pytest.mark.parametrize("quant", [mx.quantize_mxfp8, mx.quantize_mxfp4])
+@pytest.mark.parametrize("quant", [mx.quantize_mxfp8, formats.quantize_mxfp4])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_quantize_rejects_non_finite_and_says_where(quant, bad, dtype):
@@ -331,13 +333,13 @@ def test_quantize_bad_scale_rule():
             r"^codes: .*multiple of 32",
         ),
         (
-            lambda: mx.dequantize_mxfp4(
+            lambda: formats.dequantize_mxfp4(
                 torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 1, dtype=torch.int32)
             ),
             r"^scales: .*uint8",
         ),
         (
-            lambda: mx.dequantize_mxfp4(
+            lambda: formats.dequantize_mxfp4(
                 torch.zeros(2, 16, dtype=torch.uint8), torch.zeros(2, 2, dtype=torch.uint8)
             ),
             r"^scales: expected shape \(2, 1\)",
@@ -357,7 +359,7 @@ def test_dequantize_bad_input(call, match):
 def test_cuda_bitwise_equal_to_cpu(gen):
     x = _edge_bf16_rows(gen)
     for rule in (RCEIL, FLOOR):
-        for quant in (mx.quantize_mxfp8, mx.quantize_mxfp4):
+        for quant in (mx.quantize_mxfp8, formats.quantize_mxfp4):
             c_cpu, s_cpu = quant(x, scale_rule=rule)
             c_gpu, s_gpu = quant(x.cuda(), scale_rule=rule)
             assert torch.equal(c_gpu.cpu().view(torch.uint8), c_cpu.view(torch.uint8))

@@ -1,11 +1,11 @@
-"""The 128x4 scale layout of reference.mx: hand-computed offsets, padding, round trips."""
+"""The 128x4 scale layout of model.swizzle: hand-computed offsets, padding, round trips."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from reference import mx
+from model import swizzle
 
 SHAPES = [(1, 1), (127, 3), (128, 4), (129, 5), (300, 7), (256, 8)]
 
@@ -37,37 +37,37 @@ OFFSETS = [
 
 @pytest.mark.parametrize("row, col, cols, offset", OFFSETS)
 def test_hand_computed_offsets(row, col, cols, offset):
-    assert mx.scale_offset_128x4(row, col, cols) == offset
+    assert swizzle.scale_offset_128x4(row, col, cols) == offset
     rows = max(row + 1, 1)
     scales = torch.zeros(rows, cols, dtype=torch.uint8)
     scales[row, col] = 0xAB
-    swizzled = mx.swizzle_scales_128x4(scales)
+    swizzled = swizzle.swizzle_scales_128x4(scales)
     assert torch.nonzero(swizzled).flatten().tolist() == [offset]
 
 
 @pytest.mark.parametrize("rows, cols", SHAPES)
 def test_round_trip_and_size(rows, cols):
     scales = _numbered(rows, cols)
-    swizzled = mx.swizzle_scales_128x4(scales)
+    swizzled = swizzle.swizzle_scales_128x4(scales)
     prows, pcols = -(-rows // 128) * 128, -(-cols // 4) * 4
     assert swizzled.shape == (prows * pcols,)
-    assert torch.equal(mx.unswizzle_scales_128x4(swizzled, rows, cols), scales)
+    assert torch.equal(swizzle.unswizzle_scales_128x4(swizzled, rows, cols), scales)
 
 
 @pytest.mark.parametrize("rows, cols", SHAPES)
 def test_offset_formula_matches_swizzle_everywhere(rows, cols):
     scales = _numbered(rows, cols)
-    swizzled = mx.swizzle_scales_128x4(scales)
+    swizzled = swizzle.swizzle_scales_128x4(scales)
     r = torch.arange(rows).unsqueeze(1).expand(rows, cols)
     c = torch.arange(cols).unsqueeze(0).expand(rows, cols)
-    assert torch.equal(swizzled[mx.scale_offset_128x4(r, c, cols)], scales)
+    assert torch.equal(swizzled[swizzle.scale_offset_128x4(r, c, cols)], scales)
 
 
 @pytest.mark.parametrize("rows, cols", SHAPES)
 def test_padding_is_zero(rows, cols):
     # every written byte is non-zero, so the zeros are exactly the padding
     scales = torch.full((rows, cols), 0xEE, dtype=torch.uint8)
-    swizzled = mx.swizzle_scales_128x4(scales)
+    swizzled = swizzle.swizzle_scales_128x4(scales)
     prows, pcols = -(-rows // 128) * 128, -(-cols // 4) * 4
     assert int((swizzled == 0xEE).sum()) == rows * cols
     assert int((swizzled == 0).sum()) == prows * pcols - rows * cols
@@ -77,13 +77,13 @@ def test_padding_is_zero(rows, cols):
 def test_unswizzle_never_reads_padding(rows, cols):
     # poison the padding (0xFF = the E8M0 NaN code): unswizzle must not return any of it
     scales = _numbered(rows, cols)
-    swizzled = mx.swizzle_scales_128x4(scales)
+    swizzled = swizzle.swizzle_scales_128x4(scales)
     pad = torch.ones_like(swizzled, dtype=torch.bool)
     r = torch.arange(rows).unsqueeze(1).expand(rows, cols)
     c = torch.arange(cols).unsqueeze(0).expand(rows, cols)
-    pad[mx.scale_offset_128x4(r, c, cols).flatten()] = False
+    pad[swizzle.scale_offset_128x4(r, c, cols).flatten()] = False
     poisoned = torch.where(pad, torch.full_like(swizzled, 0xFF), swizzled)
-    assert torch.equal(mx.unswizzle_scales_128x4(poisoned, rows, cols), scales)
+    assert torch.equal(swizzle.unswizzle_scales_128x4(poisoned, rows, cols), scales)
 
 
 @pytest.mark.parametrize("rows, cols", SHAPES)
@@ -91,19 +91,19 @@ def test_matches_torchao_to_blocked(rows, cols):
     from torchao.prototype.mx_formats.utils import to_blocked
 
     scales = _numbered(rows, cols)
-    assert torch.equal(mx.swizzle_scales_128x4(scales), to_blocked(scales))
+    assert torch.equal(swizzle.swizzle_scales_128x4(scales), to_blocked(scales))
 
 
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: mx.swizzle_scales_128x4(torch.zeros(4, 4)), r"^scales: .*uint8"),
-        (lambda: mx.swizzle_scales_128x4(torch.zeros(2, 4, 4, dtype=torch.uint8)), r"^scales: .*2-D"),
+        (lambda: swizzle.swizzle_scales_128x4(torch.zeros(4, 4)), r"^scales: .*uint8"),
+        (lambda: swizzle.swizzle_scales_128x4(torch.zeros(2, 4, 4, dtype=torch.uint8)), r"^scales: .*2-D"),
         (
-            lambda: mx.unswizzle_scales_128x4(torch.zeros(100, dtype=torch.uint8), 1, 1),
+            lambda: swizzle.unswizzle_scales_128x4(torch.zeros(100, dtype=torch.uint8), 1, 1),
             r"^swizzled: expected 512 elements",
         ),
-        (lambda: mx.unswizzle_scales_128x4(torch.zeros(512), 1, 1), r"^swizzled: .*uint8"),
+        (lambda: swizzle.unswizzle_scales_128x4(torch.zeros(512), 1, 1), r"^swizzled: .*uint8"),
     ],
 )
 def test_bad_input(call, match):

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from fast.schedules import symmetric
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 
 CONFIGS = {"kimi_k3": LatentMoEConfig.kimi_k3(), "small": LatentMoEConfig.small(),
            "small_i1024": dataclasses.replace(LatentMoEConfig.small(), intermediate=1024)}

@@ -26,8 +26,8 @@ import pytest
 import torch
 
 from fast import backend
-from reference.config import LatentMoEConfig
-from reference.weights import LatentMoEWeights
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 
 _cute_error = backend.cute_import_error()
 pytestmark = pytest.mark.skipif(_cute_error is not None,

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 from reference.schedules.dep import dep_layer_virtual, dep_tactics, local_finalize, ordered_combine
-from reference.weights import LatentMoEWeights
 
 BIG, SMALL = 2.0**30, 1.0 + 2.0**-7  # FP32 ULP at 2^30 is 2^7: SMALL is absorbed by BIG
 

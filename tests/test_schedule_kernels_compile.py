@@ -7,7 +7,7 @@ virtual ranks and for real ranks (``peers``: the signalling variants and the arr
 import pytest
 
 from fast import backend
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 
 _cute_error = backend.cute_import_error()
 

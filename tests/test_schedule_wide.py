@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 from reference.schedules.groups import run_virtual
 from reference.schedules.wide import WideScratch, check_wide_ranks, routing_lists
 

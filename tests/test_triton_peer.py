@@ -1,7 +1,7 @@
 """The triton_kernels peer harness (benchmarks/peers/triton_moe.py): everything testable
 without a GPU.
 
-* always (pure PyTorch): our MXFP4 decode against ``reference.mx``; the gate/up interleave;
+* always (pure PyTorch): our MXFP4 decode against ``model.formats``; the gate/up interleave;
   the canonical ``[E, K, N]`` form matmul_ogs multiplies by; local ids and the routing
   bitmatrix; the byte counts; input validation.
 * when ``triton`` and the triton_kernels copy import (``.gpu/peers`` or PYTHONPATH; not on
@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from benchmarks.peers import triton_moe as tm
-from reference.mx import dequantize_mxfp4 as ref_dequantize_mxfp4
+from model.formats import dequantize_mxfp4 as ref_dequantize_mxfp4
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

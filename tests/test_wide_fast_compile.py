@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from fast import backend
+from model.config import LatentMoEConfig
+from reference.schedules.wide import check_wide_ranks
 from tools.ptx_dump import dump_ptx
 from tools.ptx_dump import loops as spin_loops
-from reference.config import LatentMoEConfig
-from reference.schedules.wide import check_wide_ranks
 
 _cute_error = backend.cute_import_error()
 needs_cute = pytest.mark.skipif(_cute_error is not None,
@@ -137,7 +137,7 @@ _ROUTE_PTX = """
 import cutlass.cute as cute
 from fast import backend
 from fast.schedules import wide
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 wide.compiled_kernel("route", "{arch}", wide.kernel_params(LatentMoEConfig.kimi_k3(), 8)["route"])
 """
 

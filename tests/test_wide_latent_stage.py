@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from fast.schedules import wide_program
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 
 CFG = LatentMoEConfig.small()
 ROWS, RANKS = 80, 2

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from benchmarks import wide_model
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 
 C = LatentMoEConfig.kimi_k3()
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from fast import backend
+from model.config import LatentMoEConfig
 from tools.ptx_dump import dump_ptx
-from reference.config import LatentMoEConfig
 
 _cute_error = backend.cute_import_error()
 needs_cute = pytest.mark.skipif(_cute_error is not None,

@@ -21,7 +21,7 @@ import torch
 
 from benchmarks import wide_peer_table as wpt
 from benchmarks import wide_table
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 from reference.schedules.mailbox import SENTINEL_BF16, SENTINEL_F32
 
 ROOT = Path(__file__).resolve().parents[1]

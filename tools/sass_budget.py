@@ -252,7 +252,7 @@ def kernel_units(arch: str, geometry: str, windows: int, tactic: dict) -> dict[s
     units = {}
     for name in ("fc1", "fc2"):
         k = ExpertsGemmKernel(**dict(params[name]))
-        units[name] = k.mtiles * k.stage_chunks * (k.stages if k.walk > 1 else k.slot_stages)
+        units[name] = k.mtiles * k.stage_chunks * (k.stages if k.walk > 1 else 1)
     return units
 
 

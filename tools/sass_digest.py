@@ -6,7 +6,7 @@ This tool proves that on a CPU: it compiles each kernel of a fixed set with CuTe
 cubin dump, for sm_90a and sm_100a, and prints one line per kernel with the SHA-1 of its
 ``.text`` sections (the SASS; the symbol names, which carry the Python module path, and
 the debug sections are left out). The set (``SETS``): the stage kernels at the real widths
-(``fast.backend.KERNELS``), the experts engine at seven geometries and tactics
+(``fast.backend.KERNELS``), the experts engine at five geometries and tactics
 (``ENGINES``; the warpgroup-MMA ones for sm_90a only), the DEP16 and TP8 schedules' own
 kernels for virtual and real ranks, and every ``fast.gemm`` shape a ``DenseFront``
 compiles by default (not the Blackwell block-scaled experts kernel of
@@ -48,10 +48,6 @@ ENGINES = {
                               {"wgmma": 1, "warps": 8, "mtiles": 2, "fused": 1, "pdl_chain": 1}),
     "tp8-wgmma8-walk7-w4": ("tp8", 4, False, False, {"wgmma": 1, "warps": 8, "mtiles": 2,
                                                      "walk": 7}),
-    # the DEP16 four-window default with two stages per ring slot (tactic slot_stages)
-    "dep16-wgmma8-fused-slot2-w4": ("dep16", 4, False, True,
-                                    {"wgmma": 1, "warps": 8, "mtiles": 2, "fused": 1,
-                                     "pdl_chain": 1, "slot_stages": 2}),
 }
 #: every kernel set: (family, name); a set's kernels are listed by its "?" compile
 SETS = ([("stage", "real")] + [("experts", name) for name in ENGINES]
@@ -60,7 +56,7 @@ SETS = ([("stage", "real")] + [("experts", name) for name in ENGINES]
 
 _COMPILE = """
 import sys
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 
 c = LatentMoEConfig.kimi_k3()
 arch, family, name, kind = sys.argv[1:5]

@@ -44,7 +44,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from reference.weights import LatentMoEWeights
+from model.weights import LatentMoEWeights
 from verify import interface, tolerances
 from verify.interface import BITWISE, BOUND, Claim, ExpertRows, LayerOutput, own_order
 
@@ -89,10 +89,11 @@ class ReferenceBackend(interface.Backend):
         return mx.quantize_mxfp8(x)
 
     def quantize_mxfp8_swizzled(self, x):
+        from model.swizzle import swizzle_scales_128x4
         from reference import mx
 
         codes, scales = mx.quantize_mxfp8(x)
-        return codes, mx.swizzle_scales_128x4(scales)
+        return codes, swizzle_scales_128x4(scales)
 
     def route(self, logits, bias, *, top_k, renormalize, scale):
         from reference import router

@@ -17,8 +17,8 @@ import functools
 
 import torch
 
-from reference.config import LatentMoEConfig
-from reference.weights import LatentMoEWeights
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 
 ALL_BATCHES = (1, 2, 3, 7, 16, 64, 65, 100, 256, 1024)
 DEP_BATCHES = tuple(b for b in ALL_BATCHES if b <= 64)
@@ -132,7 +132,7 @@ def mxfp4_expert_codes(cfg: LatentMoEConfig, g: torch.Generator) -> dict[str, to
 def dequantized_expert(w: LatentMoEWeights, e: int, shard: tuple[int, int]):
     """Expert ``e``'s TP slice ``shard = (rank, ranks)`` in FP32: (w13 ``[2 I_s, L]`` as
     ``[gate; up]``, w2 ``[L, I_s]``), dequantized by the reference (exact)."""
-    from reference.mx import dequantize_mxfp4
+    from model.formats import dequantize_mxfp4
 
     i = w.config.intermediate
     rank, ranks = shard

@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
-from reference.weights import LatentMoEWeights
+from model.weights import LatentMoEWeights
 
 __all__ = [
     "BITWISE",
@@ -236,7 +236,7 @@ class Backend:
 
     def quantize_mxfp8_swizzled(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """:meth:`quantize_mxfp8` with the scales in the 128x4 tiled layout of the
-        block-scaled GEMMs (``reference.mx.swizzle_scales_128x4``: rows padded to 128,
+        block-scaled GEMMs (``model.swizzle.swizzle_scales_128x4``: rows padded to 128,
         scale columns to 4, zero padding).
 
         Args:

@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import torch
 
+from model.weights import LatentMoEWeights
 from reference.layer import ideal_layer, stock_order_trace
 from reference.router import route, router_logits
 from reference.schedules.dep import dep_layer_virtual
 from reference.schedules.wide import wide_layer_virtual
-from reference.weights import LatentMoEWeights
 from verify import bounds, cases, tolerances
 from verify.routing import biased_score_bound, compare_routing
 

@@ -53,10 +53,11 @@ import functools
 import pytest
 import torch
 
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
+from model.formats import dequantize_mxfp4
+from model.weights import LatentMoEWeights
 from reference.experts import expert_rows_mxfp8
-from reference.mx import dequantize_mxfp4, dequantize_mxfp8, quantize_mxfp8
-from reference.weights import LatentMoEWeights
+from reference.mx import dequantize_mxfp8, quantize_mxfp8
 from verify import bounds, cases
 from verify.interface import Claim, ExpertRows
 from verify.oracles import stages as oracle_stages
@@ -240,25 +241,17 @@ def _run_stages(backend, contract, name, first, count, shard, rows, skew, seed, 
 @pytest.mark.backends("fast")
 @pytest.mark.config("small")
 @pytest.mark.parametrize("windows,tactic", [(1, None), (2, None), (4, None),
-                                            (4, dict(wgmma=0)), (4, dict(wgmma=1)),
-                                            (8, dict(wgmma=1))],
-                         ids=("w1", "w2", "w4", "w4-mma.sync", "w4-wgmma", "w8-wgmma"))
+                                            (4, dict(wgmma=0)), (4, dict(wgmma=1))],
+                         ids=("w1", "w2", "w4", "w4-mma.sync", "w4-wgmma"))
 def test_experts_stages_every_window_count(backend, windows, tactic, seed, contract):
     """Every compiled window count, on skewed routing (experts with several groups): the
     call's default at each (on sm_90a the four-window default is ``wgmma`` with 8 warps),
-    ``mma.sync`` and ``wgmma`` (4 warps) at four named; 8 windows only with wgmma
-    (refused without it)."""
+    ``mma.sync`` and ``wgmma`` (4 warps) at four named."""
     from fast.backend import gpu_arch
 
     _skip_unless_wgmma(tactic or {}, gpu_arch())
     _run_stages(backend, contract, "small", 0, 64, (0, 1), 160, 1.0, seed, windows=windows,
                 tactic=tactic)
-    if windows == 8:
-        engine = engine_for("small", 0, 64, (0, 1), 256)
-        codes, scales = latent_rows(engine.config, 8, seed)
-        ids = cases.routing(engine.config, 8, seed)
-        with pytest.raises(ValueError, match="windows=8 needs the wgmma tactic"):
-            engine(codes.cuda(), scales.cuda(), ids.cuda(), windows=8)
 
 
 TACTICS = [dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtiles=2),
@@ -266,19 +259,15 @@ TACTICS = [dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtile
            dict(wgmma=1), dict(wgmma=1, warps=4, mtiles=1), dict(wgmma=1, warps=8, mtiles=1),
            dict(wgmma=1, ring=6), dict(pdl_chain=1), dict(pdl_chain=1, wgmma=1),
            dict(fused=1), dict(fused=1, warps=4, mtiles=1), dict(fused=1, wgmma=1),
-           dict(fused=1, pdl_chain=1), dict(claim_ahead=1), dict(claim_ahead=1, wgmma=1),
-           dict(claim_ahead=1, pdl_chain=1, warps=4, mtiles=1),
+           dict(fused=1, pdl_chain=1),
            # a grid of 3 CTAs: each runs many items (as at a real rank's batch), so a CTA's
-           # next item, its later FC1 items and its FC2 items after FC1 ones are exercised
-           dict(ctas=3), dict(claim_ahead=1, ctas=3), dict(fused=1, pdl_chain=1, ctas=3),
-           dict(wgmma=1, claim_ahead=1, ctas=3),
+           # later FC1 items and its FC2 items after FC1 ones are exercised
+           dict(ctas=3), dict(fused=1, pdl_chain=1, ctas=3),
+           dict(wgmma=1, warps=8, mtiles=2, fused=1, pdl_chain=1, ctas=3),
            # FC2 items of several row tiles (2 of the small config's 128-row tiles, 4 of
            # its 64-row ones), the ring running across each tile boundary
            dict(walk=2), dict(walk=4, warps=4, mtiles=1), dict(walk=2, ctas=3),
-           dict(walk=2, wgmma=1), dict(walk=2, fused=1, pdl_chain=1, ctas=3),
-           # two stages per ring slot (both GEMMs: the small config's have 2 stages each)
-           dict(slot_stages=2), dict(slot_stages=2, ring=3), dict(slot_stages=2, wgmma=1),
-           dict(slot_stages=2, wgmma=1, warps=8, mtiles=2, fused=1, pdl_chain=1, ctas=3)]
+           dict(walk=2, wgmma=1), dict(walk=2, fused=1, pdl_chain=1, ctas=3)]
 
 
 def _skip_unless_wgmma(tactic: dict, arch: str) -> None:
@@ -302,13 +291,12 @@ def test_experts_stages_every_tactic(backend, tactic, seed, contract):
 # such shape)
 _CHAIN_FREE_SHAPES = (
     dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(ring=2), dict(ring=6, occupancy=1),
-    dict(pdl_chain=1), dict(fused=1), dict(claim_ahead=1), dict(fused=1, ctas=2),
-    dict(claim_ahead=1, ctas=2), dict(walk=2), dict(walk=4, warps=4, mtiles=1),
-    dict(walk=2, ctas=2), dict(walk=2, ring=2), dict(walk=2, fused=1, ctas=2),
-    dict(slot_stages=2), dict(slot_stages=2, ring=3), dict(slot_stages=2, fused=1, ctas=2))
+    dict(pdl_chain=1), dict(fused=1), dict(fused=1, ctas=2), dict(walk=2),
+    dict(walk=4, warps=4, mtiles=1), dict(walk=2, ctas=2), dict(walk=2, ring=2),
+    dict(walk=2, fused=1, ctas=2))
 _MMA_SYNC_ONLY_SHAPES = (dict(warps=2, mtiles=2),)
-# (mma kind, window count): mma.sync runs up to four windows, wgmma up to eight
-_CHAIN_FREE_CASES = [(0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4), (1, 8)]
+# (mma kind, window count)
+_CHAIN_FREE_CASES = [(0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4)]
 
 
 @pytest.mark.gpu
@@ -317,9 +305,8 @@ _CHAIN_FREE_CASES = [(0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4), (1, 8)]
 @pytest.mark.parametrize("wgmma,windows", _CHAIN_FREE_CASES,
                          ids=[f"{'wgmma' if k else 'mma.sync'}-w{w}" for k, w in _CHAIN_FREE_CASES])
 def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract, wgmma, windows):
-    """Tile shape, ring depth, two stages per ring slot, occupancy, the launch chain, the
-    fused grid, the claim ahead, the grid's size and FC2's walk over several row tiles
-    never change a bit (the sum order of each output is the chunk order); only the number
+    """Tile shape, ring depth, occupancy, the launch chain, the fused grid, the grid's
+    size and FC2's walk over several row tiles never change a bit (the sum order of each output is the chunk order); only the number
     of accumulator chains does. Checked for each MMA kind against itself, one case per
     (kind, window count)."""
     from fast.backend import gpu_arch
@@ -388,9 +375,8 @@ REAL_TACTIC_CASES = [
 def test_experts_tactics_change_no_bit_real(backend, config_name, first, count, shard, rows,
                                             skew, seed, contract):
     """At the real widths and batches (items of several windows, thousands of them), the
-    launch chain, the fused grid, the claim ahead and two stages per ring slot give the two
-    kernels' bits, and the fused grid with wgmma (with 8 warps and two-stage slots too)
-    gives wgmma's: the small config's tactic contract where the
+    launch chain and the fused grid give the two kernels' bits, and the fused grid with
+    wgmma (with 8 warps too) gives wgmma's: the small config's tactic contract where the
     number of work items and of concurrent waits is a real rank's (the fused kernel's
     first gate faulted only there and at two or more windows). The call's default
     (``default_tactic``: at DEP16 T = 64, four windows, wgmma with 8 warps on sm_90a) gives
@@ -402,14 +388,13 @@ def test_experts_tactics_change_no_bit_real(backend, config_name, first, count, 
     # against the two kernels of the default tile, named explicitly (a DEP owner's default
     # call runs the fused grid, one of the shapes under test)
     base = {False: _bits(engine(*args, tactic={}))}
-    shapes = [dict(pdl_chain=1), dict(fused=1), dict(fused=1, pdl_chain=1), dict(claim_ahead=1),
-              dict(slot_stages=2), dict(slot_stages=2, fused=1, pdl_chain=1)]
+    shapes = [dict(pdl_chain=1), dict(fused=1), dict(fused=1, pdl_chain=1)]
     if shard[1] > 1:  # a TP slice: FC2 has 3 stages per tile, so its items may walk tiles
         shapes += [dict(walk=4), dict(walk=7), dict(walk=4, fused=1)]
     if engine.arch == "sm_90a":
         base[True] = _bits(engine(*args, tactic=dict(wgmma=1)))
         shapes += [dict(wgmma=1, fused=1),
-                   dict(wgmma=1, warps=8, mtiles=2, fused=1, pdl_chain=1, slot_stages=2)]
+                   dict(wgmma=1, warps=8, mtiles=2, fused=1, pdl_chain=1)]
     for tactic in shapes:
         wgmma = bool(tactic.get("wgmma"))
         contract.bitwise(_bits(engine(*args, tactic=tactic)), base[wgmma],

@@ -8,12 +8,13 @@ the GEMMs expect.
   bit-identical to the oracle :mod:`verify.oracles.mx` (``ml_dtypes`` element codecs, the
   block rules written from their definition), and their exact dequantization by
   ``reference.mx`` on the backend's device equal to the oracle's. The backends:
-  ``reference`` (``reference.mx``; also its 128x4 layout undone), ``reference-cuda`` (the
-  same code on CUDA tensors), ``stock`` (torchao's ``to_mx`` (RCEIL) on BF16 input, the
-  library the rule is specified to match), ``fast`` (the project's CuTe DSL quantizer,
-  linear and 128x4 layouts) and every external backend that claims the stage;
-* the reference's MXFP4 weight quantizer and its E4M3, E2M1 and E8M0 codecs against
-  ``ml_dtypes``;
+  ``reference`` (``reference.mx``; also its 128x4 layout undone by ``model.swizzle``),
+  ``reference-cuda`` (the same code on CUDA tensors), ``stock`` (torchao's ``to_mx``
+  (RCEIL) on BF16 input, the library the rule is specified to match), ``fast`` (the
+  project's CuTe DSL quantizer, linear and 128x4 layouts) and every external backend that
+  claims the stage;
+* the MXFP4 weight quantizer and the E4M3, E2M1 and E8M0 codecs of ``model.formats``
+  against ``ml_dtypes``;
 * FlashInfer's ``mxfp8_quantize``: a contract of its own on Blackwell only (its SM90 build
   leaves the outputs unwritten).
 
@@ -28,6 +29,8 @@ import numpy as np
 import pytest
 import torch
 
+from model import formats
+from model import swizzle
 from reference import mx
 from verify import cases
 from verify.oracles import mx as oracle
@@ -118,9 +121,9 @@ def test_quantize_mxfp8_swizzled(backend, config_name, tokens, seed, contract):
 @pytest.mark.parametrize("config_name", cases.STAGE_CONFIGS)
 @pytest.mark.parametrize("tokens", SWIZZLED_TOKENS)
 def test_quantize_mxfp8_swizzled_reference(backend, config_name, tokens, seed, contract):
-    """The same, and ``reference.mx.unswizzle_scales_128x4`` undoes the layout."""
+    """The same, and ``model.swizzle.unswizzle_scales_128x4`` undoes the layout."""
     scales, want_scales = _check_swizzled(backend, config_name, tokens, seed, contract)
-    back = mx.unswizzle_scales_128x4(scales, tokens, cases.config(config_name).latent // 32)
+    back = swizzle.unswizzle_scales_128x4(scales, tokens, cases.config(config_name).latent // 32)
     contract.bitwise(back, want_scales, what="128x4 layout undone")
 
 
@@ -140,13 +143,13 @@ def test_quantize_mxfp4(backend, config_name, matrix, seed, contract):
     w = torch.randn(rows, cols, generator=g) / cols**0.5
     w[0, :32] = torch.tensor([6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, -0.0] + [0.0] * 22)
     w[1, :32] = 2.0**-126  # amax <= 6 * 2^-127: code 0, signed zeros
-    packed, scales = mx.quantize_mxfp4(w)
+    packed, scales = formats.quantize_mxfp4(w)
     codes, want_scales = oracle.quantize(w, "e2m1")
     contract.bitwise(scales, want_scales, what=f"MXFP4 {matrix} scales",
                      index_names=("row", "block"))
     contract.bitwise(packed, oracle.pack_nibbles(codes), what=f"MXFP4 {matrix} packed codes",
                      index_names=("row", "byte"))
-    contract.bitwise(mx.dequantize_mxfp4(packed, scales).double(),
+    contract.bitwise(formats.dequantize_mxfp4(packed, scales).double(),
                      oracle.dequantize(codes, want_scales, "e2m1"),
                      what=f"MXFP4 {matrix} dequantized", index_names=("row", "column"))
 
@@ -160,16 +163,16 @@ def test_codecs_every_code(backend, contract):
     nan_ok = "0 ulp; any NaN payload is a NaN (the codec has no payloads)"
     e4m3 = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     want = torch.from_numpy(e4m3.numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32))
-    contract.within_ulp(mx.e4m3_to_float32(e4m3), want, max_ulp=0, what="E4M3 decode",
+    contract.within_ulp(formats.e4m3_to_float32(e4m3), want, max_ulp=0, what="E4M3 decode",
                         reason=nan_ok)
     e2m1 = torch.arange(16, dtype=torch.int32).to(torch.uint8)
     want = torch.from_numpy(e2m1.numpy().view(ml_dtypes.float4_e2m1fn).astype(np.float32))
-    contract.bitwise(mx.e2m1_to_float32(e2m1), want, what="E2M1 decode")
+    contract.bitwise(formats.e2m1_to_float32(e2m1), want, what="E2M1 decode")
     want = torch.from_numpy(e4m3.numpy().view(ml_dtypes.float8_e8m0fnu).astype(np.float32))
-    contract.within_ulp(mx.e8m0_to_float32(e4m3), want, max_ulp=0, what="E8M0 decode",
+    contract.within_ulp(formats.e8m0_to_float32(e4m3), want, max_ulp=0, what="E8M0 decode",
                         reason=nan_ok)
-    for name, encode, kind, top in (("E4M3", mx.float32_to_e4m3, ml_dtypes.float8_e4m3fn, 448.0),
-                                    ("E2M1", mx.float32_to_e2m1, ml_dtypes.float4_e2m1fn, 6.0)):
+    for name, encode, kind, top in (("E4M3", formats.float32_to_e4m3, ml_dtypes.float8_e4m3fn, 448.0),
+                                    ("E2M1", formats.float32_to_e2m1, ml_dtypes.float4_e2m1fn, 6.0)):
         size = 256 if name == "E4M3" else 16
         values = np.unique(np.arange(size, dtype=np.uint8).view(kind).astype(np.float64))
         values = values[np.isfinite(values) & (np.abs(values) <= top)]

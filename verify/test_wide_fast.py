@@ -34,9 +34,9 @@ import time
 import pytest
 import torch
 
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 from reference.schedules.mailbox import SENTINEL_BF16, SENTINEL_F32
-from reference.weights import LatentMoEWeights
 from verify import cases
 from verify.wide_fast_checks import ROWS, check_armed, check_wide_fast, published_words
 

@@ -697,7 +697,7 @@ class MarlinMoE:
 
 def rank_moe(weights, first: int, count: int, shard: tuple[int, int] = (0, 1), *,
              n_experts_total: int | None = None, device="cuda", **kw) -> tuple[MarlinMoE | None, str]:
-    """The peer over one rank's experts of a ``reference.weights.LatentMoEWeights``: experts
+    """The peer over one rank's experts of a ``model.weights.LatentMoEWeights``: experts
     ``[first, first + count)``, the ``shard = (rank, ranks)`` slice of their intermediate
     (gate and up rows of the slice, the matching w2 columns): ``(MarlinMoE, "")`` or
     ``(None, why)`` where the peer cannot run here."""

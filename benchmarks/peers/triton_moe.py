@@ -108,7 +108,7 @@ from typing import Any
 
 import torch
 
-from reference.mx import dequantize_mxfp4  # our MXFP4 decoded exactly (re-exported)
+from model.formats import dequantize_mxfp4  # our MXFP4 decoded exactly (re-exported)
 
 __all__ = [
     "API_VERSION",
@@ -828,7 +828,7 @@ class TritonMoE:
 
 def rank_moes(weights, first: int, count: int, shard: tuple[int, int] = (0, 1), *,
               warps=(4, 8), device="cuda") -> tuple[dict, str]:
-    """The peer over one rank's experts of a ``reference.weights.LatentMoEWeights``: experts
+    """The peer over one rank's experts of a ``model.weights.LatentMoEWeights``: experts
     ``[first, first + count)``, the ``shard = (rank, ranks)`` slice of their intermediate
     (the gate and up rows of the slice, the matching ``w2`` columns), one ``TritonMoE`` per
     ``num_warps`` in ``warps``: ``({num_warps: TritonMoE}, "")``, or ``({}, why)`` where the

@@ -10,6 +10,8 @@
   record and its timeout;
 * ``fast.device.norm`` -- the RMSNorm of one row by one CTA (``normalize_row``), which
   the RMSNorm kernel runs and the schedules' kernels fuse;
+* ``fast.device.compile`` -- the one compile path of every fast kernel (``compiled``: a
+  kernel class, its ``compile_args`` and a target; one cache);
 * ``SMEM_PER_CTA`` (here) -- the shared-memory budget of one CTA.
 
 Importing this package imports no CuTe DSL; its modules do.

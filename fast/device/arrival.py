@@ -77,6 +77,11 @@ class ArrivalSignalKernel:
     def __init__(self, ranks: int):
         self.ranks = ranks
 
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)]
+
     @cute.jit
     def __call__(self, table: Int64, stream):
         self.kernel(table).launch(grid=(self.ranks, 1, 1), block=(32, 1, 1), stream=stream)
@@ -140,6 +145,11 @@ class ArrivalWaitKernel:
     def __init__(self, ranks: int):
         self.ranks = ranks
         self.threads = 32 * ((ranks + 31) // 32)
+
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 4 + [Int32(1), Int32(0), Int32(0)]
 
     @cute.jit
     def __call__(self, counters: Int64, expected: Int64, error: Int64, timeout_ns: Int64,

@@ -16,7 +16,7 @@ The exponential ``exp_rn`` is the project's own (not ``ex2.approx`` and not libd
 ``expf``): Cody-Waite reduction with Cephes' split of ln 2, a degree-7 Taylor polynomial
 in Horner form, and an exact power-of-two scale, all in the instructions above. It is
 therefore bit-reproducible on the CPU (``reference.emulation.exp_rn``); its constants are
-``reference.exp_tanh``'s (the one place both read them) and its accuracy over FP32
+``model.exp_tanh``'s (the one place both read them) and its accuracy over FP32
 arguments is measured against float64 in ``tests/test_emulation.py``.
 
 Nothing here launches anything. The memory accesses are in ``fast.device.ptx``.
@@ -30,7 +30,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Uint32
 
-from reference.exp_tanh import (
+from model.exp_tanh import (
     EXP_COEFFS,
     EXP_HI,
     EXP_LO,

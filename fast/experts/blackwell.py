@@ -34,7 +34,7 @@ the item's tokens its B = N = ``8 * windows`` columns):
 * weights: TMA (``make_tiled_tma_atom_A`` with ``internal_type=Int8``: the packed E2M1
   codes land in shared memory one per byte, the layout ``kind::mxf8f6f4`` reads when its
   operands differ in width) in stages of 128 rows x 128 k, with their scale factors (TMA of
-  the 128x4 tiled layout, ``reference.mx.swizzle_scales_128x4``), through a ring of
+  the 128x4 tiled layout, ``model.swizzle.swizzle_scales_128x4``), through a ring of
   ``ring`` stages on mbarriers (TMA transaction bytes = the packed bytes read, as CUTLASS
   counts them);
 * activations: the item's rows gathered once per item by all threads (``cp.async``, zero
@@ -71,7 +71,6 @@ engine's tactics (tile, MMA kind, fused grid, walk: only ``ctas``).
 
 from __future__ import annotations
 
-import functools
 import math
 
 import cutlass
@@ -86,6 +85,7 @@ from cutlass.pipeline import NamedBarrier
 from fast.device import SMEM_PER_CTA
 from fast.device import fp32 as h
 from fast.device import ptx as p
+from fast.device.compile import compiled
 from fast.experts.blackwell_layout import (
     ARCHS,
     K_STAGE,
@@ -99,7 +99,8 @@ from fast.experts.kernels import ExpertsGemmKernel
 from fast.experts.layout import WINDOW
 from fast.experts.lists import Workspace
 
-__all__ = ["BlockScaledExpertsKernel", "BlackwellExpertsEngine", "compile_blackwell"]
+__all__ = ["BlockScaledExpertsKernel", "BlackwellExpertsEngine", "compiled_kernel",
+           "compile_blackwell"]
 
 _TOP_K = 16
 _GMEM = cute.AddressSpace.gmem
@@ -180,6 +181,11 @@ class BlockScaledExpertsKernel:
 
     def _mma_tiler(self):
         return (TILE_ROWS, self.tokens, K_STAGE)
+
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 11 + [Int32(1), Int32(1)]
 
     @cute.jit
     def __call__(self, weights: Int64, wscales: Int64, act: Int64, act_scales: Int64,
@@ -544,18 +550,16 @@ def _list_params(g, config, windows: int, strict: bool, empty_rows: bool) -> dic
     }
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(kind: str, arch: str, params: tuple):
-    from fast import backend
+def compiled_kernel(kind: str, arch: str, params: tuple):
+    """The kernel ``kind`` (the Hopper engine's ``lists`` and ``plan``, or ``fc1`` / ``fc2``:
+    the block-scaled GEMM) compiled for ``arch`` (``fast.device.compile``; cached there)."""
     from fast.experts import engine
 
     if kind in ("lists", "plan"):
         return engine.compiled_kernel(kind, arch, params)
     if arch not in ARCHS:
         raise ValueError(f"the block-scaled experts kernel targets {'/'.join(ARCHS)}, got {arch}")
-    obj = BlockScaledExpertsKernel(**dict(params))
-    return cute.compile(obj, *([Int64(0)] * 11), Int32(1), Int32(1), backend.fake_stream(),
-                        options=f"--gpu-arch {arch}")
+    return compiled(BlockScaledExpertsKernel, arch, params)
 
 
 def compile_blackwell(geometry, config, *, windows: int, arch: str, capture: bool = False,
@@ -568,7 +572,7 @@ def compile_blackwell(geometry, config, *, windows: int, arch: str, capture: boo
         raise ValueError(f"windows must be 1, 2 or 4, got {windows}")
     params = {**_list_params(geometry, config, windows, strict, empty_rows),
               **_fc_params(geometry, config, windows, capture)}
-    return [_compiled(kind, arch, p_) for kind, p_ in params.items()]
+    return [compiled_kernel(kind, arch, p_) for kind, p_ in params.items()]
 
 
 class BlackwellExpertsEngine:
@@ -683,7 +687,7 @@ class BlackwellExpertsEngine:
 
         c = self.config
         for kind, p_ in self._params(choose_windows(rows, c.top_k, c.experts), False).items():
-            _compiled(kind, self.arch, p_)
+            compiled_kernel(kind, self.arch, p_)
 
     def __call__(self, codes, scales, ids, *, out=None, windows: int | None = None,
                  validate: bool = True, capture: bool = False, ctas: int | None = None,
@@ -708,7 +712,7 @@ class BlackwellExpertsEngine:
         if rows == 0:
             return (out, self.capture_buffers(0)) if capture else out
         c = self.config
-        fn = {kind: _compiled(kind, self.arch, p_)
+        fn = {kind: compiled_kernel(kind, self.arch, p_)
               for kind, p_ in self._params(windows, capture).items()}
         cap = self.capture_buffers(rows) if capture else None
 

@@ -6,7 +6,7 @@ tested on the CPU (``tests/test_experts_blackwell.py``).
 
 The tensor cores read the checkpoint's MXFP4 weights as they are: packed E2M1 codes
 (element ``2i`` in the low nibble), K-major, and E8M0 scales per 32 k in the 128x4 tiled
-layout of the tcgen05 scale-factor atom (``reference.mx.swizzle_scales_128x4``: 512-byte
+layout of the tcgen05 scale-factor atom (``model.swizzle.swizzle_scales_128x4``: 512-byte
 chunks of 128 rows x 4 scales, ``(row % 32) * 16 + (row % 128 // 32) * 4 + col % 4``
 inside a chunk, chunks k-major then row-major). The one rearrangement is FC1's row order
 (``fc1_row_order``): a 128-row tile holds 64 whole intermediate columns (two MXFP8
@@ -23,8 +23,8 @@ import functools
 import torch
 
 from fast.experts.layout import ExpertTensors, Geometry, check_selection
-from reference.mx import swizzle_scales_128x4
-from reference.weights import LatentMoEWeights
+from model.swizzle import swizzle_scales_128x4
+from model.weights import LatentMoEWeights
 
 __all__ = [
     "TILE_ROWS",

@@ -14,8 +14,8 @@ from fast.experts.layout import WINDOW, PreparedExperts, stages_of
 
 __all__ = ["ExpertsEngine", "EngineScratch", "Capture", "EngineError", "choose_windows",
            "choose_tile", "choose_tactic", "choose_walk", "complete_tactic", "check_tactic",
-           "TACTIC_KEYS", "WGMMA_TILE", "WGMMA_TILE_ROWS", "kernel_params", "compiled_kernel",
-           "compile_all"]
+           "TACTIC_KEYS", "WGMMA_TILE", "WGMMA_TILE_ROWS", "kernel_params", "kernel_class",
+           "compiled_kernel", "compile_all"]
 
 _TOP_K = 16
 
@@ -142,7 +142,7 @@ def choose_walk(inter: int, latent: int, tile_rows: int) -> int:
 
 #: The keys of an FC kernel tactic (``ExpertsEngine.__call__``).
 TACTIC_KEYS = ("warps", "mtiles", "ring", "chains", "occupancy", "pdl", "wgmma", "pdl_chain",
-               "fused", "claim_ahead", "ctas", "walk", "resident_b", "slot_stages")
+               "fused", "ctas", "walk")
 
 
 def check_ctas(ctas, owner: str) -> None:
@@ -186,52 +186,29 @@ def complete_tactic(tactic: dict, arch: str) -> dict:
     slice whose FC2 walks, up to two windows of pairs per expert; its
     contracts pass on the H200): FC1 and FC2 in one persistent grid
     (``kernels.FusedExpertsKernel``), an FC2 item waiting only for its own expert's FC1
-    items. ``claim_ahead`` (default False; its contracts pass on the H200, and it measured
-    0-7% slower than the default): each CTA claims, locates and fills the token table of
-    its next item while the current item streams its first stages, so an item starts with
-    its copies (aimed at short items: FC2 of a TP8 slice has 3 stages); not with
-    ``fused``. ``resident_b`` (default on; only with ``walk``): a walked FC2 item copies its
-    B operand once and keeps it in shared memory for all its row tiles (``resident_b=0``:
-    copied again with every tile, as before it measured 1-4% slower at TP8 256..1024 rows).
-    ``slot_stages`` (default 1; its contracts pass on the H200): 2 stages per ring slot,
-    which takes 10% of the main loop's instructions per weight byte at four windows and
-    measured 2% faster there, 0-11% slower at one and two (``docs/stages/experts.md``).
-    No tactic changes a bit."""
+    items. No tactic changes a bit."""
     tactic = {"wgmma": False, "pdl_chain": False, "fused": False, **tactic}
-    if tactic["fused"] and tactic.get("claim_ahead"):
-        raise ValueError("ExpertsEngine: tactic claim_ahead is for the two-kernel path; the "
-                         "fused grid claims its items from one counter for both GEMMs (an "
-                         "engine of whole experts runs the fused grid by default: add fused=0)")
     if tactic["wgmma"] and arch != "sm_90a":
         raise ValueError(f"ExpertsEngine: tactic wgmma needs sm_90a (warpgroup MMA is Hopper's), "
                          f"the target is {arch}")
     return tactic
 
 
-@functools.lru_cache(maxsize=None)
-def compiled_kernel(kind: str, arch: str, params: tuple):
-    """The kernel ``kind`` of :func:`kernel_params` compiled for ``arch`` with ``params``
-    (fake arguments, no GPU needed; cached)."""
-    import cutlass.cute as cute
-    from cutlass import Int32, Int64
-
+def kernel_class(kind: str) -> type:
+    """The class of the kernel ``kind`` of :func:`kernel_params`."""
     from fast.experts import kernels, lists
 
-    kw = dict(params)
-    if kind == "lists":
-        obj = lists.RoutingListsKernel(**kw)
-        args = [Int64(0)] * 6 + [Int32(1), Int32(1)]
-    elif kind == "plan":
-        obj = lists.PlanKernel(**kw)
-        args = [Int64(0), Int32(1), Int32(1)]
-    elif kind == "fused":
-        obj = kernels.FusedExpertsKernel(kernels.ExpertsGemmKernel(**dict(kw["fc1"])),
-                                         kernels.ExpertsGemmKernel(**dict(kw["fc2"])))
-        args = [Int64(0)] * 12 + [Int32(1), Int32(1)]
-    else:
-        obj = kernels.ExpertsGemmKernel(**kw)
-        args = [Int64(0)] * 9 + [Int32(1), Int32(1)]
-    return cute.compile(obj, *args, backend.fake_stream(), options=f"--gpu-arch {arch}")
+    return {"lists": lists.RoutingListsKernel, "plan": lists.PlanKernel,
+            "fused": kernels.FusedExpertsKernel, "fc1": kernels.ExpertsGemmKernel,
+            "fc2": kernels.ExpertsGemmKernel}[kind]
+
+
+def compiled_kernel(kind: str, arch: str, params: tuple):
+    """The kernel ``kind`` of :func:`kernel_params` compiled for ``arch`` with ``params``
+    (``fast.device.compile``: fake arguments, no GPU needed; cached)."""
+    from fast.device.compile import compiled
+
+    return compiled(kernel_class(kind), arch, params)
 
 
 @functools.lru_cache(maxsize=None)
@@ -258,17 +235,15 @@ def compile_all(prepared_geometry, config, *, windows: int, arch: str, capture: 
 def kernel_params(g, config, windows: int, capture: bool, strict: bool,
                   tactic: dict | None = None, empty_rows: bool = False) -> dict:
     """The compile parameters (kind -> sorted items) of one call's kernels of the prepared
-    geometry ``g`` at ``windows`` with ``tactic`` (complete: :func:`complete_tactic`)."""
+    geometry ``g`` at ``windows`` (1, 2 or 4) with ``tactic`` (complete:
+    :func:`complete_tactic`)."""
+    if windows not in (1, 2, 4):
+        raise ValueError(f"ExpertsEngine: windows must be 1, 2 or 4, got {windows}")
     common = dict(inter=g.inter, latent=g.latent, count=g.count, windows=windows,
                   top_k=config.top_k, capture=capture, pdl=True)
     common.update(tactic or {})
     common.pop("ctas", None)  # a launch size, not a kernel parameter
     walk = common.pop("walk", 1)  # FC2's row tiles per item (FC1's items are long)
-    # two stages per ring slot: FC1 (its 28 stages at L = 3584), and FC2 where it does not
-    # walk and its stages pair up
-    slot_stages = common.pop("slot_stages", 1)
-    fc1_slot = {"slot_stages": slot_stages} if slot_stages != 1 else {}
-    fc2_slot = fc1_slot if walk == 1 and stages_of(g.inter) % slot_stages == 0 else {}
     chain = bool(common.pop("pdl_chain", False))
     fused = bool(common.pop("fused", False))
     params = {
@@ -278,10 +253,10 @@ def kernel_params(g, config, windows: int, capture: bool, strict: bool,
         "plan": tuple(sorted(dict(count=g.count, windows=windows, pdl_chain=chain,
                                   fused=fused).items())),
         "fc1": tuple(sorted(dict(common, fc1=True, rows=2 * g.inter, k=g.latent,
-                                 **fc1_slot, beta=float(config.situ_beta), pdl_chain=chain,
+                                 beta=float(config.situ_beta), pdl_chain=chain,
                                  linear_beta=float(config.situ_linear_beta)).items())),
         "fc2": tuple(sorted(dict(common, fc1=False, rows=g.latent, k=g.inter, capture=False,
-                                 walk=walk, **fc2_slot).items())),
+                                 walk=walk).items())),
     }
     if fused:  # one persistent grid for both GEMMs (kernels.FusedExpertsKernel)
         params["fused"] = (("fc1", params.pop("fc1")), ("fc2", params.pop("fc2")))
@@ -378,9 +353,6 @@ class ExpertsEngine:
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self._null = torch.zeros(16, dtype=torch.uint8, device=dev)
         self.tactic = check_tactic(tactic or {}, self.arch, "ExpertsEngine")
-        # over the default grid too, so a conflict (claim_ahead on a fused default) is
-        # refused here rather than at every call
-        complete_tactic(self.default_tactic(1), self.arch)
 
     # -- checks -----------------------------------------------------------------------
 
@@ -446,8 +418,7 @@ class ExpertsEngine:
             out: optional BF16 ``[R*K, L]`` output (rows of pairs that are not local are
                 left untouched); default a new NaN-filled tensor.
             windows: windows of 8 tokens per work item (default ``choose_windows``): 1, 2
-                or 4, and 8 with the ``wgmma`` tactic (one ``m64n64k16`` per step; fewer
-                passes over a popular expert's weights, at two CTAs per multiprocessor).
+                or 4.
             validate: read the kernels' error word after the call (one synchronization)
                 and raise ``EngineError`` for an id outside ``[0, E)``, a routing list over
                 its capacity, or (strict) a non-local expert. Pass False inside CUDA-graph
@@ -460,25 +431,19 @@ class ExpertsEngine:
                 and wrote its ``plan`` rows (``fast.schedules.wide_route``); the call
                 then launches from the plan kernel on.
             tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
-                "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "claim_ahead", "ctas",
-                "walk", "resident_b", "slot_stages"}``
+                "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "ctas", "walk"}``
                 (defaults: ``default_tactic``'s tile and grid, a ring of 4 stages for one
                 window and 3 for more, one accumulator chain, CTAs per multiprocessor
                 from the shared memory, ``pdl`` on: FC1 lets FC2 launch early, and FC2
                 streams its first weights before it waits for FC1's hidden rows; ``wgmma``,
-                ``pdl_chain``, ``fused`` and ``claim_ahead`` as ``complete_tactic``
+                ``pdl_chain`` and ``fused`` as ``complete_tactic``
                 describes them; ``ctas``: the persistent grids' size, default the
                 multiprocessors times the occupancy, smaller so that every CTA runs many
                 items, as at a real rank's batch; ``walk``: FC2 row tiles per work item,
-                streamed back to back through one ring, for FC2 GEMMs of at most
-                ``kernels.WALK_MAX_STAGES`` stages, not with ``claim_ahead``;
-                ``resident_b``: a walked item's B operand copied once, default on;
-                ``slot_stages``: 2 puts two stages in each ring slot, so the ring's wait,
-                barrier and loop step come once per two stages, for FC1 and for an FC2
-                that does not walk and has an even number of stages (the others keep one
-                stage per slot; default 1, a ring of 2 two-stage slots). Warps, m-tiles,
-                ring, occupancy, pdl, pdl_chain, fused, claim_ahead, ctas, walk,
-                resident_b and slot_stages never change a bit; ``chains``
+                streamed back to back through one ring, their B operand copied once
+                and kept in shared memory, for FC2 GEMMs of at most
+                ``kernels.WALK_MAX_STAGES`` stages. Warps, m-tiles, ring, occupancy, pdl,
+                pdl_chain, fused, ctas and walk never change a bit; ``chains``
                 changes the summation order (within the same bound), so a call with a
                 non-default ``chains`` is not batch invariant with the default; ``wgmma``
                 changes the instruction (the contracts hold each MMA kind batch invariant
@@ -487,7 +452,7 @@ class ExpertsEngine:
         Returns:
             ``out``, or ``(out, Capture)`` with ``capture``.
         """
-        rows, out, windows = self.start_call(codes, scales, ids, out, windows, allowed=(1, 2, 4, 8))
+        rows, out, windows = self.start_call(codes, scales, ids, out, windows)
         if rows == 0:
             return (out, self.capture_buffers(0)) if capture else out
         c, g = self.config, self.geometry
@@ -496,9 +461,6 @@ class ExpertsEngine:
         else:
             tactic = check_tactic(tactic, self.arch, "ExpertsEngine")
         tactic = complete_tactic(tactic, self.arch)
-        if windows == 8 and not tactic["wgmma"]:
-            raise ValueError("ExpertsEngine: windows=8 needs the wgmma tactic (mma.sync's "
-                             "accumulators and B fragments of 8 windows do not fit the registers)")
         params = kernel_params(g, c, windows, capture, self.strict, tactic, self.empty_rows)
         fn = {kind: compiled_kernel(kind, self.arch, p) for kind, p in params.items()}
         cap = self.capture_buffers(rows) if capture else None
@@ -566,7 +528,7 @@ class ExpertsEngine:
         256-row tiles divide FC1's ``2 I_s`` and FC2's ``L`` rows (not a TP16 slice's 384)
         and the engine's own tactic names neither the tile nor the MMA: ``warps``,
         ``mtiles``, ``chains`` or ``wgmma``; FC2's walk from ``choose_walk`` for the call's
-        tile, none with ``claim_ahead``), under the engine's own ``tactic``. ``over``: keys
+        tile), under the engine's own ``tactic``. ``over``: keys
         laid over the engine's own tactic first, under the same rules (a variant of the
         default, as the benchmarks time them: ``{"chains": 2}`` gives ``mma.sync``, and
         ``{"warps": 4}`` the walk of 128-row tiles)."""
@@ -578,7 +540,7 @@ class ExpertsEngine:
                  and g.latent % WGMMA_TILE_ROWS == 0
                  and not own.keys() & {"warps", "mtiles", "chains", "wgmma"})
         walk = own.get("walk", 1)
-        if "walk" not in own and not own.get("claim_ahead"):
+        if "walk" not in own:
             tile = {**choose_tile(rows, c.top_k, c.experts, g.count, windows=windows,
                                   wgmma=wgmma), **own}
             walk = choose_walk(g.inter, g.latent, 16 * tile.get("warps", 4) * tile.get("mtiles", 2))

@@ -36,11 +36,6 @@ GATE_SPIN_LIMIT = 1 << 22
 WALK_MAX_STAGES = 8
 
 
-#: The parts of the work ``ExpertsGemmKernel(ablate=...)`` can leave out or cut down
-#: (measurement only: ``benchmarks/experts_ablation.py``; the constructor says what each is).
-ABLATION_PARTS = ("decode", "situ", "bcopy", "wcopy", "mma8", "bcopy16")
-
-
 class ExpertsGemmKernel:
     """One GEMM of the engine over all work items of a call: FC1 (``fc1=True``: SiTU, MXFP8
     re-quantization, BF16 hidden rows) or FC2 (BF16 expert rows).
@@ -84,14 +79,10 @@ class ExpertsGemmKernel:
     tile's rows after its last stage. For a GEMM of few stages (FC2 of a TP slice: 3), where
     an item's claim, search, token table and ring fill would otherwise stand between every
     few stages of weights. The tiles of an item multiply the same B operand (its hidden
-    rows), so a walk keeps it resident (``resident_b``, the default): the first tile's
-    stages copy it once into ``stages`` blocks after the ring, whose slots then hold only
-    weights and scales, and every tile reads it there (``resident_b=False``: copied again
-    with every tile's stages). Each output's sum is the same chunk order: no bit changes.
-
-    Slots of two stages (``slot_stages=2``, not with a walk): each ring slot holds two
-    consecutive stages, so the ring's wait, barrier, commit group and loop step are paid
-    once per two stages; the stages are computed in order, so no bit changes.
+    rows), so a walk keeps it resident (``resident_b``): the first tile's stages copy it
+    once into ``stages`` blocks after the ring, whose slots then hold only weights and
+    scales, and every tile reads it there. Each output's sum is the same chunk order: no
+    bit changes.
 
     Constraints: rows % (16 * warps * mtiles) == 0; K % 64 == 0; for FC1, the CTA's
     ``8 * warps * mtiles / 2`` intermediate columns are whole MXFP8 blocks; ``walk``
@@ -104,15 +95,10 @@ class ExpertsGemmKernel:
                  ring: int | None = None, chains: int = 1, occupancy: int | None = None,
                  capture: bool = False, beta: float = 4.0, linear_beta: float = 25.0,
                  pdl: bool = False, wgmma: bool = False, pdl_chain: bool = False,
-                 claim_ahead: bool = False, walk: int = 1, resident_b: bool = True,
-                 slot_stages: int = 1, ablate: tuple = ()):
+                 walk: int = 1):
         # measured on the H200: a 4-stage ring for one window, 3 stages (one more CTA per
-        # multiprocessor) for more; with two stages per slot, 2 slots (the same bytes in
-        # flight as 3 single-stage slots); the ring depth never changes a bit
-        if slot_stages not in (1, 2):
-            raise ValueError(f"slot_stages (stages per ring slot) must be 1 or 2, got "
-                             f"{slot_stages!r}")
-        ring = ring or (2 if slot_stages == 2 else 4 if windows == 1 else 3)
+        # multiprocessor) for more; the ring depth never changes a bit
+        ring = ring or (4 if windows == 1 else 3)
         if chains not in (1, 2, 4) or ring < 2:
             raise ValueError(f"chains must be 1, 2 or 4 and ring >= 2, got {chains}, {ring}")
         self.RING, self.chains = ring, chains
@@ -120,20 +106,6 @@ class ExpertsGemmKernel:
         if self.wgmma and (warps % 4 or chains != 1):
             raise ValueError(f"wgmma needs whole warpgroups (warps % 4 == 0) and one accumulator "
                              f"chain, got warps={warps}, chains={chains}")
-        #: measurement only (``benchmarks/experts_ablation.py``), never from the engine's
-        #: tactics: parts of the work left out to time the rest; the rows are WRONG.
-        #: ``decode``: the prepared words go to the MMA as they are (no bit operations, no
-        #: scale multiplies); ``situ``: FC1's activation is its gate sum (no SiTU math);
-        #: ``bcopy``: no B-operand copies (the MMAs read what the ring holds); ``wcopy``: no
-        #: weight or scale copies (the decode reads what the ring holds); ``mma8``: the MMAs
-        #: of the first window only (one ``m64n8k16`` per step, or ``mma.sync``'s window 0);
-        #: ``bcopy16`` (wgmma): each 16-byte token piece copied whole into one core matrix
-        #: (the traffic of B rows stored in the MMA's k order; the k order is then wrong)
-        self.ablate = tuple(sorted(ablate))
-        unknown = set(self.ablate) - set(ABLATION_PARTS)
-        if unknown:
-            raise ValueError(f"ablate: unknown parts {sorted(unknown)}; the parts are "
-                             f"{ABLATION_PARTS}")
         self.fc1, self.rows, self.k, self.inter, self.latent = fc1, rows, k, inter, latent
         self.count, self.windows, self.top_k = count, windows, top_k
         self.warps, self.mtiles, self.capture = warps, mtiles, capture
@@ -142,10 +114,6 @@ class ExpertsGemmKernel:
         #: FC1 launched with programmatic dependent launch after the plan kernel (waits
         #: for it before the first claim)
         self.pdl_chain = bool(pdl_chain) and fc1
-        #: claim, locate and fill the token table of the CTA's next item during the
-        #: current item's first two stages (two item buffers), so an item starts with
-        #: its copies instead of the claim's, the search's and the list's round trips
-        self.claim_ahead = bool(claim_ahead)
         #: set by ``FusedExpertsKernel``: FC1 counts each finished item at its expert
         #: (``signal``), FC2 waits for its expert's count before reading hidden rows
         #: (``gate``; ``fc1_tiles``: FC1 tiles per window group)
@@ -167,19 +135,9 @@ class ExpertsGemmKernel:
         if not isinstance(walk, int) or walk < 1 or self.tiles % walk:
             raise ValueError(f"walk must be an int >= 1 dividing the {self.tiles} row tiles, "
                              f"got {walk!r}")
-        if walk > 1 and (fc1 or claim_ahead or self.stages > WALK_MAX_STAGES):
+        if walk > 1 and (fc1 or self.stages > WALK_MAX_STAGES):
             raise ValueError(f"walk > 1 is for FC2 GEMMs of at most {WALK_MAX_STAGES} stages "
-                             f"without claim_ahead (got fc1={fc1}, {self.stages} stages, "
-                             f"claim_ahead={claim_ahead})")
-        #: stages per ring slot (one barrier, one commit group and one loop iteration per
-        #: slot): 2 halves the ring's per-stage costs; the stages of a slot are computed in
-        #: order, so the sums and the bits are those of single-stage slots
-        self.slot_stages = slot_stages
-        self.slots_per_tile = self.stages // slot_stages  # ring slots' worth of one tile
-        if slot_stages > 1 and (walk > 1 or claim_ahead or self.stages % slot_stages):
-            raise ValueError(f"slot_stages={slot_stages} needs a GEMM whose stages pair up, "
-                             f"without walk or claim_ahead (got {self.stages} stages, "
-                             f"walk={walk}, claim_ahead={claim_ahead})")
+                             f"(got fc1={fc1}, {self.stages} stages)")
         #: work items per window group: tiles // walk
         self.item_tiles = self.tiles // walk
         #: bytes of one row tile's weights and of its scales (a walk's stride between tiles)
@@ -193,23 +151,24 @@ class ExpertsGemmKernel:
         #: a walked item's tiles share one B operand (the same hidden rows at every tile):
         #: its ``stages`` B blocks stay resident after the ring, copied once per item, and
         #: a ring slot holds only weights and scales
-        #: (tactic ``resident_b=0``: copied again at every tile, as before; no bit changes)
-        self.resident_b = walk > 1 and bool(resident_b)
+        self.resident_b = walk > 1
         self.w_offset = 0 if self.resident_b else self.b_bytes  # weights' offset in a slot
-        self.slot_bytes = self.w_offset + self.w_bytes + self.s_bytes  # one stage's
-        #: one ring slot: ``slot_stages`` stages' blocks back to back
-        self.ring_slot_bytes = slot_stages * self.slot_bytes
+        self.slot_bytes = self.w_offset + self.w_bytes + self.s_bytes  # one ring slot's
         self.granules = WINDOW * windows * 8 * self.stage_chunks  # 16-byte B copies per stage
         # dynamic: the ring, then (walked) the resident B operand
-        self.smem_bytes = ring * self.ring_slot_bytes + (self.stages * self.b_bytes
-                                                    if self.resident_b else 0)
-        items = 2 if self.claim_ahead else 1  # item buffers (info, token table)
-        static = 4 * (8 * items + 3 * WINDOW * windows * items
-                      + warps * mtiles * WINDOW * windows) + 1024
+        self.smem_bytes = ring * self.slot_bytes + (self.stages * self.b_bytes
+                                               if self.resident_b else 0)
+        # static: the item's info and token table, the FC1 epilogue's block maxima
+        static = 4 * (8 + 3 * WINDOW * windows + warps * mtiles * WINDOW * windows) + 1024
         #: CTAs per multiprocessor the kernel is built for (launch bounds; the grid size)
         self.occupancy = occupancy or max(1, min(8, SMEM_PER_CTA // (self.smem_bytes + static)))
         self.ws = Workspace(count)
         self.search_steps = max(1, math.ceil(math.log2(count + 1)))
+
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 9 + [Int32(1), Int32(1)]
 
     @cute.jit
     def __call__(self, weights: Int64, scales: Int64, act: Int64, lists: Int64, work: Int64,
@@ -288,37 +247,19 @@ class ExpertsGemmKernel:
         tiles = Int32(self.item_tiles)
         first = Int32(1)
         item = self.claim(work, info, tid, tiles)
-        if cutlass.const_expr(self.claim_ahead):
-            # two item buffers: the current item's, and the next one's, which the current
-            # item claims and fills (``_main_loop``); a barrier ends each item
-            INFO: cutlass.Constexpr = 32
-            TABLE: cutlass.Constexpr = 3 * self.tokens * 4
-            self._token_table_at(lists, work, table, info, capacity, tid)
-            buf = Int32(0)
-            while item >= 0:
-                self._item(weights, scales, act, lists, work, out, cap_fc1, cap_codes,
-                           cap_scales, capacity, ring, info + buf * INFO, table + buf * TABLE,
-                           red, acc, src, dst, ok, tid, lane, warp, first,
-                           ahead=(info + (1 - buf) * INFO, table + (1 - buf) * TABLE))
-                cute.arch.sync_threads()
-                first = Int32(0)
-                buf = 1 - buf
-                item = p.lds_i32(info + buf * INFO)
-        else:
-            while item >= 0:
-                self._item(weights, scales, act, lists, work, out, cap_fc1, cap_codes,
-                           cap_scales, capacity, ring, info, table, red, acc, src, dst, ok, tid,
-                           lane, warp, first)
-                first = Int32(0)
-                item = self.claim(work, info, tid, tiles)
+        while item >= 0:
+            self._item(weights, scales, act, lists, work, out, cap_fc1, cap_codes,
+                       cap_scales, capacity, ring, info, table, red, acc, src, dst, ok, tid,
+                       lane, warp, first)
+            first = Int32(0)
+            item = self.claim(work, info, tid, tiles)
 
     def _shared(self):
         """(ring, info, table, red): the dynamic ring and the static per-item tables."""
         TOK: cutlass.Constexpr = WINDOW * self.windows
-        items: cutlass.Constexpr = 2 if self.claim_ahead else 1
         ring = p.pinned_i32(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=128).toint())
-        info = cute.arch.alloc_smem(Int32, 8 * items, alignment=16).toint()
-        table = cute.arch.alloc_smem(Int32, 3 * TOK * items, alignment=16).toint()
+        info = cute.arch.alloc_smem(Int32, 8, alignment=16).toint()
+        table = cute.arch.alloc_smem(Int32, 3 * TOK, alignment=16).toint()
         red = cute.arch.alloc_smem(Float32, self.warps * self.mtiles * TOK, alignment=16).toint()
         return ring, info, table, red
 
@@ -334,10 +275,8 @@ class ExpertsGemmKernel:
     @cute.jit
     def _item(self, weights: Int64, scales: Int64, act: Int64, lists: Int64, work: Int64,
               out: Int64, cap_fc1: Int64, cap_codes: Int64, cap_scales: Int64, capacity,
-              ring, info, table, red, acc, src, dst, ok, tid, lane, warp, first, ahead=None):
-        """The work item ``info`` describes (``claim``): token table, main loop, epilogue.
-        ``ahead``: (info, table) of the CTA's next item (tactic ``claim_ahead``: this item's
-        table is already filled, and the main loop claims and fills the next one)."""
+              ring, info, table, red, acc, src, dst, ok, tid, lane, warp, first):
+        """The work item ``info`` describes (``claim``): token table, main loop, epilogue."""
         W: cutlass.Constexpr = self.windows
         MT: cutlass.Constexpr = self.mtiles
         SC: cutlass.Constexpr = self.stage_chunks
@@ -351,8 +290,7 @@ class ExpertsGemmKernel:
         group = p.lds_i32(info + 12)
         ntok = p.lds_i32(info + 16)
         # 1. token table: pair, B row, hidden row
-        if cutlass.const_expr(ahead is None):
-            self.token_table(lists, work, table, expert, group, ntok, capacity, tid)
+        self.token_table(lists, work, table, expert, group, ntok, capacity, tid)
         cute.arch.sync_threads()
         # this thread's B copies of every stage: source row address, shared offset
         for i in cutlass.range_constexpr(copies):
@@ -363,10 +301,7 @@ class ExpertsGemmKernel:
             n = token % WINDOW
             cc = gi // 8
             kk = gi % 8
-            if cutlass.const_expr(self.wgmma and "bcopy16" in self.ablate):
-                # (measurement only) each piece whole, to the core matrix of its 8 k
-                dst[i] = ((window * SC + cc) * 8 + kk) * 128 + n * 16
-            elif cutlass.const_expr(self.wgmma):
+            if cutlass.const_expr(self.wgmma):
                 dst[i] = b_offset_wgmma(window, n, cc, kk, SC)
             else:
                 dst[i] = b_offset_mma(window, n, cc, kk, SC)
@@ -399,11 +334,7 @@ class ExpertsGemmKernel:
             for live in cutlass.range_constexpr(1, W + 1):
                 if nwin == live:
                     self._main_loop(acc, src, dst, ok, wbase, sbase, ring, warp, lane, live,
-                                    first, work, info, tid, lists, capacity, ahead)
-            if cutlass.const_expr(ahead is not None and self.stages < 2):
-                # one stage: the next item was claimed in it; its table after a barrier
-                cute.arch.sync_threads()
-                self._token_table_at(lists, work, ahead[1], ahead[0], capacity, tid)
+                                    first, work, info, tid)
             self._join_chains(acc)
             # 3. epilogue
             if cutlass.const_expr(self.fc1):
@@ -413,13 +344,6 @@ class ExpertsGemmKernel:
                     self._signal_ready(work, expert, tid)
             else:
                 self._epilogue_fc2(acc, table, out, lane, warp, tile, ntok)
-
-    @cute.jit
-    def _token_table_at(self, lists: Int64, work: Int64, table, info, capacity, tid):
-        """``token_table`` of the item ``info`` holds (nothing when it holds none)."""
-        if p.lds_i32(info) >= 0:
-            self.token_table(lists, work, table, p.lds_i32(info + 4), p.lds_i32(info + 12),
-                              p.lds_i32(info + 16), capacity, tid)
 
     @cute.jit
     def token_table(self, lists: Int64, work: Int64, table, expert, group, ntok, capacity, tid):
@@ -445,23 +369,16 @@ class ExpertsGemmKernel:
 
     @cute.jit
     def _main_loop(self, acc, src, dst, ok, wbase, sbase, ring, warp, lane, live: int, first,
-                   work: Int64, info, tid, lists: Int64, capacity, ahead=None):
+                   work: Int64, info, tid):
         """Every stage of one item through the ``RING``-slot ring: copies issued
-        ``RING - 1`` slots ahead, then the stage's MMAs for the first ``live`` windows
-        (``slot_stages`` P: each slot, one barrier and one commit group hold P stages,
-        copied and computed in stage order).
+        ``RING - 1`` stages ahead, then the stage's MMAs for the first ``live`` windows.
 
         FC2 launched with programmatic dependent launch (``pdl``), on its CTA's ``first``
         item: the weights of the first ``RING - 1`` stages are requested, then
         ``griddepcontrol.wait`` (FC1 complete, its hidden rows visible), then those
         stages' hidden-row copies, all in the first of ``RING - 1`` commit groups (the
-        others empty), so the ring's waits count groups as in the plain prologue.
-
-        ``ahead`` (tactic ``claim_ahead``): after stage 0's barrier thread 0 claims and
-        locates the CTA's next item into ``ahead[0]``; after stage 1's barrier the first
-        ``tokens`` threads fill its token table ``ahead[1]`` (``_item`` does it after the
-        loop when the GEMM has one stage)."""
-        NS: cutlass.Constexpr = self.slots_per_tile
+        others empty), so the ring's waits count groups as in the plain prologue."""
+        NS: cutlass.Constexpr = self.stages
         RING: cutlass.Constexpr = self.RING
         self._fill_ring(src, dst, ok, wbase, sbase, ring, warp, lane, first, work, info, tid)
         for s in cutlass.range(NS, unroll=1):
@@ -470,19 +387,12 @@ class ExpertsGemmKernel:
                 # this thread's completed copies, visible to the wgmma reads (async proxy)
                 cute.arch.fence_view_async_shared()
             cute.arch.sync_threads()
-            if cutlass.const_expr(ahead is not None):
-                if s == 0:
-                    if tid == 0:
-                        self.claim_locate(work, ahead[0], Int32(self.item_tiles))
-                if cutlass.const_expr(NS >= 2):
-                    if s == 1:
-                        self._token_table_at(lists, work, ahead[1], ahead[0], capacity, tid)
             issue = s + RING - 1
             if issue < NS:
-                self._issue_slot(src, dst, ok, wbase, sbase,
-                                 ring + (issue % RING) * self.ring_slot_bytes, issue, warp, lane)
+                self._issue(src, dst, ok, wbase, sbase, ring + (issue % RING) * self.slot_bytes,
+                            issue, warp, lane)
             cute.arch.cp_async_commit_group()
-            self._compute_slot(acc, ring + (s % RING) * self.ring_slot_bytes, warp, lane, live)
+            self._compute(acc, ring + (s % RING) * self.slot_bytes, warp, lane, live)
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit
@@ -490,8 +400,9 @@ class ExpertsGemmKernel:
                    work: Int64, info, tid, table, out: Int64, tile, ntok):
         """The ``walk`` tiles of one FC2 item through the ring: virtual stage
         ``v = g * stages + s`` is stage ``s`` of the item's tile ``g`` (its weights one tile
-        further on; its B operand, the same hidden rows, copied again into the slot),
-        copies issued ``RING - 1`` virtual stages ahead across the tiles' boundaries; after
+        further on; its B operand, the same hidden rows, copied once with the first tile's
+        stages into the resident blocks after the ring, ``_b_slot``), copies issued
+        ``RING - 1`` virtual stages ahead across the tiles' boundaries; after
         tile g's last stage its chains are joined, its rows written and its accumulators
         zeroed. The prologue is ``_main_loop``'s (``_fill_ring``) over virtual stages."""
         NS: cutlass.Constexpr = self.stages
@@ -516,14 +427,14 @@ class ExpertsGemmKernel:
                     self._issue(src, dst, ok, wbase + Int64(g + dg) * self.tile_weight_bytes,
                                 sbase + Int64(g + dg) * self.tile_scale_bytes,
                                 ring + slot * self.slot_bytes, ds, warp, lane,
-                                operand_b=not self.resident_b)
-                    if cutlass.const_expr(self.resident_b and dg == 0):
+                                operand_b=False)
+                    if cutlass.const_expr(dg == 0):
                         if g == 0:
                             self._issue(src, dst, ok, wbase, sbase, Int32(0), ds, warp, lane,
                                         weights=False, bslot=self._b_slot(ring, ds))
                 cute.arch.cp_async_commit_group()
                 self._compute(acc, ring + ((g * NS + s) % RING) * self.slot_bytes, warp, lane,
-                              live, bslot=self._b_slot(ring, s) if self.resident_b else None)
+                              live, bslot=self._b_slot(ring, s))
             self._join_chains(acc)
             self._epilogue_fc2(acc, table, out, lane, warp, tile + g, ntok)
             for i in cutlass.range_constexpr(MT * self.windows * 4 * self.chains):
@@ -553,27 +464,26 @@ class ExpertsGemmKernel:
     def _prologue(self, src, dst, ok, wbase, sbase, ring, warp, lane, wait=None):
         """The ring's first ``RING - 1`` slots: slot ``v`` holds virtual stage ``v``, stage
         ``v % stages`` of the item's tile ``v // stages`` (tiles beyond the first only in
-        a walk), or with ``slot_stages`` P > 1 the stages ``P v .. P v + P - 1`` of the
-        item's one tile. Without ``wait``, one commit group each. With ``wait`` (the
+        a walk). Without ``wait``, one commit group each. With ``wait`` (the
         B operand must wait: traced here, a grid dependency or a ready count) their weights
         are requested, then ``wait()``, then their B copies, all in the first of the
         ``RING - 1`` commit groups (the others empty), so the loop's waits count groups as
         after the plain prologue."""
         # a plain method (its callable argument is traced where it is called): the loops
         # and tests are Python's, over compile-time ints
-        virtual = range(min(self.RING - 1, self.walk * self.slots_per_tile))
+        virtual = range(min(self.RING - 1, self.walk * self.stages))
 
         def issue(v, operand_b=True, weights=True):
-            g, st = divmod(v, self.slots_per_tile)
+            g, st = divmod(v, self.stages)
             w, sc = wbase, sbase
             if g:
                 w, sc = wbase + g * self.tile_weight_bytes, sbase + g * self.tile_scale_bytes
             if self.resident_b:  # the B operand once, with the first tile's stages
                 operand_b = operand_b and g == 0
             if operand_b or weights:
-                self._issue_slot(src, dst, ok, w, sc, ring + v * self.ring_slot_bytes, st,
-                                 warp, lane, operand_b=operand_b, weights=weights,
-                                 bslot=self._b_slot(ring, st) if self.resident_b else None)
+                self._issue(src, dst, ok, w, sc, ring + v * self.slot_bytes, st, warp, lane,
+                            operand_b=operand_b, weights=weights,
+                            bslot=self._b_slot(ring, st) if self.resident_b else None)
 
         if wait is None:
             for v in range(self.RING - 1):
@@ -588,21 +498,6 @@ class ExpertsGemmKernel:
             issue(v, weights=False)
         for _ in range(self.RING - 1):
             cute.arch.cp_async_commit_group()
-
-    def _issue_slot(self, src, dst, ok, wbase, sbase, slot, index, warp, lane,
-                    operand_b=True, weights=True, bslot=None):
-        """``_issue`` for each stage of ring slot ``slot``, which holds stages
-        ``slot_stages * index ..`` of the tile, one after another. A plain method (loops
-        over compile-time ints), traced where it is called."""
-        for j in range(self.slot_stages):
-            self._issue(src, dst, ok, wbase, sbase, slot + j * self.slot_bytes,
-                        index * self.slot_stages + j, warp, lane, operand_b=operand_b,
-                        weights=weights, bslot=bslot)
-
-    def _compute_slot(self, acc, slot, warp, lane, live: int):
-        """``_compute`` for each stage of ring slot ``slot``, in stage order."""
-        for j in range(self.slot_stages):
-            self._compute(acc, slot + j * self.slot_bytes, warp, lane, live)
 
     def _b_slot(self, ring, stage):
         """Shared address of a walked item's resident B operand of ``stage``: after the
@@ -712,17 +607,17 @@ class ExpertsGemmKernel:
         MT: cutlass.Constexpr = self.mtiles
         copies: cutlass.Constexpr = (self.granules + self.threads - 1) // self.threads
         offset = Int64(stage) * (64 * SC * 2)
-        if cutlass.const_expr(operand_b and "bcopy" not in self.ablate):
+        if cutlass.const_expr(operand_b):
             for i in cutlass.range_constexpr(copies):
                 if ok[i] >= 0:
-                    if cutlass.const_expr(self.wgmma and "bcopy16" not in self.ablate):
+                    if cutlass.const_expr(self.wgmma):
                         # the piece's four words to four core matrices (b_offset_wgmma)
                         for m in cutlass.range_constexpr(4):
                             p.cp_async_4z(bslot + dst[i] + m * WGMMA_WORD_STRIDE,
                                           src[i] + offset + 4 * m, ok[i] != 0)
                     else:
                         p.cp_async_16(bslot + dst[i], src[i] + offset, ok[i] != 0)
-        if cutlass.const_expr(weights and "wcopy" not in self.ablate):
+        if cutlass.const_expr(weights):
             wslot = slot + self.w_offset + warp * (MT * SC * 512) + lane * 16
             for mt in cutlass.range_constexpr(MT):
                 for cc in cutlass.range_constexpr(SC):
@@ -796,10 +691,8 @@ class ExpertsGemmKernel:
             for w in cutlass.range_constexpr(live):
                 address = bslot + (((w * SC + cc) * 2) * 32 + lane) * 16
                 bs.append(list(p.lds_v4(address)) + list(p.lds_v4(address + 512)))
-            # (measurement only, ``mma8``: window 0's MMAs alone)
-            issued = 1 if "mma8" in self.ablate else live
             for j in cutlass.range_constexpr(4):
-                for w in cutlass.range_constexpr(issued):
+                for w in cutlass.range_constexpr(live):
                     self._mma_step(acc, frags, bs[w], j, w)
 
     @cute.jit
@@ -811,9 +704,6 @@ class ExpertsGemmKernel:
         f1 = self._factor(x, 2 * cc + 1)
         if cutlass.const_expr(not isinstance(words, list)):
             words = p.lds_v4(words)
-        if cutlass.const_expr("decode" in self.ablate):  # measurement only: wrong rows
-            return ([words[0], words[1], words[0], words[1]] * 2,
-                    [words[2], words[3], words[2], words[3]] * 2)
         r0 = self._decode(words[0]) + self._decode(words[1])
         r1 = self._decode(words[2]) + self._decode(words[3])
         return ([p.mul_bf16x2(v, f0) for v in r0], [p.mul_bf16x2(v, f1) for v in r1])
@@ -859,14 +749,13 @@ class ExpertsGemmKernel:
         W: cutlass.Constexpr = self.windows
         r0, r1 = frag
         base = mt * W * 4
-        n = 1 if "mma8" in self.ablate else live  # (measurement only)
         warpgroup.fence()  # this fragment and the accumulators were written by this thread
         for j in cutlass.range_constexpr(4):
             start = wgmma_b_descriptor(cc, j, SC)[0]  # leading and stride: slot_desc's
             desc = p.smem_descriptor_offset(slot_desc, start)
-            d = p.wgmma_bf16([acc[base + i] for i in range(4 * n)],
-                             (r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1]), desc, 8 * n)
-            for i in cutlass.range_constexpr(4 * n):
+            d = p.wgmma_bf16([acc[base + i] for i in range(4 * live)],
+                             (r0[2 * j], r1[2 * j], r0[2 * j + 1], r1[2 * j + 1]), desc, 8 * live)
+            for i in cutlass.range_constexpr(4 * live):
                 acc[base + i] = d[i]
         warpgroup.commit_group()
 
@@ -915,10 +804,7 @@ class ExpertsGemmKernel:
         TOK: cutlass.Constexpr = WINDOW * W
         at = (mt * W + w) * 4
         for t in cutlass.range_constexpr(2):
-            if cutlass.const_expr("situ" in self.ablate):  # measurement only: wrong rows
-                a = acc[at + t]
-            else:
-                a = self.situ(acc[at + t], acc[at + 2 + t])
+            a = self.situ(acc[at + t], acc[at + 2 + t])
             act[(mt * W + w) * 2 + t] = a
             m = h.bits(a) & Uint32(0x7FFFFFFF)
             for o in (4, 8, 16):
@@ -1004,9 +890,6 @@ class FusedExpertsKernel:
         differ = [a for a in same if getattr(fc1, a) != getattr(fc2, a)]
         if differ:
             raise ValueError(f"FusedExpertsKernel: FC1 and FC2 differ in {differ}")
-        if fc1.claim_ahead or fc2.claim_ahead:
-            raise ValueError("FusedExpertsKernel: claim_ahead is a tactic of the two-kernel path "
-                             "(the fused grid's claims alternate between two GEMMs)")
         fc1.signal = True
         fc2.gate, fc2.fc1_tiles = True, fc1.tiles
         fc1.pdl = fc2.pdl = False
@@ -1016,6 +899,12 @@ class FusedExpertsKernel:
         self.occupancy = min(fc1.occupancy, fc2.occupancy)
         self.pdl_chain = fc1.pdl_chain
         self.ws = fc1.ws
+
+    @classmethod
+    def compile_args(cls, *, fc1: tuple, fc2: tuple):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return (cls(ExpertsGemmKernel(**dict(fc1)), ExpertsGemmKernel(**dict(fc2))),
+                [Int64(0)] * 12 + [Int32(1), Int32(1)])
 
     @cute.jit
     def __call__(self, w13: Int64, s13: Int64, plan: Int64, lists: Int64, work: Int64,

@@ -68,8 +68,8 @@ import dataclasses
 
 import torch
 
-from reference.config import LatentMoEConfig
-from reference.weights import LatentMoEWeights
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 
 __all__ = [
     "MAX_SCALE_CODE",

@@ -96,6 +96,11 @@ class RoutingListsKernel:
         self.pdl_chain = bool(pdl_chain)
         self.ws = Workspace(count)
 
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 6 + [Int32(1), Int32(1)]
+
     @cute.jit
     def __call__(self, ids: Int64, codes: Int64, scales: Int64, plan: Int64, lists: Int64,
                  work: Int64, rows: Int32, capacity: Int32, stream):
@@ -196,6 +201,11 @@ class PlanKernel:
         #: then let FC1 be scheduled (FC1 waits for this grid before its first claim)
         self.pdl_chain = bool(pdl_chain)
         self.ws = Workspace(count)
+
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0), Int32(1), Int32(1)]
 
     @cute.jit
     def __call__(self, work: Int64, capacity: Int32, pairs: Int32, stream):

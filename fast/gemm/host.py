@@ -4,11 +4,10 @@ the launch."""
 
 from __future__ import annotations
 
-import functools
-
 import torch
 
 from fast import backend
+from fast.device.compile import compiled, frozen
 from fast.gemm.layout import MAX_ACCUMULATORS, MAX_TOKENS, MAX_WINDOWS, Tactic, windows_for
 
 __all__ = ["DenseGemm", "choose_tactic", "splits_of", "CANDIDATES", "DEFAULT_TACTICS",
@@ -105,27 +104,17 @@ def kernel_shapes(tactics) -> list[dict]:
     return seen
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled(arch: str, params: tuple):
-    import cutlass.cute as cute
-    from cutlass import Int32, Int64
-
-    from fast.gemm.kernel import SplitKGemmKernel
-
-    obj = SplitKGemmKernel(**dict(params))
-    args = [Int64(0)] * 6 + [Int32(1)] * 7
-    return cute.compile(obj, *args, backend.fake_stream(), options=f"--gpu-arch {arch}")
-
-
 def compile_kernel(arch: str, **params):
     """Compile the kernel of one shape (``Tactic.kernel_params``) for ``arch``; no GPU
-    needed. Cached per (arch, shape)."""
+    needed. Cached per (arch, shape) by ``fast.device.compile``."""
     if arch not in backend.TARGETS:
         raise ValueError(f"arch must be one of {backend.TARGETS}, got {arch!r}")
     if params.get("wgmma") and arch != "sm_90a":
         raise ValueError(f"fast.gemm: tactic wgmma needs sm_90a (warpgroup MMA is Hopper's), "
                          f"the target is {arch}")
-    return _compiled(arch, tuple(sorted(params.items())))
+    from fast.gemm.kernel import SplitKGemmKernel
+
+    return compiled(SplitKGemmKernel, arch, frozen(params))
 
 
 _BF16, _F32 = torch.bfloat16, torch.float32
@@ -279,10 +268,10 @@ class DenseGemm:
             out = torch.empty(t, self.n, dtype=out_dtype, device=self.device)
         from cutlass import Int32, Int64
 
-        from fast.gemm.kernel import FLAG_ADD_BF16, FLAG_ADD_F32, FLAG_F32_OUT
+        from fast.gemm.kernel import FLAG_ADD_BF16, FLAG_ADD_F32, FLAG_F32_OUT, SplitKGemmKernel
 
         params = tactic.kernel_params(windows_for(t))
-        fn = _compiled(self.arch, tuple(sorted(params.items())))
+        fn = compiled(SplitKGemmKernel, self.arch, frozen(params))
         flags = (FLAG_F32_OUT if out_dtype == _F32 else 0)
         if addend is not None:
             flags |= FLAG_ADD_BF16 if addend.dtype == _BF16 else FLAG_ADD_F32

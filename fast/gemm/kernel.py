@@ -141,6 +141,11 @@ class SplitKGemmKernel:
         self.granules = lay.WINDOW * windows * self.pieces  # token pieces per stage
         self.copies = -(-self.granules // self.threads)
 
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 6 + [Int32(1)] * 7
+
     @cute.jit
     def __call__(self, w: Int64, x: Int64, out: Int64, addend: Int64, ws: Int64,
                  counters: Int64, n: Int32, k: Int32, tokens: Int32, splits: Int32,

@@ -61,8 +61,8 @@ import torch
 from fast import activation, mx, router, stock
 from fast.gemm.layout import MAX_TOKENS as FAST_MAX_TOKENS
 from fast.gemm.layout import Tactic, windows_for
-from reference.config import LatentMoEConfig
-from reference.weights import LatentMoEWeights
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 
 __all__ = ["check_hidden_rows", "DenseFront", "DenseOutputs", "GemmChoice", "GEMMS", "GEMM_MODES",
            "DENSE_BACKENDS", "DENSE_BACKENDS_SOURCE", "FAST_MAX_TOKENS", "gemm_shapes",

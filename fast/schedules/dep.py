@@ -47,7 +47,6 @@ symmetric memory: ``fast.schedules.dep_peer``.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -57,35 +56,23 @@ from fast.schedules.dep_program import (DEP_STEPS, DepCall, DepRank, DepRankOutp
                                         dense_part, dispatch, home, owner_finalize,
                                         run_experts)
 from fast.schedules.steps import run_steps
-from reference.config import LatentMoEConfig
-from reference.weights import LatentMoEWeights
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 
 __all__ = ["DepLayer", "DepRankOutputs", "check_token_rows", "kernel_params",
            "compiled_kernel", "compile_all"]
 
 
-@functools.lru_cache(maxsize=None)
 def compiled_kernel(kind: str, arch: str, params: tuple):
     """The kernel ``kind`` of :func:`kernel_params` compiled for ``arch`` with ``params``
-    (fake arguments, no GPU needed; cached)."""
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64
-
+    (``fast.device.compile``: fake arguments, no GPU needed; cached)."""
+    from fast.device.arrival import ArrivalWaitKernel
+    from fast.device.compile import compiled
     from fast.schedules import dep_kernels as k
 
-    kw = dict(params)
-    if kind == "dispatch":
-        obj, args = k.DispatchKernel(**kw), [Int64(0)] * 6 + [Int32(0), Int32(1), Int32(1)]
-    elif kind == "owner_finalize":
-        obj, args = k.OwnerFinalizeKernel(**kw), [Int64(0)] * 5 + [Int32(0), Int32(1), Int32(1),
-                                                                    Int32(1)]
-    elif kind == "wait":
-        from fast.device.arrival import ArrivalWaitKernel
-
-        obj, args = ArrivalWaitKernel(**kw), [Int64(0)] * 4 + [Int32(1), Int32(0), Int32(0)]
-    else:
-        obj, args = k.CombineKernel(**kw), [Int64(0)] * 5 + [Float32(1e-5), Int32(0), Int32(1)]
-    return cute.compile(obj, *args, backend.fake_stream(), options=f"--gpu-arch {arch}")
+    classes = {"dispatch": k.DispatchKernel, "owner_finalize": k.OwnerFinalizeKernel,
+               "wait": ArrivalWaitKernel, "combine": k.CombineKernel}
+    return compiled(classes[kind], arch, params)
 
 
 def kernel_params(config: LatentMoEConfig, ranks: int, *, peers: bool = False) -> dict[str, tuple]:

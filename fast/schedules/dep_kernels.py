@@ -73,6 +73,11 @@ class DispatchKernel:
     def __init__(self, latent: int, top_k: int, per: int, signal: bool = False):
         self.latent, self.top_k, self.per, self.signal = latent, top_k, per, signal
 
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 6 + [Int32(0), Int32(1), Int32(1)]
+
     @cute.jit
     def __call__(self, codes: Int64, scales: Int64, ids: Int64, weights: Int64, table: Int64,
                  arrivals: Int64, source: Int32, tokens: Int32, ranks: Int32, stream):
@@ -135,6 +140,11 @@ class OwnerFinalizeKernel:
     def __init__(self, latent: int, top_k: int, signal: bool = False):
         self.latent, self.top_k, self.signal = latent, top_k, signal
         self.threads = latent // 8
+
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 5 + [Int32(0), Int32(1), Int32(1), Int32(1)]
 
     @cute.jit
     def __call__(self, rows: Int64, weights: Int64, ids: Int64, out: Int64, ready: Int64,
@@ -207,6 +217,11 @@ class CombineKernel:
             raise ValueError(f"CombineKernel: min(ranks={ranks}, top_k={top_k}) partial rows "
                              f"and the norm weights of latent={latent} need {self.stage_bytes} "
                              f"bytes of shared memory, more than {SMEM_PER_CTA}")
+
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 5 + [Float32(1e-5), Int32(0), Int32(1)]
 
     @cute.jit
     def __call__(self, ids: Int64, table: Int64, routed: Int64, norm_weight: Int64,

@@ -48,7 +48,7 @@ from fast.schedules.dep import compiled_kernel, check_token_rows, kernel_params
 from fast.schedules.dep_program import DEP_STEPS, DepCall, DepRank, DepRankOutputs
 from fast.schedules.steps import run_steps
 from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
-from reference.weights import LatentMoEWeights
+from model.weights import LatentMoEWeights
 
 __all__ = ["DepPeerLayer", "DepPeerScratch", "symmetric_layout", "WAITS"]
 

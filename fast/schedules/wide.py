@@ -64,7 +64,6 @@ is written and not yet run on two GPUs). Real ranks: ``fast.schedules.wide_peer`
 
 from __future__ import annotations
 
-import functools
 
 import torch
 
@@ -74,8 +73,8 @@ from fast.schedules.steps import run_steps
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
                                          SHARED_PLACEMENTS, WIDE_STEPS, WideCall, WideRank,
                                          WideRankOutputs, WideStageCalls, as_int32)
-from reference.config import LatentMoEConfig
-from reference.weights import LatentMoEWeights
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 
 __all__ = ["WideLayer", "WideRankOutputs", "mailbox_timeout", "check_ranks",
            "kernel_params", "compiled_kernel", "compile_all", "mailbox_timeout_message", "MAX_RANKS",
@@ -189,38 +188,19 @@ def kernel_params(config: LatentMoEConfig, ranks: int, *, peers: bool = False) -
     return {kind: tuple(sorted(p.items())) for kind, p in params.items()}
 
 
-@functools.lru_cache(maxsize=None)
 def compiled_kernel(kind: str, arch: str, params: tuple):
     """The kernel ``kind`` of :func:`kernel_params` compiled for ``arch`` with ``params``
-    (fake arguments, no GPU needed; cached)."""
-    import cutlass.cute as cute
-    from cutlass import Float32, Int32, Int64
-
+    (``fast.device.compile``: fake arguments, no GPU needed; cached)."""
+    from fast.device.arrival import ArrivalSignalKernel, ArrivalWaitKernel
+    from fast.device.compile import compiled
     from fast.schedules import wide_kernels as k
+    from fast.schedules.wide_route import PolledRouteKernel
 
-    kw = dict(params)
-    if kind == "publish":
-        obj, args = k.PublishKernel(**kw), [Int64(0)] * 2 + [Int32(0), Int32(0), Int32(1), Int32(1)]
-    elif kind == "route":
-        from fast.schedules.wide_route import PolledRouteKernel
-
-        obj = PolledRouteKernel(**kw)
-        args = [Int64(0)] * 7 + [backend.ptr(None, "f32", 4), backend.ptr(None, "f32", 4),
-                                 backend.ptr(None, "i32", 4), Float32(1.0), Int32(0), Int32(0),
-                                 Int32(1)] + [Int64(0)] * 3 + [Int32(1), Int32(1)]
-    elif kind == "signal":
-        from fast.device.arrival import ArrivalSignalKernel
-
-        obj, args = ArrivalSignalKernel(**kw), [Int64(0)]
-    elif kind == "wait":
-        from fast.device.arrival import ArrivalWaitKernel
-
-        obj, args = ArrivalWaitKernel(**kw), [Int64(0)] * 4 + [Int32(1), Int32(0), Int32(0)]
-    elif kind == "latent_all_reduce":
-        obj, args = k.LatentAllReduceNormKernel(**kw), [Int64(0)] * 4 + [Float32(1e-5), Int32(1)]
-    else:
-        obj, args = k.HiddenAllReduceKernel(**kw), [Int64(0)] * 3 + [Int32(1)]
-    return cute.compile(obj, *args, backend.fake_stream(), options=f"--gpu-arch {arch}")
+    classes = {"publish": k.PublishKernel, "route": PolledRouteKernel,
+               "signal": ArrivalSignalKernel, "wait": ArrivalWaitKernel,
+               "latent_all_reduce": k.LatentAllReduceNormKernel,
+               "hidden_all_reduce": k.HiddenAllReduceKernel}
+    return compiled(classes[kind], arch, params)
 
 
 def compile_all(config: LatentMoEConfig, ranks: int, arch: str, *, peers: bool = False):

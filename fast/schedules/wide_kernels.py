@@ -140,6 +140,11 @@ class PublishKernel:
         self.front_row_bytes = (self.expert_shard + self.latent_shard) * 4
         self.row_bytes = 2 * (latent + 2 * experts)
 
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 2 + [Int32(0), Int32(0), Int32(1), Int32(1)]
+
     @cute.jit
     def __call__(self, front: Int64, table: Int64, rank: Int32, buffer: Int32, rows: Int32,
                  tokens: Int32, stream):
@@ -306,6 +311,11 @@ class LatentAllReduceNormKernel:
         self.latent, self.ranks = latent, ranks
         self.threads = latent // 8
 
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 4 + [Float32(1e-5), Int32(1)]
+
     @cute.jit
     def __call__(self, table: Int64, routed: Int64, norm_weight: Int64, normed: Int64,
                  eps: Float32, tokens: Int32, stream):
@@ -352,6 +362,11 @@ class HiddenAllReduceKernel:
         self.hidden, self.ranks = hidden, ranks
         self.columns = hidden // ranks
         self.granules = hidden // 8
+
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 3 + [Int32(1)]
 
     @cute.jit
     def __call__(self, shared_table: Int64, up_table: Int64, out: Int64, tokens: Int32, stream):

@@ -82,7 +82,7 @@ from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFE
                                          WideCall, WideRank, WideRankOutputs, WideStageCalls,
                                          as_int32, mm_bf16_into)
 from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
-from reference.weights import LatentMoEWeights
+from model.weights import LatentMoEWeights
 
 __all__ = ["WidePeerLayer", "symmetric_layout", "WAITS"]
 

@@ -66,6 +66,17 @@ class PolledRouteKernel:
             raise ValueError(f"PolledRouteKernel: L={latent} must be a multiple of 32 with "
                              f"L/32 <= {self.threads} (the router's threads for E={experts})")
 
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        from fast import backend
+
+        return cls(**params), ([Int64(0)] * 7 + [backend.ptr(None, "f32", 4),
+                                                  backend.ptr(None, "f32", 4),
+                                                  backend.ptr(None, "i32", 4), Float32(1.0),
+                                                  Int32(0), Int32(0), Int32(1)]
+                               + [Int64(0)] * 3 + [Int32(1), Int32(1)])
+
     @cute.jit
     def __call__(self, box: Int64, logits: Int64, latent: Int64, codes: Int64, scales: Int64,
                  error: Int64, timeout_ns: Int64, bias, weights, ids, scale: Float32,

@@ -68,8 +68,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 from reference.activation import situ_and_mul
-from reference.config import LatentMoEConfig
 from reference.experts import pair_rows_fp32
 from reference.fp import fma_f32
 from reference.gemm import addmm, matmul, split_k_matmul
@@ -77,7 +78,6 @@ from reference.mx import dequantize_mxfp8, quantize_mxfp8
 from reference.norm import rms_norm
 from reference.router import route
 from reference.schedules.groups import Group, run_virtual
-from reference.weights import LatentMoEWeights
 
 __all__ = [
     "DepTrace",

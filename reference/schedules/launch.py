@@ -59,10 +59,10 @@ def trace_tensors(trace) -> dict:
 def main(argv=None) -> None:
     import torch.distributed as dist
 
-    from reference.schedules.groups import TorchGroup
+    from model.weights import LatentMoEWeights
     from reference.schedules.dep import dep_rank
+    from reference.schedules.groups import TorchGroup
     from reference.schedules.wide import wide_rank
-    from reference.weights import LatentMoEWeights
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--weights", required=True, help="checkpoint directory (LatentMoEWeights.save)")

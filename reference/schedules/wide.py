@@ -5,7 +5,7 @@ Every rank of the TP group holds the SAME tokens ``x [T, H]`` BF16 and, for rank
 (packed into one weight), the TP slice ``[r*I/N, (r+1)*I/N)`` of every routed expert's
 intermediate, the slice ``[r*S/N, (r+1)*S/N)`` of the shared expert's intermediate, and
 the up-projection's output columns ``[r*H/N, (r+1)*H/N)``. (The emulation reads these
-slices out of one :class:`~reference.weights.LatentMoEWeights`.)
+slices out of one :class:`~model.weights.LatentMoEWeights`.)
 
 Streams of one rank (sharded routing: each rank polls every logit and routes itself)::
 
@@ -65,18 +65,18 @@ from dataclasses import dataclass
 
 import torch
 
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 from reference.activation import situ_and_mul
-from reference.config import LatentMoEConfig
 from reference.finalize import finalize
 from reference.fp import round_to_bfloat16
 from reference.gemm import addmm, matmul
 from reference.mx import quantize_mxfp8
 from reference.norm import rms_norm
 from reference.router import route
+from reference.schedules.dep import pair_rows
 from reference.schedules.groups import Group, run_virtual
 from reference.schedules.mailbox import Mailbox, open_mailbox
-from reference.schedules.dep import pair_rows
-from reference.weights import LatentMoEWeights
 
 __all__ = [
     "WIDE_WINDOW",

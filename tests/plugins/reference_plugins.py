@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from model import swizzle
 from reference import mx
 from reference.activation import situ_and_mul, situ_and_mul_fp32
 from reference.experts import shard_rows
@@ -41,7 +42,7 @@ class Exact(Backend):
 
     def quantize_mxfp8_swizzled(self, x):
         codes, scales = mx.quantize_mxfp8(x)
-        return codes, mx.swizzle_scales_128x4(scales)
+        return codes, swizzle.swizzle_scales_128x4(scales)
 
     def route(self, logits, bias, *, top_k, renormalize, scale):
         return route(logits, bias, top_k=top_k, renormalize=renormalize, scale=scale)

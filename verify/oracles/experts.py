@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from reference.config import LatentMoEConfig
-from reference.weights import LatentMoEWeights
+from model.config import LatentMoEConfig
+from model.weights import LatentMoEWeights
 from verify.oracles import mx as mx_oracle
 from verify.oracles.exact import FP32, rounded_dot
 from verify.oracles.stages import situ_and_mul_fp32

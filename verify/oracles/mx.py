@@ -3,7 +3,7 @@
 The element conversions are ``ml_dtypes``' (``float8_e4m3fn``, ``float4_e2m1fn``,
 ``float8_e8m0fnu``: round to nearest even, gradual underflow); the block rules are written
 here from the OCP MX v1.0 definition and the stock NVIDIA RCEIL rule, with Python
-arithmetic (``math.frexp``), not from ``reference.mx``'s bit manipulations:
+arithmetic (``math.frexp``), not from ``model.formats``' bit manipulations:
 
 * scale: ``q = fp32(amax / max_elem)`` (an IEEE FP32 division); the code is the smallest
   ``c`` in ``[0, 254]`` with ``2^(c - 127) >= q`` (so ``q <= 2^-127``, zero included, gives 0);

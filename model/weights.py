@@ -13,7 +13,7 @@ Layouts (`nn.Linear` convention: `[out_features, in_features]`):
 | `w13` / `w13_scales` | `[E, 2I, L/2]` / `[E, 2I, L/32]` | uint8 | MXFP4 `[gate; up]` rows |
 | `w2` / `w2_scales` | `[E, L, I/2]` / `[E, L, I/32]` | uint8 | MXFP4 down rows |
 
-MXFP4 tensors follow `reference.mx`: two E2M1 codes per byte (element `2i` in the low
+MXFP4 tensors follow `model.formats`: two E2M1 codes per byte (element `2i` in the low
 nibble), one E8M0 scale byte (`2^(byte - 127)`) per 32 consecutive input columns.
 
 Checkpoint (`save` / `load`): one `model.safetensors` plus `config.json` (the config's
@@ -45,7 +45,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
+from model.formats import dequantize_mxfp4, quantize_mxfp4
 
 __all__ = ["LatentMoEWeights", "CHECKPOINT_FILE", "CONFIG_FILE"]
 
@@ -162,8 +163,6 @@ class LatentMoEWeights:
         if hit is not None:
             self._dequantized.move_to_end(expert)
             return hit
-        from reference.mx import dequantize_mxfp4
-
         pair = (dequantize_mxfp4(self.w13[expert], self.w13_scales[expert]),
                 dequantize_mxfp4(self.w2[expert], self.w2_scales[expert]))
         size = sum(t.numel() * 4 for t in pair)
@@ -179,11 +178,9 @@ class LatentMoEWeights:
 
         Dense weights: normal with std `k / sqrt(fan_in)`, rounded once to BF16 (RNE).
         Expert weights: normal FP32 the same way, quantized with
-        `reference.mx.quantize_mxfp4` (RCEIL scales). Generated on the CPU from
+        `model.formats.quantize_mxfp4` (RCEIL scales). Generated on the CPU from
         `torch.Generator().manual_seed(seed)` (identical on every machine), then moved.
         """
-        from reference.mx import quantize_mxfp4
-
         if not isinstance(config, LatentMoEConfig):
             raise ValueError(f"random: config must be a LatentMoEConfig, got {type(config).__name__}")
         c = config
