@@ -15,7 +15,7 @@ import pytest
 from fast import backend
 from fast.experts.blackwell_layout import ARCHS, blackwell_dsl_error
 from fast.experts.select import compile_engine_for, engine_name_for, geometry_for
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 
 _cute_error = backend.cute_import_error()
 _dsl_error = (f"CuTe DSL not importable: {_cute_error}" if _cute_error is not None

@@ -143,7 +143,7 @@ def _stock_real_dimensions(target: Target, ctx) -> tuple[str, str] | None:
 
 
 def _small_tp_ranks(target: Target, ctx) -> tuple[str, str] | None:
-    from reference.config import LatentMoEConfig
+    from model.config import LatentMoEConfig
 
     if target.world_size > 1 and not LatentMoEConfig.small().supports_ranks(target.world_size):
         return "hardware", f"the small config does not split over {target.world_size} TP ranks"

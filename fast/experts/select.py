@@ -23,7 +23,7 @@ import torch
 from fast.experts.blackwell_layout import ARCHS as BLACKWELL_ARCHS
 from fast.experts.blackwell_layout import K_STAGE, BlackwellExperts, prepare_blackwell_experts
 from fast.experts.layout import Geometry, PreparedExperts, check_selection, prepare_experts
-from reference.config import LatentMoEConfig
+from model.config import LatentMoEConfig
 
 __all__ = ["HOPPER_ARCHS", "BLACKWELL_ARCHS", "ENGINE_ARCHS", "engine_arch",
            "blackwell_tiling_error", "engine_name_for", "geometry_for", "prepare_experts_for",
