@@ -169,7 +169,7 @@ class Kernel:
 
 @dataclasses.dataclass(frozen=True)
 class Prepared:
-    """``prepare_experts``' result: which experts (DEP) or which TP slice (wide)."""
+    """``prepare_experts_for``' result: which experts (DEP) or which TP slice (wide)."""
 
     experts: tuple | None
     shard: tuple | None
@@ -258,10 +258,11 @@ def stand_ins(monkeypatch):
     for module in (dep, dep_peer, wide, wide_peer):
         monkeypatch.setattr(module, "compiled_kernel",
                             lambda kind, arch, params: Kernel(rec, kind))
-    monkeypatch.setattr(fast.experts, "ExpertsEngine",
-                        lambda prepared, **kw: Engine(rec, prepared, **kw))
-    monkeypatch.setattr(fast.experts, "prepare_experts",
-                        lambda w, device, experts=None, shard=None: Prepared(experts, shard))
+    # the layers build their engines through fast.experts.select (on sm_90a: ExpertsEngine)
+    monkeypatch.setattr(fast.experts, "experts_engine_for",
+                        lambda arch, prepared, **kw: Engine(rec, prepared, **kw))
+    monkeypatch.setattr(fast.experts, "prepare_experts_for",
+                        lambda arch, w, device, experts=None, shard=None: Prepared(experts, shard))
     monkeypatch.setattr(fast.experts.engine, "EngineScratch", lambda *a, **kw: "engine scratch")
     monkeypatch.setattr(dep, "DenseFront", lambda *a, **kw: Dense(rec))
     monkeypatch.setattr(dep_peer, "DenseFront", lambda *a, **kw: Dense(rec))

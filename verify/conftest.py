@@ -19,7 +19,8 @@
   of the session and written to ``verify-report.json`` / ``verify-report.md``, with the
   name, version and source of every backend of the run.
 * hardware markers: ``gpu``, ``sm90``, ``sm100``, ``multi_gpu`` are skipped with a reason
-  where the machine lacks them.
+  where the machine lacks them (``verify.plan.hardware_skip_reason``; ``python -m
+  verify.plan --arch sm_100a`` evaluates them, and every other skip, for another machine).
 * ``process_group``: under ``torchrun``, the world process group (NCCL with one GPU per
   process where CUDA is available, else gloo), initialised once per session.
 * pytest-xdist (``pytest verify/ -n N``): each worker hands its rows to
@@ -157,22 +158,14 @@ def _cuda_capability():
 
 
 def pytest_runtest_setup(item):
-    capability = _cuda_capability()
-    if item.get_closest_marker("gpu") and capability is None:
-        pytest.skip("needs a CUDA GPU; this machine has none")
-    if item.get_closest_marker("sm90") and capability != (9, 0):
-        pytest.skip(f"needs an SM90 (Hopper) GPU; device capability is {capability}")
-    if item.get_closest_marker("sm100") and (capability is None or capability[0] != 10):
-        pytest.skip(f"needs an SM100/SM103 (Blackwell) GPU; device capability is {capability}")
-    marker = item.get_closest_marker("multi_gpu")
-    if marker:
-        need = marker.args[0] if marker.args else 2
-        world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world < need:
-            pytest.skip(
-                f"needs {need} processes launched with torchrun (WORLD_SIZE={world}); "
-                "see docs/verify.md"
-            )
+    """The hardware markers on this machine (``verify.plan.hardware_skip_reason``, which
+    ``python -m verify.plan`` evaluates for another machine)."""
+    from verify.plan import hardware_skip_reason
+
+    reason = hardware_skip_reason(item, _cuda_capability(),
+                                  int(os.environ.get("WORLD_SIZE", "1")))
+    if reason:
+        pytest.skip(reason)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,10 @@
 """The routed experts on the GPU: the listed MXFP4 engine (CuTe DSL, SM90 and SM100).
 
+Which engine a rank runs is chosen in one place, ``fast.experts.select``
+(``experts_engine_for``): this Hopper engine on sm_90a, the Blackwell block-scaled engine
+(``BlackwellExpertsEngine``, ``fast.experts.blackwell``) on sm_100a / sm_103a wherever it
+tiles the rank's widths.
+
 Per routed pair the engine computes what ``reference.experts.pair_rows_fp32`` defines:
 MXFP8 latent row x MXFP4 ``w13`` (FP32 accumulation) -> SiTU in FP32 -> MXFP8
 re-quantization (RCEIL) -> x MXFP4 ``w2`` (FP32 accumulation) -> one BF16 row. One engine
@@ -37,9 +42,11 @@ hidden rows are rounded to nearest BF16 (a block whose largest magnitude is belo
 """
 
 from fast.experts.layout import Geometry, PreparedExperts, prepare_experts
+from fast.experts.select import engine_name_for, experts_engine_for, prepare_experts_for
 
 __all__ = ["prepare_experts", "PreparedExperts", "Geometry", "ExpertsEngine", "EngineError",
-           "Capture", "prepare_blackwell_experts", "BlackwellExperts", "BlackwellExpertsEngine"]
+           "Capture", "prepare_blackwell_experts", "BlackwellExperts", "BlackwellExpertsEngine",
+           "experts_engine_for", "prepare_experts_for", "engine_name_for"]
 
 
 def __getattr__(name):
@@ -47,7 +54,7 @@ def __getattr__(name):
         from fast.experts import engine
 
         return getattr(engine, name)
-    # the Blackwell block-scaled variant (compiled for sm_100a/sm_103a, not yet run on a GPU)
+    # the Blackwell block-scaled engine (compiled for sm_100a/sm_103a, not yet run on a GPU)
     if name in ("prepare_blackwell_experts", "BlackwellExperts"):
         from fast.experts import blackwell_layout
 

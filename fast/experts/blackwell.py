@@ -5,8 +5,10 @@ through the tensor cores' native block scaling (``tcgen05.mma.kind::mxf8f6f4.blo
 it was written). ``tests/test_experts_blackwell.py`` compiles it for both targets and holds
 the contract a Blackwell GPU must pass (FC1 within a derived bound of the exact product,
 SiTU + MXFP8 bitwise, FC2 within its bound plus the BF16 rounding); elsewhere that test
-skips with the reason "needs an SM100 GPU". The Hopper engine (``fast.experts``, BF16
-``mma.sync`` on decoded weights) stays the engine of record on every GPU.
+skips with the reason "needs an SM100 GPU". The schedules run it on sm_100a / sm_103a
+(``fast.experts.select.experts_engine_for``); the Hopper engine (``fast.experts``, BF16
+``mma.sync`` / ``wgmma`` on decoded weights) is the engine of record on sm_90a, where
+every contract has run.
 
 What it computes, per routed pair (token row ``t``, slot ``k``, expert ``e``), is what
 ``reference.experts.pair_rows_fp32`` defines, with the FC1 and FC2 sums done by the tensor
@@ -60,10 +62,11 @@ Widths: ``L % 128 == 0`` and ``I_s % 128 == 0`` (FC2's K stage is 128; kimi_k3 a
 and 8 ranks). Unlike the Hopper layout every E8M0 weight scale code is valid (the MMA
 applies it; no BF16 decode range).
 
-What this module does not do yet (see ``docs/stages/experts.md``): run (no Blackwell GPU
-was available), overlap one item's epilogue with the next item's loads (no warp
-specialization), multicast or 2-CTA MMAs, programmatic dependent launch, CUDA-graph or
-engine integration (``ExpertsEngine`` does not dispatch here).
+The schedules select this engine on sm_100a / sm_103a (``fast.experts.select``). What this
+module does not do yet (see ``docs/stages/experts.md``): run (no Blackwell GPU was
+available), overlap one item's epilogue with the next item's loads (no warp
+specialization), multicast or 2-CTA MMAs, programmatic dependent launch, the Hopper
+engine's tactics (tile, MMA kind, fused grid, walk: only ``ctas``).
 """
 
 from __future__ import annotations
@@ -574,20 +577,34 @@ def compile_blackwell(geometry, config, *, windows: int, arch: str, capture: boo
 
 class BlackwellExpertsEngine:
     """The routed experts of one rank on an sm_100a / sm_103a GPU, through
-    ``BlockScaledExpertsKernel`` (module docstring). **Not yet run on a GPU.**
+    ``BlockScaledExpertsKernel`` (module docstring). **Not yet run on a GPU.** The
+    schedules build it through ``fast.experts.select.experts_engine_for`` on those targets.
 
-    The same calling convention as ``fast.experts.ExpertsEngine`` (DEP owner or wide TP
-    slice, ``strict``, ``empty_rows``, ``validate``, ``capture``), over
-    ``prepare_blackwell_experts(...)`` weights. Buffers: the work table, routing lists and
-    BF16 plan rows of the Hopper engine's list kernel, and the MXFP8 hidden rows (codes
-    ``[max_rows * K, I_s]``, scales ``[max_rows * K, I_s / 32]``) FC1 writes and FC2 reads.
+    The same calling convention as ``fast.experts.ExpertsEngine`` where the schedules use
+    it (DEP owner or wide TP slice, ``strict``, ``empty_rows``, ``scratch``, ``validate``,
+    ``capture``, ``listed``, ``list_params``, ``live_counts``, ``compile_for``, ``check``),
+    over ``prepare_blackwell_experts(...)`` weights. ``tactic`` (the engine's and a call's)
+    takes only ``ctas`` (the persistent grids' size): the Hopper engine's other keys choose
+    among its ``mma.sync`` / ``wgmma`` kernel shapes, which this kernel does not have, and
+    are refused by name. Buffers: the work table, routing lists and BF16 plan rows of the
+    Hopper engine's list kernel (the plan rows are written there, not read here), and the
+    MXFP8 hidden rows (codes ``[max_rows * K, I_s]``, scales ``[max_rows * K, I_s / 32]``)
+    FC1 writes and FC2 reads. With an ``EngineScratch`` (``fast.experts.engine``; the DEP
+    rank's layers share one) the first three are the scratch's and the hidden codes and
+    scales are carved, in that order, out of the bytes of its BF16 hidden buffer (``2
+    max_rows 16 I_s`` bytes hold ``max_rows K I_s (1 + 1/32)`` for ``K <= 16``).
     """
 
+    #: The keys of ``tactic`` this engine takes (``fast.experts.engine.TACTIC_KEYS`` has
+    #: the Hopper engine's).
+    TACTIC_KEYS = ("ctas",)
+
     def __init__(self, prepared: BlackwellExperts, *, max_rows: int, strict: bool = False,
-                 empty_rows: bool = False):
+                 empty_rows: bool = False, scratch=None, tactic: dict | None = None):
         import torch
 
         from fast import backend
+        from fast.experts.engine import EngineScratch
 
         if not isinstance(prepared, BlackwellExperts):
             raise TypeError(f"BlackwellExpertsEngine: prepared must be BlackwellExperts, got "
@@ -606,48 +623,97 @@ class BlackwellExpertsEngine:
         if g.latent % 256:
             raise ValueError(f"BlackwellExpertsEngine: the routing-lists kernel needs L % 256 == 0, "
                              f"got L={g.latent}")
+        self.tactic = self.check_tactic(tactic or {})
         self.prepared, self.strict, self.empty_rows = prepared, strict, bool(empty_rows)
         self.config, self.geometry, self.device, self.arch = prepared.config, g, dev, arch
-        self.max_rows = max_rows
-        self.layout = Workspace(g.count)
-        self.work = torch.zeros(self.layout.words, dtype=torch.int32, device=dev)
-        self.lists = torch.empty(g.count, max_rows, dtype=torch.int32, device=dev)
-        self.plan = torch.empty(max_rows, g.latent, dtype=torch.bfloat16, device=dev)
         k = self.config.top_k
-        self.hidden = torch.empty(max_rows * k, g.inter, dtype=torch.uint8, device=dev)
-        self.hidden_scales = torch.empty(max_rows * k, g.inter // 32, dtype=torch.uint8, device=dev)
+        if scratch is None:
+            scratch = EngineScratch(g, max_rows=max_rows, device=dev)
+        elif not isinstance(scratch, EngineScratch):
+            raise TypeError(f"BlackwellExpertsEngine: scratch must be EngineScratch, got "
+                            f"{type(scratch).__name__}")
+        elif (why := scratch.fits(g, max_rows, dev)) is not None:
+            raise ValueError(f"BlackwellExpertsEngine: the scratch does not fit: {why}")
+        self.scratch, self.max_rows, self.layout = scratch, scratch.max_rows, scratch.layout
+        self.work, self.lists, self.plan = scratch.work, scratch.lists, scratch.plan
+        pairs = self.max_rows * k
+        held = scratch.hidden.view(torch.uint8).view(-1)
+        need = pairs * g.inter + pairs * (g.inter // 32)
+        if held.numel() < need:  # top_k > 16: more pairs than the scratch was sized for
+            raise ValueError(f"BlackwellExpertsEngine: the scratch's hidden buffer holds "
+                             f"{held.numel()} bytes, the MXFP8 hidden rows of {pairs} pairs "
+                             f"need {need}")
+        self.hidden = held[:pairs * g.inter].view(pairs, g.inter)
+        self.hidden_scales = held[pairs * g.inter:need].view(pairs, g.inter // 32)
         self.sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self._null = torch.zeros(16, dtype=torch.uint8, device=dev)
 
-    # the Hopper engine's input checks, error word and capture buffers (same attributes)
+    # the Hopper engine's input checks, error word, capture buffers, routing-list
+    # parameters and live counters (the same attributes and work table)
     from fast.experts.engine import ExpertsEngine as _E
 
     check_inputs = _E.check_inputs
     start_call = _E.start_call
     check = _E.check
     capture_buffers = _E.capture_buffers
+    list_params = _E.list_params
+    live_counts = _E.live_counts
     del _E
 
+    @classmethod
+    def check_tactic(cls, tactic) -> dict:
+        """``tactic`` as a dict of ``TACTIC_KEYS``, refused by name otherwise."""
+        if not isinstance(tactic, dict):
+            raise TypeError(f"BlackwellExpertsEngine: tactic must be a dict of {cls.TACTIC_KEYS}, "
+                            f"got {type(tactic).__name__}")
+        other = sorted(set(tactic) - set(cls.TACTIC_KEYS))
+        if other:
+            raise ValueError(f"BlackwellExpertsEngine: tactic keys {other} are the Hopper engine's "
+                             f"kernel shapes (fast.experts.ExpertsEngine); the block-scaled engine "
+                             f"takes only {cls.TACTIC_KEYS}")
+        check_ctas(tactic.get("ctas"), "BlackwellExpertsEngine")
+        return dict(tactic)
+
+    def _params(self, windows: int, capture: bool) -> dict:
+        c, g = self.config, self.geometry
+        return {**_list_params(g, c, windows, self.strict, self.empty_rows),
+                **_fc_params(g, c, windows, capture)}
+
+    def compile_for(self, rows: int) -> None:
+        """Compile, on the host only, the kernels a call of ``rows`` rows launches with the
+        default windows (``fast.experts.engine.choose_windows``), so that call launches at
+        once (a real rank's peers wait for its rows with a timeout)."""
+        from fast.experts.engine import choose_windows
+
+        c = self.config
+        for kind, p_ in self._params(choose_windows(rows, c.top_k, c.experts), False).items():
+            compiled_kernel(kind, self.arch, p_)
+
     def __call__(self, codes, scales, ids, *, out=None, windows: int | None = None,
-                 validate: bool = True, capture: bool = False, ctas: int | None = None):
+                 validate: bool = True, capture: bool = False, ctas: int | None = None,
+                 tactic: dict | None = None, listed: bool = False):
         """Every local pair's expert row: BF16 ``[R*K, L]`` (rows of pairs that are not
         local are left untouched; default a new NaN-filled tensor), or ``(out, Capture)``
         with ``capture`` (FC1's FP32 outputs, the E4M3 codes and E8M0 scales of the hidden
-        rows, per pair). Arguments as ``fast.experts.ExpertsEngine.__call__``; ``ctas``:
-        the persistent grids' size (default one CTA per multiprocessor; fewer make every
-        CTA run many items, as the Hopper engine's tactic ``ctas``; no bit changes)."""
+        rows, per pair). Arguments as ``fast.experts.ExpertsEngine.__call__``
+        (``listed``: the caller's kernel already appended the pairs to ``lists``, so the
+        call launches from the plan kernel on); ``ctas`` (or ``tactic={"ctas": n}``, over
+        the engine's own tactic): the persistent grids' size (default one CTA per
+        multiprocessor; fewer make every CTA run many items, as the Hopper engine's tactic
+        ``ctas``; no bit changes)."""
         from fast import backend
 
         check_ctas(ctas, "BlackwellExpertsEngine")
+        own = {**self.tactic, **(self.check_tactic(tactic) if tactic is not None else {})}
+        ctas = ctas or own.get("ctas")
         rows, out, windows = self.start_call(codes, scales, ids, out, windows)
         if scales.data_ptr() % 4:
             raise ValueError("BlackwellExpertsEngine: scales must be 4-byte aligned")
         if rows == 0:
             return (out, self.capture_buffers(0)) if capture else out
-        c, g = self.config, self.geometry
-        params = {**_list_params(g, c, windows, self.strict, self.empty_rows),
-                  **_fc_params(g, c, windows, capture)}
-        fn = {kind: compiled_kernel(kind, self.arch, p_) for kind, p_ in params.items()}
+        c = self.config
+        fn = {kind: compiled_kernel(kind, self.arch, p_)
+              for kind, p_ in self._params(windows, capture).items()}
         cap = self.capture_buffers(rows) if capture else None
 
         def i64(t):
@@ -655,8 +721,9 @@ class BlackwellExpertsEngine:
 
         stream = backend.stream(self.device)
         work, null = i64(self.work), i64(self._null)
-        fn["lists"](i64(ids), i64(codes), i64(scales), i64(self.plan), i64(self.lists), work,
-                    Int32(rows), Int32(self.max_rows), stream)
+        if not listed:
+            fn["lists"](i64(ids), i64(codes), i64(scales), i64(self.plan), i64(self.lists), work,
+                        Int32(rows), Int32(self.max_rows), stream)
         fn["plan"](work, Int32(self.max_rows), Int32(rows * c.top_k), stream)
         caps = [i64(t) for t in ((cap.fc1, cap.codes, cap.scales) if cap else (self._null,) * 3)]
         p_ = self.prepared

@@ -148,7 +148,7 @@ class DepLayer:
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_tokens: int,
                  device: str | torch.device = "cuda", dense_gemm: str = "auto",
                  batch_invariant: bool = False, experts_tactic: dict | None = None):
-        from fast.experts import ExpertsEngine, prepare_experts
+        from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
             raise TypeError(f"DepLayer: weights must be LatentMoEWeights, got {type(weights).__name__}")
@@ -174,8 +174,9 @@ class DepLayer:
                                 batch_invariant=batch_invariant)
         rows = ranks * max_tokens
         self.engines = [
-            ExpertsEngine(prepare_experts(weights, device, experts=(r * self.per, self.per)),
-                          max_rows=rows, empty_rows=True, tactic=experts_tactic)
+            experts_engine_for(self.arch, prepare_experts_for(self.arch, weights, device,
+                                                              experts=(r * self.per, self.per)),
+                               max_rows=rows, empty_rows=True, tactic=experts_tactic)
             for r in range(ranks)
         ]
         k, L = c.top_k, c.latent

@@ -152,7 +152,7 @@ class DepPeerLayer:
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
                  scratch: DepPeerScratch | None = None, dense_gemm: str = "auto",
                  batch_invariant: bool = False, experts_tactic: dict | None = None):
-        from fast.experts import ExpertsEngine, prepare_experts
+        from fast.experts import experts_engine_for, prepare_experts_for
         from fast.experts.engine import EngineScratch
 
         if not isinstance(weights, LatentMoEWeights):
@@ -182,12 +182,13 @@ class DepPeerLayer:
         self.arch = backend.device_arch(self.device)
         self.dense = DenseFront(weights, self.device, max_tokens=self.max_tokens,
                                 gemm=dense_gemm, batch_invariant=batch_invariant)
-        prepared = prepare_experts(weights, self.device, experts=(self.rank * self.per, self.per))
+        prepared = prepare_experts_for(self.arch, weights, self.device,
+                                       experts=(self.rank * self.per, self.per))
         rows = self.ranks * self.max_tokens
         if scratch.engine is None:
             scratch.engine = EngineScratch(prepared.geometry, max_rows=rows, device=self.device)
-        self.engine = ExpertsEngine(prepared, max_rows=rows, empty_rows=True,
-                                    scratch=scratch.engine, tactic=experts_tactic)
+        self.engine = experts_engine_for(self.arch, prepared, max_rows=rows, empty_rows=True,
+                                         scratch=scratch.engine, tactic=experts_tactic)
         self.buffers, self.rows = scratch.buffers, scratch.rows
         self.dispatch_table, self.combine_table = scratch.dispatch_table, scratch.combine_table
         self.arrival_tables = scratch.arrival_tables

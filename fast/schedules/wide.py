@@ -257,7 +257,7 @@ class WideLayer(WideStageCalls):
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_rows: int | None = None,
                  device: str | torch.device = "cuda", timeout_s: float = 10.0,
                  experts_tactic: dict | None = None):
-        from fast.experts import ExpertsEngine, prepare_experts
+        from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
             raise TypeError(f"WideLayer: weights must be LatentMoEWeights, got {type(weights).__name__}")
@@ -295,8 +295,10 @@ class WideLayer(WideStageCalls):
         self.up = [slice_to_device(weights.up[r * h_n:(r + 1) * h_n]) for r in range(n)]
         self.bias = slice_to_device(weights.bias)
         self.latent_norm = slice_to_device(weights.latent_norm)
-        self.engines = [ExpertsEngine(prepare_experts(weights, device, shard=(r, n)),
-                                      max_rows=max_rows, tactic=experts_tactic)
+        self.engines = [experts_engine_for(self.arch,
+                                           prepare_experts_for(self.arch, weights, device,
+                                                               shard=(r, n)),
+                                           max_rows=max_rows, tactic=experts_tactic)
                         for r in range(n)]
         check_list_params("WideLayer", self.engines[0], c)
         rows, k, L, E, H = max_rows, c.top_k, c.latent, c.experts, c.hidden

@@ -139,7 +139,7 @@ class WidePeerLayer(WideStageCalls):
                  experts_tactic: dict | None = None):
         import torch.distributed as dist
 
-        from fast.experts import ExpertsEngine, prepare_experts
+        from fast.experts import experts_engine_for, prepare_experts_for
         from fast.device.arrival import WAIT_ERROR_FIELDS
         from fast.schedules.wide_kernels import ERROR_WORDS
 
@@ -179,8 +179,10 @@ class WidePeerLayer(WideStageCalls):
         self.up = {r: to_device(weights.up[r * h_n:(r + 1) * h_n])}
         self.bias = to_device(weights.bias)
         self.latent_norm = to_device(weights.latent_norm)
-        self.engine = ExpertsEngine(prepare_experts(weights, device, shard=(r, n)),
-                                    max_rows=max_rows, tactic=experts_tactic)
+        self.engine = experts_engine_for(self.arch,
+                                         prepare_experts_for(self.arch, weights, device,
+                                                             shard=(r, n)),
+                                         max_rows=max_rows, tactic=experts_tactic)
         self.engines = {r: self.engine}
         check_list_params("WidePeerLayer", self.engine, c)
 
