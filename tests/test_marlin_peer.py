@@ -429,8 +429,22 @@ def _fake_factory(bug=None, compact_bug=None):
 _TINY = dict(device="cpu", rows=10)
 
 
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """``torch.empty`` of a floating dtype returns NaN, as fresh device memory may hold
+    anything: a row the glue leaves unwritten then shows in the check, instead of holding,
+    by the allocator's reuse of a freed block, the right values of an earlier test's call
+    (which once let a dropped ``top_k`` pass ``check_forward`` under pytest-xdist)."""
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
 @pytest.mark.parametrize("block_size_m", [8, 48])
-def test_owner_and_compact_layouts_pass_the_forward_check_on_cpu_models(block_size_m):
+def test_owner_and_compact_layouts_pass_the_forward_check_on_cpu_models(block_size_m, poisoned_empty):
     """The real ``__call__`` glue of both layouts (index building, alignment arguments,
     ``top_k``, the activation, the combine) over PyTorch models of the ops: the GPU's
     ``check_forward`` passes for the owner layout (both combines) and the compact one
@@ -448,7 +462,7 @@ def test_owner_and_compact_layouts_pass_the_forward_check_on_cpu_models(block_si
 
 
 @pytest.mark.parametrize("bug", ["top_k_ignored", "dest_shifted", "capacity_short"])
-def test_the_forward_check_catches_a_wrong_layout(bug):
+def test_the_forward_check_catches_a_wrong_layout(bug, poisoned_empty):
     """A wrong layout fails ``check_forward``: FC1 reading the wrong activation rows, the
     compact combine adding each pair to the wrong row, a capacity below the pair count."""
     kw = dict(_TINY, raise_on_fail=False)
