@@ -105,13 +105,19 @@ def changed_kernels(recorded: list[str], current: list[str],
     """The kernels the page ``groups`` ((kind, name) pairs, ``DEPENDS``' keys) depend on whose
     digest differs between the ``recorded`` and the ``current`` lines, or that only one side
     has: ``"<family>:<set> <kind> (<Class>)"``, with `` (not recorded with the run)`` or
-    `` (no longer compiled)`` where one side lacks it; sorted."""
+    `` (no longer compiled)`` where one side lacks it; sorted. A recorded set the current
+    tree no longer compiles at all (a removed tactic's kernels) is left out."""
     old, new = parse(recorded), parse(current)
     patterns = [p for group in groups for p in DEPENDS.get(tuple(group), ())]
+    compiled_sets = {key.split()[1] for key in new}
     changed = []
     for key in sorted(set(old) | set(new)):
         _arch, where, kind, cls = key.split()
         if not any(fnmatch.fnmatchcase(f"{where} {kind}", p) for p in patterns):
+            continue
+        if key not in new and where not in compiled_sets:
+            # a whole set the tree no longer compiles (a removed tactic): no figure drawn
+            # now comes from it; a default that changed shows as a new or changed kernel
             continue
         if old.get(key) == new.get(key):
             continue

@@ -145,3 +145,17 @@ def test_the_newest_gpu_run_records_digests_of_what_it_draws():
             for pattern in sass_check.DEPENDS[group]:
                 assert any(fnmatch.fnmatchcase(k, pattern) for k in keys), \
                     f"{run.name}: no recorded digest for {group} ({pattern})"
+
+
+def test_a_removed_tactics_kernels_are_no_change_of_a_drawn_figure():
+    """The experts figure depends on every engine set; a recorded set the tree no longer
+    compiles at all (a tactic removed since the run) changes no figure, while a kernel of a
+    set still compiled that vanished, or a changed one, does."""
+    from benchmarks.sass_check import changed_kernels
+
+    removed = "sm_90a experts:dep16-old-tactic fused FusedExpertsKernel " + "5" * 40 + " 9000"
+    groups = [("stage", "experts")]
+    assert changed_kernels(DIGESTS + [removed], list(DIGESTS), groups) == []
+    gone = [d for d in DIGESTS if "PlanKernel" not in d]
+    assert changed_kernels(DIGESTS + [removed], gone + [removed.replace("5" * 40, "6" * 40)],
+                           groups) == ["experts:dep16-old-tactic fused (FusedExpertsKernel)"]
