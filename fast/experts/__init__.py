@@ -28,6 +28,11 @@ the GEMMs in ``fast.experts.kernels``):
    MMA with FP32 accumulation, SiTU and the MXFP8 re-quantization in the epilogue;
 4. ``ExpertsGemmKernel`` FC2: the same over ``w2`` with the hidden rows, BF16 rows out.
 
+Steps 3 and 4 run as one persistent grid by default on a DEP owner
+(``kernels.FusedExpertsKernel``); tactic ``specialized`` runs them as one warp-specialized
+grid instead (``fast.experts.specialized``: producer warps stream a deep shared-memory ring
+for the computing warps; compiled and checked on the CPU, not yet run on a GPU).
+
 Hopper has no block-scaled MMA, so E2M1 codes are placed into BF16 bit patterns and
 multiplied by their power-of-two scale (exact in the range ``layout`` states), and the
 E4M3 activations are dequantized to BF16 (exact for scale codes 3..246): every product is

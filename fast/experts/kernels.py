@@ -24,7 +24,8 @@ from fast.experts.layout import (CHUNK, DECODE_MASK, PAIR3_GATHER, PAIR3_MULTIPL
                                  chunks_per_stage, stages_of, wgmma_b_descriptor)
 from fast.experts.lists import ERROR_GATE_TIMEOUT, Workspace, e8m0_f32_bits
 
-__all__ = ["GATE_SPIN_LIMIT", "WALK_MAX_STAGES", "ExpertsGemmKernel", "FusedExpertsKernel"]
+__all__ = ["GATE_SPIN_LIMIT", "WALK_MAX_STAGES", "EPILOGUE_BARRIER", "ExpertsGemmKernel",
+           "FusedExpertsKernel"]
 
 #: How many times a fused FC2 item polls its expert's FC1 count before it gives up (claims
 #: are in order and an FC1 item never waits, so only a broken kernel reaches it): 2^22 L2
@@ -34,6 +35,9 @@ GATE_SPIN_LIMIT = 1 << 22
 #: The most stages per tile a walked GEMM (``ExpertsGemmKernel(walk > 1)``) may have: its
 #: tile's stages are unrolled, and only short GEMMs (FC2 of a TP slice) need the walk.
 WALK_MAX_STAGES = 8
+#: The named barrier (``bar.sync`` id) of the computing threads' epilogue in a
+#: warp-specialized kernel (``ExpertsGemmKernel.epilogue_barrier``); 0 is the CTA's.
+EPILOGUE_BARRIER = 1
 
 
 class ExpertsGemmKernel:
@@ -118,6 +122,10 @@ class ExpertsGemmKernel:
         #: (``signal``), FC2 waits for its expert's count before reading hidden rows
         #: (``gate``; ``fc1_tiles``: FC1 tiles per window group)
         self.signal, self.gate, self.fc1_tiles = False, False, 0
+        #: set by ``specialized.SpecializedExpertsKernel``: the threads that compute (its
+        #: consumer warps), which then meet at named barrier ``EPILOGUE_BARRIER`` in the
+        #: epilogue instead of the CTA barrier (0: every thread of the CTA computes)
+        self.epilogue_threads = 0
         self.threads = 32 * warps
         self.tokens = WINDOW * windows  # token slots of a work item (the MMA's N)
         self.tile_rows = 16 * warps * mtiles
@@ -338,12 +346,12 @@ class ExpertsGemmKernel:
             self._join_chains(acc)
             # 3. epilogue
             if cutlass.const_expr(self.fc1):
-                self._epilogue_fc1(acc, table, red, out, cap_fc1, cap_codes, cap_scales,
+                self.epilogue_fc1(acc, table, red, out, cap_fc1, cap_codes, cap_scales,
                                    tid, lane, warp, tile, ntok)
                 if cutlass.const_expr(self.signal):
-                    self._signal_ready(work, expert, tid)
+                    self.signal_ready(work, expert, tid)
             else:
-                self._epilogue_fc2(acc, table, out, lane, warp, tile, ntok)
+                self.epilogue_fc2(acc, table, out, lane, warp, tile, ntok)
 
     @cute.jit
     def token_table(self, lists: Int64, work: Int64, table, expert, group, ntok, capacity, tid):
@@ -392,7 +400,7 @@ class ExpertsGemmKernel:
                 self._issue(src, dst, ok, wbase, sbase, ring + (issue % RING) * self.slot_bytes,
                             issue, warp, lane)
             cute.arch.cp_async_commit_group()
-            self._compute(acc, ring + (s % RING) * self.slot_bytes, warp, lane, live)
+            self.compute_stage(acc, ring + (s % RING) * self.slot_bytes, warp, lane, live)
         cute.arch.cp_async_wait_group(0)
 
     @cute.jit
@@ -433,10 +441,10 @@ class ExpertsGemmKernel:
                             self._issue(src, dst, ok, wbase, sbase, Int32(0), ds, warp, lane,
                                         weights=False, bslot=self._b_slot(ring, ds))
                 cute.arch.cp_async_commit_group()
-                self._compute(acc, ring + ((g * NS + s) % RING) * self.slot_bytes, warp, lane,
+                self.compute_stage(acc, ring + ((g * NS + s) % RING) * self.slot_bytes, warp, lane,
                               live, bslot=self._b_slot(ring, s))
             self._join_chains(acc)
-            self._epilogue_fc2(acc, table, out, lane, warp, tile + g, ntok)
+            self.epilogue_fc2(acc, table, out, lane, warp, tile + g, ntok)
             for i in cutlass.range_constexpr(MT * self.windows * 4 * self.chains):
                 acc[i] = Float32(0.0)
         cute.arch.cp_async_wait_group(0)
@@ -557,10 +565,20 @@ class ExpertsGemmKernel:
             p.sts_i32(info + 20, groups_e)
 
     @cute.jit
-    def _signal_ready(self, work: Int64, expert, tid):
+    def epilogue_barrier(self):
+        """The barrier of the computing threads inside an epilogue: the CTA's
+        (``bar.sync 0``), or named barrier ``EPILOGUE_BARRIER`` of the ``epilogue_threads``
+        consumer threads of a warp-specialized kernel (its producer warps never reach it)."""
+        if cutlass.const_expr(self.epilogue_threads):
+            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.epilogue_threads)
+        else:
+            cute.arch.sync_threads()
+
+    @cute.jit
+    def signal_ready(self, work: Int64, expert, tid):
         """Fused FC1: after every thread's hidden-row stores (the barrier), thread 0 counts
         this item at its expert with a GPU-scope release."""
-        cute.arch.sync_threads()
+        self.epilogue_barrier()
         if tid == 0:
             p.red_release_gpu_add(work + Int64(self.ws.ready + expert) * 4, 1)
 
@@ -654,7 +672,7 @@ class ExpertsGemmKernel:
                 acc[i] = h.fadd(acc[i], acc[c * MT * W * 4 + i])
 
     @cute.jit
-    def _compute(self, acc, slot, warp, lane, live: int, bslot=None):
+    def compute_stage(self, acc, slot, warp, lane, live: int, bslot=None):
         """One stage from ``slot``: decode this lane's A fragments, 4 MMAs per chunk,
         m-tile and live window (the first ``live``: the others hold no token of the item
         and their accumulators stay 0); MMA step j of a chunk accumulates into chain
@@ -710,7 +728,7 @@ class ExpertsGemmKernel:
 
     @cute.jit
     def _compute_wgmma(self, acc, xs, wslot, bslot, live: int):
-        """``_compute`` with warpgroup MMAs: one group per (chunk, m-tile) in chunk order
+        """``compute_stage`` with warpgroup MMAs: one group per (chunk, m-tile) in chunk order
         (``_wgmma_mtile``), each waited for (``wait_group 1``) once the next is issued, so
         two decoded fragments are live. Every word of the stage is read from shared memory
         before the first group, so the wait is followed by the next fragment's decode, not
@@ -771,7 +789,7 @@ class ExpertsGemmKernel:
                 acc[base + i] = d[i]
 
     @cute.jit
-    def _epilogue_fc1(self, acc, table, red, hidden: Int64, cap_fc1: Int64, cap_codes: Int64,
+    def epilogue_fc1(self, acc, table, red, hidden: Int64, cap_fc1: Int64, cap_codes: Int64,
                       cap_scales: Int64, tid, lane, warp, tile, ntok):
         MT: cutlass.Constexpr = self.mtiles
         W: cutlass.Constexpr = self.windows
@@ -785,7 +803,7 @@ class ExpertsGemmKernel:
             for w in cutlass.range_constexpr(W):
                 if w < nwin:
                     self._situ_window(acc, act, red, mt, w, warp, g, q)
-        cute.arch.sync_threads()
+        self.epilogue_barrier()
         for mt in cutlass.range_constexpr(MT):
             local = warp * MT + mt
             block = local // 4
@@ -846,7 +864,7 @@ class ExpertsGemmKernel:
                         p.stg_u8(cap_scales + Int64(pair) * (inter // 32) + column // 32, code)
 
     @cute.jit
-    def _epilogue_fc2(self, acc, table, out: Int64, lane, warp, tile, ntok):
+    def epilogue_fc2(self, acc, table, out: Int64, lane, warp, tile, ntok):
         MT: cutlass.Constexpr = self.mtiles
         W: cutlass.Constexpr = self.windows
         g = lane // 4
