@@ -27,6 +27,15 @@ L2 flushed (a 256 MiB streaming read, ``l2_flush``) before every replay, median 
   the best of all is reported with its layout and block size (vLLM's own heuristic pick is
   in the JSON); its tiny-problem checks run first and pick the owner combine (``moe_sum``,
   else an FP32 PyTorch sum) whose results pass, and check the compact layout;
+* ``trtllm``: FlashInfer's trtllm-gen MXFP4 MoE (``trtllm_fp4_block_scale_routed_moe``,
+  MXFP4 weights x MXFP8 activations, SM100/SM103 only; ``benchmarks/peers/trtllm_moe``),
+  our SiTU fused into FC1 (FlashInfer's ``ActivationType.Situ``), the owner layout (the
+  ``R`` received rows, non-local pairs dropped by ``local_expert_offset``), tactics tuned by
+  ``flashinfer.autotune`` per row count, in two inputs: the case's MXFP8 codes and scales
+  (what the engine gets: ``trtllm_mx``) and BF16 ``x`` quantized by FlashInfer's
+  ``mxfp8_quantize`` inside the call (vLLM's path: ``trtllm_bf16``); its tiny-problem check
+  runs first. Where it cannot run (no Blackwell GPU, FlashInfer or its cubins missing) the
+  reason is printed, kept as ``trtllm_error`` and the table says ``not run``;
 * ``grouped_mm``: ``torch._grouped_mm`` on BF16-resident weights (rows sorted by expert);
 * the byte limit: touched experts x bytes per expert, at the read bandwidth measured in
   the same run (``benchmarks.readbw.read_bandwidth_gbs``: a streaming read of 4 GiB with
@@ -296,6 +305,58 @@ def marlin_vllm_pick(rows: int, count: int) -> int:
     return vllm_block_size_m(rows, K, count, E)
 
 
+def trtllm_setup(peers: list, result: dict):
+    """Where ``"trtllm"`` is among ``peers`` and the peer can run: its tiny-problem checks
+    (``trtllm_moe.check_forward``, SiTU, MXFP8 and BF16 inputs; recorded in
+    ``result["trtllm_checks"]``), as the module; else None, the reason in
+    ``result["trtllm_error"]`` and printed."""
+    if "trtllm" not in peers:
+        return None
+    try:
+        from benchmarks.peers import trtllm_moe
+
+        ok, why = trtllm_moe.available()
+        if not ok:
+            print("trtllm unavailable:", why, flush=True)
+            result["trtllm_error"] = why
+            return None
+        checks = [trtllm_moe.check_forward(bf16_input=b, raise_on_fail=False) for b in (False, True)]
+        result["trtllm_checks"] = checks
+        result["trtllm_versions"] = trtllm_moe.versions()
+        print("trtllm checks:", [c["ok"] for c in checks], flush=True)
+        if not all(c["ok"] for c in checks):
+            result["trtllm_error"] = "tiny-problem checks failed (not timed)"
+            return None
+        return trtllm_moe
+    except Exception as error:  # reported, not hidden
+        print("trtllm setup failed:", repr(error), flush=True)
+        result["trtllm_error"] = repr(error)
+        return None
+
+
+def trtllm_peers(module, w, first: int, count: int, shard: tuple[int, int], result: dict, mx: dict) -> dict:
+    """``{"trtllm_mx": fn, "trtllm_bf16": fn}`` over one converted weight set of the rank
+    (``rank_moe``): ``trtllm_mx`` reads the case's MXFP8 codes and scales from ``mx`` (set
+    per case by the caller), ``trtllm_bf16`` quantizes ``x`` inside the call; the
+    configuration in ``result["peers"]["trtllm"]``. Empty (reason printed and kept) if the
+    build fails."""
+    try:
+        moe, why = module.rank_moe(w, first, count, shard)
+    except Exception as error:  # reported, not hidden
+        moe, why = None, repr(error)
+    if moe is None:
+        print(f"trtllm build failed: {why}", flush=True)
+        result["trtllm_error"] = f"build failed: {why}"
+        return {}
+    desc = moe.describe()
+    desc["inputs"] = "best of MXFP8 given (mx) and BF16 + mxfp8_quantize in the call (bf16) per case"
+    for key in ("first", "count", "latent", "intermediate", "bytes_per_expert"):
+        desc.pop(key, None)
+    result.setdefault("peers", {})["trtllm"] = desc
+    return {"trtllm_mx": lambda x, ids, rw, case: moe.forward_mxfp8(mx["codes"], mx["scales"], ids, rw),
+            "trtllm_bf16": lambda x, ids, rw, case: moe(x, ids, rw)}
+
+
 class GroupedMM:
     """``torch._grouped_mm`` experts over BF16-resident weights: rows sorted by expert,
     FC1, SiTU (PyTorch ops), FC2, rows scattered back (the PyTorch path a user has)."""
@@ -349,19 +410,21 @@ def config_tag(name: str | None, prefix: str) -> str:
 def render(result: dict) -> str:
     """A markdown table of a result: per case the median time of each contestant (us) and
     its fraction of the byte limit; the best triton_kernels layout and configuration (named,
-    :func:`config_tag`); the speed-up of the engine over it; where the run timed Marlin, its
-    best layout and ``block_size_m`` (named) and the engine's speed-up over it in two more
-    columns, and each peer's layout and
-    configuration (``result["peers"]``) under the table; then, where the run measured
+    :func:`config_tag`); the speed-up of the engine over it; where the run timed Marlin (or
+    the trtllm-gen MoE), its best layout and configuration (named) and the engine's speed-up
+    over it in two more columns each, and each peer's layout and
+    configuration (``result["peers"]``) under the table, and ``<peer>: not run: <reason>``
+    for each peer the run could not time (``result["<peer>_error"]``); then, where the run measured
     ``--tactics`` variants, a second table of each variant's time and its ratio to the
     default's."""
-    marlin = any(k.startswith("marlin") for c in result["cases"] for k in c["median_us"])
+    extra = [p for p in ("marlin", "trtllm")
+             if any(k.startswith(p) for c in result["cases"] for k in c["median_us"])]
     lines = [f"Device {result['device']}, torch {result['torch']}; read bandwidth "
              f"{result['read_gbs']:.0f} GB/s (this run); fraction = byte limit / time.", "",
              "| mode | size | skew | touched | limit us | engine us (frac) | triton best us (frac) "
-             "| grouped_mm us (frac) | engine / triton |" + (" marlin best us (frac) | engine / marlin |"
-                                                            if marlin else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if marlin else "")]
+             "| grouped_mm us (frac) | engine / triton |"
+             + "".join(f" {p} best us (frac) | engine / {p} |" for p in extra),
+             "|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(extra)]
     for c in result["cases"]:
         med, lim = c["median_us"], c["limit_us"]
         tri_name, tri = best_of(med, "triton")
@@ -371,12 +434,15 @@ def render(result: dict) -> str:
         ratio = f"{tri / med['engine']:.2f}x" if tri else "-"
         line = (f"| {c['mode']} | {c['size']} | {c['skew']:.1f} | {c['touched']} | {lim:.1f} | "
                 f"{cell(med['engine'])} | {cell(tri)}{tag(tri_name, 'triton')} | {cell(gm)} | {ratio} |")
-        if marlin:
-            name, mar = best_of(med, "marlin")
-            line += (f" {cell(mar)}{tag(name, 'marlin')} | {mar / med['engine']:.2f}x |" if mar else " - | - |")
+        for p in extra:
+            name, best = best_of(med, p)
+            line += (f" {cell(best)}{tag(name, p)} | {best / med['engine']:.2f}x |" if best else " - | - |")
         lines.append(line)
     for name, desc in result.get("peers", {}).items():
         lines.append(f"\n{name}: " + "; ".join(f"{k} {v}" for k, v in desc.items()))
+    for peer in ("triton", "marlin", "trtllm"):
+        if result.get(f"{peer}_error"):
+            lines.append(f"\n{peer}: not run: {result[f'{peer}_error']}")
     variants = sorted({k for c in result["cases"] for k in c["median_us"] if k.startswith("engine_")})
     if variants:  # the --tactics variants, each over the call's default, against the default
         lines += ["", "Engine tactics (each over the call's default tactic), us (time / default):", "",
@@ -397,7 +463,7 @@ def main(argv=None):
     ap.add_argument("--skews", default="0,1.0")
     ap.add_argument("--wide-skews", default="0",
                     help="the TP8 rank's routing skews (default uniform only)")
-    ap.add_argument("--peers", default="triton,marlin,grouped_mm")
+    ap.add_argument("--peers", default="triton,marlin,trtllm,grouped_mm")
     ap.add_argument("--windows", default="auto")
     ap.add_argument("--tactics", default="",
                     help="extra engine tactics, e.g. 'ring=6;warps=8,mtiles=1;wgmma=1,windows=4' "
@@ -432,6 +498,7 @@ def main(argv=None):
             print("triton_kernels import failed:", repr(error))
             result["triton_error"] = repr(error)
     marlin = marlin_setup(peers, result)
+    trtllm = trtllm_setup(peers, result)
 
     def run_mode(mode, first, count, shard, sizes, skews):
         prepared = prepare_experts(w, "cuda", experts=(first, count), shard=shard)
@@ -465,6 +532,9 @@ def main(argv=None):
                 print(f"triton build failed: {error!r}", flush=True)
         if marlin is not None:
             peers_built.update(marlin_peers(marlin, w, first, count, shard, result))
+        mx = {}  # the case's MXFP8 inputs, for the trtllm peer that takes them as the engine does
+        if trtllm is not None:
+            peers_built.update(trtllm_peers(trtllm, w, first, count, shard, result, mx))
         if "grouped_mm" in peers:
             from model.formats import dequantize_mxfp4
 
@@ -487,6 +557,7 @@ def main(argv=None):
                 rows, ids, x = inputs["rows"], inputs["ids"], inputs["x"]
                 codes, scales, limit_us = inputs["codes"], inputs["scales"], inputs["limit_us"]
                 touched = inputs["touched"]
+                mx.update(codes=codes, scales=scales)
                 rw = torch.rand(rows, K, device="cuda") + 0.01
                 rw = rw / rw.sum(1, keepdim=True)
                 case = {"mode": mode, "size": size, "rows": rows, "skew": skew,
@@ -518,7 +589,8 @@ def main(argv=None):
                         print(f"{name} failed at {mode} {size}: {error!r}", flush=True)
                 med = {k: statistics.median(v) for k, v in case["times"].items()}
                 case["median_us"] = med
-                case["best"] = {p: best_of(med, p)[0] for p in ("triton", "marlin") if best_of(med, p)[0]}
+                case["best"] = {p: best_of(med, p)[0] for p in ("triton", "marlin", "trtllm")
+                                if best_of(med, p)[0]}
                 if case["best"]:  # the fastest peer of all, in its best layout and configuration
                     case["best"]["peer"] = min(case["best"].values(), key=med.get)
                 if marlin is not None:

@@ -161,6 +161,12 @@ def _flashinfer_installed(target: Target, ctx) -> tuple[str, str] | None:
     return "package", "runs where FlashInfer is installed (pip install flashinfer-python)"
 
 
+def _trtllm_peer(target: Target, ctx) -> tuple[str, str] | None:
+    return "package", ("runs where FlashInfer 0.7.2.post1 and its trtllm-gen cubins are installed "
+                       "(flashinfer-cubin or FLASHINFER_CUBIN_DIR; benchmarks.peers.trtllm_moe.available() "
+                       "on the node) and, at the real dimensions, 6 GiB of GPU memory are free")
+
+
 @dataclasses.dataclass
 class _Context:
     params: dict
@@ -193,6 +199,7 @@ RUNTIME_SKIPS = {
     ("test_distributed.py", "test_wide_real_ranks"): _small_tp_ranks,
     ("test_flashinfer_allreduce.py", "fused"): _flashinfer_comm,
     ("test_mx.py", "test_flashinfer_mxfp8_quantize"): _flashinfer_installed,
+    ("test_trtllm_moe.py", "_available_or_skip"): _trtllm_peer,
 }
 
 
