@@ -241,3 +241,36 @@ def test_compiles_at_the_real_widths(geometry):
     cfg, g = GEOMETRIES[geometry]
     for producers in (1, 2):
         compile_all(g, cfg, windows=4, arch="sm_90a", tactic=dict(TACTIC, producers=producers))
+
+
+def _nvdisasm_error() -> str | None:
+    from tools.sass_budget import nvdisasm
+
+    try:
+        nvdisasm()
+    except Exception as exc:  # the dev extra's nvidia-cuda-nvdisasm wheel, or one on PATH
+        return repr(exc)
+    return None
+
+
+@needs_cute
+@pytest.mark.skipif(_nvdisasm_error() is not None, reason=f"no nvdisasm: {_nvdisasm_error()}")
+def test_machine_code_keeps_the_mma_groups_pipelined(tmp_path):
+    """DEP16 at four windows, in the machine code: ptxas kept the consumers' warpgroup MMAs
+    in groups of four (one ``WARPGROUP.ARRIVE`` per group, as in the fused kernel) instead of
+    serializing them (one per MMA, which it does when it cannot prove an in-flight group's
+    registers safe: a version that kept the last group in flight across stages compiled so),
+    and fits its registers without a stack frame at one CTA of 288 threads per
+    multiprocessor."""
+    import subprocess
+
+    from tools.sass_budget import compile_cubin, kernel_attributes, nvdisasm
+
+    cubin = compile_cubin("sm_90a", "dep16", 4, TACTIC, "specialized", tmp_path)
+    attrs = kernel_attributes(cubin.read_bytes())
+    assert attrs["frame"] == 0 and attrs["registers"] <= 224, attrs
+    sass = subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    mmas = len(re.findall(r"\bHGMMA\.", sass))
+    arrives = len(re.findall(r"\bWARPGROUP\.ARRIVE\b", sass))
+    assert mmas > 0 and arrives * 4 <= mmas, f"{arrives} arrives for {mmas} warpgroup MMAs"
