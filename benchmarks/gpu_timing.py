@@ -29,6 +29,7 @@ import pytest
 import torch
 
 __all__ = [
+    "graph_replay_us",
     "SPIN_CYCLES",
     "DeviceClock",
     "device_clock",
@@ -149,6 +150,29 @@ def median_device_us(fn, reps: int = 30, warmup: int = 3, before=None) -> float:
         fn()
         times.append((device_clock() - start) * 1e6)
     return statistics.median(times)
+
+
+def graph_replay_us(fn, reps: int = 20) -> float:
+    """Warm-L2 microseconds of one CUDA-graph replay of ``fn`` (captured after an eager
+    call and one on a side stream; the mean of ``reps`` back-to-back replays): the peers'
+    smoke figures, not a benchmark's."""
+    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0.record()
+    for _ in range(reps):
+        graph.replay()
+    t1.record()
+    torch.cuda.synchronize()
+    return t0.elapsed_time(t1) * 1e3 / reps
 
 
 def host_us(fn, reps: int = 200) -> float:

@@ -185,7 +185,7 @@ def test_engine_params_select_the_kernel():
     assert set(params) == {"lists", "plan", "specialized"}
     assert dict(params["plan"])["fused"] is True
     own = dict(params["specialized"])
-    assert (own["ring"], own["occupancy"], own["producers"], own["items"]) == (6, 1, 1, 3)
+    assert (own["ring"], own["occupancy"], own["producers"]) == (6, 1, 1)
     assert "ring" not in dict(own["fc1"]) and dict(own["fc2"])["walk"] == 1
 
 

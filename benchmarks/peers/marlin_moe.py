@@ -840,27 +840,6 @@ def compact_passes(device="cuda", _impl=None) -> tuple[bool, list]:
     return all(c["ok"] for c in checks), checks
 
 
-def _time_graph(fn, reps: int = 20) -> float:
-    """Warm-L2 microseconds of one CUDA-graph replay of ``fn`` (a smoke figure, not the
-    benchmark's)."""
-    fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(reps):
-        graph.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) * 1e3 / reps
-
 
 def smoke(device="cuda", tokens: int = 4) -> dict:
     """GPU smoke: load; where both libraries loaded, :func:`marlin_repack_torch` byte-equal to
@@ -873,6 +852,8 @@ def smoke(device="cuda", tokens: int = 4) -> dict:
     graph replay against eager (within the same bound: ``index_add_``'s FP32 atomics may
     order the sums of a row with three or more local pairs differently), and its warm-L2
     time per ``block_size_m``."""
+    from benchmarks.gpu_timing import graph_replay_us
+
     ok, why = available()
     if not ok:
         raise RuntimeError(why)
@@ -915,11 +896,11 @@ def smoke(device="cuda", tokens: int = 4) -> dict:
 
     def fn():
         static["y"] = moe(x, ids, rw, block_size_m=16)
-    real["us"][16] = round(_time_graph(fn), 1)
+    real["us"][16] = round(graph_replay_us(fn), 1)
     real["graph_equals_eager"] = bool(torch.equal(static["y"], eager))
     for bs in BLOCK_SIZES:
         if bs != 16:
-            real["us"][bs] = round(_time_graph(lambda bs=bs: moe(x, ids, rw, block_size_m=bs)), 1)
+            real["us"][bs] = round(graph_replay_us(lambda bs=bs: moe(x, ids, rw, block_size_m=bs)), 1)
     cap = local_pairs(ids, first, count)
     real["local_pairs"] = cap
     compact = moe(x, ids, rw, block_size_m=16, layout="compact", capacity=cap)
@@ -933,11 +914,11 @@ def smoke(device="cuda", tokens: int = 4) -> dict:
 
     def fn_c():
         static["c"] = moe(x, ids, rw, block_size_m=16, layout="compact", capacity=cap)
-    real["compact_us"] = {16: round(_time_graph(fn_c), 1)}
+    real["compact_us"] = {16: round(graph_replay_us(fn_c), 1)}
     real["compact_graph_close_to_eager"] = rows_close(static["c"], compact)
     for bs in BLOCK_SIZES:
         if bs != 16:
-            real["compact_us"][bs] = round(_time_graph(
+            real["compact_us"][bs] = round(graph_replay_us(
                 lambda bs=bs: moe(x, ids, rw, block_size_m=bs, layout="compact", capacity=cap)), 1)
     out["dep16_rank"] = real
     out["ok"] = (real["graph_equals_eager"] and all(out.get("torch_repack_equals_ext", {}).values())

@@ -742,31 +742,13 @@ def check_forward(*, activation: str = "situ", experts: int = 32, latent: int = 
     return res
 
 
-def _time_graph(fn, reps: int = 20) -> float:
-    """Warm-L2 microseconds of one CUDA-graph replay of ``fn`` (a smoke figure)."""
-    fn()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0.record()
-    for _ in range(reps):
-        graph.replay()
-    t1.record()
-    torch.cuda.synchronize()
-    return t0.elapsed_time(t1) * 1e3 / reps
-
 
 def smoke(device="cuda", tokens: int = 4) -> dict:
     """GPU smoke: the tiny checks (both activations, MXFP8 and BF16 inputs), one DEP16 rank
     at the real dimensions checked the same way (experts ``[280, 336)`` of 896, I = 3072,
     ``16 tokens`` rows), and a warm-L2 CUDA-graph time of that call."""
+    from benchmarks.gpu_timing import graph_replay_us
+
     ok, why = available()
     if not ok:
         raise RuntimeError(why)
@@ -784,7 +766,7 @@ def smoke(device="cuda", tokens: int = 4) -> dict:
     moe = TrtllmGenMoE(*w, first=280, count=56, n_experts_total=896, device=device)
     codes, scales = moe.quantize(x)
     packed = pack_topk(ids, rw)
-    out["dep16_rank_us"] = round(_time_graph(lambda: moe.call_packed(codes, scales, packed)), 1)
+    out["dep16_rank_us"] = round(graph_replay_us(lambda: moe.call_packed(codes, scales, packed)), 1)
     out["describe"] = moe.describe()
     out["ok"] = all(c["ok"] for c in out["checks"]) and real["ok"]
     return out

@@ -261,7 +261,7 @@ def kernel_params(g, config, windows: int, capture: bool, strict: bool,
     specialized = bool(common.pop("specialized", False))
     producers = common.pop("producers", 1)
     if specialized:  # ring and occupancy are the warp-specialized grid's own
-        own = dict(items=3, producers=producers, ring=common.pop("ring", 0),
+        own = dict(producers=producers, ring=common.pop("ring", 0),
                    occupancy=common.pop("occupancy", 1))
         fused = True  # the plan kernel zeroes the FC1 counts the FC2 items wait for
     params = {
