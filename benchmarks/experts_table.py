@@ -36,6 +36,17 @@ L2 flushed (a 256 MiB streaming read, ``l2_flush``) before every replay, median 
   ``mxfp8_quantize`` inside the call (vLLM's path: ``trtllm_bf16``); its tiny-problem check
   runs first. Where it cannot run (no Blackwell GPU, FlashInfer or its cubins missing) the
   reason is printed, kept as ``trtllm_error`` and the table says ``not run``;
+* ``fi90``: FlashInfer's SM90 CUTLASS MoE (``cutlass_fused_moe`` with
+  ``use_w4_group_scaling=True``, H100/H200; ``benchmarks/peers/flashinfer_sm90_moe``, the
+  reduced ahead-of-time library in ``.gpu/peers/flashinfer_sm90``), our SiTU as its
+  activation kernel (``ActivationType.Situ``), non-local pairs dropped by ``ep_size`` /
+  ``ep_rank``, tactics tuned by ``flashinfer.autotune``, in each precision the library holds
+  (``w4a16``: BF16 activations x MXFP4 weights; ``w4a8``: the Humming path, activations
+  quantized per row to FP8 inside the call) and two layouts: ``owner`` (the ``R`` received
+  rows, ``fi90_<precision>``) and ``compact`` (the rows with a local pair gathered, their
+  count from the host: ``fi90_compact_<precision>``); the best of all is reported, named;
+  its tiny-problem checks run first (a precision or layout whose checks fail is not timed);
+  where it cannot run the reason is kept as ``fi90_error`` and the table says ``not run``;
 * ``grouped_mm``: ``torch._grouped_mm`` on BF16-resident weights (rows sorted by expert);
 * the byte limit: touched experts x bytes per expert, at the read bandwidth measured in
   the same run (``benchmarks.readbw.read_bandwidth_gbs``: a streaming read of 4 GiB with
@@ -357,6 +368,81 @@ def trtllm_peers(module, w, first: int, count: int, shard: tuple[int, int], resu
             "trtllm_bf16": lambda x, ids, rw, case: moe(x, ids, rw)}
 
 
+def fi90_setup(peers: list, result: dict):
+    """Where ``"fi90"`` is among ``peers`` and the peer can run: its tiny-problem checks
+    (``flashinfer_sm90_moe.check_forward``, SiTU, each precision the library holds, both
+    layouts; recorded in ``result["fi90_checks"]``), as ``(flashinfer_sm90_moe, {precision:
+    [layouts that passed]})``; else None, the reason in ``result["fi90_error"]`` and printed.
+    A precision or layout whose check failed is left out (its reason in
+    ``result["fi90_partial_error"]``)."""
+    if "fi90" not in peers:
+        return None
+    try:
+        from benchmarks.peers import flashinfer_sm90_moe as fi90
+
+        ok, why = fi90.available()
+        if not ok:
+            print("fi90 unavailable:", why, flush=True)
+            result["fi90_error"] = why
+            return None
+        kernels = fi90.load_module()["entry"]["manifest"].get("kernels", ["w4a16"])
+        checks, passed = [], {}
+        for precision in kernels:
+            for layout in fi90.LAYOUTS:
+                res = fi90.check_forward(precision=precision, layout=layout, raise_on_fail=False, autotune=False)
+                checks.append(res)
+                if res["ok"]:
+                    passed.setdefault(precision, []).append(layout)
+        result["fi90_checks"] = checks
+        result["fi90_versions"] = fi90.versions()
+        print("fi90 checks:", [(c["config"]["precision"], c["config"]["layout"], c["ok"]) for c in checks],
+              flush=True)
+        if not passed:
+            result["fi90_error"] = "tiny-problem checks failed (not timed)"
+            return None
+        failed = [f"{c['config']['precision']} {c['config']['layout']}" for c in checks if not c["ok"]]
+        if failed:
+            result["fi90_partial_error"] = f"tiny-problem checks failed for {', '.join(failed)} (not timed)"
+        return fi90, passed
+    except Exception as error:  # reported, not hidden
+        print("fi90 setup failed:", repr(error), flush=True)
+        result["fi90_error"] = repr(error)
+        return None
+
+
+def fi90_peers(fi90, w, first: int, count: int, shard: tuple[int, int], result: dict) -> dict:
+    """``{"fi90_<precision>": fn, "fi90_compact_<precision>": fn}`` for each precision and
+    layout whose checks passed, over one converted weight set per precision of the rank
+    (``rank_moe``); each ``fn(x, ids, rw, case)`` (the compact layout's capacity is
+    ``case["local_rows"]``); the configuration in ``result["peers"]["fi90"]``. Empty (reason
+    printed and kept) if no build succeeds."""
+    module, passed = fi90
+    fns, desc = {}, None
+    for precision, layouts in passed.items():
+        try:
+            moe, why = module.rank_moe(w, first, count, shard, precision=precision)
+        except Exception as error:  # reported, not hidden
+            moe, why = None, repr(error)
+        if moe is None:
+            print(f"fi90 {precision} build failed: {why}", flush=True)
+            result["fi90_error"] = f"build failed: {why}"
+            continue
+        desc = desc or moe.describe()
+        for layout in layouts:
+            name = f"fi90_{precision}" if layout == "owner" else f"fi90_compact_{precision}"
+            fns[name] = (lambda x, ids, rw, case, moe=moe, layout=layout:
+                         moe(x, ids, rw, layout=layout, capacity=max(1, case["local_rows"])))
+    if desc is not None:
+        desc["precision"] = "best of " + "/".join(passed) + " per case"
+        desc["layout"] = ("best of owner (the R received rows) and compact (the rows with a local pair gathered, "
+                          "their count from the host) per case")
+        desc["peer"] = "FlashInfer cutlass_fused_moe SM90 (use_w4_group_scaling; w4a8: use_wfp4afp8_humming)"
+        for key in ("first", "count", "latent", "intermediate", "bytes_per_expert", "routing"):
+            desc.pop(key, None)
+        result.setdefault("peers", {})["fi90"] = desc
+    return fns
+
+
 class GroupedMM:
     """``torch._grouped_mm`` experts over BF16-resident weights: rows sorted by expert,
     FC1, SiTU (PyTorch ops), FC2, rows scattered back (the PyTorch path a user has)."""
@@ -411,13 +497,14 @@ def render(result: dict) -> str:
     """A markdown table of a result: per case the median time of each contestant (us) and
     its fraction of the byte limit; the best triton_kernels layout and configuration (named,
     :func:`config_tag`); the speed-up of the engine over it; where the run timed Marlin (or
-    the trtllm-gen MoE), its best layout and configuration (named) and the engine's speed-up
-    over it in two more columns each, and each peer's layout and
+    the trtllm-gen MoE, or FlashInfer's SM90 MoE ``fi90``), its best layout and
+    configuration (named) and the engine's speed-up over it in two more columns each, and
+    each peer's layout and
     configuration (``result["peers"]``) under the table, and ``<peer>: not run: <reason>``
     for each peer the run could not time (``result["<peer>_error"]``); then, where the run measured
     ``--tactics`` variants, a second table of each variant's time and its ratio to the
     default's."""
-    extra = [p for p in ("marlin", "trtllm")
+    extra = [p for p in ("marlin", "trtllm", "fi90")
              if any(k.startswith(p) for c in result["cases"] for k in c["median_us"])]
     lines = [f"Device {result['device']}, torch {result['torch']}; read bandwidth "
              f"{result['read_gbs']:.0f} GB/s (this run); fraction = byte limit / time.", "",
@@ -440,7 +527,7 @@ def render(result: dict) -> str:
         lines.append(line)
     for name, desc in result.get("peers", {}).items():
         lines.append(f"\n{name}: " + "; ".join(f"{k} {v}" for k, v in desc.items()))
-    for peer in ("triton", "marlin", "trtllm"):
+    for peer in ("triton", "marlin", "trtllm", "fi90"):
         if result.get(f"{peer}_error"):
             lines.append(f"\n{peer}: not run: {result[f'{peer}_error']}")
     variants = sorted({k for c in result["cases"] for k in c["median_us"] if k.startswith("engine_")})
@@ -463,7 +550,7 @@ def main(argv=None):
     ap.add_argument("--skews", default="0,1.0")
     ap.add_argument("--wide-skews", default="0",
                     help="the TP8 rank's routing skews (default uniform only)")
-    ap.add_argument("--peers", default="triton,marlin,trtllm,grouped_mm")
+    ap.add_argument("--peers", default="triton,marlin,trtllm,fi90,grouped_mm")
     ap.add_argument("--windows", default="auto")
     ap.add_argument("--tactics", default="",
                     help="extra engine tactics, e.g. 'ring=6;warps=8,mtiles=1;wgmma=1,windows=4' "
@@ -499,6 +586,7 @@ def main(argv=None):
             result["triton_error"] = repr(error)
     marlin = marlin_setup(peers, result)
     trtllm = trtllm_setup(peers, result)
+    fi90 = fi90_setup(peers, result)
 
     def run_mode(mode, first, count, shard, sizes, skews):
         prepared = prepare_experts(w, "cuda", experts=(first, count), shard=shard)
@@ -535,6 +623,8 @@ def main(argv=None):
         mx = {}  # the case's MXFP8 inputs, for the trtllm peer that takes them as the engine does
         if trtllm is not None:
             peers_built.update(trtllm_peers(trtllm, w, first, count, shard, result, mx))
+        if fi90 is not None:
+            peers_built.update(fi90_peers(fi90, w, first, count, shard, result))
         if "grouped_mm" in peers:
             from model.formats import dequantize_mxfp4
 
@@ -589,7 +679,7 @@ def main(argv=None):
                         print(f"{name} failed at {mode} {size}: {error!r}", flush=True)
                 med = {k: statistics.median(v) for k, v in case["times"].items()}
                 case["median_us"] = med
-                case["best"] = {p: best_of(med, p)[0] for p in ("triton", "marlin", "trtllm")
+                case["best"] = {p: best_of(med, p)[0] for p in ("triton", "marlin", "trtllm", "fi90")
                                 if best_of(med, p)[0]}
                 if case["best"]:  # the fastest peer of all, in its best layout and configuration
                     case["best"]["peer"] = min(case["best"].values(), key=med.get)
