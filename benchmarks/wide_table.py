@@ -22,6 +22,13 @@ over the rank's TP slice of every expert (best of ``num_warps`` 4 and 8, as vLLM
 MoE on Hopper; its scatter-combine is the Finalize); the two all-reduces as FP32 sums of the
 ranks' partial rows (the reads a one-shot all-reduce makes); PyTorch RMSNorm; cuBLAS addmm.
 
+``--batch-invariant`` builds ``WideLayer(batch_invariant=True)``: each rank's four GEMMs
+(front, shared gate/up and down, up columns) on ``fast.gemm`` with one K split per GEMM at
+every row count (``fast.schedules.wide_gemms``), so every token's outputs are bitwise
+independent of its batch; run it beside a run without the flag on the same GPU for the
+mode's cost per row count (the render says which mode a run used, and each case records
+what each GEMM launched).
+
 The byte limit: rank 0's dense weight slices (router rows and latent-down rows, shared
 gate/up and down slices, up-projection rows) plus the TP slices of the touched experts, at
 the read bandwidth measured in the same run (the mailbox and all-reduce traffic, a few MB,
@@ -188,10 +195,11 @@ def rank_arguments(ap, *, out: str, tokens: str, reps: int) -> None:
                          "(ExpertsEngine tactic; default the engine's)")
 
 
-def measured_layer(ranks: int, tokens_list, experts_tactic: str):
+def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant: bool = False):
     """(layer, weights, run header, flush) of a GPU-node run: the real layer's weights
-    (``verify.cases.device_weights``), its virtual TP ranks at the widest batch, the run's
-    device/torch/python and the read bandwidth measured now, and the L2 flush."""
+    (``verify.cases.device_weights``), its virtual TP ranks at the widest batch (with
+    ``batch_invariant``: ``WideLayer(batch_invariant=True)``), the run's
+    device/torch/python, the mode and the read bandwidth measured now, and the L2 flush."""
     from fast.schedules.wide import WideLayer
     from verify import cases
 
@@ -199,11 +207,22 @@ def measured_layer(ranks: int, tokens_list, experts_tactic: str):
     flush = l2_flush()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "ranks": ranks, "cases": [],
-              "read_gbs": read_bandwidth_gbs()}
+              "batch_invariant": bool(batch_invariant), "read_gbs": read_bandwidth_gbs()}
     weights = cases.device_weights("kimi_k3")
     layer = WideLayer(weights, ranks=ranks, max_rows=max(tokens_list),
-                      experts_tactic=parse_tactic(experts_tactic))
+                      experts_tactic=parse_tactic(experts_tactic),
+                      batch_invariant=bool(batch_invariant))
     return layer, weights, result, flush
+
+
+def gemm_plan_cells(layer, tokens: int) -> dict:
+    """What rank 0's four GEMMs launch at ``tokens`` rows, for the result JSON: per GEMM
+    its fast.gemm tactic label, token chunks and windows per chunk, or ``"cuBLAS"``."""
+    plan = layer.gemm_plan(0, tokens)
+    if not plan:
+        return {name: "cuBLAS" for name in ("front", "shared_gate_up", "shared_down", "up")}
+    return {name: f"{launch.tactic.label()} x{launch.chunks}c{launch.windows}w"
+            for name, launch in plan.items()}
 
 
 def published_case(layer, x, tokens: int, read_gbs: float, flush):
@@ -265,9 +284,12 @@ def render(result: dict) -> str:
     experts and at the tail (runs before those placements existed show "-"), the best
     stock composition and the speed-up of the front step and of the beside step (the
     layer's default placement, ``fast.schedules.wide.DEFAULT_SHARED_PLACEMENT``)."""
+    mode = ("batch invariant (--batch-invariant: the four GEMMs on fast.gemm, one K split "
+            "per GEMM at every row count)" if result.get("batch_invariant")
+            else "GEMMs on cuBLAS (the default)")
     lines = [f"Device {result['device']}, torch {result['torch']}; {result['ranks']} virtual "
              f"TP ranks, rank 0 timed; read bandwidth {result['read_gbs']:.0f} GB/s (this "
-             "run); fraction = byte limit / time.", "",
+             f"run); fraction = byte limit / time; {mode}.", "",
              "| T | touched | limit us | " + " | ".join(STAGES[:-1]) +
              " | rank us (frac) | shared beside / tail us | stock us (frac) | speed-up "
              "(front / beside) |",
@@ -290,12 +312,16 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     rank_arguments(ap, out="wide_table.json", tokens="65,128,256,512,1024", reps=20)
     ap.add_argument("--peers", default="triton")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="WideLayer(batch_invariant=True): the four GEMMs on fast.gemm, one K "
+                         "split per GEMM at every row count")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
 
     tokens_list = [int(t) for t in args.tokens.split(",")]
-    layer, w, result, flush = measured_layer(args.ranks, tokens_list, args.experts_tactic)
+    layer, w, result, flush = measured_layer(args.ranks, tokens_list, args.experts_tactic,
+                                             args.batch_invariant)
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     c = w.config
     result["experts_tactic"] = args.experts_tactic or "default"
@@ -308,6 +334,7 @@ def main(argv=None):
     for tokens in tokens_list:
         x = torch.randn(tokens, c.hidden, device="cuda").bfloat16()
         case, before = published_case(layer, x, tokens, result["read_gbs"], flush)
+        case["gemms"] = gemm_plan_cells(layer, tokens)
         case["times"] = {}
         for name, fn in fast_stages(layer, x, tokens).items():
             case["times"][name] = device_time_us(fn, reps=args.reps,

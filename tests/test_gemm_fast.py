@@ -1,9 +1,12 @@
 """CPU checks of the split-K GEMM (``fast.gemm``): the kernel's byte maps replayed end to
 end (ring-slot copies, fragment reads, the ``mma.m16n8k16`` fragment layout of the PTX ISA,
-the split-K workspace and the output map) give ``x @ W^T`` exactly on integer data; the
-maps tile a ring slot and the workspace without overlap; every kernel shape of every
-candidate tactic compiles for every target; bad tactics and weights are refused before
-anything is launched."""
+the split-K workspace and the output map) give ``x @ W^T`` exactly on integer data, and so
+does the chunked launch of more than 64 rows (token chunks, padded weight rows, a slice of
+the workspace and of the tile counters per chunk); the maps tile a ring slot and the
+workspace without overlap; the chunk arithmetic and the one K split of the default tactic
+at every row count; every kernel shape of every candidate tactic and every chunked shape of
+the wide layer compiles for every target; bad tactics, weights and arguments are refused
+before anything is launched."""
 
 from __future__ import annotations
 
@@ -85,12 +88,16 @@ def _fill_slot(w, x, row0: int, k0: int, slot: int, warps: int, mt_n: int, subs:
     return smem
 
 
-def replay(w: torch.Tensor, x: torch.Tensor, tactic: Tactic, windows: int) -> torch.Tensor:
+def replay(w: torch.Tensor, x: torch.Tensor, tactic: Tactic, windows: int, *,
+           ws: dict | None = None, ws_base: int = 0) -> torch.Tensor:
     """Run the kernel's data path on the CPU: every CTA (tile, split), every stage's copies
     into a slot (pieces of dead windows left NaN, tokens past T zero-filled), the fragment
     reads and MMAs of every warp (live windows only), the partials through the workspace
     in fragment order and the split-order reduction, the output map. Float64 on small
-    integers: exact, so any misplaced byte shows (slot bytes nothing copied are NaN)."""
+    integers: exact, so any misplaced byte shows (slot bytes nothing copied are NaN).
+    ``ws``: the workspace (byte offset -> partials) shared with other token chunks, this
+    call's slice starting at ``ws_base``; every offset must fall in that slice
+    (``layout.chunk_workspace_bytes``) and be written once."""
     n, k = w.shape
     t = x.shape[0]
     p = tactic.kernel_params(windows)
@@ -101,7 +108,7 @@ def replay(w: torch.Tensor, x: torch.Tensor, tactic: Tactic, windows: int) -> to
     slot = lay.slot_bytes(tile_rows, windows, stage_k)
     nwin = windows
     kc = k // splits
-    ws = {}
+    ws = {} if ws is None else ws
     out = torch.full((t, n), float("nan"), dtype=torch.float64)
     for block in range(tiles * splits):
         tile, split = block % tiles, block // tiles
@@ -128,14 +135,16 @@ def replay(w: torch.Tensor, x: torch.Tensor, tactic: Tactic, windows: int) -> to
                         c = acc[(wp, m, wn, lane)]
                         acc[(wp, m, wn, lane)] = [c[i] + float(d[i]) for i in range(4)]
         for (wp, m, wn, lane), c in acc.items():
-            at = lay.ws_offset(split, tile, wp, m, wn, lane, tiles, warps, mt_n, windows)
+            at = ws_base + lay.ws_offset(split, tile, wp, m, wn, lane, tiles, warps, mt_n, windows)
             assert at not in ws, f"workspace offset {at} written twice"
+            assert ws_base <= at < ws_base + lay.chunk_workspace_bytes(splits, n, windows), at
             ws[at] = c
     for tile in range(tiles):
         for wp, m, wn, lane in itertools.product(range(warps), range(mt_n), range(nwin), range(32)):
             total = [0.0] * 4
             for split in range(splits):  # split order
-                part = ws[lay.ws_offset(split, tile, wp, m, wn, lane, tiles, warps, mt_n, windows)]
+                part = ws[ws_base + lay.ws_offset(split, tile, wp, m, wn, lane, tiles, warps,
+                                                  mt_n, windows)]
                 total = [total[i] + part[i] for i in range(4)]
             _store_fragment(out, t, tile * tile_rows, (wp, m, wn, lane), total, mt_n)
     return out
@@ -160,6 +169,106 @@ def test_data_path_replay_is_exact(tactic, tokens):
     got = replay(w, x, tactic, windows)
     want = x.double() @ w.double().T
     assert torch.equal(got, want)
+
+
+def replay_chunked(w: torch.Tensor, x: torch.Tensor, tactic: Tactic) -> torch.Tensor:
+    """A call of ``T = len(x)`` rows as the chunked kernel runs it: the weight padded to
+    ``layout.padded_rows`` with zero rows, every token chunk (``layout.token_chunks``) a
+    :func:`replay` of its rows (``chunk_first_row``) with its slice of one shared workspace
+    (``chunk_workspace_offset``) and its tile counters (``chunk_counter``), the padding
+    columns never stored. Checks on the way: every chunk has rows, the chunks cover the
+    call's rows once, no workspace byte or tile counter is shared by two (chunk, tile)s and
+    all fit what ``DenseGemm`` allocates."""
+    n, k = w.shape
+    t = x.shape[0]
+    rows = lay.padded_rows(n)
+    padded = torch.zeros(rows, k, dtype=w.dtype)
+    padded[:n] = w
+    chunks, windows = lay.token_chunks(t)
+    tiles = rows // tactic.tile_rows
+    ws, counters, covered = {}, set(), []
+    out = torch.full((t, n), float("nan"), dtype=torch.float64)
+    for c in range(chunks):
+        row0 = lay.chunk_first_row(c, windows)
+        live = min(t - row0, lay.WINDOW * windows)
+        assert live > 0, f"chunk {c} of {chunks} has no rows (T={t}, {windows} windows)"
+        covered += range(row0, row0 + live)
+        base = lay.chunk_workspace_offset(c, tactic.splits, rows, windows)
+        part = replay(padded, x[row0:row0 + live], tactic, windows, ws=ws, ws_base=base)
+        out[row0:row0 + live] = part[:, :n]  # the kernel stores columns < N only
+        for tile in range(tiles):
+            index = lay.chunk_counter(c, tiles, tile)
+            assert index not in counters, f"tile counter {index} shared"
+            counters.add(index)
+    assert covered == list(range(t))
+    assert max(counters) < chunks * rows // 16  # DenseGemm's counters
+    assert max(ws) < lay.chunk_workspace_bytes(tactic.splits, rows, chunks * windows)
+    return out
+
+
+@pytest.mark.parametrize("tactic,n,tokens", [
+    (Tactic(warps=1, mtiles=1, splits=2), 40, 70),     # 2 chunks of 5 windows, 24 padding rows
+    (Tactic(warps=1, mtiles=2, splits=1), 64, 130),    # 3 chunks of 6 windows, no padding
+    (Tactic(warps=2, mtiles=1, splits=3), 100, 65),    # 2 chunks: 40 rows + 25
+], ids=lambda v: v.label() if isinstance(v, Tactic) else str(v))
+def test_chunked_data_path_replay_is_exact(tactic, n, tokens):
+    """Integer data: the chunked launch (token chunks, padded rows) replayed on the CPU
+    equals the float64 product bit for bit, every output written once."""
+    g = torch.Generator().manual_seed(n + tokens)
+    k = tactic.splits * tactic.stage_k
+    w = torch.randint(-8, 9, (n, k), generator=g).to(torch.bfloat16)
+    x = torch.randint(-8, 9, (tokens, k), generator=g).to(torch.bfloat16)
+    assert torch.equal(replay_chunked(w, x, tactic), x.double() @ w.double().T)
+
+
+def test_token_chunks_arithmetic():
+    """``token_chunks``: ``ceil(T / 64)`` chunks, every chunk of one window count (at most
+    8), the chunks covering T rows with a non-empty last chunk and fewer than 8 zero-filled
+    slots per chunk; one chunk of ``windows_for(T)`` windows up to 64 rows."""
+    assert [lay.token_chunks(t) for t in (1, 8, 9, 64, 65, 80, 81, 128, 129, 257, 1024)] == \
+        [(1, 1), (1, 1), (1, 2), (1, 8), (2, 5), (2, 5), (2, 6), (2, 8), (3, 6), (5, 7), (16, 8)]
+    for t in range(1, lay.MAX_CALL_TOKENS + 1):
+        chunks, windows = lay.token_chunks(t)
+        assert chunks == -(-t // lay.MAX_TOKENS) and 1 <= windows <= lay.MAX_WINDOWS
+        per = lay.WINDOW * windows
+        assert (chunks - 1) * per < t <= chunks * per, t
+        assert per * chunks - t < lay.WINDOW * chunks, t  # < 8 dead token slots per chunk
+        if t <= lay.MAX_TOKENS:
+            assert (chunks, windows) == (1, lay.windows_for(t))
+    for bad in (0, lay.MAX_CALL_TOKENS + 1, 65.0, True, "65"):
+        with pytest.raises(ValueError, match=r"tokens must be an int in \[1, 4096\]"):
+            lay.token_chunks(bad)
+    assert [lay.padded_rows(r) for r in (1, 64, 65, 280, 560, 1120, 4480)] == \
+        [64, 64, 128, 320, 576, 1152, 4480]
+    for bad in (0, -64, 64.0, True):
+        with pytest.raises(ValueError, match="rows must be a positive int"):
+            lay.padded_rows(bad)
+    assert lay.chunk_workspace_offset(3, 2, 128, 5) == 3 * lay.chunk_workspace_bytes(2, 128, 5)
+    assert lay.chunk_first_row(2, 5) == 80 and lay.chunk_counter(2, 7, 3) == 17
+
+
+def test_chunked_kernel_params_only_when_needed():
+    """A call launches the chunked kernel for more than 64 rows or a padded weight, else the
+    single-chunk kernel with the parameters (and cache key) it always had."""
+    from fast.gemm.host import launch_for
+
+    one = launch_for(7168, 3584, 64)
+    assert "chunked" not in one.params and one.chunks == 1 and one.windows == 8
+    assert one.params == one.tactic.kernel_params(8)
+    wide = launch_for(7168, 3584, 65)
+    assert wide.params["chunked"] is True and (wide.chunks, wide.windows) == (2, 5)
+    padded = launch_for(560, 7168, 8, splits=8)
+    assert padded.params["chunked"] is True and padded.chunks == 1
+    assert padded.grid == 576 // padded.tactic.tile_rows * 8
+    with pytest.raises(ValueError, match=r"N=560 \(padded to 576 rows\) is not a multiple of the "
+                                         r"tactic's 128-row tile"):
+        launch_for(560, 7168, 100, tactic=Tactic(warps=4, mtiles=2, splits=1))
+    with pytest.raises(ValueError, match="K=7168 is not a multiple of splits \\* stage_k = 3 \\* 64"):
+        launch_for(560, 7168, 100, tactic=Tactic(warps=2, mtiles=2, splits=3))
+    four = Tactic(warps=2, mtiles=4, splits=1)  # 4 m-tiles x 5 windows fit the registers, x 6 not
+    assert launch_for(512, 512, 65, tactic=four).windows == 5
+    with pytest.raises(ValueError, match="does not serve 81 tokens"):
+        launch_for(512, 512, 81, tactic=four)
 
 
 @pytest.mark.parametrize("windows", [1, 2, 3, 5, 8])
@@ -265,6 +374,76 @@ def test_weight_checked_before_anything_runs():
         DenseGemm(torch.zeros(64, 64, dtype=torch.bfloat16))
 
 
+def test_arguments_refused_by_name_before_the_device():
+    """Every argument of ``DenseGemm`` is checked before anything touches a device (a CPU
+    weight reaches the device check only when everything else is right): the weight's K
+    (a multiple of 64; any N > 0, padded), ``max_tokens`` (1..4096: token chunks),
+    ``splits`` (dividing K into stages of 64) and ``pdl``."""
+    from fast.gemm import DenseGemm
+
+    w = torch.zeros(40, 128, dtype=torch.bfloat16)  # 40 rows: padded, not refused
+    with pytest.raises(ValueError, match=r"\[N, K\] = \[40, 96\] needs N > 0 and K a positive "
+                                         r"multiple of 64"):
+        DenseGemm(torch.zeros(40, 96, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="needs N > 0"):
+        DenseGemm(torch.zeros(0, 128, dtype=torch.bfloat16))
+    for bad in (0, lay.MAX_CALL_TOKENS + 1, True, 64.0):
+        with pytest.raises(ValueError, match=r"max_tokens must be an int in \[1, 4096\]"):
+            DenseGemm(w, max_tokens=bad)
+    for bad in (0, 3, 4, True, 2.0):  # K = 128: 1 or 2 splits of whole 64-wide stages
+        with pytest.raises(ValueError, match=r"splits must be None or a positive int dividing "
+                                             r"K=128 into multiples of 64"):
+            DenseGemm(w, splits=bad)
+    with pytest.raises(ValueError, match="pdl must be None, True or False"):
+        DenseGemm(w, pdl="auto")
+    with pytest.raises(ValueError, match="CUDA device, got cpu"):
+        DenseGemm(w, max_tokens=1024, splits=2)
+
+
+#: The wide layer's GEMM shapes ``(N, K)`` at TP 1..16 of the real layer (router + latent
+#: rows, shared gate/up, shared down, up columns: ``fast.schedules.wide_gemms``).
+def _wide_shapes():
+    from fast.schedules.wide_gemms import gemm_shapes
+    from model.config import LatentMoEConfig
+
+    c = LatentMoEConfig.kimi_k3()
+    return sorted({shape for n in (1, 2, 4, 8, 16) for shape in gemm_shapes(c, n).values()})
+
+
+def test_splits_for_rows_rule():
+    """``splits_for_rows``: at the given row count the CTAs (64-row tiles x splits x token
+    chunks) reach the multiprocessors, or K allows no more; one split fewer would not
+    reach them. The TP8 wide rank's splits: front 8, shared gate/up 4, shared down 1, up 8."""
+    from fast.gemm.host import splits_for_rows
+
+    assert [splits_for_rows(n, k, 65) for n, k in ((560, 7168), (1536, 7168), (7168, 768),
+                                                   (896, 3584))] == [8, 4, 1, 8]
+    for n, k in _wide_shapes():
+        for sms in (132, 148):
+            s = splits_for_rows(n, k, 65, sms)
+            ctas = lay.padded_rows(n) // 64 * lay.token_chunks(65)[0]
+            assert k % (s * 64) == 0
+            assert ctas * s >= sms or k % (2 * s * 64), (n, k, s)
+            assert s == 1 or ctas * s // 2 < sms, (n, k, s)
+
+
+def test_default_tactic_one_split_at_every_row_count():
+    """At a fixed ``splits`` the default tactic keeps it at every T = 1..1024 (the tile may
+    change with T, the order may not) and serves T; the DEP shapes without ``splits`` keep
+    their table's split above 64 rows too (``splits_of``)."""
+    from fast.gemm.host import DEFAULT_TACTICS, choose_tactic, splits_for_rows, splits_of
+
+    for n, k in _wide_shapes():
+        rows = lay.padded_rows(n)
+        s = splits_for_rows(n, k, 65)
+        tactics = {choose_tactic(rows, k, t, 132, s) for t in range(1, 1025)}
+        assert {t.splits for t in tactics} == {s}, (n, k)
+        assert all(rows % t.tile_rows == 0 for t in tactics)
+        assert all(choose_tactic(rows, k, t, 132, s).serves(t) for t in range(1, 1025))
+    for n, k in DEFAULT_TACTICS:
+        assert {choose_tactic(n, k, t).splits for t in range(1, 1025)} == {splits_of(n, k)}
+
+
 # --- every kernel shape compiles ----------------------------------------------------------
 
 
@@ -285,6 +464,84 @@ def _shapes():
         for arch in backend.TARGETS[1:]:
             cases += [(arch, q) for q in (params[0], params[-1]) if (arch, q) not in cases]
     return cases
+
+
+def _chunked_shapes():
+    """(arch, kernel parameters): every chunked kernel the wide layer's batch-invariant
+    mode compiles at TP 1..16 of the real layer and of the small test configs
+    (``fast.schedules.wide_gemms.kernel_params`` over 65..wide_rows rows, and 65..256 at
+    the small widths) for sm_90a; for sm_100a / sm_103a each tile's smallest and largest
+    window count (as ``_shapes``)."""
+    import dataclasses
+
+    from fast.schedules.wide_gemms import check_fast_gemm_shapes, kernel_params
+    from model.config import LatentMoEConfig
+
+    real, small = LatentMoEConfig.kimi_k3(), LatentMoEConfig.small()
+    wide16 = dataclasses.replace(small, intermediate=1024, shared_intermediate=1024)
+    params = []
+    for cfg, ranks, top in ([(real, n, real.wide_rows) for n in (1, 2, 4, 8, 16)]
+                            + [(small, n, 256) for n in (1, 2, 4)]
+                            + [(wide16, n, 256) for n in (8, 16)]):
+        check_fast_gemm_shapes("test", cfg, ranks)
+        params += [p for p in kernel_params(cfg, ranks, range(cfg.front_max + 1, top + 1))
+                   if p not in params]
+    cases = [("sm_90a", p) for p in params]
+    for arch in backend.TARGETS[1:]:
+        for tile in sorted({(p["warps"], p["mtiles"]) for p in params}):
+            mine = sorted((p for p in params if (p["warps"], p["mtiles"]) == tile),
+                          key=lambda p: p["windows"])
+            cases += [(arch, p) for p in (mine[0], mine[-1]) if (arch, p) not in cases]
+    return cases
+
+
+def test_chunked_shapes_cover_the_wide_layer():
+    """The chunked kernels compiled below are every one the wide layer's batch-invariant
+    mode launches: 64- and 128-row tiles, 5 to 8 windows per chunk (65..1024 rows), the
+    chunked variant only."""
+    params = [p for arch, p in _chunked_shapes() if arch == "sm_90a"]
+    assert all(p.get("chunked") for p in params)
+    assert {p["windows"] for p in params} == {5, 6, 7, 8}
+    assert {16 * p["warps"] * p["mtiles"] for p in params} == {64, 128}
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+@pytest.mark.parametrize("arch,params", _chunked_shapes(),
+                         ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()))
+def test_chunked_kernel_compiles(arch, params):
+    """The chunked kernel (token chunks on the grid, padded rows) compiles at every shape
+    the wide layer launches, for every target (no GPU needed)."""
+    from fast.gemm.host import compile_kernel
+
+    assert compile_kernel(arch, **params) is not None
+
+
+_PTX = """
+import sys, ast
+from fast.gemm.host import compile_kernel
+compile_kernel("sm_90a", **ast.literal_eval(sys.argv[1]))
+"""
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+def test_chunked_kernel_reads_its_chunk(tmp_path):
+    """In the PTX the compiler produced: the chunked kernel reads its token chunk from the
+    grid's second dimension (``%ctaid.y``) and the single-chunk kernel of the same tile and
+    windows does not (its code is the one the DEP layer ran before chunks existed)."""
+    from tools.ptx_dump import run_compile
+
+    tactic = Tactic(warps=2, mtiles=2, splits=2)
+    texts = {}
+    for chunked in (False, True):
+        out = tmp_path / str(chunked)
+        out.mkdir()
+        run_compile(_PTX, [repr(tactic.kernel_params(5, chunked=chunked))], keep="ptx",
+                    dump_dir=out)
+        ptx = sorted(out.rglob("*SplitKGemmKernel*.ptx"))
+        assert ptx, f"no PTX dumped (chunked={chunked})"
+        texts[chunked] = ptx[0].read_text()
+    assert "%ctaid.y" in texts[True]
+    assert "%ctaid.y" not in texts[False]
 
 
 @pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")

@@ -345,6 +345,14 @@ MUTATIONS = [
          "    (7168, 3584): {24: Tactic(**_R64, splits=2), 64: Tactic(**_R128, splits=2)},",
          "    (7168, 3584): {24: Tactic(**_R64, splits=2), 64: Tactic(**_R128, splits=4)},",
          ["verify/test_gemm_fast.py::test_gemm_fast_default_batch_invariant"], needs_gpu=True),
+    _one("fast GEMM: the wide layer's K split follows the token chunks (halved above 128 rows)",
+         "fast/gemm/host.py",
+         "    return Tactic(warps=rows // 32, mtiles=2, splits=splits)\n\n\ndef _one_chunk_tactic(",
+         "    return Tactic(warps=rows // 32, mtiles=2,\n"
+         "                  splits=splits // 2 if chunks > 2 and splits > 1 else splits)\n\n\n"
+         "def _one_chunk_tactic(",
+         ["verify/test_wide_fast.py::test_wide_fast_batch_invariant"], needs_gpu=True,
+         expect="vs the same tokens at T="),
     _one("fast GEMM: the split-K partials summed in reverse split order", "fast/gemm/kernel.py",
          "got = [ld_cg_v4(ws + lay.ws_offset(Int64(sp), tile, warp, mt, wn, lane,",
          "got = [ld_cg_v4(ws + lay.ws_offset(Int64(splits - 1 - sp), tile, warp, mt, wn, lane,",

@@ -417,3 +417,68 @@ def test_wide_virtual_and_real_ranks_run_one_program(stand_ins, monkeypatch):
                 hidden = [e for e in got if e[:2] == ("kernel", "hidden_all_reduce")][0]
                 assert hidden[2:4] == (real.shared_tables[index].data_ptr(),
                                        real.up_tables[index].data_ptr())
+
+
+class FastGemm:
+    """A ``fast.gemm.DenseGemm`` of the batch-invariant mode: records its calls."""
+
+    def __init__(self, rec, name, weight):
+        self.rec, self.name, self.weight = rec, name, weight
+
+    def __call__(self, a, *, out_dtype=torch.bfloat16, addend=None, out=None):
+        self.rec.add("fast_gemm", self.name, value(a), out_dtype,
+                     None if addend is None else value(addend), None if out is None else value(out))
+        return torch.zeros(a.shape[0], self.weight.shape[0], dtype=out_dtype) if out is None else out
+
+    def launch(self, tokens):
+        return ("launch", self.name, tokens)
+
+
+def test_wide_batch_invariant_ranks_run_one_program(stand_ins, monkeypatch):
+    """``batch_invariant=True``: the virtual and the real ranks build one fast GEMM per
+    GEMM of their rank (the same weights) and run the same program with them: the front
+    (FP32 out), the shared gate/up and down, the up columns accumulated in place, in the
+    same order with the same buffers; no cuBLAS GEMM runs."""
+    from fast.schedules import wide, wide_peer
+    from fast.schedules.wide_gemms import WIDE_GEMMS, gemm_shapes
+
+    w, rec = weights(), stand_ins
+    built = []
+
+    def build(owner, gemm_weights, config, ranks, max_rows):
+        assert set(gemm_weights) == set(WIDE_GEMMS) and ranks == RANKS
+        shapes = {n: tuple(t.shape) for n, t in gemm_weights.items()}
+        assert shapes == gemm_shapes(config, ranks)  # the table the compile set is built from
+        built.append((owner, shapes))
+        return {n: FastGemm(rec, n, t) for n, t in gemm_weights.items()}
+
+    monkeypatch.setattr(wide, "build_fast_gemms", build)
+    monkeypatch.setattr(wide_peer, "build_fast_gemms", build)
+    tokens = CFG.front_max + 1
+    x = torch.randn(tokens, CFG.hidden).to(torch.bfloat16)
+    virtual = wide.WideLayer(w, ranks=RANKS, max_rows=tokens, device="cuda", timeout_s=1.0,
+                             batch_invariant=True)
+    assert virtual.batch_invariant and len(built) == RANKS
+    assert virtual.gemm_plan(1, tokens) == {n: ("launch", n, tokens) for n in WIDE_GEMMS}
+    rec.clear()
+    virtual(x, check=False)
+    want = {r: rec.of(r) for r in range(RANKS)}
+    for r in range(RANKS):
+        gemm_calls = [e[1] for e in want[r] if e[0] == "fast_gemm"]
+        assert gemm_calls == ["front", "shared_gate_up", "shared_down", "up"]
+        assert not [e for e in want[r] if e[0] in ("mm_fp32_out", "mm_bf16", "addmm_bf16")]
+        front = [e for e in want[r] if e[:2] == ("fast_gemm", "front")][0]
+        assert front[3] == torch.float32
+        up = [e for e in want[r] if e[:2] == ("fast_gemm", "up")][0]
+        assert up[4] == up[5]  # the addend is the output: accumulated in place
+    for r in range(RANKS):
+        peer_world(monkeypatch, wide_peer, r, RANKS)
+        real = wide_peer.WidePeerLayer(w, max_rows=tokens, timeout_s=1.0, batch_invariant=True)
+        assert real.batch_invariant and built[-1][1] == built[r][1]  # the same shapes
+        real._prepared.add(tokens)
+        rec.clear()
+        real(x, check=False)
+        got = [e for e in rec.of(r) if e[:2] not in (("kernel", "signal"), ("kernel", "wait"))]
+        assert numbered(got) == numbered(want[r])
+    with pytest.raises(ValueError, match="batch_invariant must be a bool"):
+        wide.WideLayer(w, ranks=RANKS, max_rows=tokens, device="cuda", batch_invariant="yes")

@@ -116,3 +116,62 @@ def test_published_case_snapshots_rank_0s_mailbox_after_every_publish():
     wide_table.rearm_peers(layer)
     assert layer.calls == [("check",), ("reset",)]
     assert [e.live.tolist() for e in layer.engines] == [[0, 0, 0]] * 3
+
+
+def test_render_says_which_mode_ran():
+    """A run's header names its GEMM mode: ``--batch-invariant`` (``WideLayer(
+    batch_invariant=True)``, recorded as ``batch_invariant`` in the JSON) or cuBLAS, which
+    every committed run before the flag used."""
+    result = json.loads(RUN.read_text())
+    assert "GEMMs on cuBLAS (the default)" in wide_table.render(result)
+    result["batch_invariant"] = True
+    text = wide_table.render(result)
+    assert "batch invariant (--batch-invariant" in text and "cuBLAS (the default)" not in text
+
+
+def test_gemm_plan_cells_name_each_launch():
+    """The per-case record of what rank 0's GEMMs launched: cuBLAS for the default, else
+    each fast.gemm launch's tactic, token chunks and windows."""
+    from fast.gemm.host import launch_for
+
+    class Plain:
+        def gemm_plan(self, r, tokens):
+            return {}
+
+    class Invariant:
+        def gemm_plan(self, r, tokens):
+            return {"front": launch_for(560, 7168, tokens, splits=8),
+                    "up": launch_for(896, 3584, tokens, splits=8)}
+
+    assert set(wide_table.gemm_plan_cells(Plain(), 65).values()) == {"cuBLAS"}
+    assert wide_table.gemm_plan_cells(Invariant(), 1024) == {"front": "r64w2s8 x16c8w",
+                                                              "up": "r128w4s8 x16c8w"}
+
+
+def test_batch_invariant_flag_reaches_the_layer(monkeypatch):
+    """``--batch-invariant`` builds the layer with ``batch_invariant=True`` (a stand-in
+    layer records its arguments; the run stops there)."""
+    import fast.schedules.wide as wide
+    import verify.cases
+
+    built = {}
+
+    class Stop(Exception):
+        pass
+
+    def layer(weights, **kw):
+        built.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(wide, "WideLayer", layer)
+    monkeypatch.setattr(verify.cases, "device_weights", lambda name: None)
+    monkeypatch.setattr(wide_table, "l2_flush", lambda: None)
+    monkeypatch.setattr(wide_table, "read_bandwidth_gbs", lambda: 1.0)
+    monkeypatch.setattr(wide_table.torch.cuda, "get_device_name", lambda: "stand-in")
+    for flag, want in (([], False), (["--batch-invariant"], True)):
+        built.clear()
+        try:
+            wide_table.main(["--tokens", "65", *flag])
+        except Stop:
+            pass
+        assert built["batch_invariant"] is want and built["max_rows"] == 65

@@ -8,9 +8,10 @@ cubin dump, for sm_90a and sm_100a, and prints one line per kernel with the SHA-
 the debug sections are left out). The set (``SETS``): the stage kernels at the real widths
 (``fast.backend.KERNELS``), the experts engine at five geometries and tactics
 (``ENGINES``; the warpgroup-MMA ones for sm_90a only), the DEP16 and TP8 schedules' own
-kernels for virtual and real ranks, and every ``fast.gemm`` shape a ``DenseFront``
-compiles by default (not the Blackwell block-scaled experts kernel of
-``fast.experts.blackwell``)::
+kernels for virtual and real ranks, every ``fast.gemm`` shape a ``DenseFront``
+compiles by default and every chunked ``fast.gemm`` shape a TP8 wide rank compiles in its
+batch-invariant mode (``fast.schedules.wide_gemms``; not the Blackwell block-scaled experts
+kernel of ``fast.experts.blackwell``)::
 
     python tools/sass_digest.py before.txt          # on the old tree (--only experts,...)
     python tools/sass_digest.py after.txt           # on the new one
@@ -52,7 +53,7 @@ ENGINES = {
 #: every kernel set: (family, name); a set's kernels are listed by its "?" compile
 SETS = ([("stage", "real")] + [("experts", name) for name in ENGINES]
         + [("dep", "dep16"), ("dep", "dep16-peers"), ("wide", "tp8"), ("wide", "tp8-peers"),
-           ("gemm", "dense-auto")])
+           ("gemm", "dense-auto"), ("gemm", "wide-tp8-invariant")])
 
 _COMPILE = """
 import sys
@@ -70,11 +71,14 @@ elif family in ("dep", "wide"):  # a schedule's own kernels, DEP16 / TP8, virtua
     params = module.kernel_params(c, ranks, peers=name.endswith("-peers"))
     kinds = list(params)
     build = lambda k: module.compiled_kernel(k, arch, params[k])
-elif family == "gemm":  # every fast.gemm shape a DenseFront compiles by default
+elif family == "gemm":  # the fast.gemm shapes of a DenseFront / of a TP8 wide rank
     from fast.gemm.host import compile_kernel
-    from fast.schedules import dense
-    shapes = [p for p in dense.fast_kernel_params(c, "auto")
-              if arch == "sm_90a" or not p.get("wgmma")]
+    from fast.schedules import dense, wide_gemms
+    if name == "dense-auto":  # every shape a DenseFront compiles by default
+        shapes = [p for p in dense.fast_kernel_params(c, "auto")
+                  if arch == "sm_90a" or not p.get("wgmma")]
+    else:  # every chunked shape of the wide layer's batch-invariant mode at TP8
+        shapes = wide_gemms.kernel_params(c, 8, range(c.front_max + 1, c.wide_rows + 1))
     kinds = [str(i) for i in range(len(shapes))]
     build = lambda k: compile_kernel(arch, **shapes[int(k)])
 else:  # the experts engine

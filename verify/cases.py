@@ -217,3 +217,31 @@ def order_exposing_values(shape, seed: int, device="cpu") -> torch.Tensor:
     pick = torch.randint(0, len(ORDER_EXPOSING_MAGNITUDES), tuple(shape), generator=g)
     sign = torch.randint(0, 2, tuple(shape), generator=g) * 2 - 1
     return (scale[pick] * sign).to(torch.bfloat16).to(device)
+
+
+#: The cancelling pair of ``cancelling_rank_values`` and the small values around it (all
+#: exact in BF16): the pair's ulp in FP32 is 2, so every small value added while the pair
+#: is half summed is absorbed (rounded away), and which ones are depends on the order.
+CANCELLING_BIG = 2.0 ** 24
+CANCELLING_SMALL = (1.0, 0.75, 0.5, 0.375, 0.25, 0.125)
+
+
+def cancelling_rank_values(ranks: int, shape, seed: int, device="cpu") -> list[torch.Tensor]:
+    """``ranks`` BF16 tensors of ``shape`` (one per rank) whose FP32 sum in rank order
+    depends on that order at almost every element: per element two random ranks hold
+    ``+B`` and ``-B`` (``B = CANCELLING_BIG``, random sign) and the others a random
+    ``+-CANCELLING_SMALL``; a small value added between the two big ones is absorbed, so
+    the sum (a small number, exact in BF16) counts only the others (at 3 ranks about 70%
+    of elements change when the order is reversed, at 16 about 95%). For the rank-order
+    all-reduces, whose random partials of similar size often sum exactly in any order."""
+    if ranks < 2:
+        raise ValueError(f"cancelling_rank_values: needs at least 2 ranks, got {ranks}")
+    g = torch.Generator().manual_seed(seed)
+    shape = tuple(shape)
+    small = torch.tensor(CANCELLING_SMALL)
+    vals = small[torch.randint(0, len(small), (ranks, *shape), generator=g)]
+    vals = vals * (torch.randint(0, 2, (ranks, *shape), generator=g) * 2 - 1)
+    place = torch.argsort(torch.rand(ranks, *shape, generator=g), dim=0)  # per element
+    big = CANCELLING_BIG * (torch.randint(0, 2, shape, generator=g) * 2 - 1)
+    vals = torch.where(place == 0, big, torch.where(place == 1, -big, vals))
+    return [v.to(torch.bfloat16).to(device) for v in vals]

@@ -32,6 +32,14 @@ tactic of 4 m-tiles per warp serves up to 40 tokens):
 * **bad input** raises a ValueError/TypeError naming the argument before any launch (the
   output buffer stays untouched).
 
+**More than 64 rows** (the wide layer's GEMMs, ``test_gemm_fast_wide_rows``): the four TP8
+shapes of ``fast.schedules.wide_gemms`` (the front's 560 rows padded to 576) at their one K
+split, 65..1024 rows in token chunks: within the bound (rows of the first three chunks and
+of the last), every row count on both sides of a chunk or tile edge bitwise the first rows
+of the 1024-row call, token 0 unmoved by batch-mates 1000 times larger, nothing stored
+past the ``[T, N]`` output (a NaN guard), a CUDA graph's replays equal to eager calls, and
+the split-K order on designed operands across five token chunks.
+
 Inputs per GEMM come from one seed per GEMM (``verify.seeds.seed_of`` of the GEMM's id), so
 the float64 reference of the largest batch is computed once and every smaller batch is a
 prefix of it (rows are independent). Weights: ``verify.cases.dense_weights("kimi_k3")``.
@@ -376,7 +384,143 @@ def test_gemm_fast_bad_input(backend):
         with pytest.raises(error, match=match):
             eng(xx, **args)
     assert bool(torch.isnan(out).all()), "a refused call wrote its output"
-    with pytest.raises(ValueError, match="N and K positive multiples of 64"):
-        DenseGemm(weight[:100])
+    with pytest.raises(ValueError, match="K a positive multiple of 64"):
+        DenseGemm(weight[:, :100].contiguous())
     with pytest.raises(ValueError, match="max_tokens"):
-        DenseGemm(weight, max_tokens=65)
+        DenseGemm(weight, max_tokens=4097)
+    with pytest.raises(ValueError, match="splits must be None or a positive int"):
+        DenseGemm(weight, splits=3)
+
+
+# -- more than 64 rows: the wide layer's GEMMs ---------------------------------------------
+
+#: Row counts of the wide contract: the bucket's first, both sides of the 2 -> 3 chunk edge
+#: (where the TP8 shapes' tiles go from 64 to 128 rows), of window edges, and a 1000-row
+#: call whose last chunk is short; each against the 1024-row call.
+WIDE_ROWS = (65, 80, 81, 128, 129, 257, 1000)
+WIDE_TOP = 1024
+
+
+@functools.cache
+def wide_case(gemm: str):
+    """(DenseGemm, x [1024, K], addend [1024, N] or None, out dtype) of one TP8 wide GEMM
+    (``fast.schedules.wide_gemms``: shapes, K split on this GPU) on random weights of its
+    shape, N(0, 1/K) BF16, one seed per GEMM."""
+    from fast.gemm import DenseGemm
+    from fast.schedules.wide_gemms import gemm_shapes, gemm_splits
+
+    cfg = cases.config("kimi_k3")
+    n, k = gemm_shapes(cfg, 8)[gemm]
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    g = torch.Generator().manual_seed(seed_of(f"verify/test_gemm_fast.py::wide::{gemm}"))
+    weight = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(WIDE_TOP, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    addend = (torch.randn(WIDE_TOP, n, generator=g).to(torch.bfloat16).to(DEVICE)
+              if gemm == "up" else None)
+    out_dtype = torch.float32 if gemm == "front" else torch.bfloat16
+    eng = DenseGemm(weight, max_tokens=WIDE_TOP, splits=gemm_splits(cfg, 8, sms)[gemm])
+    eng.compile_for(WIDE_ROWS + (WIDE_TOP,))
+    return eng, x, addend, out_dtype
+
+
+def run_wide(gemm: str, tokens: int, x=None, addend=None):
+    """The wide GEMM on the first ``tokens`` rows into a NaN-poisoned output followed by a
+    NaN guard of 256 elements; returns (out, guard)."""
+    eng, x0, a0, out_dtype = wide_case(gemm)
+    x = x0 if x is None else x
+    addend = a0 if addend is None else addend
+    buf = torch.full((tokens * eng.n + 256,), float("nan"), dtype=out_dtype, device=DEVICE)
+    out = buf[:tokens * eng.n].view(tokens, eng.n)
+    eng(x[:tokens].contiguous(), out_dtype=out_dtype, out=out,
+        addend=None if addend is None else addend[:tokens].contiguous())
+    return out, buf[tokens * eng.n:]
+
+
+@pytest.mark.parametrize("gemm", ("front", "shared_gate_up", "shared_down", "up"))
+def test_gemm_fast_wide_rows(backend, gemm, contract):
+    """One TP8 wide GEMM at 65..1024 rows (token chunks on the grid; the module docstring):
+    bounded, batch invariant at every row count of ``WIDE_ROWS``, nothing past its output,
+    graph replays equal to eager calls, split order on designed operands."""
+    eng, x, addend, out_dtype = wide_case(gemm)
+    full, guard = run_wide(gemm, WIDE_TOP)
+    label = eng.launch(WIDE_TOP).tactic.label()
+    contract.bitwise(_bits(guard), _bits(torch.full_like(guard, float("nan"))),
+                     what=f"wide {gemm}: nothing stored past the [T, N] output, T={WIDE_TOP}")
+    for rows in (slice(0, 129), slice(WIDE_TOP - 64, WIDE_TOP)):  # chunks 0-2 and the last
+        ref, bound = bounds.mma_matmul_bound(
+            x[rows].cpu(), eng.weight.cpu(), splits=eng.splits,
+            addend=None if addend is None else addend[rows].cpu(), out_dtype=out_dtype)
+        contract.bounded(full[rows].cpu(), ref, bound,
+                         what=f"wide {gemm} {label} T={WIDE_TOP}, rows {rows.start}..{rows.stop}",
+                         bound_name=BOUND_NAME, index_names=ROWS)
+    for tokens in WIDE_ROWS:
+        assert eng.launch(tokens).tactic.splits == eng.splits
+        out, guard = run_wide(gemm, tokens)
+        what = f"wide {gemm} ({eng.launch(tokens).tactic.label()}, {eng.launch(tokens).chunks} chunks)"
+        contract.bitwise(_bits(out), _bits(full[:tokens]),
+                         what=f"{what}: T={tokens} vs the first rows of T={WIDE_TOP}",
+                         index_names=ROWS)
+        contract.bitwise(_bits(guard), _bits(torch.full_like(guard, float("nan"))),
+                         what=f"{what}: nothing stored past the output, T={tokens}")
+    g = torch.Generator(device=DEVICE).manual_seed(7)
+    mates = x.clone()
+    mates[1:] = (torch.randn(mates[1:].shape, generator=g, device=DEVICE) * 1000).to(torch.bfloat16)
+    for tokens in (65, 129, WIDE_TOP):
+        out, _ = run_wide(gemm, tokens, x=mates)
+        contract.bitwise(_bits(out[:1]), _bits(full[:1]),
+                         what=f"wide {gemm}: token 0 among other batch-mates, T={tokens}",
+                         index_names=ROWS)
+    # a CUDA graph of a 257-row call (5 chunks), replayed on new inputs
+    tokens = 257
+    xs = x[:tokens].clone()
+    adds = None if addend is None else addend[:tokens].clone()
+    out = torch.empty(tokens, eng.n, dtype=out_dtype, device=DEVICE)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        eng(xs, out_dtype=out_dtype, addend=adds, out=out)
+        with torch.cuda.graph(graph, stream=stream):
+            eng(xs, out_dtype=out_dtype, addend=adds, out=out)
+    torch.cuda.current_stream().wait_stream(stream)
+    for i in range(4):
+        src = torch.roll(x[:tokens], i + 1, dims=0).contiguous()
+        xs.copy_(src)
+        graph.replay()
+        want, _ = run_wide(gemm, tokens, x=src)
+        contract.bitwise(_bits(out), _bits(want), what=f"wide {gemm} T={tokens}: graph replay {i}",
+                         index_names=ROWS)
+    torch.cuda.synchronize()
+    if eng.splits >= 2:
+        _check_wide_split_order(contract, gemm)
+
+
+def _check_wide_split_order(contract, gemm: str) -> None:
+    """``test_gemm_fast_split_order_designed``'s operands on a wide GEMM's shape at 257 rows
+    (5 token chunks, each reducing its own splits' partials): token ``t`` picks one k per
+    split, the weight holds +-2^24, 2^12, 1, 2^-12, so the FP32 sum of the partials depends
+    on its order; bitwise against ``acc = p_0; acc = acc + p_s`` in split order, then the
+    addend, then one rounding."""
+    from fast.gemm import DenseGemm
+
+    eng, _, addend, out_dtype = wide_case(gemm)
+    n, k, splits, tokens = eng.n, eng.k, eng.splits, 257
+    designed = cases.order_exposing_values(
+        (n, k), seed_of(f"verify/test_gemm_fast.py::wide-designed::{gemm}"), DEVICE)
+    other = DenseGemm(designed, max_tokens=tokens, splits=splits)
+    part = k // splits
+    picks = torch.stack([s * part + (37 * torch.arange(tokens) + 11 * s) % part
+                         for s in range(splits)], 1)  # [T, S]
+    xd = torch.zeros(tokens, k, dtype=torch.bfloat16)
+    xd.scatter_(1, picks, 1.0)
+    acc = None
+    for s in range(splits):
+        p = designed.float().cpu()[:, picks[:, s]].t()  # [T, N]: W[n, k_s(t)]
+        acc = p if acc is None else acc + p
+    adds = None if addend is None else addend[:tokens].contiguous()
+    if adds is not None:
+        acc = acc + adds.float().cpu()
+    got = other(xd.to(DEVICE), out_dtype=out_dtype, addend=adds)
+    contract.bitwise(_bits(got).cpu(), _bits(acc.to(out_dtype)),
+                     what=f"wide {gemm} ({other.launch(tokens).tactic.label()}, 5 chunks): "
+                          f"designed split order", index_names=ROWS)

@@ -23,6 +23,8 @@ one GPU: each stage of every rank against the reference stage on *that rank's ow
 | timeout | a reader whose writer never arrives records the error and ends; ``check`` raises naming the rank, buffer, token, column and the writer |
 | CUDA graph, stream orders | replays (both mailbox buffers, interleaved with eager calls) and the side stream (plain, delayed by a spin) bitwise equal to the serialized eager call |
 | bad input | rows outside 65..max_rows, a rank count that does not match, a wrong dtype: a clear error before any launch |
+| batch invariance (``batch_invariant=True``) | the four GEMMs on fast.gemm pass the stage contracts (``mma_matmul_bound`` at their K split, bitwise = the same GEMM alone); each token's every stage output on every rank (front, logits, latent, ids, weights, plan rows, expert rows, partial, routed, normed, shared gate/up, SiTU, shared, up columns, out) at row counts on both sides of every tactic and token-chunk edge bitwise = the same token in the largest batch; TP 2, 4 (small), 8, 16 (small, S = I = 1024) and TP8 at the real widths (65 to 1023 rows against 1024) |
+| designed all-reduce orders | every rank's partials (latent) and hidden partials (shared, up columns) replaced by values of a wide dynamic range, at 4, 8 and 16 ranks, where the FP32 sum's order decides its bits: every rank's routed, normed and out bitwise = the rank-order sum (``ordered_sum_bf16``) and every other rank's; the reversed order differs on many elements (the inputs do expose the order) |
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from model.config import LatentMoEConfig
 from model.weights import LatentMoEWeights
 from reference.schedules.mailbox import SENTINEL_BF16, SENTINEL_F32
 from verify import cases
+from reference.schedules.groups import ordered_sum_bf16
 from verify.wide_fast_checks import ROWS, check_armed, check_wide_fast, published_words
 
 pytestmark = [pytest.mark.gpu, pytest.mark.backends("fast")]
@@ -45,6 +48,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.backends("fast")]
 #: ``small`` with the routed intermediate widened to 1024, so that 8 and 16 TP ranks keep
 #: the experts engine's 64-wide slices of it (``fast.schedules.wide.check_ranks``).
 SMALL_I1024 = dataclasses.replace(LatentMoEConfig.small(), intermediate=1024)
+#: ``SMALL_I1024`` with the shared expert widened to 1024 too, so that the shared
+#: down-projection of 8 and 16 TP ranks keeps a K (``S / N``) that is a multiple of
+#: fast.gemm's 64 (the batch-invariant mode, ``fast.schedules.wide_gemms``).
+SMALL_S1024 = dataclasses.replace(SMALL_I1024, shared_intermediate=1024)
 
 
 @functools.cache
@@ -55,6 +62,8 @@ def _weights(config_name: str) -> LatentMoEWeights:
         return cases.device_weights("kimi_k3")
     if config_name == "small_i1024":
         return _device_weights(SMALL_I1024)
+    if config_name == "small_s1024":
+        return _device_weights(SMALL_S1024)
     raise KeyError(config_name)
 
 
@@ -407,3 +416,176 @@ def test_wide_fast_bad_input(backend, contract):
     check_armed(contract, layer, "after the refused calls")
     with pytest.raises(ValueError, match="cannot split"):
         _layer("small", 8, 96)
+    with pytest.raises(ValueError, match="batch_invariant must be a bool"):
+        _layer("small", 2, 96, batch_invariant=1)
+    with pytest.raises(ValueError, match=r"K must be a multiple of 64; at 8 ranks shared_down "
+                                         r"K=32"):
+        _layer("small_i1024", 8, 96, batch_invariant=True)
+
+
+# -- batch invariance ----------------------------------------------------------------------
+
+#: The stage outputs of a rank whose rows are the call's tokens (``WideRankOutputs``; the
+#: routing lists, whose order is the engine's atomic claims, are checked as sets by the
+#: stage contracts; ``rows`` are pairs ``t K + j``, so a token's rows lead as its index does).
+TOKEN_STAGES = ("front", "logits", "latent", "weights", "ids", "codes", "scales", "rows",
+                "routed_partial", "routed", "normed", "shared_gate_up", "shared_act", "shared",
+                "up_columns", "out")
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The bits of ``t`` as integers of its width (NaN poison and -0 compare as bits)."""
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+def _snapshot(out) -> dict:
+    """Clones of one rank's token stages (the layer's buffers are reused by the next call)."""
+    return {name: getattr(out, name).clone() for name in TOKEN_STAGES}
+
+
+def launch_edges(layer, low: int, high: int) -> list[int]:
+    """The row counts in ``[low, high)`` on both sides of every change of what a rank's
+    GEMMs launch (tactic, token chunks, windows per chunk: ``WideLayer.gemm_plan``), plus
+    ``low``: every tactic and chunk edge of the mode below the largest batch ``high``."""
+    def signature(t):
+        return tuple((name, l.tactic, l.chunks, l.windows) for name, l in
+                     sorted(layer.gemm_plan(0, t).items()))
+
+    edges = {low}
+    for t in range(low + 1, high + 1):
+        if signature(t) != signature(t - 1):
+            edges |= {t - 1, t}
+    return sorted(e for e in edges if e < high)
+
+
+def check_wide_batch_invariant(contract, layer, x, batches) -> None:
+    """The first ``t`` tokens of ``x`` decoded as a batch of ``t`` (each ``t`` of
+    ``batches``) against the same tokens in the batch of ``T = len(x)``, bit for bit at
+    every token stage (``TOKEN_STAGES``) of every rank."""
+    k, top = layer.config.top_k, x.shape[0]
+    want = [_snapshot(o) for o in layer(x)]
+    for t in batches:
+        outs = layer(x[:t].contiguous())
+        for r, o in enumerate(outs):
+            for name in TOKEN_STAGES:
+                rows = t * k if name == "rows" else t
+                contract.bitwise(_raw(getattr(o, name)), _raw(want[r][name][:rows]),
+                                 what=f"rank {r} {name}: T={t} vs the same tokens at T={top}",
+                                 index_names=("pair", "column") if name == "rows" else ROWS)
+
+
+def _check_one_split_per_gemm(layer, low: int, high: int) -> None:
+    """Every GEMM of every rank launches one K split at every row count of the layer
+    (the mode's design; a tile or chunk change is free to follow the batch)."""
+    for r in layer.local_ranks:
+        plans = [layer.gemm_plan(r, t) for t in range(low, high + 1)]
+        assert set(plans[0]) == {"front", "shared_gate_up", "shared_down", "up"}
+        for name in plans[0]:
+            assert len({p[name].tactic.splits for p in plans}) == 1, (r, name)
+
+
+#: (config, ranks, largest batch) of the batch-invariance contracts at small widths: TP 2..16
+BATCH_INVARIANT_GRID = [("small", 2, 256), ("small", 4, 256), ("small_s1024", 8, 200),
+                        ("small_s1024", 16, 160)]
+
+
+@pytest.mark.parametrize("config_name,ranks,top", BATCH_INVARIANT_GRID)
+def test_wide_fast_stages_batch_invariant(backend, config_name, ranks, top, seed, contract):
+    """``batch_invariant=True``: every stage of every rank at the bucket's first row count
+    and the largest, the four GEMMs on fast.gemm within their bound and bitwise equal to
+    the same GEMM alone (``verify.wide_fast_checks``)."""
+    layer = _batch_invariant_layer(config_name, ranks, top)
+    assert layer.batch_invariant
+    for tokens in (65, top):
+        x = _inputs(layer.config, tokens, seed + tokens)
+        check_wide_fast(contract, layer, layer(x), x)
+        check_armed(contract, layer, f"after the call of {tokens} rows")
+
+
+@functools.cache
+def _batch_invariant_layer(config_name: str, ranks: int, max_rows: int):
+    return _layer(config_name, ranks, max_rows, batch_invariant=True)
+
+
+@pytest.mark.parametrize("config_name,ranks,top", BATCH_INVARIANT_GRID)
+def test_wide_fast_batch_invariant(backend, config_name, ranks, top, seed, contract):
+    """``WideLayer(batch_invariant=True)``: the first ``t`` of ``top`` random tokens decoded
+    as a batch of ``t`` at every row count on both sides of every tactic and token-chunk
+    edge of the GEMMs (and a few around the engine's windows), each token's every stage on
+    every rank bitwise its bits in the batch of ``top``; then the design itself: one K
+    split per GEMM at every row count."""
+    layer = _batch_invariant_layer(config_name, ranks, top)
+    low = layer.config.front_max + 1
+    batches = sorted(set(launch_edges(layer, low, top)) | {66, 72, 73, 100, top - 1})
+    assert len(batches) >= 8, batches  # the edges were found: the check is not vacuous
+    x = _inputs(layer.config, top, seed)
+    check_wide_batch_invariant(contract, layer, x, batches)
+    _check_one_split_per_gemm(layer, low, top)
+
+
+@pytest.mark.config("kimi_k3")
+def test_wide_fast_real_tp8_batch_invariant(backend, seed, contract):
+    """The real layer over 8 virtual TP ranks with ``batch_invariant=True``: 65, 66, 128,
+    129, 257, 512, 513 and 1023 rows against 1024 (token chunks 2 to 16, both 64- and
+    128-row tiles), every stage of every rank; then one call of 65 rows passes every stage
+    contract (each GEMM on fast.gemm at the real widths, the TP8 front's 560 rows padded to
+    576)."""
+    layer = _layer("kimi_k3", 8, 1024, batch_invariant=True)
+    x = _inputs(layer.config, 1024, seed)
+    check_wide_batch_invariant(contract, layer, x, (65, 66, 128, 129, 257, 512, 513, 1023))
+    _check_one_split_per_gemm(layer, 65, 1024)
+    few = x[:65].contiguous()
+    check_wide_fast(contract, layer, layer(few), few)
+
+
+
+@pytest.mark.parametrize("config_name,ranks", [("small", 4), ("small_i1024", 8),
+                                               ("small_i1024", 16)])
+def test_wide_fast_all_reduce_orders_designed(backend, config_name, ranks, seed, contract):
+    """The two all-reduces on designed values (``verify.cases.cancelling_rank_values``: per
+    element two ranks hold +-2^24, the others small values that the pair absorbs or not
+    depending on the order: random partials of similar size often sum exactly whatever the
+    order). After a call, every rank's routed partial is replaced and every rank's latent
+    stage run alone: each rank's routed and normed rows bitwise the rank-order sum
+    (``ordered_sum_bf16``) and its norm (the same on every rank); then every rank's hidden
+    partial (its shared partial, its own columns in its up columns) is replaced and every
+    hidden stage run: each rank's out bitwise the rank-order sum, the same on every rank.
+    The reversed order differs from the rank order on at least half of the elements (the
+    inputs do expose the order)."""
+    from reference import emulation
+
+    tokens = 70
+    layer = _layer(config_name, ranks, 96)
+    c = layer.config
+    outs = layer(_inputs(c, tokens, seed))
+    parts = cases.cancelling_rank_values(ranks, (tokens, c.latent), seed)
+    for o, part in zip(outs, parts):
+        o.routed_partial.copy_(part.to(o.routed_partial.device))
+    for r in range(ranks):
+        layer.latent_stage(r, tokens, wait_shared=False)
+    layer.check()
+    routed = ordered_sum_bf16(parts)
+    assert int((_raw(routed) != _raw(ordered_sum_bf16(parts[::-1]))).sum()) >= routed.numel() // 2
+    normed = emulation.rms_norm_tree(routed, layer.latent_norm.cpu(), c.rms_eps)
+    for r, o in enumerate(outs):
+        contract.bitwise(_raw(o.routed.cpu()), _raw(routed),
+                         what=f"rank {r} latent all-reduce of designed partials (rank order)",
+                         index_names=ROWS)
+        contract.bitwise(_raw(o.normed.cpu()), _raw(normed),
+                         what=f"rank {r} normed of the designed all-reduce", index_names=ROWS)
+    hidden = cases.cancelling_rank_values(ranks, (tokens, c.hidden), seed + 1)
+    for r, (o, part) in enumerate(zip(outs, hidden)):
+        o.shared.copy_(part.to(o.shared.device))
+        o.up_columns.copy_(part[:, r * layer.columns:(r + 1) * layer.columns].to(o.shared.device))
+    for r in range(ranks):
+        layer.hidden_stage(r, tokens)
+    layer.check()
+    out = ordered_sum_bf16(hidden)
+    assert int((_raw(out) != _raw(ordered_sum_bf16(hidden[::-1]))).sum()) >= out.numel() // 2
+    first = _raw(outs[0].out.cpu())
+    for r, o in enumerate(outs):
+        contract.bitwise(_raw(o.out.cpu()), _raw(out),
+                         what=f"rank {r} hidden all-reduce of designed partials (rank order)",
+                         index_names=ROWS)
+        contract.bitwise(_raw(o.out.cpu()), first, what=f"rank {r} out = rank 0's out",
+                         index_names=ROWS)

@@ -8,6 +8,7 @@ one process per GPU (one TP rank each), peer buffers in torch symmetric memory. 
 | every stage output of a real rank | bitwise = the same rank of the virtual layer (``WideLayer``, every rank on this GPU) on the same inputs; routing lists: each expert's first ``counts[e]`` entries as a set (their order is the engine's atomic claims); the virtual layer's stage contracts are ``verify/test_wide_fast.py``'s |
 | consecutive calls | a second call on new inputs (the other mailbox and shared buffer) equals the virtual layer on them; after each call this rank's mailbox is armed again (both buffers) |
 | stream orders, CUDA graph | serialized, side stream, side stream delayed by a spin, graph replays (both mailbox buffers) on new inputs, then 20 reruns: bitwise equal |
+| batch invariance (``batch_invariant=True``) | a real rank's every stage bitwise = the virtual batch-invariant layer's rank at row counts on both sides of the token-chunk edges (65, 128, 129, 200), and each of them the first rows of its own 200-row call |
 | a peer that never calls | the poll and the waits time out; ``check`` raises naming the rank, the mailbox buffer and the writer (then the wait naming the peer and what); never a hang |
 
 Every process builds the same weights (one seed) and every rank's inputs (one seed per
@@ -167,6 +168,45 @@ def test_wide_peer_real_dims(backend, process_group, seed, contract):
         xs = cases.rank_rows(cfg, n, 65 + 30 * call, seed + call, "cuda")
         compare_with_virtual(contract, real(xs[rank]), virtual(xs)[rank], rank,
                              f"kimi_k3 rank {rank}/{n} call {call}")
+
+
+@pytest.mark.multi_gpu(2)
+@pytest.mark.config("small")
+def test_wide_peer_batch_invariant(backend, process_group, seed, contract):
+    """``WidePeerLayer(batch_invariant=True)`` (the rank's four GEMMs on fast.gemm, one K
+    split each): at 65, 128, 129 and 200 rows every stage output of this rank equals the
+    virtual batch-invariant layer's rank on the same inputs, and every token stage at a
+    smaller row count is bitwise the first rows of the 200-row call."""
+    import torch.distributed as dist
+
+    from fast.schedules.wide import WideLayer
+    from fast.schedules.wide_peer import WidePeerLayer
+
+    cfg = cases.config("small")
+    w = cases.layer_weights("small")
+    rank, n = dist.get_rank(), dist.get_world_size()
+    real = WidePeerLayer(w, max_rows=200, batch_invariant=True)
+    virtual = WideLayer(w, ranks=n, max_rows=200, device="cuda", batch_invariant=True)
+    assert real.batch_invariant and virtual.batch_invariant
+    xs = cases.rank_rows(cfg, n, 200, seed, "cuda")
+    top = real(xs[rank])
+    want = {f.name: getattr(top, f.name).clone() for f in dataclasses.fields(top)
+            if f.name not in ("lists", "counts", "mailbox_index")}
+    compare_with_virtual(contract, top, virtual(xs)[rank], rank,
+                         f"batch-invariant rank {rank}/{n} T=200")
+    for tokens in (65, 128, 129):
+        few = [x[:tokens].contiguous() for x in xs]
+        got = real(few[rank])
+        what = f"batch-invariant rank {rank}/{n} T={tokens}"
+        compare_with_virtual(contract, got, virtual(few)[rank], rank, what)
+        k = cfg.top_k
+        for name, full in want.items():
+            rows = tokens * k if name == "rows" else tokens
+            mine = getattr(got, name)
+            if mine.dtype in (torch.float32, torch.float8_e4m3fn):
+                mine, full = mine.view(torch.uint8), full.view(torch.uint8)
+            contract.bitwise(mine, full[:rows], what=f"{what}: {name} = its rows at T=200")
+    dist.barrier()
 
 
 @pytest.mark.multi_gpu(2)

@@ -8,7 +8,15 @@ Everything is compared on the CPU (the emulations and oracles run there); ``laye
 ``WideLayer`` or any object with the attributes these functions read (``config``,
 ``ranks``, ``device``, ``max_rows``, ``columns``, ``engines``, ``mailboxes``, the
 per-rank weight slices ``front_weights``, ``shared_gate_up``, ``shared_down``, ``up``, and
-``bias``, ``latent_norm``).
+``bias``, ``latent_norm``; a layer whose ``batch_invariant`` is True also
+``rank_resources(r).gemms``, its ``fast.gemm`` GEMMs).
+
+The GEMMs are held to the bound of the backend that ran: cuBLAS (FP32 accumulation in any
+order with truncating tensor-core adders, one rounding; its ``addmm`` rounds the product,
+then the sum), or, in the batch-invariant mode, ``fast.gemm``:
+``verify.bounds.mma_matmul_bound`` at the GEMM's K split (the up columns' addend added
+before the one rounding) and bitwise equal to the same ``DenseGemm`` run alone on the same
+operands (the kernel really ran, and the layer's streams and buffers moved no bit).
 """
 
 from __future__ import annotations
@@ -26,19 +34,53 @@ from reference.schedules.mailbox import SENTINEL_BF16, SENTINEL_F32, sanitize_ne
 from reference.schedules.wide import routing_lists
 from verify import bounds
 
-__all__ = ["ROWS", "GEMM_BOUND", "published_words", "check_armed", "check_wide_fast"]
+__all__ = ["ROWS", "GEMM_BOUND", "MMA_BOUND", "published_words", "check_armed",
+           "check_wide_fast", "rank_gemms"]
 
 ROWS = ("token", "column")
 GEMM_BOUND = bounds.ANY_ORDER_GEMM_BOUND
 #: cuBLAS ran on the GPU: truncating tensor-core adders
 CUBLAS = dict(accum_rounding=bounds.gemm_accum_rounding("cuda"))
+MMA_BOUND = ("verify.bounds.mma_matmul_bound: gamma_{c+c/16+splits-1(+1)}(2^-23) sum|a w| "
+             "(+|addend|) (+ BF16 half-ULP): fast.gemm's tensor-core split-K order")
 
 
-def _gemm(contract, got, a, b, out_dtype, what):
+def _gemm(contract, got, a, b, out_dtype, what, fast=None, addend=None):
+    """One GEMM of one rank (CPU copies ``got``, operands ``a [T, K]``, ``b [N, K]``,
+    optional BF16 ``addend [T, N]``): on cuBLAS (``fast`` None) within its bound; on
+    ``fast.gemm`` (``fast``: the rank's ``DenseGemm``) within ``mma_matmul_bound`` at its K
+    split and bitwise equal to it run alone on the same operands."""
+    if fast is not None:
+        ref, bound = bounds.mma_matmul_bound(a, b, splits=fast.splits, addend=addend,
+                                             out_dtype=out_dtype)
+        label = fast.launch(a.shape[0]).tactic.label()
+        contract.bounded(got, ref, bound, what=f"{what} (fast.gemm {label})",
+                         bound_name=MMA_BOUND, index_names=ROWS)
+        on = fast.device
+        alone = fast(a.contiguous().to(on), out_dtype=out_dtype,
+                     addend=None if addend is None else addend.contiguous().to(on))
+        contract.bitwise(got, alone.cpu(), what=f"{what} = fast.gemm alone on the same operands",
+                         index_names=ROWS)
+        return
+    if addend is not None:  # cuBLAS addmm: the product rounded to BF16, then the sum
+        exact = bounds.reference_matmul(a, b) + addend.double()
+        product = bounds.matmul_bf16_out_bound(a, b, **CUBLAS)
+        contract.bounded(got, exact, bounds.final_rounding_bound(exact, product, torch.bfloat16),
+                         what=what, index_names=ROWS,
+                         bound_name=GEMM_BOUND + ", then the BF16 add (cuBLAS addmm rounds twice)")
+        return
     make = bounds.matmul_fp32_out_bound if out_dtype == torch.float32 else \
         bounds.matmul_bf16_out_bound
     contract.bounded(got, bounds.reference_matmul(a, b), make(a, b, **CUBLAS), what=what,
                      bound_name=GEMM_BOUND, index_names=ROWS)
+
+
+def rank_gemms(layer, r: int) -> dict:
+    """Rank ``r``'s ``fast.gemm`` GEMMs by name when ``layer`` runs the batch-invariant
+    mode, else an empty dict (every GEMM on cuBLAS)."""
+    if not getattr(layer, "batch_invariant", False):
+        return {}
+    return layer.rank_resources(r).gemms
 
 
 def _on_cpu(outs):
@@ -90,9 +132,10 @@ def check_wide_fast(contract, layer, outs, xs) -> None:
     xs = [x.cpu() for x in xs]
     bias, latent_norm = layer.bias.cpu(), layer.latent_norm.cpu()
     want_latent, want_logits = published_words(layer, [o.front for o in outs])
+    gemms = [rank_gemms(layer, r) for r in range(n)]
     for r, (o, x) in enumerate(zip(outs, xs)):
         _gemm(contract, o.front, x, layer.front_weights[r].cpu(), torch.float32,
-              f"rank {r} front (router rows, latent shard)")
+              f"rank {r} front (router rows, latent shard)", gemms[r].get("front"))
         contract.bitwise(o.logits.view(torch.int32), want_logits,
                          what=f"rank {r} polled logits = every writer's front (bits)",
                          index_names=ROWS)
@@ -122,12 +165,12 @@ def check_wide_fast(contract, layer, outs, xs) -> None:
                          what=f"rank {r} Finalize of own rows", index_names=ROWS)
 
         _gemm(contract, o.shared_gate_up, x, layer.shared_gate_up[r].cpu(), torch.bfloat16,
-              f"rank {r} shared gate/up slice")
+              f"rank {r} shared gate/up slice", gemms[r].get("shared_gate_up"))
         act = emulation.situ_and_mul(o.shared_gate_up, beta=c.situ_beta,
                                      linear_beta=c.situ_linear_beta)
         contract.bitwise(o.shared_act, act, what=f"rank {r} shared SiTU", index_names=ROWS)
         _gemm(contract, o.shared, o.shared_act, layer.shared_down[r].cpu(), torch.bfloat16,
-              f"rank {r} shared partial")
+              f"rank {r} shared partial", gemms[r].get("shared_down"))
 
     routed = ordered_sum_bf16([o.routed_partial for o in outs])
     hidden = []
@@ -138,14 +181,9 @@ def check_wide_fast(contract, layer, outs, xs) -> None:
                          what=f"rank {r} normed", index_names=ROWS)
         cols = slice(r * layer.columns, (r + 1) * layer.columns)
         own = o.shared[:, cols]
-        up = layer.up[r].cpu()
-        exact = bounds.reference_matmul(o.normed, up) + own.double()
-        product = bounds.matmul_bf16_out_bound(o.normed, up, **CUBLAS)
-        contract.bounded(o.up_columns, exact,
-                         bounds.final_rounding_bound(exact, product, torch.bfloat16),
-                         what=f"rank {r} up columns = shared[:, cols] + normed @ up_r^T",
-                         bound_name=GEMM_BOUND + ", then the BF16 add (cuBLAS addmm rounds twice)",
-                         index_names=ROWS)
+        _gemm(contract, o.up_columns, o.normed, layer.up[r].cpu(), torch.bfloat16,
+              f"rank {r} up columns = shared[:, cols] + normed @ up_r^T", gemms[r].get("up"),
+              addend=own)
         partial = o.shared.clone()
         partial[:, cols] = o.up_columns
         hidden.append(partial)

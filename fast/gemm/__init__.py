@@ -19,6 +19,16 @@ only ``splits`` changes bits, and a shape's default ``splits`` is the same at ev
 (``splits_of``), so the default GEMM is batch invariant: a token's output bits do not
 depend on the batch it was computed in.
 
+**More than 64 rows** (the wide layer's 65..1024, ``DenseGemm(max_tokens=...)`` up to
+``MAX_CALL_TOKENS``): one launch runs ``ceil(T / 64)`` token chunks on the grid's second
+dimension, each a single-chunk call on its rows (``fast.gemm.layout.token_chunks``: balanced,
+``ceil(ceil(T / chunks) / 8)`` windows each), with the object's one K split, so a token's
+bits are those of the same kernel over its chunk and do not depend on the batch
+(``DenseGemm(splits=...)`` fixes that split for a layer's whole row range:
+``splits_for_rows``). A weight of N rows, N not a multiple of 64, is padded once at
+construction. The single-chunk kernels' machine code is unchanged by the chunked variant
+(a compile-time parameter, ``Tactic.kernel_params(..., chunked=True)``).
+
 Status (H200, ``benchmarks/results/h200/dense.md``): the four GEMMs in one
 graph at T <= 8 take 106.8-109.7 us, 0.77-0.79 of the byte limit at the measured read
 bandwidth (cuBLAS 111.1-113.3 us, 0.75-0.76); from T = 12 on they are slower than cuBLAS
@@ -29,15 +39,16 @@ Run: ``python -m pytest verify/test_gemm_fast.py -k fast`` (on an SM90/SM100 GPU
 timing: ``python -m benchmarks.dense_table``.
 """
 
-from fast.gemm.layout import MAX_TOKENS, Tactic, windows_for
+from fast.gemm.layout import MAX_CALL_TOKENS, MAX_TOKENS, Tactic, token_chunks, windows_for
 
-__all__ = ["DenseGemm", "Tactic", "choose_tactic", "MAX_TOKENS", "windows_for",
-           "compile_kernel", "kernel_shapes", "DEFAULT_TACTICS", "splits_of"]
+__all__ = ["DenseGemm", "Tactic", "choose_tactic", "MAX_TOKENS", "MAX_CALL_TOKENS",
+           "windows_for", "token_chunks", "compile_kernel", "kernel_shapes", "DEFAULT_TACTICS",
+           "splits_of", "splits_for_rows", "Launch", "launch_for"]
 
 
 def __getattr__(name):
     if name in ("DenseGemm", "choose_tactic", "compile_kernel", "kernel_shapes", "DEFAULT_TACTICS",
-                "splits_of"):
+                "splits_of", "splits_for_rows", "Launch", "launch_for"):
         from fast.gemm import host
 
         return getattr(host, name)

@@ -1,17 +1,28 @@
 """Host side of the split-K GEMM: the tactic table, kernels compiled once per tactic shape,
 workspace and tile counters allocated once per GEMM object, every argument checked before
-the launch."""
+the launch.
+
+A call of ``T`` rows launches one kernel (``launch_for``): ``T <= 64`` one token chunk of
+``ceil(T / 8)`` windows (S1's calls), more rows ``ceil(T / 64)`` chunks on the grid's
+second dimension (``fast.gemm.layout.token_chunks``; S2's 65..1024 rows). A weight whose
+rows are not a multiple of 64 is padded once at construction (``layout.padded_rows``).
+Each ``DenseGemm`` has one K split (``DenseGemm.splits``) that every default tactic of every
+``T`` uses, so its default GEMM is batch invariant at every row count it serves."""
 
 from __future__ import annotations
+
+import typing
 
 import torch
 
 from fast import backend
 from fast.device.compile import compiled, frozen
-from fast.gemm.layout import MAX_ACCUMULATORS, MAX_TOKENS, MAX_WINDOWS, Tactic, windows_for
+from fast.gemm.layout import (MAX_ACCUMULATORS, MAX_CALL_TOKENS, MAX_TOKENS, MAX_WINDOWS, Tactic,
+                              chunk_workspace_bytes, padded_rows, token_chunks)
 
-__all__ = ["DenseGemm", "choose_tactic", "splits_of", "CANDIDATES", "DEFAULT_TACTICS",
-           "PDL_MAX_TOKENS", "compile_kernel", "kernel_shapes"]
+__all__ = ["DenseGemm", "choose_tactic", "splits_of", "splits_for_rows", "CANDIDATES",
+           "DEFAULT_TACTICS", "PDL_MAX_TOKENS", "compile_kernel", "kernel_shapes", "Launch",
+           "launch_for"]
 
 _R64, _R128 = dict(warps=2, mtiles=2), dict(warps=4, mtiles=2)
 _R128M4, _R256M4 = dict(warps=2, mtiles=4), dict(warps=4, mtiles=4, occupancy=1)
@@ -62,7 +73,22 @@ def splits_of(n: int, k: int, sms: int = 132) -> int:
     """The K splits of an ``[N, K]`` weight's default tactic, the same at every batch (one
     summation order per output element: ``DEFAULT_TACTICS``' rule, and the fallback of
     ``choose_tactic``, which depends on N, K and ``sms`` only)."""
-    return choose_tactic(n, k, 1, sms).splits
+    return _one_chunk_tactic(n, k, 1, sms).splits
+
+
+def splits_for_rows(n: int, k: int, tokens: int, sms: int = 132) -> int:
+    """The fewest K splits (doubled from 1 while ``K`` still divides into ``2 splits``
+    stages of 64) that give a call of ``tokens`` rows at least ``sms`` CTAs of 64-row tiles
+    (``padded_rows(N) / 64`` tiles x splits x ``token_chunks(tokens)`` chunks): the K split
+    of a GEMM whose *smallest* call has ``tokens`` rows (S2's layers: ``front_max + 1``),
+    fixed for all its calls. A function of N, K, ``tokens`` and ``sms`` only: every layer of
+    one config on one GPU model sums in the same order."""
+    tiles = padded_rows(n) // 64
+    chunks = token_chunks(tokens)[0]
+    splits = 1
+    while tiles * splits * chunks < sms and k % (2 * splits * 64) == 0:
+        splits *= 2
+    return splits
 
 
 #: Calls of at most this many tokens launch with programmatic dependent launch by default
@@ -72,12 +98,34 @@ def splits_of(n: int, k: int, sms: int = 132) -> int:
 PDL_MAX_TOKENS = 16
 
 
-def choose_tactic(n: int, k: int, tokens: int, sms: int = 132) -> Tactic:
-    """The default tactic of an ``[N, K]`` weight at ``tokens`` rows: the measured table for
-    the layer's shapes; otherwise 64-row tiles (128 where N allows one wave of them) with
-    the fewest K splits (dividing K into multiples of 64) that give at least ``sms`` CTAs.
-    Either way its ``splits`` does not depend on ``tokens`` (``splits_of``): the default
-    GEMM is batch invariant."""
+def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
+                  splits: int | None = None) -> Tactic:
+    """The default tactic of an ``[N, K]`` weight (``N`` its padded rows,
+    ``layout.padded_rows``) at ``tokens`` rows, with ``splits`` K splits (default
+    ``splits_of(N, K, sms)``).
+
+    Up to 64 tokens, where ``splits`` is that default: the measured table for the layer's
+    shapes; otherwise 64-row tiles (128 where N allows one wave of them) with the fewest K
+    splits (dividing K into multiples of 64) that give at least ``sms`` CTAs. Other
+    ``splits``, or more than 64 tokens (token chunks, ``layout.token_chunks``): 128-row
+    tiles where N allows them and they still make ``sms`` CTAs (tiles x splits x chunks),
+    else 64-row tiles; two m-tiles per warp, so a chunk's 8 windows fit the registers.
+    Either way its ``splits`` does not depend on ``tokens``: the default GEMM is batch
+    invariant."""
+    if tokens <= MAX_TOKENS:
+        one = _one_chunk_tactic(n, k, tokens, sms)
+        if splits is None or splits == one.splits:
+            return one
+    if splits is None:
+        splits = splits_of(n, k, sms)
+    chunks = token_chunks(tokens)[0]
+    rows = 128 if n % 128 == 0 and n // 128 * splits * chunks >= sms else 64
+    return Tactic(warps=rows // 32, mtiles=2, splits=splits)
+
+
+def _one_chunk_tactic(n: int, k: int, tokens: int, sms: int) -> Tactic:
+    """``choose_tactic`` of a call of at most 64 tokens at the shape's own K split: the
+    measured table (``DEFAULT_TACTICS``), else the rule (``choose_tactic``'s docstring)."""
     table = DEFAULT_TACTICS.get((n, k))
     if table:
         for top in sorted(table):
@@ -89,6 +137,45 @@ def choose_tactic(n: int, k: int, tokens: int, sms: int = 132) -> Tactic:
     while tiles * splits < sms and k % (2 * splits * 64) == 0:
         splits *= 2
     return Tactic(warps=rows // 32, mtiles=2, splits=splits)
+
+
+class Launch(typing.NamedTuple):
+    """What one call launches (``launch_for``): its ``tactic``; ``chunks`` token chunks of
+    ``windows`` windows each (``layout.token_chunks``); ``params``, the kernel's
+    compile-time parameters (``Tactic.kernel_params``; ``chunked`` for more than one chunk
+    or a padded weight); ``grid``, the CTAs per chunk (tiles x splits)."""
+
+    tactic: Tactic
+    chunks: int
+    windows: int
+    params: dict
+    grid: int
+
+
+def launch_for(n: int, k: int, tokens: int, *, splits: int | None = None,
+               tactic: Tactic | None = None, sms: int = 132) -> Launch:
+    """The launch of a call of ``tokens`` rows on an ``[N, K]`` weight (``N`` its real
+    rows: the kernel runs ``padded_rows(N)``): ``tactic`` or the default
+    (``choose_tactic`` with ``splits``). Pure Python (what ``DenseGemm`` launches and the
+    layers compile at construction; ``tests/test_gemm_fast.py`` checks it on the CPU).
+
+    Raises ValueError: a tactic whose tile does not divide the padded rows, whose K split
+    does not divide K into its stages, or that does not serve ``tokens`` rows."""
+    rows = padded_rows(n)
+    tactic = tactic or choose_tactic(rows, k, tokens, sms, splits)
+    if rows % tactic.tile_rows:
+        raise ValueError(f"N={n} (padded to {rows} rows) is not a multiple of the tactic's "
+                         f"{tactic.tile_rows}-row tile ({tactic})")
+    if k % (tactic.splits * tactic.stage_k):
+        raise ValueError(f"K={k} is not a multiple of splits * stage_k = "
+                         f"{tactic.splits} * {tactic.stage_k} ({tactic})")
+    chunks, windows = token_chunks(tokens)
+    if not tactic.serves(tokens):
+        raise ValueError(f"tactic {tactic.label()} does not serve {tokens} tokens "
+                         f"({tactic.mtiles} m-tiles x {windows} windows per chunk > "
+                         f"{MAX_ACCUMULATORS} accumulator tiles per warp)")
+    params = tactic.kernel_params(windows, chunked=chunks > 1 or rows != n)
+    return Launch(tactic, chunks, windows, params, rows // tactic.tile_rows * tactic.splits)
 
 
 def kernel_shapes(tactics) -> list[dict]:
@@ -127,72 +214,133 @@ class DenseGemm:
     One object per weight and call site: it owns the split-K workspace and tile counters
     of its calls, so two objects may run on two streams at once; calls of one object must
     be ordered (one stream). Buffers are allocated at construction for ``tactics`` (default:
-    the table's tactics for this shape); a call with another tactic that needs more
-    workspace allocates it then, which is refused inside CUDA-graph capture.
+    the default tactic of every T = 1..max_tokens); a call with another tactic that needs
+    more workspace allocates it then, which is refused inside CUDA-graph capture.
+
+    **One summation order per object.** Every default tactic of every ``T`` uses
+    :attr:`splits` K splits (only ``splits`` changes bits; tiles and token chunks do not), so
+    a token's output row is bitwise the same at every ``T`` the object serves and whatever
+    its batch-mates. Calls of more than 64 rows run token chunks of at most 64 rows on the
+    grid's second dimension, one launch (``launch_for``, ``fast.gemm.layout.token_chunks``).
 
     Args:
-        weight: BF16 ``[N, K]`` contiguous on a CUDA device (``nn.Linear`` layout).
-        max_tokens: the most rows a call may have (at most 64).
+        weight: BF16 ``[N, K]`` contiguous on a CUDA device (``nn.Linear`` layout); ``K`` a
+            positive multiple of 64 (the kernel's stage), ``N`` any positive count: rows
+            not a multiple of 64 are padded once, here, into a zero-padded copy
+            (:attr:`padded_weight`, ``layout.padded_rows(N)`` rows; :attr:`weight` is its
+            first ``N`` rows), and the kernel stores only the ``N`` real columns.
+        max_tokens: the most rows a call may have (1 .. ``layout.MAX_CALL_TOKENS``).
         tactics: tactics to size the buffers for (default: every default tactic of
             ``choose_tactic`` for T = 1..max_tokens).
         pdl: launch with programmatic dependent launch: a call may start streaming its
             weights while the previous kernel of the stream finishes (it waits for that
             kernel before touching anything else; ``fast.gemm.kernel``). None (default):
             for calls of at most ``PDL_MAX_TOKENS`` tokens. Never changes a bit.
+        splits: the K splits of every default tactic (a positive int with ``K % (splits *
+            64) == 0``); default ``splits_of(padded N, K)`` (the measured table's for the
+            DEP layer's shapes). A layer that serves other row counts picks its own
+            (``splits_for_rows``), once.
+
+    Raises (before anything is allocated on the device): TypeError for a weight that is not
+    a tensor; ValueError naming the argument for a bad dtype, shape, ``max_tokens``,
+    ``splits``, ``pdl``, a weight not contiguous or not on a CUDA device; RuntimeError where
+    the fast kernels cannot run.
 
     Run: ``python -m pytest verify/test_gemm_fast.py -k fast`` (on an SM90/SM100 GPU).
     """
 
     def __init__(self, weight: torch.Tensor, *, max_tokens: int = MAX_TOKENS, tactics=None,
-                 pdl: bool | None = None):
+                 pdl: bool | None = None, splits: int | None = None):
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"DenseGemm: weight must be a torch.Tensor, got {type(weight).__name__}")
         if weight.dtype != _BF16 or weight.dim() != 2:
             raise ValueError(f"DenseGemm: weight must be a 2-D bfloat16 [N, K] tensor, got "
                              f"{weight.dtype} {tuple(weight.shape)}")
+        n, k = weight.shape
+        if k % 64 or k == 0 or n == 0:
+            raise ValueError(f"DenseGemm: weight [N, K] = [{n}, {k}] needs N > 0 and K a positive "
+                             "multiple of 64 (the kernel's 64-wide stages)")
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) \
+                or not 1 <= max_tokens <= MAX_CALL_TOKENS:
+            raise ValueError(f"DenseGemm: max_tokens must be an int in [1, {MAX_CALL_TOKENS}], "
+                             f"got {max_tokens!r}")
+        if splits is not None and (isinstance(splits, bool) or not isinstance(splits, int)
+                                   or splits < 1 or k % (splits * 64)):
+            raise ValueError(f"DenseGemm: splits must be None or a positive int dividing K={k} "
+                             f"into multiples of 64, got {splits!r}")
+        if pdl not in (None, True, False):
+            raise ValueError(f"DenseGemm: pdl must be None, True or False, got {pdl!r}")
         if weight.device.type != "cuda":
             raise ValueError(f"DenseGemm: weight must be on a CUDA device, got {weight.device}")
         if not weight.is_contiguous() or weight.data_ptr() % 16:
             raise ValueError("DenseGemm: weight must be contiguous and 16-byte aligned")
-        n, k = weight.shape
-        if n % 64 or k % 64 or n == 0 or k == 0:
-            raise ValueError(f"DenseGemm: weight [N, K] = [{n}, {k}] needs N and K positive "
-                             "multiples of 64")
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or not 1 <= max_tokens <= MAX_TOKENS:
-            raise ValueError(f"DenseGemm: max_tokens must be an int in [1, {MAX_TOKENS}], got {max_tokens!r}")
         ok, why = backend.device_supported()
         if not ok:
             raise RuntimeError(f"DenseGemm: the fast kernels cannot run here: {why}")
-        self.weight, self.n, self.k, self.max_tokens = weight, n, k, max_tokens
-        if pdl not in (None, True, False):
-            raise ValueError(f"DenseGemm: pdl must be None, True or False, got {pdl!r}")
+        #: N, the output's columns; ``rows``, the padded rows the kernel runs over
+        self.n, self.k, self.max_tokens = n, k, max_tokens
+        self.rows = padded_rows(n)
+        if self.rows != n:  # zero rows after the last: every tile reads whole rows
+            self.padded_weight = torch.zeros(self.rows, k, dtype=_BF16, device=weight.device)
+            self.padded_weight[:n].copy_(weight)
+        else:
+            self.padded_weight = weight
+        #: the ``[N, K]`` weight (the first N rows of :attr:`padded_weight`)
+        self.weight = self.padded_weight[:n]
         self.pdl = pdl
         self.device = weight.device
         self.arch = backend.device_arch(self.device)
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        #: the K splits of every default tactic: the one summation order of this GEMM
+        self.splits = splits_of(self.rows, k, self.sms) if splits is None else splits
         if tactics is None:
             tactics = {self.tactic(t) for t in range(1, max_tokens + 1)}
         tactics = list(tactics)
         for t in tactics:
             self._check_tactic(t)
+        #: the most (token chunks x windows) of a call: the workspace's windows
+        self._window_slots = max(c * w for c, w in (token_chunks(t)
+                                                    for t in range(1, max_tokens + 1)))
         self.workspace = torch.empty(max(self._ws_bytes(t) for t in tactics) // 4 + 4,
                                      dtype=_F32, device=self.device)
-        self.counters = torch.zeros(n // 64, dtype=torch.int32, device=self.device)
+        # one counter per tile of the smallest tile (16 rows) and token chunk
+        self.counters = torch.zeros(token_chunks(max_tokens)[0] * self.rows // 16,
+                                    dtype=torch.int32, device=self.device)
         self._null = torch.zeros(4, dtype=_F32, device=self.device)
 
     def tactic(self, tokens: int) -> Tactic:
-        """The default tactic at ``tokens`` rows (``choose_tactic``)."""
-        return choose_tactic(self.n, self.k, tokens, self.sms)
+        """The default tactic at ``tokens`` rows (``choose_tactic`` with :attr:`splits`)."""
+        return choose_tactic(self.rows, self.k, tokens, self.sms, self.splits)
+
+    def launch(self, tokens: int, tactic: Tactic | None = None) -> Launch:
+        """What a call of ``tokens`` rows launches (``launch_for``; default tactic
+        :meth:`tactic`)."""
+        return launch_for(self.n, self.k, tokens, tactic=tactic or self.tactic(tokens),
+                          sms=self.sms)
+
+    def compile_for(self, tokens) -> list[dict]:
+        """Compile every kernel a call of each row count in ``tokens`` (an iterable of
+        ints) launches at the default tactic; returns their distinct parameters. A layer
+        calls it at construction, so no call compiles (and no graph capture does)."""
+        seen = []
+        for t in tokens:
+            params = self.launch(t).params
+            if params not in seen:
+                seen.append(params)
+                compile_kernel(self.arch, **params)
+        return seen
 
     def _ws_bytes(self, t: Tactic) -> int:
-        windows = windows_for(self.max_tokens)
-        return 0 if t.splits == 1 else t.splits * self.n * windows * 8 * 4
+        if t.splits == 1:
+            return 0
+        return chunk_workspace_bytes(t.splits, self.rows, self._window_slots)
 
     def _check_tactic(self, t: Tactic) -> None:
         if not isinstance(t, Tactic):
             raise TypeError(f"DenseGemm: tactic must be a fast.gemm.Tactic, got {type(t).__name__}")
-        if self.n % t.tile_rows:
-            raise ValueError(f"DenseGemm: N={self.n} is not a multiple of the tactic's "
+        if self.rows % t.tile_rows:
+            padded = f" (padded to {self.rows} rows)" if self.rows != self.n else ""
+            raise ValueError(f"DenseGemm: N={self.n}{padded} is not a multiple of the tactic's "
                              f"{t.tile_rows}-row tile ({t})")
         if self.k % (t.splits * t.stage_k):
             raise ValueError(f"DenseGemm: K={self.k} is not a multiple of splits * stage_k = "
@@ -256,8 +404,9 @@ class DenseGemm:
         self._check_tactic(tactic)
         if not tactic.serves(t):
             raise ValueError(f"DenseGemm: tactic {tactic.label()} does not serve {t} tokens "
-                             f"({tactic.mtiles} m-tiles x {windows_for(t)} windows > "
+                             f"({tactic.mtiles} m-tiles x {token_chunks(t)[1]} windows > "
                              f"{MAX_ACCUMULATORS} accumulator tiles per warp)")
+        launch = self.launch(t, tactic)
         if self._ws_bytes(tactic) > self.workspace.numel() * 4:
             if torch.cuda.is_current_stream_capturing():
                 raise RuntimeError(f"DenseGemm: tactic {tactic} needs a larger workspace than "
@@ -270,17 +419,16 @@ class DenseGemm:
 
         from fast.gemm.kernel import FLAG_ADD_BF16, FLAG_ADD_F32, FLAG_F32_OUT, SplitKGemmKernel
 
-        params = tactic.kernel_params(windows_for(t))
-        fn = compiled(SplitKGemmKernel, self.arch, frozen(params))
+        fn = compiled(SplitKGemmKernel, self.arch, frozen(launch.params))
         flags = (FLAG_F32_OUT if out_dtype == _F32 else 0)
         if addend is not None:
             flags |= FLAG_ADD_BF16 if addend.dtype == _BF16 else FLAG_ADD_F32
-        grid = self.n // tactic.tile_rows * tactic.splits
-        fn(Int64(self.weight.data_ptr()), Int64(x.data_ptr()), Int64(out.data_ptr()),
+        fn(Int64(self.padded_weight.data_ptr()), Int64(x.data_ptr()), Int64(out.data_ptr()),
            Int64((addend if addend is not None else self._null).data_ptr()),
            Int64(self.workspace.data_ptr()), Int64(self.counters.data_ptr()),
-           Int32(self.n), Int32(self.k), Int32(t), Int32(tactic.splits), Int32(flags),
-           Int32(grid), Int32(int(t <= PDL_MAX_TOKENS if self.pdl is None else self.pdl)),
+           Int32(self.rows), Int32(self.k), Int32(t), Int32(tactic.splits), Int32(flags),
+           Int32(launch.grid), Int32(launch.chunks), Int32(self.n),
+           Int32(int(t <= PDL_MAX_TOKENS if self.pdl is None else self.pdl)),
            backend.stream(self.device))
         return out
 

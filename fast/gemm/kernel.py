@@ -110,16 +110,29 @@ class SplitKGemmKernel:
     the other tokens of the call, on the tile shape, the window count, the ring, the stage
     width or which CTA reduces: only ``splits`` changes bits.
 
+    **Token chunks and padded rows** (``chunked``, a compile-time parameter: the kernels
+    without it are the single-chunk ones, their code as before). The grid's second
+    dimension is the token chunk (``layout.token_chunks``): CTA (tile, split, chunk ``c``)
+    runs the algorithm above on the rows ``[8 windows c, min(T, 8 windows (c + 1)))`` of
+    ``x``, ``out`` and the addend (their row stride: ``width`` output columns, ``K``
+    inputs), with chunk ``c``'s slice of the workspace (``layout.chunk_workspace_bytes``)
+    and of the tile counters (``tiles`` per chunk). ``N`` is then the padded weight rows
+    (``layout.padded_rows``: zero rows after the last) and ``width <= N`` the output's
+    columns: only columns ``< width`` are stored, and addend loads of the padding columns
+    are clamped to column ``width - 1`` (never used). A token's sums are the same in any
+    chunk: still only ``splits`` changes bits.
+
     Constraints (checked by the host, ``fast.gemm.DenseGemm``): ``N % tile_rows == 0``,
-    ``K % (splits * stage_k) == 0``, ``8 (windows - 1) < T <= 8 windows``, at most
-    ``layout.MAX_ACCUMULATORS`` (m-tile, window) tiles per warp, contiguous 16-byte aligned
-    operands.
+    ``K % (splits * stage_k) == 0``, ``8 (windows - 1) < T <= 8 windows`` (chunked: per
+    chunk, as ``layout.token_chunks`` cuts them), at most ``layout.MAX_ACCUMULATORS``
+    (m-tile, window) tiles per warp, contiguous 16-byte aligned operands.
 
     Run: ``python -m pytest verify/test_gemm_fast.py -k fast`` (on an SM90/SM100 GPU).
     """
 
     def __init__(self, *, warps: int = 4, mtiles: int = 2, windows: int = 1, ring: int = 4,
-                 stage_k: int = 64, occupancy: int = 2, wgmma: bool = False):
+                 stage_k: int = 64, occupancy: int = 2, wgmma: bool = False,
+                 chunked: bool = False):
         if warps not in (1, 2, 4, 8) or mtiles not in (1, 2, 4) or not 1 <= windows <= lay.MAX_WINDOWS:
             raise ValueError(f"SplitKGemmKernel: warps {warps}, mtiles {mtiles}, windows "
                              f"{windows} not supported")
@@ -129,6 +142,8 @@ class SplitKGemmKernel:
             raise ValueError(f"SplitKGemmKernel: wgmma needs warps 4 or 8, got {warps}")
         #: warpgroup MMA with both operands in the slot (``layout.a_offset_wgmma``)
         self.wgmma = bool(wgmma)
+        #: token chunks on the grid's second dimension and padded rows (class docstring)
+        self.chunked = bool(chunked)
         self.warps, self.mtiles, self.windows = warps, mtiles, windows
         self.ring, self.stage_k, self.occupancy = ring, stage_k, occupancy
         self.threads = 32 * warps
@@ -144,19 +159,23 @@ class SplitKGemmKernel:
     @classmethod
     def compile_args(cls, **params):
         """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
-        return cls(**params), [Int64(0)] * 6 + [Int32(1)] * 7
+        return cls(**params), [Int64(0)] * 6 + [Int32(1)] * 9
 
     @cute.jit
     def __call__(self, w: Int64, x: Int64, out: Int64, addend: Int64, ws: Int64,
                  counters: Int64, n: Int32, k: Int32, tokens: Int32, splits: Int32,
-                 flags: Int32, grid: Int32, pdl: Int32, stream):
-        self.kernel(w, x, out, addend, ws, counters, n, k, tokens, splits, flags).launch(
-            grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream, smem=self.smem_bytes,
-            min_blocks_per_mp=self.occupancy, preferred_smem_carveout=100, use_pdl=pdl)
+                 flags: Int32, grid: Int32, chunks: Int32, width: Int32, pdl: Int32, stream):
+        """Launch ``grid`` (tiles x splits) by ``chunks`` CTAs (``chunks`` is 1 for a
+        kernel that is not ``chunked``); ``width``: the output's columns (``n`` for a kernel
+        that is not ``chunked``, which does not read it)."""
+        self.kernel(w, x, out, addend, ws, counters, n, k, tokens, splits, flags, width).launch(
+            grid=(grid, chunks, 1), block=(self.threads, 1, 1), stream=stream,
+            smem=self.smem_bytes, min_blocks_per_mp=self.occupancy, preferred_smem_carveout=100,
+            use_pdl=pdl)
 
     @cute.kernel
     def kernel(self, w: Int64, x: Int64, out: Int64, addend: Int64, ws: Int64, counters: Int64,
-               n: Int32, k: Int32, tokens: Int32, splits: Int32, flags: Int32):
+               n: Int32, k: Int32, tokens: Int32, splits: Int32, flags: Int32, width: Int32):
         tid = cute.arch.thread_idx()[0]
         lane = tid % 32
         warp = tid // 32
@@ -178,6 +197,19 @@ class SplitKGemmKernel:
         tiles = n // TILE
         tile = block % tiles
         split = block // tiles
+        if cutlass.const_expr(self.chunked):
+            # this CTA's token chunk: rows [row0, row0 + 8 W) of x, out and the addend (row
+            # strides K and width), its slices of the workspace and of the tile counters
+            chunk = cute.arch.block_idx()[1]
+            row0 = lay.chunk_first_row(chunk, W)
+            tokens = cutlass.min(tokens - row0, lay.WINDOW * W)
+            x = x + Int64(row0) * Int64(k) * 2
+            out_bytes = cutlass.select_((flags & FLAG_F32_OUT) != 0, Int32(4), Int32(2))
+            out = out + Int64(row0) * Int64(width) * Int64(out_bytes)
+            add_bytes = cutlass.select_((flags & FLAG_ADD_F32) != 0, Int32(4), Int32(2))
+            addend = addend + Int64(row0) * Int64(width) * Int64(add_bytes)
+            ws = ws + lay.chunk_workspace_offset(Int64(chunk), Int64(splits), Int64(n), W)
+            counters = counters + Int64(lay.chunk_counter(chunk, tiles, 0)) * 4
         kc = k // splits
         k0 = split * kc
         stages = kc // self.stage_k
@@ -277,9 +309,17 @@ class SplitKGemmKernel:
                                 # split 0 starts the sum (acc = p_0, not 0 + p_0: -0 stays -0)
                                 acc[at + i] = cutlass.select_(sp == 0, part,
                                                               h.fadd(acc[at + i], part))
-                self._epilogue(acc, out, addend, n, tokens, flags, tile, warp, lane)
+                if cutlass.const_expr(self.chunked):
+                    self._epilogue(acc, out, addend, width, tokens, flags, tile, warp, lane,
+                                   width=width)
+                else:
+                    self._epilogue(acc, out, addend, n, tokens, flags, tile, warp, lane)
         else:
-            self._epilogue(acc, out, addend, n, tokens, flags, tile, warp, lane)
+            if cutlass.const_expr(self.chunked):
+                self._epilogue(acc, out, addend, width, tokens, flags, tile, warp, lane,
+                               width=width)
+            else:
+                self._epilogue(acc, out, addend, n, tokens, flags, tile, warp, lane)
 
     # -- pieces -----------------------------------------------------------------------
 
@@ -389,9 +429,11 @@ class SplitKGemmKernel:
 
     @cute.jit
     def _epilogue(self, acc, out: Int64, addend: Int64, n: Int32, tokens: Int32, flags: Int32,
-                  tile, warp, lane):
+                  tile, warp, lane, width=None):
         """Addend (loads of one m-tile in flight together), output rounding, predicated
-        stores of the tokens ``< T``."""
+        stores of the tokens ``< T``. ``n``: the output's row stride; ``width`` (the
+        chunked kernel: equal to ``n``): only columns ``< width`` stored, addend loads of
+        the columns beyond clamped to ``width - 1``."""
         MT: cutlass.Constexpr = self.mtiles
         W: cutlass.Constexpr = self.windows
         col0 = tile * self.tile_rows
@@ -406,8 +448,15 @@ class SplitKGemmKernel:
             for wn in cutlass.range_constexpr(W):
                 for r in cutlass.range_constexpr(4):
                     row, token = lay.c_map(warp, mt, wn, lane, r, MT)
-                    where.append(((mt * W + wn) * 4 + r, cutlass.min(token, last) * n + col0 + row,
-                                  token))
+                    if cutlass.const_expr(width is None):
+                        where.append(((mt * W + wn) * 4 + r,
+                                      cutlass.min(token, last) * n + col0 + row, token))
+                    else:
+                        # a padding column is never stored: 'token' past every live token
+                        col = col0 + row
+                        where.append(((mt * W + wn) * 4 + r,
+                                      cutlass.min(token, last) * n + cutlass.min(col, width - 1),
+                                      cutlass.select_(col < width, token, tokens)))
             if add_bf16:
                 vals = [ld_u16(addend + Int64(at) * 2) for _, at, _ in where]
                 for e in cutlass.range_constexpr(W * 4):

@@ -30,6 +30,20 @@ no bank conflict.
 **Split-K workspace.** Split ``s`` of tile ``t`` stores its FP32 accumulators in fragment
 order, ``[split, tile, warp, m-tile, window, lane, 4 floats]`` (one coalesced 16-byte store
 per lane), so the reducing CTA reads each partial back into the same registers.
+
+**Token chunks** (calls of more than ``MAX_TOKENS`` rows: S2's 65..1024). One launch serves
+``T`` rows as ``ceil(T / 64)`` chunks on the grid's second dimension (``token_chunks``):
+every chunk has the same compile-time window count ``windows = ceil(ceil(T / chunks) / 8)``
+(the chunks balanced, so a call of 65 rows runs 2 x 5 windows, not 8 + 8), chunk ``c``
+holds rows ``[8 windows c, 8 windows (c + 1))`` (the last one fewer, zero-filled as a short
+last window is), and its CTAs are those of a single-chunk call on those rows, with their
+own slice of the workspace (``chunk_workspace_bytes``) and of the tile counters. A token's
+sum is the same whatever chunk it lands in: nothing but ``splits`` changes its bits.
+
+**Padded rows.** A weight of ``N`` rows, ``N`` not a multiple of ``ROW_QUANTUM``, is copied
+once into ``padded_rows(N)`` rows (zero rows after the last) so that every tile reads
+whole rows; the chunked kernel stores only the columns ``< N`` of an output whose row
+stride is ``N``.
 """
 
 from __future__ import annotations
@@ -41,6 +55,8 @@ __all__ = [
     "a_source", "a_offset", "b_offset", "b_read_offset", "mma_operands", "c_map", "ws_offset",
     "a_offset_wgmma", "b_offset_wgmma", "wgmma_descriptors", "swizzled_chunk", "ROW_BYTES", "ATOM_BYTES",
     "windows_for", "Tactic", "SMEM_PER_SM", "MAX_ACCUMULATORS", "slot_bytes", "ring_for",
+    "MAX_CHUNKS", "MAX_CALL_TOKENS", "ROW_QUANTUM", "token_chunks", "padded_rows",
+    "chunk_workspace_bytes", "chunk_first_row", "chunk_workspace_offset", "chunk_counter",
 ]
 
 #: Tokens per window: the N of ``mma.m16n8k16``.
@@ -60,6 +76,12 @@ ROW_BYTES, ATOM_BYTES = 128, 1024
 #: it, ptxas spills (measured with the kernel's code: 4 m-tiles x 5 windows fit in 250
 #: registers, 4 x 6 spill).
 MAX_ACCUMULATORS = 20
+#: The most token chunks of one launch (the grid's second dimension), so the most rows one
+#: call serves: ``MAX_CALL_TOKENS`` (S2's 1024 rows are 16 chunks).
+MAX_CHUNKS = 64
+MAX_CALL_TOKENS = MAX_CHUNKS * MAX_TOKENS
+#: Weight rows are padded to a multiple of this (the smallest default tile, 64 rows).
+ROW_QUANTUM = 64
 #: Shared memory of one H100/H200 multiprocessor a CTA may share (228 KiB, of which 1 KiB
 #: per resident CTA is reserved by the system).
 SMEM_PER_SM = 228 << 10
@@ -171,6 +193,54 @@ def windows_for(tokens: int) -> int:
     return -(-tokens // WINDOW)
 
 
+def token_chunks(tokens: int) -> tuple[int, int]:
+    """``(chunks, windows)`` of a call of ``tokens`` rows: ``chunks = ceil(tokens / 64)``
+    token chunks (at most ``MAX_TOKENS`` each: 8 windows), every one of ``windows =
+    ceil(ceil(tokens / chunks) / 8)`` windows, chunk ``c`` holding rows ``[8 windows c,
+    min(tokens, 8 windows (c + 1)))``. Up to 64 tokens: one chunk of ``windows_for(tokens)``
+    windows (the single-chunk launch). ``windows`` is a compile-time constant of the kernel,
+    so the main loop has no branch on the row count; balancing the chunks keeps the
+    zero-filled token slots below 8 per chunk (65 rows: 2 chunks of 5 windows)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_CALL_TOKENS:
+        raise ValueError(f"tokens must be an int in [1, {MAX_CALL_TOKENS}], got {tokens!r}")
+    chunks = -(-tokens // MAX_TOKENS)
+    windows = -(-(-(-tokens // chunks)) // WINDOW)
+    return chunks, windows
+
+
+def padded_rows(rows: int) -> int:
+    """``rows`` rounded up to a multiple of ``ROW_QUANTUM`` (the rows a weight of ``rows``
+    rows is padded to, with zero rows, so that every tile reads whole rows)."""
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"rows must be a positive int, got {rows!r}")
+    return -(-rows // ROW_QUANTUM) * ROW_QUANTUM
+
+
+def chunk_workspace_bytes(splits: int, rows: int, windows: int) -> int:
+    """Bytes of one token chunk's split-K partials (``ws_offset`` of every split, tile,
+    warp, m-tile, window and lane of ``rows`` weight rows): ``splits * rows * 8 windows``
+    FP32 values; chunk ``c``'s slice starts at ``chunk_workspace_offset``."""
+    return splits * rows * WINDOW * windows * 4
+
+
+def chunk_first_row(chunk, windows: int):
+    """The first row (token) of token chunk ``chunk`` of a call of ``windows`` windows per
+    chunk (``token_chunks``): ``8 windows chunk``."""
+    return chunk * (WINDOW * windows)
+
+
+def chunk_workspace_offset(chunk, splits, rows, windows: int):
+    """Byte offset of token chunk ``chunk``'s slice of the split-K workspace
+    (``chunk_workspace_bytes`` per chunk, chunk-major)."""
+    return chunk * splits * rows * (WINDOW * windows * 4)
+
+
+def chunk_counter(chunk, tiles, tile):
+    """Index of the tile counter of (``chunk``, ``tile``) among ``tiles`` tiles per chunk
+    (chunk-major: chunk ``c``'s counters follow chunk ``c - 1``'s)."""
+    return chunk * tiles + tile
+
+
 def slot_bytes(tile_rows: int, windows: int, stage_k: int) -> int:
     """One ring slot: the tile's weights and the windows' tokens for ``stage_k`` k."""
     return (tile_rows + WINDOW * windows) * stage_k * 2
@@ -236,11 +306,15 @@ class Tactic:
 
     def serves(self, tokens: int) -> bool:
         """Whether the tactic runs a call of ``tokens`` rows: its warp's accumulators
-        (``mtiles * ceil(tokens / 8)``) fit ``MAX_ACCUMULATORS``."""
-        return self.mtiles * windows_for(tokens) <= MAX_ACCUMULATORS
+        (``mtiles`` times the windows of a token chunk, ``token_chunks``) fit
+        ``MAX_ACCUMULATORS``."""
+        return self.mtiles * token_chunks(tokens)[1] <= MAX_ACCUMULATORS
 
-    def kernel_params(self, windows: int) -> dict:
-        """The compile-time parameters of the kernel this tactic runs at ``windows``."""
+    def kernel_params(self, windows: int, chunked: bool = False) -> dict:
+        """The compile-time parameters of the kernel this tactic runs at ``windows`` windows
+        per token chunk; ``chunked``: the kernel of token chunks and padded rows (the grid's
+        second dimension, an output width below the padded rows; the module docstring),
+        which a call of more than ``MAX_TOKENS`` rows or of a padded weight launches."""
         if self.mtiles * windows > MAX_ACCUMULATORS:
             raise ValueError(f"Tactic {self.label()}: {self.mtiles} m-tiles x {windows} windows "
                              f"exceed {MAX_ACCUMULATORS} accumulator tiles per warp (registers); "
@@ -255,6 +329,8 @@ class Tactic:
                       stage_k=self.stage_k, occupancy=occ)
         if self.wgmma:  # only then: the mma.sync kernels' parameters stay as they were
             params["wgmma"] = True
+        if chunked:  # likewise: the single-chunk kernels' parameters (and code) stay as they were
+            params["chunked"] = True
         return params
 
     def label(self) -> str:

@@ -7,9 +7,9 @@ slice ``[r I/N, (r+1) I/N)`` of every routed expert, its slice of the shared exp
 its up-projection columns ``[r H/N, (r+1) H/N)`` (``reference.schedules.wide``). What runs,
 per rank, in the order of ``reference.schedules.wide.wide_rank``::
 
-    side  : shared_stage   h = x @ gate_up_r^T (cuBLAS, BF16) ; act = fast.activation(h)
-                           shared_r = act @ down_r^T (cuBLAS, BF16) ───────────────────────┐
-    main  : front_stage    front_r = x @ [gate_r; down_r]^T (cuBLAS, FP32 out)             │
+    side  : shared_stage   h = x @ gate_up_r^T (cuBLAS*, BF16) ; act = fast.activation(h)
+                           shared_r = act @ down_r^T (cuBLAS*, BF16) ──────────────────────┐
+    main  : front_stage    front_r = x @ [gate_r; down_r]^T (cuBLAS*, FP32 out)            │
             publish_stage  PublishKernel: front_r into every rank's mailbox (Lamport)      │
             route_stage    PolledRouteKernel: poll own mailbox, re-arm -> logits [T, E]    │
                            FP32, latent [T, L] BF16 -> MXFP8 codes, ids, weights, the      │
@@ -19,9 +19,36 @@ per rank, in the order of ``reference.schedules.wide.wide_rank``::
             finalize_stage fast.finalize -> routed_partial [T, L] BF16                     │
             latent_stage   LatentAllReduceNormKernel (every rank's partial, rank order,    │
                            fused RMSNorm) -> routed, normed ; (wait side) up_r =  ◄────────┘
-                           shared_r[:, cols_r] + normed @ up_r^T (cuBLAS addmm, BF16)
+                           shared_r[:, cols_r] + normed @ up_r^T (cuBLAS* addmm, BF16)
             hidden_stage   HiddenAllReduceKernel: every rank's hidden partial (shared_o,
                            rank o's columns taken from up_o), rank order -> out [T, H]
+
+    * with ``batch_invariant=True``: ``fast.gemm`` (``fast.schedules.wide_gemms``), one K
+      split per GEMM at every row count, the up columns' addend added before the one
+      rounding
+
+**Batch invariance** (``WideLayer(batch_invariant=True)``): every token's outputs, at every
+stage and on every rank, are bitwise the same whatever batch of ``65..max_rows`` rows it is
+decoded in and whatever its batch-mates. Stage by stage:
+
+* the four GEMMs: ``fast.gemm`` with one K split per GEMM for the layer's whole row range
+  and token chunks of at most 64 rows (``fast.schedules.wide_gemms``): one summation order
+  per output element at every ``T``;
+* publish, polled routing (mailbox words, router, MXFP8 plan rows), SiTU, Finalize: one
+  token's row at a time (one CTA or thread group per token, no sum across tokens);
+* the experts: each pair's row from its own activation row in one order whatever the
+  window count, the tactic or the MMA kind (``verify/test_experts.py``,
+  ``test_experts_mma_kinds_same_bits``); the routing lists' order (atomic claims) moves
+  no bit;
+* the latent all-reduce with the RMSNorm and the hidden all-reduce: one CTA per token,
+  every rank's row summed in FP32 in rank order (rank 0's value first, ``add.rn.f32`` of
+  ranks 1..N-1, one BF16 rounding), the norm's fixed reduction tree on that row: already
+  independent of ``T`` and of the other tokens in the default mode too.
+
+The default (``batch_invariant=False``) keeps cuBLAS for the four GEMMs: it picks its
+kernel and its split of K per row count, so a token's logits (and, near a tie, its experts)
+can change with ``T``. ``verify/test_wide_fast.py`` checks the mode at every tactic and
+chunk edge against the largest batch, bit for bit.
 
 The stages are the rank program ``fast.schedules.wide_program.WIDE_STEPS`` over each
 rank's ``WideRank`` (its resources), which the real ranks (``fast.schedules.wide_peer``)
@@ -33,7 +60,9 @@ Rounding points and what the contracts (``verify/test_wide_fast.py``) compare, p
 on its own inputs:
 
 * front (FP32), shared, up columns: cuBLAS GEMMs; within the FP32-accumulated GEMM bound
-  (``addmm``: the two-rounding bound of cuBLAS's BF16 ``addmm``);
+  (``addmm``: the two-rounding bound of cuBLAS's BF16 ``addmm``); with
+  ``batch_invariant=True`` ``fast.gemm``, within ``verify.bounds.mma_matmul_bound`` at the
+  GEMM's K split and bitwise equal to the same GEMM run alone;
 * the mailbox: the published words are the front's bits (logits) and its RNE BF16 rounding
   (latent), ``-0`` stored as ``+0``, bitwise; polled logits and latent bitwise the words;
 * ids, weights: bitwise ``reference.emulation.route`` of the polled logits; plan rows
@@ -70,6 +99,7 @@ import torch
 from fast import backend
 from fast.schedules.dense import check_hidden_rows
 from fast.schedules.steps import run_steps
+from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
                                          SHARED_PLACEMENTS, WIDE_STEPS, WideCall, WideRank,
                                          WideRankOutputs, WideStageCalls, as_int32)
@@ -79,7 +109,7 @@ from model.weights import LatentMoEWeights
 __all__ = ["WideLayer", "WideRankOutputs", "mailbox_timeout", "check_ranks",
            "kernel_params", "compiled_kernel", "compile_all", "mailbox_timeout_message", "MAX_RANKS",
            "MAILBOX_BUFFERS", "SHARED_PLACEMENTS", "DEFAULT_SHARED_PLACEMENT",
-           "check_call_options", "check_rows_and_timeout"]
+           "check_call_options", "check_rows_and_timeout", "check_batch_invariant"]
 
 #: The tail kernels keep one 16-byte granule of every rank in registers.
 MAX_RANKS = 16
@@ -228,6 +258,17 @@ def check_rows_and_timeout(owner: str, config: LatentMoEConfig, max_rows, timeou
     return max_rows
 
 
+def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
+                          batch_invariant) -> None:
+    """A wide layer's ``batch_invariant`` (a bool) and, when True, whether the rank's four
+    GEMMs fit ``fast.gemm`` at ``ranks`` ranks (``wide_gemms.check_fast_gemm_shapes``);
+    refused by name before any device work."""
+    if not isinstance(batch_invariant, bool):
+        raise ValueError(f"{owner}: batch_invariant must be a bool, got {batch_invariant!r}")
+    if batch_invariant:
+        check_fast_gemm_shapes(owner, config, ranks)
+
+
 def check_call_options(owner: str, order: str, shared: str) -> None:
     """``order`` and ``shared`` of a wide layer call, refused by name before any launch."""
     if order not in ("side", "serial"):
@@ -252,11 +293,17 @@ class WideLayer(WideStageCalls):
         experts_tactic: the experts engine's FC kernel settings for every call
             (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
             the engine's defaults.
+        batch_invariant: every token's outputs, at every stage and on every rank, bitwise
+            independent of the batch it is decoded in (its row count and its batch-mates):
+            each rank's four GEMMs on ``fast.gemm`` with one K split per GEMM at every row
+            count (``fast.schedules.wide_gemms``; the module docstring says why the other
+            stages already are). Default False: cuBLAS, which is not. Needs each GEMM's K
+            a multiple of 64 (every TP rank count of the real layer); refused otherwise.
     """
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_rows: int | None = None,
                  device: str | torch.device = "cuda", timeout_s: float = 10.0,
-                 experts_tactic: dict | None = None):
+                 experts_tactic: dict | None = None, batch_invariant: bool = False):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
@@ -264,6 +311,7 @@ class WideLayer(WideStageCalls):
         c = weights.config
         check_ranks(c, ranks)
         max_rows = check_rows_and_timeout("WideLayer", c, max_rows, timeout_s)
+        check_batch_invariant("WideLayer", c, ranks, batch_invariant)
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"WideLayer: device must be a CUDA device, got {device}")
@@ -293,6 +341,17 @@ class WideLayer(WideStageCalls):
         self.shared_down = [slice_to_device(weights.shared_down[:, r * s_n:(r + 1) * s_n])
                             for r in range(n)]
         self.up = [slice_to_device(weights.up[r * h_n:(r + 1) * h_n]) for r in range(n)]
+        #: per rank, its GEMMs on fast.gemm (``batch_invariant``), else None (cuBLAS)
+        self.fast_gemms = [None] * n
+        if batch_invariant:
+            for r in range(n):
+                self.fast_gemms[r] = build_fast_gemms(
+                    "WideLayer", {"front": self.front_weights[r],
+                                  "shared_gate_up": self.shared_gate_up[r],
+                                  "shared_down": self.shared_down[r], "up": self.up[r]},
+                    c, n, max_rows)
+                # the front GEMM's weight may be a view of its zero-padded copy: one copy
+                self.front_weights[r] = self.fast_gemms[r]["front"].weight
         self.bias = slice_to_device(weights.bias)
         self.latent_norm = slice_to_device(weights.latent_norm)
         self.engines = [experts_engine_for(self.arch,
@@ -347,13 +406,18 @@ class WideLayer(WideStageCalls):
             mailbox_table=self.mailbox_table, partial_table=self.partial_table,
             shared_tables=(self.shared_table,) * MAILBOX_BUFFERS,
             up_tables=(self.up_table,) * MAILBOX_BUFFERS, error=self.error, side=self._side,
-            kernels=self._fn) for r in range(n)]
+            kernels=self._fn, gemms=self.fast_gemms[r]) for r in range(n)]
         self.calls = 0
         self.reset()
 
     def rank_resources(self, r: int) -> WideRank:
         """Virtual rank ``r``'s resources of the rank program."""
         return self._resources[r]
+
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        """The ranks this layer holds: every virtual rank."""
+        return tuple(range(self.ranks))
 
     # -- state ----------------------------------------------------------------------------
 

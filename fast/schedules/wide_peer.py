@@ -61,6 +61,12 @@ wait loads with ``ld.acquire.sys``; the all-reduces then load peers' rows with
 ``ld.global.nc`` in a later kernel (their rows do not change while it runs: the reuse
 analysis above).
 
+``WidePeerLayer(batch_invariant=True)`` runs the rank's four GEMMs on ``fast.gemm``, one K
+split per GEMM at every row count (``fast.schedules.wide_gemms``, the rule the virtual
+layer uses, so a real rank's bits stay the virtual rank's): every token's outputs bitwise
+independent of the batch it is decoded in (``fast.schedules.wide``'s "Batch invariance":
+the other stages are row-wise, the two all-reduces sum every rank's row in rank order).
+
 Every rank must call the layer with the same ``T`` (the wide bucket's contract: every
 rank holds the same tokens). A poll or a wait that gives up after ``timeout_s`` records
 who and what; :meth:`WidePeerLayer.check` raises :class:`fast.device.arrival.ArrivalTimeout`
@@ -75,12 +81,13 @@ import torch
 from fast import activation, backend, finalize, mx, router, stock
 from fast.schedules.dense import check_hidden_rows
 from fast.schedules.steps import run_steps
-from fast.schedules.wide import (compiled_kernel, check_list_params, check_call_options,
-                                 check_ranks, check_rows_and_timeout, kernel_params,
-                                 mailbox_timeout)
+from fast.schedules.wide import (compiled_kernel, check_batch_invariant, check_list_params,
+                                 check_call_options, check_ranks, check_rows_and_timeout,
+                                 kernel_params, mailbox_timeout)
+from fast.schedules.wide_gemms import build_fast_gemms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, WIDE_STEPS,
                                          WideCall, WideRank, WideRankOutputs, WideStageCalls,
-                                         as_int32, mm_bf16_into)
+                                         as_int32, rank_gemm_bf16_into)
 from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
 from model.weights import LatentMoEWeights
 
@@ -129,6 +136,10 @@ class WidePeerLayer(WideStageCalls):
         experts_tactic: the experts engine's FC kernel settings for every call
             (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
             the engine's defaults.
+        batch_invariant: as ``fast.schedules.wide.WideLayer``'s: the rank's four GEMMs on
+            ``fast.gemm`` with one K split per GEMM at every row count, so every token's
+            outputs are bitwise independent of the batch it is decoded in; the same on
+            every rank.
 
     Construction is collective over ``group`` (the symmetric buffer's rendezvous), and so
     is the first call of each ``T`` (:meth:`_prepare`).
@@ -136,7 +147,7 @@ class WidePeerLayer(WideStageCalls):
 
     def __init__(self, weights: LatentMoEWeights, *, max_rows: int | None = None, group=None,
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
-                 experts_tactic: dict | None = None):
+                 experts_tactic: dict | None = None, batch_invariant: bool = False):
         import torch.distributed as dist
 
         from fast.experts import experts_engine_for, prepare_experts_for
@@ -150,15 +161,17 @@ class WidePeerLayer(WideStageCalls):
         max_rows = check_rows_and_timeout("WidePeerLayer", c, max_rows, timeout_s)
         group, rank, n = process_group("WidePeerLayer", group)
         check_ranks(c, n)
+        check_batch_invariant("WidePeerLayer", c, n, batch_invariant)
         device = cuda_device("WidePeerLayer", device)
         ok, why = backend.device_supported()
         if not ok:
             raise RuntimeError(f"WidePeerLayer: the fast kernels cannot run here: {why}")
         seen = [None] * n
-        dist.all_gather_object(seen, (max_rows, c), group=group)
+        dist.all_gather_object(seen, (max_rows, c, batch_invariant), group=group)
         if any(s != seen[0] for s in seen):
             raise ValueError("WidePeerLayer: every rank must build the layer with the same "
-                             f"config and max_rows; got max_rows {[s[0] for s in seen]}")
+                             f"config, max_rows and batch_invariant; got max_rows "
+                             f"{[s[0] for s in seen]}, batch_invariant {[s[2] for s in seen]}")
         self.config, self.group, self.rank, self.ranks = c, group, rank, n
         self.max_rows, self.device, self.timeout_s = max_rows, device, float(timeout_s)
         self.arch = backend.device_arch(device)
@@ -177,6 +190,16 @@ class WidePeerLayer(WideStageCalls):
                                                        gu[s + r * s_n:s + (r + 1) * s_n]]))}
         self.shared_down = {r: to_device(weights.shared_down[:, r * s_n:(r + 1) * s_n])}
         self.up = {r: to_device(weights.up[r * h_n:(r + 1) * h_n])}
+        #: this rank's GEMMs on fast.gemm (``batch_invariant``), else None (cuBLAS)
+        self.fast_gemms = None
+        if batch_invariant:
+            self.fast_gemms = build_fast_gemms(
+                "WidePeerLayer", {"front": self.front_weights[r],
+                                  "shared_gate_up": self.shared_gate_up[r],
+                                  "shared_down": self.shared_down[r], "up": self.up[r]},
+                c, n, max_rows)
+            # the front GEMM's weight may be a view of its zero-padded copy: one copy
+            self.front_weights[r] = self.fast_gemms["front"].weight
         self.bias = to_device(weights.bias)
         self.latent_norm = to_device(weights.latent_norm)
         self.engine = experts_engine_for(self.arch,
@@ -236,7 +259,8 @@ class WidePeerLayer(WideStageCalls):
             up_columns=tuple(sym["up"][i] for i in range(MAILBOX_BUFFERS)),
             mailbox_table=self.mailbox_table, partial_table=self.partial_table,
             shared_tables=tuple(self.shared_tables), up_tables=tuple(self.up_tables),
-            error=self.error, side=self._side, kernels=self._fn, wait=self._signal_and_wait)
+            error=self.error, side=self._side, kernels=self._fn, wait=self._signal_and_wait,
+            gemms=self.fast_gemms)
         self.calls = 0
         self._prepared: set[int] = set()
         self._arm()
@@ -261,22 +285,36 @@ class WidePeerLayer(WideStageCalls):
             raise ValueError(f"WidePeerLayer: rank {r} is not this layer's rank {self.rank}")
         return self._resources
 
+    @property
+    def local_ranks(self) -> tuple[int, ...]:
+        """The ranks this layer holds: its own."""
+        return (self.rank,)
+
     def _prepare(self, tokens: int) -> None:
         """Before the first call of ``tokens`` rows: compile the engine's kernels for it
         and run every library kernel and GEMM of the local stages once on temporaries
-        (they compile on first use), then meet the peers (a collective barrier), so no
-        rank's poll or wait times out while another compiles. Touches no buffer a peer
-        reads (the engine's lists and work words are this rank's own)."""
+        (they compile or load on first use; the fast GEMMs of ``batch_invariant`` were
+        compiled at construction and are loaded here), then meet the peers (a collective
+        barrier), so no rank's poll or wait times out while another compiles. Touches no
+        buffer a peer reads (the engine's lists and work words and the fast GEMMs'
+        workspaces are this rank's own)."""
         import torch.distributed as dist
 
         c, r, on = self.config, self.rank, dict(device=self.device)
+        rank = self._resources
         self.engine.compile_for(tokens)
         x = torch.zeros(tokens, c.hidden, dtype=torch.bfloat16, **on)
-        stock.mm_fp32_out(x, self.front_weights[r])
+        if self.fast_gemms is None:
+            stock.mm_fp32_out(x, self.front_weights[r])
+        else:
+            self.fast_gemms["front"](x, out_dtype=torch.float32)
+            normed = torch.zeros(tokens, c.latent, dtype=torch.bfloat16, **on)
+            self.fast_gemms["up"](normed, addend=torch.zeros(tokens, self.columns,
+                                                             dtype=torch.bfloat16, **on))
         h = torch.empty(tokens, self.shared_gate_up[r].shape[0], dtype=torch.bfloat16, **on)
-        mm_bf16_into(x, self.shared_gate_up[r], h)
+        rank_gemm_bf16_into(rank, "shared_gate_up", x, h)
         act = activation.situ_and_mul(h, beta=c.situ_beta, linear_beta=c.situ_linear_beta)
-        mm_bf16_into(act, self.shared_down[r], torch.empty_like(x))
+        rank_gemm_bf16_into(rank, "shared_down", act, torch.empty_like(x))
         weights, ids = router.route(torch.zeros(tokens, c.experts, dtype=torch.float32, **on),
                                     self.bias, top_k=c.top_k, renormalize=c.renormalize,
                                     scale=c.routed_scaling_factor)

@@ -26,6 +26,12 @@ addresses in the tables differ (peer addresses from the symmetric-memory handle)
 the shared and up buffers a real rank's peers read rotate with the mailbox buffer
 (``fast.schedules.wide_peer`` says why).
 
+The rank's four dense GEMMs (front, shared gate/up, shared down, up columns) run on cuBLAS,
+or, when the rank holds ``gemms`` (the layers' ``batch_invariant=True``), on its
+``fast.gemm.DenseGemm`` objects (``fast.schedules.wide_gemms``): the same stages, the same
+buffers, one K split per GEMM at every row count. No stage chooses between the two per
+call: a rank built with ``gemms`` never runs a cuBLAS GEMM.
+
 Shapes, dtypes and rounding points: ``fast.schedules.wide`` and :class:`WideRankOutputs`.
 """
 
@@ -42,7 +48,7 @@ __all__ = ["WideRank", "WideCall", "WideRankOutputs", "WideStageCalls", "WIDE_ST
            "MAILBOX_BUFFERS", "SHARED_PLACEMENTS",
            "DEFAULT_SHARED_PLACEMENT", "front_stage", "shared_stage", "publish_stage", "route_stage",
            "experts_stage", "finalize_stage", "latent_stage", "hidden_stage", "rank_outputs",
-           "as_int32", "mm_bf16_into"]
+           "as_int32", "mm_bf16_into", "rank_gemm_bf16_into"]
 
 #: Rotating mailbox buffers per rank (calls alternate between them).
 MAILBOX_BUFFERS = 2
@@ -133,6 +139,9 @@ class WideRank:
       (``fast.schedules.wide.compiled_kernel``);
     * ``wait(what, tokens)``: called after the finalize (``what`` 0: the routed partials)
       and after the up columns (1: the hidden partials); :func:`no_wait` for a virtual rank;
+    * ``gemms``: None (the four GEMMs on cuBLAS) or the batch-invariant mode's
+      ``fast.gemm.DenseGemm`` per GEMM, by ``fast.schedules.wide_gemms.WIDE_GEMMS`` name
+      (their weights are the ones above; the front's may be a view of a zero-padded copy);
     * per call: ``front`` (the last front stage's FP32 output) and ``shared_ready`` (the
       side stream's event of the last shared stage; None after a serial one).
     """
@@ -162,6 +171,7 @@ class WideRank:
     side: object
     kernels: dict
     wait: Callable[[int, int], None] = no_wait
+    gemms: dict | None = None
     front: torch.Tensor | None = None
     shared_ready: object = None
 
@@ -207,19 +217,34 @@ def _addmm_bf16_into(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: tor
         torch.addmm(c, a, b.t(), out=out)
 
 
+def rank_gemm_bf16_into(rank: WideRank, name: str, a: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = a @ W^T`` in BF16 for the rank's GEMM ``name`` (``"shared_gate_up"`` or
+    ``"shared_down"``, the weight of that name): FP32 accumulation, one rounding; cuBLAS
+    (:func:`mm_bf16_into`), or the rank's ``fast.gemm`` GEMM when it has ``gemms``."""
+    if rank.gemms is None:
+        mm_bf16_into(a, getattr(rank, name), out)
+    else:
+        rank.gemms[name](a, out=out)
+
+
 # -- one rank's stages ----------------------------------------------------------------------
 
 def front_stage(rank: WideRank, x: torch.Tensor) -> torch.Tensor:
-    """The rank's FP32-out GEMM ``x @ [gate_r; down_r]^T`` (cuBLAS): FP32 ``[T, E/N +
-    L/N]``, kept in ``rank.front`` for this call's outputs."""
-    rank.front = stock.mm_fp32_out(x, rank.front_weights)
+    """The rank's FP32-out GEMM ``x @ [gate_r; down_r]^T`` (cuBLAS, or its ``fast.gemm``
+    GEMM when it has ``gemms``): FP32 ``[T, E/N + L/N]``, one rounding to FP32, kept in
+    ``rank.front`` for this call's outputs."""
+    if rank.gemms is None:
+        rank.front = stock.mm_fp32_out(x, rank.front_weights)
+    else:
+        rank.front = rank.gemms["front"](x, out_dtype=torch.float32)
     return rank.front
 
 
 def shared_stage(rank: WideRank, x: torch.Tensor, index: int, *, order: str = "side",
                  side_delay_cycles: int = 0):
     """The rank's shared-expert partial into its ``shared[index]`` buffer: ``h = x @
-    gate_up_r^T``, ``act = situ_and_mul(h)``, ``act @ down_r^T`` (BF16 at each); then its
+    gate_up_r^T``, ``act = situ_and_mul(h)``, ``act @ down_r^T`` (BF16 at each; the GEMMs
+    by :func:`rank_gemm_bf16_into`); then its
     columns ``cols_r`` copied into ``up_columns[index]``, the addend :func:`latent_stage`
     accumulates into in place (the copy ``torch.addmm`` would otherwise make on the main
     stream after the latent all-reduce). With ``order="side"`` on the side stream (it
@@ -235,10 +260,10 @@ def shared_stage(rank: WideRank, x: torch.Tensor, index: int, *, order: str = "s
             torch.cuda._sleep(int(side_delay_cycles))
         b = rank.buffers
         h = b["gate_up"][:tokens]
-        mm_bf16_into(x, rank.shared_gate_up, h)
+        rank_gemm_bf16_into(rank, "shared_gate_up", x, h)
         act = activation.situ_and_mul(h, beta=c.situ_beta, linear_beta=c.situ_linear_beta,
                                       out=b["act"][:tokens])
-        mm_bf16_into(act, rank.shared_down, rank.shared[index][:tokens])
+        rank_gemm_bf16_into(rank, "shared_down", act, rank.shared[index][:tokens])
         cols = slice(rank.rank * rank.columns, (rank.rank + 1) * rank.columns)
         rank.up_columns[index][:tokens].copy_(rank.shared[index][:tokens, cols])
     rank.shared_ready = side.record_event() if side is not main else None
@@ -303,10 +328,11 @@ def finalize_stage(rank: WideRank, tokens: int) -> None:
 def latent_stage(rank: WideRank, tokens: int, index: int, *, wait_shared: bool = True) -> None:
     """The rank's latent all-reduce fused with the RMSNorm (``LatentAllReduceNormKernel``,
     every rank's partial in rank order), then (after the shared expert) its up-projection
-    columns ``shared_r[:, cols_r] + normed @ up_r^T`` (cuBLAS addmm) in place in
-    ``up_columns[index]``, which :func:`shared_stage` filled with ``shared_r[:, cols_r]``
-    (the cuBLAS call of an out-of-place ``addmm``, which copies its addend into its output
-    first: the same bits).
+    columns ``shared_r[:, cols_r] + normed @ up_r^T`` in place in ``up_columns[index]``,
+    which :func:`shared_stage` filled with ``shared_r[:, cols_r]``: cuBLAS addmm (the call
+    of an out-of-place ``addmm``, which copies its addend into its output first: the same
+    bits; the product rounded to BF16, then the sum), or, when the rank has ``gemms``, its
+    ``fast.gemm`` up GEMM with that addend added to the FP32 sum before the one rounding.
 
     ``wait_shared``: before the addmm, the current stream waits for ``rank.shared_ready``
     (the event of the last :func:`shared_stage` on the side stream; none after a serial
@@ -324,7 +350,10 @@ def latent_stage(rank: WideRank, tokens: int, index: int, *, wait_shared: bool =
     if wait_shared and rank.shared_ready is not None:
         torch.cuda.current_stream(rank.device).wait_event(rank.shared_ready)
     up = rank.up_columns[index][:tokens]
-    _addmm_bf16_into(up, b["normed"][:tokens], rank.up, up)
+    if rank.gemms is None:
+        _addmm_bf16_into(up, b["normed"][:tokens], rank.up, up)
+    else:
+        rank.gemms["up"](b["normed"][:tokens], addend=up, out=up)
 
 
 def hidden_stage(rank: WideRank, tokens: int, index: int) -> None:
@@ -410,8 +439,8 @@ class WideStageCalls:
     function of the rank program on ``self.rank_resources(r)`` with the mailbox buffer
     ``self.mailbox_index`` (a benchmark times one rank's stages by replaying them after a
     full call filled the peers' buffers), and the CUDA-graph capture of a call. A layer
-    provides ``rank_resources(r)`` (:class:`WideRank`), ``calls`` (its call count),
-    ``device`` and ``__call__``."""
+    provides ``rank_resources(r)`` (:class:`WideRank`), ``local_ranks`` (the ranks it
+    holds), ``calls`` (its call count), ``device`` and ``__call__``."""
 
     @property
     def mailbox_index(self) -> int:
@@ -451,6 +480,21 @@ class WideStageCalls:
     def hidden_stage(self, r: int, tokens: int) -> None:
         """:func:`hidden_stage` of rank ``r``."""
         hidden_stage(self.rank_resources(r), tokens, self.mailbox_index)
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether every token's outputs are bitwise independent of the batch it is decoded
+        in: the four GEMMs on ``fast.gemm`` with one K split each
+        (``fast.schedules.wide_gemms``; every other stage is row-wise or sums in a fixed
+        rank or slot order)."""
+        return self.rank_resources(self.local_ranks[0]).gemms is not None
+
+    def gemm_plan(self, r: int, tokens: int) -> dict:
+        """What each GEMM of rank ``r`` launches at ``tokens`` rows (``WIDE_GEMMS`` name ->
+        ``fast.gemm.Launch``: tactic, K split, token chunks, windows), or, on cuBLAS, an
+        empty dict."""
+        gemms = self.rank_resources(r).gemms
+        return {} if gemms is None else {name: g.launch(tokens) for name, g in gemms.items()}
 
     def outputs(self, r: int, tokens: int) -> WideRankOutputs:
         """:func:`rank_outputs` of rank ``r`` (the stages run last with ``tokens`` rows)."""

@@ -1,0 +1,122 @@
+"""The four dense GEMMs of a wide (S2) rank on ``fast.gemm``: the batch-invariant mode of
+``fast.schedules.wide.WideLayer`` and ``fast.schedules.wide_peer.WidePeerLayer``.
+
+A wide rank ``r`` of ``N`` runs four GEMMs per call (``fast.schedules.wide_program``), for
+``T`` rows (65 <= T <= ``max_rows``):
+
+| name | weight ``[rows, K]`` | input | output (rounding) |
+|---|---|---|---|
+| ``front`` | router rows and latent-down rows ``[E/N + L/N, H]`` | ``x [T, H]`` | FP32 ``[T, E/N + L/N]`` (one RNE to FP32) |
+| ``shared_gate_up`` | ``[2 S/N, H]`` | ``x`` | BF16 ``[T, 2 S/N]`` (one RNE) |
+| ``shared_down`` | ``[H, S/N]`` | ``act [T, S/N]`` | BF16 ``[T, H]`` (one RNE) |
+| ``up`` | ``[H/N, L]`` | ``normed [T, L]`` | BF16 ``[T, H/N]``: ``shared[:, cols_r]`` added to the FP32 sum before the one RNE |
+
+By default they run on cuBLAS, which picks its kernel (and its split of K) per row count,
+so a token's FP32 logits, and near a tie its experts, change with the batch it is decoded
+in. In the batch-invariant mode each runs on ``fast.gemm.DenseGemm``: FP32 accumulation
+per K split in k order, the splits' partials added in split order, one rounding to the
+output type (the ``up`` GEMM's addend added before it, as ``reference.gemm.addmm``
+defines; cuBLAS's ``addmm`` rounds twice). Each GEMM has **one K split for every row count
+the layer serves** (:func:`gemm_splits`: ``fast.gemm.splits_for_rows`` at the layer's
+smallest call, ``front_max + 1`` rows; a function of the shapes and the GPU's
+multiprocessor count only), and a call of ``T`` rows runs ``ceil(T / 64)`` token chunks of
+one launch (``fast.gemm.layout.token_chunks``), so each output element is summed in one
+order at every ``T`` whatever the token's batch-mates: the row tiling and the chunk count
+change with ``T``, never the order.
+
+What the kernel needs of a shape: ``K`` a multiple of 64 (its stage width; refused here by
+name, :func:`check_fast_gemm_shapes`), any row count (rows not a multiple of 64 are padded
+once with zero rows at construction: the TP4/8/16 fronts' 1120/560/280 rows of the real
+layer). At the real dimensions every TP 1..16 rank qualifies; the small test configs'
+shared down-projection at 8 or 16 ranks (``S/N`` = 32 or 16) does not.
+
+The mode's cost against cuBLAS is not measured yet (``benchmarks/wide_table.py
+--batch-invariant``); ``docs/schedules/wide.md`` says what is known.
+"""
+
+from __future__ import annotations
+
+from model.config import LatentMoEConfig
+
+__all__ = ["WIDE_GEMMS", "gemm_shapes", "check_fast_gemm_shapes", "gemm_splits",
+           "gemm_launches", "kernel_params", "build_fast_gemms"]
+
+#: The wide rank's dense GEMMs, by name (the table of the module docstring).
+WIDE_GEMMS = ("front", "shared_gate_up", "shared_down", "up")
+
+
+def gemm_shapes(config: LatentMoEConfig, ranks: int) -> dict[str, tuple[int, int]]:
+    """Each GEMM's weight shape ``(rows, K)`` on one of ``ranks`` TP ranks (``WIDE_GEMMS``)."""
+    c, n = config, ranks
+    return {"front": (c.experts // n + c.latent // n, c.hidden),
+            "shared_gate_up": (2 * c.shared_intermediate // n, c.hidden),
+            "shared_down": (c.hidden, c.shared_intermediate // n),
+            "up": (c.hidden // n, c.latent)}
+
+
+def check_fast_gemm_shapes(owner: str, config: LatentMoEConfig, ranks: int) -> None:
+    """Raise a ValueError, starting with ``owner`` and naming every GEMM whose reduction
+    width ``K`` is not a multiple of 64 (``fast.gemm``'s stage), where ``ranks`` TP ranks
+    cannot run the batch-invariant mode."""
+    bad = [f"{name} K={k}" for name, (_, k) in gemm_shapes(config, ranks).items() if k % 64]
+    if bad:
+        raise ValueError(f"{owner}: batch_invariant=True runs the rank's GEMMs on fast.gemm, "
+                         f"whose K must be a multiple of 64; at {ranks} ranks " + ", ".join(bad)
+                         + " (the shared down-projection's K is shared_intermediate / ranks)")
+
+
+def gemm_splits(config: LatentMoEConfig, ranks: int, sms: int = 132) -> dict[str, int]:
+    """Each GEMM's one K split (``fast.gemm.splits_for_rows`` of its shape at the layer's
+    smallest call, ``front_max + 1`` rows, on a GPU of ``sms`` multiprocessors)."""
+    from fast.gemm.host import splits_for_rows
+
+    return {name: splits_for_rows(n, k, config.front_max + 1, sms)
+            for name, (n, k) in gemm_shapes(config, ranks).items()}
+
+
+def gemm_launches(config: LatentMoEConfig, ranks: int, rows, sms: int = 132) -> dict:
+    """``{gemm: {T: fast.gemm.Launch}}``: what each GEMM launches at each row count ``T`` of
+    ``rows`` (an iterable of ints), at its one K split (pure Python: the CPU tests check
+    the chunk arithmetic and compile these kernels)."""
+    from fast.gemm.host import launch_for
+
+    splits = gemm_splits(config, ranks, sms)
+    return {name: {t: launch_for(n, k, t, splits=splits[name], sms=sms) for t in rows}
+            for name, (n, k) in gemm_shapes(config, ranks).items()}
+
+
+def kernel_params(config: LatentMoEConfig, ranks: int, rows, sms: int = 132) -> list[dict]:
+    """The distinct ``fast.gemm`` kernel parameters a rank compiles for the row counts
+    ``rows`` (:func:`gemm_launches`)."""
+    seen = []
+    for per_t in gemm_launches(config, ranks, rows, sms).values():
+        for launch in per_t.values():
+            if launch.params not in seen:
+                seen.append(launch.params)
+    return seen
+
+
+def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: int,
+                     max_rows: int) -> dict:
+    """One ``fast.gemm.DenseGemm`` per GEMM of one rank (``weights``: name -> its BF16
+    weight on the device, ``WIDE_GEMMS``), each with its K split (:func:`gemm_splits` on
+    this GPU) and buffers for up to ``max_rows`` rows, and every kernel a call of
+    ``front_max + 1 .. max_rows`` rows launches compiled now (none at call time, none
+    inside a graph capture). The ``front`` GEMM's weight is padded to a multiple of 64
+    rows where it needs it (``DenseGemm.padded_weight``)."""
+    import torch
+
+    from fast.gemm import DenseGemm
+
+    check_fast_gemm_shapes(owner, config, ranks)
+    if set(weights) != set(WIDE_GEMMS):
+        raise ValueError(f"{owner}: the fast GEMMs need the weights {WIDE_GEMMS}, got "
+                         f"{sorted(weights)}")
+    device = next(iter(weights.values())).device
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = gemm_splits(config, ranks, sms)
+    gemms = {name: DenseGemm(weights[name], max_tokens=max_rows, splits=splits[name])
+             for name in WIDE_GEMMS}
+    for gemm in gemms.values():
+        gemm.compile_for(range(config.front_max + 1, max_rows + 1))
+    return gemms
