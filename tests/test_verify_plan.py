@@ -6,7 +6,6 @@ run-time skip of a contract body is one the plan evaluates."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import subprocess
@@ -61,7 +60,6 @@ def test_schedule_contracts_run_the_blackwell_engine(arch):
     kernels compiled for the same target only at the others (a slice ``I/N % 128 != 0``:
     the small config over 4 ranks, kimi_k3 over 16)."""
     from fast.experts.select import blackwell_tiling_error
-    from verify import cases as configs
 
     cases = [c for c in _plan(arch) if Path(c["nodeid"].split("::")[0]).name
              in verify_plan.SCHEDULE_FILES]
@@ -71,10 +69,7 @@ def test_schedule_contracts_run_the_blackwell_engine(arch):
         if schedule == "dep":
             assert c["engine"] == "BlackwellExpertsEngine", c
         elif c["engine"] == "ExpertsEngine":
-            cfg = configs.config("small") if c["config"] == "small_i1024" else \
-                configs.config(c["config"])
-            if c["config"] == "small_i1024":
-                cfg = dataclasses.replace(cfg, intermediate=1024)
+            cfg = verify_plan.contract_config(c["config"])
             assert c["ranks"] and blackwell_tiling_error(cfg, (0, c["ranks"])), c
         else:
             assert "BlackwellExpertsEngine" in c["engine"], c

@@ -296,18 +296,32 @@ def _wide_ranks(config) -> list[int]:
             if config.intermediate % n == 0 and (config.intermediate // n) % 64 == 0]
 
 
+#: The wide contracts' widened small configs (``verify/test_wide_fast.py``'s SMALL_I1024,
+#: and SMALL_S1024 with the shared expert widened too): name -> the fields replaced in
+#: ``cases.config("small")``.
+WIDENED_SMALL_CONFIGS = {"small_i1024": dict(intermediate=1024),
+                         "small_s1024": dict(intermediate=1024, shared_intermediate=1024)}
+
+
+def contract_config(config_name: str):
+    """The ``LatentMoEConfig`` a contract's ``config_name`` parameter names: one of
+    ``verify.cases``'s configs, or a widened small one (``WIDENED_SMALL_CONFIGS``)."""
+    from verify import cases
+
+    if config_name in WIDENED_SMALL_CONFIGS:
+        return dataclasses.replace(cases.config("small"), **WIDENED_SMALL_CONFIGS[config_name])
+    return cases.config(config_name)
+
+
 def engine_of(target: Target, schedule: str, config_name: str, ranks) -> str | None:
     """The experts engine a ``schedule`` layer of ``config_name`` builds on ``target``
     (``ranks``: its TP ranks in the wide schedule, None when the contract picks them in its
     body: the engine per rank count), None off the engines' targets."""
     from fast.experts.select import ENGINE_ARCHS, engine_name_for
-    from verify import cases
 
     if target.arch not in ENGINE_ARCHS or config_name in ("-", None):
         return None
-    # the wide contracts' widened small config (``verify/test_wide_fast.py``'s SMALL_I1024)
-    config = (dataclasses.replace(cases.config("small"), intermediate=1024)
-              if config_name == "small_i1024" else cases.config(config_name))
+    config = contract_config(config_name)
     if schedule == "dep":
         return engine_name_for(target.arch, config)
     if ranks is not None:
