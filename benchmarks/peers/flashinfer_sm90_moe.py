@@ -130,8 +130,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.peers.triton_moe import (MX_BLOCK, check_routing_inputs, check_weights, compact_forward,
-                                         expert_bytes, local_rows, random_routing, random_weights,
+from benchmarks.peers.triton_moe import (check_int, check_routing_inputs, check_weights,
+                                         compact_forward, expert_bytes, gated_activation64, local_rows,
+                                         random_routing, random_weights, rank_weight_slice,
                                          touched_experts)
 from model.formats import dequantize_mxfp4, e4m3_to_float32, float32_to_e4m3
 
@@ -386,17 +387,11 @@ def versions() -> dict:
 # pure PyTorch: the weight conversion
 # --------------------------------------------------------------------------------------
 
-def _int(value, name: str, lo: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-    return value
-
-
 def check_dims(latent: int, intermediate: int) -> None:
     """MXFP4 weights need ``latent % 128 == 0`` and ``intermediate % 128 == 0``; ValueError
     naming the one that is not."""
     for name, v in (("latent", latent), ("intermediate", intermediate)):
-        _int(v, name, 1)
+        check_int(v, name, 1)
         if v % ROW_ALIGN:
             raise ValueError(f"{name}={v}: the SM90 MXFP4 MoE needs a multiple of {ROW_ALIGN}")
 
@@ -404,7 +399,7 @@ def check_dims(latent: int, intermediate: int) -> None:
 def fc1_row_order(intermediate: int) -> torch.Tensor:
     """int64 ``[2I]``: kernel FC1 row ``n`` takes our row ``(n + I) mod 2I`` (``[up; gate]``
     from our ``[gate; up]``)."""
-    _int(intermediate, "intermediate", 1)
+    check_int(intermediate, "intermediate", 1)
     return (torch.arange(2 * intermediate, dtype=torch.int64) + intermediate) % (2 * intermediate)
 
 
@@ -532,9 +527,9 @@ def expert_parallel(first: int, count: int, n_experts_total: int) -> tuple[int, 
     count, (ep_rank + 1) count)`` are ours ``[first, first + count)`` after the ids are
     lowered by ``id_shift = first mod count`` (0 when ``first`` is a multiple of ``count``:
     the ids go in unchanged); ``ep_size = max(ep_rank + 1, ceil(n_experts_total / count))``."""
-    _int(first, "first")
-    _int(count, "count", 1)
-    _int(n_experts_total, "n_experts_total", first + count)
+    check_int(first, "first")
+    check_int(count, "count", 1)
+    check_int(n_experts_total, "n_experts_total", first + count)
     ep_rank = first // count
     return max(ep_rank + 1, -(-n_experts_total // count)), ep_rank, first - ep_rank * count
 
@@ -585,7 +580,7 @@ class FlashInferSm90MoE:
         for name, v in (("situ_beta", situ_beta), ("situ_linear_beta", situ_linear_beta)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
                 raise ValueError(f"{name} must be a finite positive float, got {v!r}")
-        _int(tune_max_num_tokens, "tune_max_num_tokens", 1)
+        check_int(tune_max_num_tokens, "tune_max_num_tokens", 1)
         self.first, self.count, self.n_experts_total = first, count, n_experts_total
         self.ep_size, self.ep_rank, self.id_shift = expert_parallel(first, count, n_experts_total)
         self.latent, self.intermediate = lat, inter
@@ -614,9 +609,9 @@ class FlashInferSm90MoE:
     @staticmethod
     def _local_slice(e: int, first, count, n_experts_total) -> tuple[slice, int, int, int]:
         """``(slice of the given tensors, first, count, n_experts_total)``."""
-        _int(first, "first")
+        check_int(first, "first")
         count = e - first if count is None else count
-        _int(count, "count", 1)
+        check_int(count, "count", 1)
         if e >= first + count:
             sl, total = slice(first, first + count), e
         elif e == count:
@@ -625,7 +620,7 @@ class FlashInferSm90MoE:
             raise ValueError(f"w13_codes has E={e} experts: pass either all experts (E >= first + "
                              f"count = {first + count}) or exactly count={count} local ones")
         total = total if n_experts_total is None else n_experts_total
-        _int(total, "n_experts_total", first + count)
+        check_int(total, "n_experts_total", first + count)
         return sl, first, count, total
 
     def _bind_kernel(self, kernel):
@@ -775,16 +770,10 @@ def rank_moe(weights, first: int, count: int, shard: tuple[int, int] = (0, 1), *
     if not ok:
         return None, why
     c = weights.config
-    inter = c.intermediate // shard[1]
-    lo, full, sl = shard[0] * inter, c.intermediate, slice(first, first + count)
-    w13 = torch.cat([weights.w13[sl, lo:lo + inter], weights.w13[sl, full + lo:full + lo + inter]], 1)
-    s13 = torch.cat([weights.w13_scales[sl, lo:lo + inter],
-                     weights.w13_scales[sl, full + lo:full + lo + inter]], 1)
-    w2 = weights.w2[sl, :, lo // 2:(lo + inter) // 2].contiguous()
-    s2 = weights.w2_scales[sl, :, lo // MX_BLOCK:(lo + inter) // MX_BLOCK].contiguous()
+    w13, s13, w2, s2 = rank_weight_slice(weights, first, count, shard)
     kw.setdefault("situ_beta", c.situ_beta)
     kw.setdefault("situ_linear_beta", c.situ_linear_beta)
-    moe = FlashInferSm90MoE(w13.contiguous(), s13.contiguous(), w2, s2, first=first, count=count,
+    moe = FlashInferSm90MoE(w13, s13, w2, s2, first=first, count=count,
                             n_experts_total=c.experts, device=device, **kw)
     return moe, ""
 
@@ -792,15 +781,6 @@ def rank_moe(weights, first: int, count: int, shard: tuple[int, int] = (0, 1), *
 # --------------------------------------------------------------------------------------
 # the float64 model and the checks
 # --------------------------------------------------------------------------------------
-
-def _activate64(h: torch.Tensor, activation: str, beta: float, linear_beta: float) -> torch.Tensor:
-    """The gated activation in float64 on our ``[gate; up]`` halves of ``h``."""
-    inter = h.shape[-1] // 2
-    g, u = h[..., :inter], h[..., inter:]
-    if activation == "situ":
-        return beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
-    return g * torch.sigmoid(g) * u
-
 
 def _bf16(t: torch.Tensor) -> torch.Tensor:
     """Round to BF16 (RNE) and back to float64."""
@@ -848,11 +828,11 @@ def reference_forward(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         w2 = dequantize_mxfp4(w[2][e], w[3][e]).double()
         if precision == "w4a16":
             h = _bf16(xd[rows] @ w13.T)
-            a = _bf16(_activate64(h, activation, situ_beta, situ_linear_beta))
+            a = _bf16(gated_activation64(h, activation, situ_beta, situ_linear_beta))
             o = _bf16(a @ w2.T)
         else:
             h = _bf16((xd[rows] @ w13.T) / xq[rows])
-            a8, q2 = fp8_rows(_activate64(h, activation, situ_beta, situ_linear_beta).float())
+            a8, q2 = fp8_rows(gated_activation64(h, activation, situ_beta, situ_linear_beta).float())
             o = _bf16((a8 @ w2.T) / q2)
         out.index_add_(0, rows, o * rw[rows, slots].unsqueeze(1))
     return _bf16(out)

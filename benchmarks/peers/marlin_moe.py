@@ -134,10 +134,10 @@ import time
 import torch
 
 from benchmarks.peers import fetch_marlin
-from benchmarks.peers.triton_moe import (MX_BLOCK, check_capacity, check_routing_inputs, check_weights,
-                                         compact_slots, local_pairs,
-                                         dequantize_mxfp4, expert_bytes, random_routing, random_weights,
-                                         per_expert_float64, tiny_problem, touched_experts)
+from benchmarks.peers.triton_moe import (check_capacity, check_int, check_routing_inputs,
+                                         check_weights, compact_slots, expert_bytes, local_pairs,
+                                         per_expert_float64, random_weights, rank_weight_slice,
+                                         tiny_problem, touched_experts)
 
 __all__ = [
     "WHEEL", "BLOCK_SIZES", "COMBINES", "FLOAT4_E2M1F_ID", "ENV_DIR",
@@ -291,18 +291,12 @@ def versions() -> dict:
 # pure PyTorch: routing inputs, block size, weight layout
 # --------------------------------------------------------------------------------------
 
-def _int(value, name: str, lo: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-    return value
-
-
 def expert_map(first: int, count: int, n_experts_total: int, device="cpu") -> torch.Tensor:
     """``int32 [n_experts_total]``: ``e - first`` for ``e`` in ``[first, first + count)``,
     ``-1`` elsewhere (what ``moe_align_block_size`` and ``moe_sum`` are given)."""
-    _int(first, "first")
-    _int(count, "count", 1)
-    _int(n_experts_total, "n_experts_total", 1)
+    check_int(first, "first")
+    check_int(count, "count", 1)
+    check_int(n_experts_total, "n_experts_total", 1)
     if first + count > n_experts_total:
         raise ValueError(f"first + count = {first + count} > n_experts_total = {n_experts_total}")
     m = torch.full((n_experts_total,), -1, dtype=torch.int32, device=device)
@@ -320,10 +314,10 @@ def vllm_block_size_m(rows: int, top_k: int, local: int, n_experts_total: int) -
     """vLLM's default ``block_size_m`` for ``fused_marlin_moe``: with ``M = ceil(rows local
     / n_experts_total)`` (the rows a rank's experts expect), the first of 8, 16, 32, 48, 64
     with ``M top_k / local / bs < 0.9`` (else 64)."""
-    _int(rows, "rows", 1)
-    _int(top_k, "top_k", 1)
-    _int(local, "local", 1)
-    _int(n_experts_total, "n_experts_total", local)
+    check_int(rows, "rows", 1)
+    check_int(top_k, "top_k", 1)
+    check_int(local, "local", 1)
+    check_int(n_experts_total, "n_experts_total", local)
     m = -(-rows * local // n_experts_total)
     for bs in BLOCK_SIZES:
         if m * top_k / local / bs < 0.9:
@@ -475,10 +469,10 @@ class MarlinMoE:
                  n_experts_total: int | None = None, combine: str = "moe_sum", repack: str = "auto",
                  activation: str = "auto", layout: str = "owner", device="cuda"):
         e, lat, inter = check_weights(w13_codes, w13_scales, w2_codes, w2_scales)
-        _int(first, "first")
+        check_int(first, "first")
         if count is None:
             count = e - first
-        _int(count, "count", 1)
+        check_int(count, "count", 1)
         if e >= first + count:
             sl, full_set = slice(first, first + count), True
         elif e == count:
@@ -497,7 +491,7 @@ class MarlinMoE:
                 raise ValueError(f"{name} must be 'auto', 'ext' or 'torch', got {v!r}")
         if n_experts_total is None:
             n_experts_total = e if full_set else first + count
-        _int(n_experts_total, "n_experts_total", first + count)
+        check_int(n_experts_total, "n_experts_total", first + count)
         if n_experts_total >= 1024:
             raise ValueError(f"n_experts_total={n_experts_total}: moe_align_block_size takes < 1024 experts")
         check_marlin_dims(2 * inter, lat, "FC1 (N = 2I, K = L)")
@@ -705,14 +699,8 @@ def rank_moe(weights, first: int, count: int, shard: tuple[int, int] = (0, 1), *
     if not ok:
         return None, why
     c = weights.config
-    inter = c.intermediate // shard[1]
-    lo, full, sl = shard[0] * inter, c.intermediate, slice(first, first + count)
-    w13 = torch.cat([weights.w13[sl, lo:lo + inter], weights.w13[sl, full + lo:full + lo + inter]], 1)
-    s13 = torch.cat([weights.w13_scales[sl, lo:lo + inter],
-                     weights.w13_scales[sl, full + lo:full + lo + inter]], 1)
-    w2 = weights.w2[sl, :, lo // 2:(lo + inter) // 2].contiguous()
-    s2 = weights.w2_scales[sl, :, lo // MX_BLOCK:(lo + inter) // MX_BLOCK].contiguous()
-    moe = MarlinMoE(w13.contiguous(), s13.contiguous(), w2, s2, first=first, count=count,
+    w13, s13, w2, s2 = rank_weight_slice(weights, first, count, shard)
+    moe = MarlinMoE(w13, s13, w2, s2, first=first, count=count,
                     n_experts_total=n_experts_total or c.experts, device=device, **kw)
     return moe, ""
 

@@ -141,7 +141,7 @@ __all__ = [
     "pairs_hint",
     "compact_forward",
     "convert_weight",
-    "rank_moes",
+    "rank_moes", "rank_weight_slice", "gated_activation64", "check_int",
     "TritonMoE",
     "random_weights",
     "random_routing",
@@ -826,6 +826,45 @@ class TritonMoE:
         return touched_experts(ids, self.first, self.count) * self.bytes_per_expert
 
 
+def check_int(value, name: str, lo: int = 0) -> int:
+    """``value`` if it is an int (not a bool) ``>= lo``; else ValueError naming ``name``.
+    The peers' argument checks use it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
+    return value
+
+
+def rank_weight_slice(weights, first: int, count: int, shard: tuple[int, int] = (0, 1)):
+    """One rank's expert weights in our layout (the module docstring), from a
+    ``model.weights.LatentMoEWeights``: experts ``[first, first + count)``, the ``shard =
+    (rank, ranks)`` slice of their intermediate (the gate and up rows of the slice, the
+    matching ``w2`` columns): contiguous ``(w13, w13_scales, w2, w2_scales)``, uint8
+    ``[count, 2 I/ranks, L/2]``, ``[count, 2 I/ranks, L/32]``, ``[count, L, I/ranks/2]``,
+    ``[count, L, I/ranks/32]``. Every peer's ``rank_moe`` starts from it."""
+    c = weights.config
+    inter = c.intermediate // shard[1]
+    lo, full, sl = shard[0] * inter, c.intermediate, slice(first, first + count)
+    w13 = torch.cat([weights.w13[sl, lo:lo + inter],
+                     weights.w13[sl, full + lo:full + lo + inter]], 1).contiguous()
+    s13 = torch.cat([weights.w13_scales[sl, lo:lo + inter],
+                     weights.w13_scales[sl, full + lo:full + lo + inter]], 1).contiguous()
+    w2 = weights.w2[sl, :, lo // 2:(lo + inter) // 2].contiguous()
+    s2 = weights.w2_scales[sl, :, lo // MX_BLOCK:(lo + inter) // MX_BLOCK].contiguous()
+    return w13, s13, w2, s2
+
+
+def gated_activation64(h: torch.Tensor, activation: str, beta: float, linear_beta: float) -> torch.Tensor:
+    """A peer's gated activation in float64 on our ``[gate; up]`` halves of ``h`` (``[...,
+    2I]`` -> ``[..., I]``): ``"situ"``, ``beta tanh(g / beta) sigmoid(g) * linear_beta
+    tanh(u / linear_beta)``, else SwiGLU ``silu(g) u``. The float64 models of the peers'
+    checks use it."""
+    inter = h.shape[-1] // 2
+    g, u = h[..., :inter], h[..., inter:]
+    if activation == "situ":
+        return beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
+    return g * torch.sigmoid(g) * u
+
+
 def rank_moes(weights, first: int, count: int, shard: tuple[int, int] = (0, 1), *,
               warps=(4, 8), device="cuda") -> tuple[dict, str]:
     """The peer over one rank's experts of a ``model.weights.LatentMoEWeights``: experts
@@ -837,14 +876,7 @@ def rank_moes(weights, first: int, count: int, shard: tuple[int, int] = (0, 1), 
     if not ok:
         return {}, why
     c = weights.config
-    inter = c.intermediate // shard[1]
-    lo, full, sl = shard[0] * inter, c.intermediate, slice(first, first + count)
-    w13 = torch.cat([weights.w13[sl, lo:lo + inter],
-                     weights.w13[sl, full + lo:full + lo + inter]], 1).contiguous()
-    s13 = torch.cat([weights.w13_scales[sl, lo:lo + inter],
-                     weights.w13_scales[sl, full + lo:full + lo + inter]], 1).contiguous()
-    w2 = weights.w2[sl, :, lo // 2:(lo + inter) // 2].contiguous()
-    s2 = weights.w2_scales[sl, :, lo // 32:(lo + inter) // 32].contiguous()
+    w13, s13, w2, s2 = rank_weight_slice(weights, first, count, shard)
     return {nw: TritonMoE(w13, s13, w2, s2, first=0, count=count, n_experts_total=c.experts,
                           num_warps=nw, device=device) for nw in warps}, ""
 

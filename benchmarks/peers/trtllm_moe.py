@@ -131,8 +131,9 @@ import time
 
 import torch
 
-from benchmarks.peers.triton_moe import (MX_BLOCK, check_routing_inputs, check_weights, expert_bytes,
-                                         random_routing, random_weights, touched_experts)
+from benchmarks.peers.triton_moe import (MX_BLOCK, check_int, check_routing_inputs, check_weights,
+                                         expert_bytes, gated_activation64, random_routing,
+                                         random_weights, rank_weight_slice, touched_experts)
 from model.swizzle import swizzle_scales_128x4, unswizzle_scales_128x4
 
 __all__ = [
@@ -273,17 +274,11 @@ def versions() -> dict:
 # pure PyTorch: dims, row orders, weight conversion, top-k packing
 # --------------------------------------------------------------------------------------
 
-def _int(value, name: str, lo: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {value!r}")
-    return value
-
-
 def check_dims(latent: int, intermediate: int) -> None:
     """MXFP4 weights need ``latent % 128 == 0`` and ``intermediate % 128 == 0``; ValueError
     naming the one that is not."""
     for name, v in (("latent", latent), ("intermediate", intermediate)):
-        _int(v, name, 1)
+        check_int(v, name, 1)
         if v % ROW_ALIGN:
             raise ValueError(f"{name}={v}: the trtllm-gen MXFP4 MoE needs a multiple of {ROW_ALIGN}")
 
@@ -291,7 +286,7 @@ def check_dims(latent: int, intermediate: int) -> None:
 def gated_row_order(intermediate: int) -> torch.Tensor:
     """int64 ``[2I]``: kernel FC1 row ``n`` takes our row ``order[n]``: ``2j`` -> ``I + j``
     (up), ``2j + 1`` -> ``j`` (gate) (step 1 of the module docstring)."""
-    _int(intermediate, "intermediate", 1)
+    check_int(intermediate, "intermediate", 1)
     j = torch.arange(intermediate, dtype=torch.int64)
     return torch.stack((intermediate + j, j), dim=1).reshape(-1)
 
@@ -299,7 +294,7 @@ def gated_row_order(intermediate: int) -> torch.Tensor:
 def shuffle_row_order(rows: int, block: int = SHUFFLE_BLOCK) -> torch.Tensor:
     """int64 ``[rows]``: the epilogue-tile shuffle, row ``d`` of a block of 32 taking source
     row ``4 (d % 8) + d // 8`` (block 16: ``2 (d % 8) + d // 8``) of the same block."""
-    _int(rows, "rows", 1)
+    check_int(rows, "rows", 1)
     if block not in (16, 32):
         raise ValueError(f"block must be 16 or 32, got {block!r}")
     if rows % block:
@@ -459,7 +454,7 @@ class TrtllmGenMoE:
         for name, v in (("situ_beta", situ_beta), ("situ_linear_beta", situ_linear_beta)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < float("inf"):
                 raise ValueError(f"{name} must be a finite positive float, got {v!r}")
-        _int(tune_max_num_tokens, "tune_max_num_tokens", 1)
+        check_int(tune_max_num_tokens, "tune_max_num_tokens", 1)
         self.first, self.count = first, count
         self.latent, self.intermediate, self.n_experts_total = lat, inter, n_experts_total
         self.activation, self.situ_beta, self.situ_linear_beta = activation, float(situ_beta), float(situ_linear_beta)
@@ -481,9 +476,9 @@ class TrtllmGenMoE:
     @staticmethod
     def _local_slice(e: int, first, count, n_experts_total) -> tuple[slice, int, int, int]:
         """``(slice of the given tensors, first, count, n_experts_total)``."""
-        _int(first, "first")
+        check_int(first, "first")
         count = e - first if count is None else count
-        _int(count, "count", 1)
+        check_int(count, "count", 1)
         if e >= first + count:
             sl, total = slice(first, first + count), e
         elif e == count:
@@ -492,7 +487,7 @@ class TrtllmGenMoE:
             raise ValueError(f"w13_codes has E={e} experts: pass either all experts (E >= first + "
                              f"count = {first + count}) or exactly count={count} local ones")
         total = total if n_experts_total is None else n_experts_total
-        _int(total, "n_experts_total", first + count)
+        check_int(total, "n_experts_total", first + count)
         if total > MAX_EXPERT_ID + 1:
             raise ValueError(f"n_experts_total={total}: the packed ids hold at most {MAX_EXPERT_ID + 1} experts")
         return sl, first, count, total
@@ -609,16 +604,10 @@ def rank_moe(weights, first: int, count: int, shard: tuple[int, int] = (0, 1), *
     if not ok:
         return None, why
     c = weights.config
-    inter = c.intermediate // shard[1]
-    lo, full, sl = shard[0] * inter, c.intermediate, slice(first, first + count)
-    w13 = torch.cat([weights.w13[sl, lo:lo + inter], weights.w13[sl, full + lo:full + lo + inter]], 1)
-    s13 = torch.cat([weights.w13_scales[sl, lo:lo + inter],
-                     weights.w13_scales[sl, full + lo:full + lo + inter]], 1)
-    w2 = weights.w2[sl, :, lo // 2:(lo + inter) // 2].contiguous()
-    s2 = weights.w2_scales[sl, :, lo // MX_BLOCK:(lo + inter) // MX_BLOCK].contiguous()
+    w13, s13, w2, s2 = rank_weight_slice(weights, first, count, shard)
     kw.setdefault("situ_beta", c.situ_beta)
     kw.setdefault("situ_linear_beta", c.situ_linear_beta)
-    moe = TrtllmGenMoE(w13.contiguous(), s13.contiguous(), w2, s2, first=first, count=count,
+    moe = TrtllmGenMoE(w13, s13, w2, s2, first=first, count=count,
                        n_experts_total=c.experts, device=device, **kw)
     return moe, ""
 
@@ -626,15 +615,6 @@ def rank_moe(weights, first: int, count: int, shard: tuple[int, int] = (0, 1), *
 # --------------------------------------------------------------------------------------
 # the float64 model and the check
 # --------------------------------------------------------------------------------------
-
-def _activate64(h: torch.Tensor, activation: str, beta: float, linear_beta: float) -> torch.Tensor:
-    """The kernel's gated activation in float64 on our ``[gate; up]`` halves of ``h``."""
-    inter = h.shape[-1] // 2
-    g, u = h[..., :inter], h[..., inter:]
-    if activation == "situ":
-        return beta * torch.tanh(g / beta) * torch.sigmoid(g) * (linear_beta * torch.tanh(u / linear_beta))
-    return g * torch.sigmoid(g) * u
-
 
 def reference_forward(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                       w, *, first: int, activation: str = "situ", situ_beta: float = 4.0,
@@ -660,7 +640,7 @@ def reference_forward(codes: torch.Tensor, scales: torch.Tensor, ids: torch.Tens
         if not rows.numel():
             continue
         h = x[rows] @ dequantize_mxfp4(w[0][e], w[1][e]).double().T
-        a = _activate64(h, activation, situ_beta, situ_linear_beta)
+        a = gated_activation64(h, activation, situ_beta, situ_linear_beta)
         a = dequantize_mxfp8(*quantize_mxfp8(a.float(), scale_rule=rule)).double()
         o = a @ dequantize_mxfp4(w[2][e], w[3][e]).double().T
         out.index_add_(0, rows, o * rw[rows, slots].unsqueeze(1))
