@@ -402,11 +402,9 @@ def driver_stub_source(symbols: list[str]) -> str:
 # --------------------------------------------------------------------------------------
 
 def sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
+    """The SHA-256 of the file at ``path``, hex."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def dynamic_needs(path: str | Path) -> list[str] | None:

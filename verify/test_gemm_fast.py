@@ -222,6 +222,27 @@ def test_gemm_fast_default_batch_invariant(backend, gemm, contract):
                               f"T={tokens}", index_names=ROWS)
 
 
+def designed_split_operands(designed: torch.Tensor, tokens: int, splits: int, addend=None):
+    """The designed operands of a split order: ``x`` BF16 ``[tokens, K]`` whose row ``t`` is
+    1 at one k of each split (``k_s = s K/S + (37 t + 11 s) mod K/S``) and 0 elsewhere, and
+    the FP32 ``[tokens, N]`` sum ``acc = p_0; acc = acc + p_s`` of the partials ``p_s =
+    W[:, k_s(t)]`` in split order, plus ``addend`` (BF16 ``[tokens, N]`` or None) last:
+    ``(x, acc)``; ``acc`` rounded once is what a GEMM summing its splits in order gives."""
+    k = designed.shape[1]
+    part = k // splits
+    picks = torch.stack([s * part + (37 * torch.arange(tokens) + 11 * s) % part
+                         for s in range(splits)], 1)  # [T, S]
+    x = torch.zeros(tokens, k, dtype=torch.bfloat16)
+    x.scatter_(1, picks, 1.0)
+    weight = designed.float().cpu()
+    acc = weight[:, picks[:, 0]].t()
+    for s in range(1, splits):
+        acc = acc + weight[:, picks[:, s]].t()  # [T, N]: W[n, k_s(t)]
+    if addend is not None:
+        acc = acc + addend.float().cpu()
+    return x, acc
+
+
 @pytest.mark.parametrize("gemm", GEMMS)
 def test_gemm_fast_split_order_designed(backend, gemm, contract):
     """The order of the split-K sum, exposed by designed operands, for every candidate
@@ -243,17 +264,7 @@ def test_gemm_fast_split_order_designed(backend, gemm, contract):
     eng = DenseGemm(designed, tactics=tactics)
     tokens = x.shape[0]
     for tactic in tactics:
-        splits, part = tactic.splits, k // tactic.splits
-        picks = torch.stack([s * part + (37 * torch.arange(tokens) + 11 * s) % part
-                             for s in range(splits)], 1)  # [T, S]
-        xd = torch.zeros(tokens, k, dtype=torch.bfloat16)
-        xd.scatter_(1, picks, 1.0)
-        acc = None
-        for s in range(splits):
-            p = designed.float().cpu()[:, picks[:, s]].t()  # [T, N]: W[n, k_s(t)]
-            acc = p if acc is None else acc + p
-        if addend is not None:
-            acc = acc + addend.float().cpu()
+        xd, acc = designed_split_operands(designed, tokens, tactic.splits, addend)
         want = acc.to(out_dtype)
         for t in (tokens, 9):
             if not tactic.serves(t):
@@ -508,18 +519,8 @@ def _check_wide_split_order(contract, gemm: str) -> None:
     designed = cases.order_exposing_values(
         (n, k), seed_of(f"verify/test_gemm_fast.py::wide-designed::{gemm}"), DEVICE)
     other = DenseGemm(designed, max_tokens=tokens, splits=splits)
-    part = k // splits
-    picks = torch.stack([s * part + (37 * torch.arange(tokens) + 11 * s) % part
-                         for s in range(splits)], 1)  # [T, S]
-    xd = torch.zeros(tokens, k, dtype=torch.bfloat16)
-    xd.scatter_(1, picks, 1.0)
-    acc = None
-    for s in range(splits):
-        p = designed.float().cpu()[:, picks[:, s]].t()  # [T, N]: W[n, k_s(t)]
-        acc = p if acc is None else acc + p
     adds = None if addend is None else addend[:tokens].contiguous()
-    if adds is not None:
-        acc = acc + adds.float().cpu()
+    xd, acc = designed_split_operands(designed, tokens, splits, adds)
     got = other(xd.to(DEVICE), out_dtype=out_dtype, addend=adds)
     contract.bitwise(_bits(got).cpu(), _bits(acc.to(out_dtype)),
                      what=f"wide {gemm} ({other.launch(tokens).tactic.label()}, 5 chunks): "

@@ -60,11 +60,9 @@ def default_dest() -> str:
 
 
 def sha256(path: str) -> str:
-    h = hashlib.sha256()
+    """The SHA-256 of the file at ``path``, hex."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def part_names(path: str, count: int) -> list[str]:

@@ -251,11 +251,9 @@ def find_library(folder: str | None = None, variant: str | None = None) -> dict:
 
 
 def _sha256(path: str) -> str:
-    h = hashlib.sha256()
+    """The SHA-256 of the file at ``path``, hex."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def check_library(entry: dict) -> dict:
