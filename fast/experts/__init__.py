@@ -31,7 +31,8 @@ the GEMMs in ``fast.experts.kernels``):
 Steps 3 and 4 run as one persistent grid by default on a DEP owner
 (``kernels.FusedExpertsKernel``); tactic ``specialized`` runs them as one warp-specialized
 grid instead (``fast.experts.specialized``: producer warps stream a deep shared-memory ring
-for the computing warps; compiled and checked on the CPU, not yet run on a GPU).
+for the computing warps; its contracts pass on an H100, where it ran 1.5-2.1x slower than
+the default).
 
 Hopper has no block-scaled MMA, so E2M1 codes are placed into BF16 bit patterns and
 multiplied by their power-of-two scale (exact in the range ``layout`` states), and the

@@ -38,8 +38,10 @@ order, the same epilogues), so the tactic changes no bit; the contracts run it b
 others. Waits: every barrier wait polls ``mbarrier.try_wait`` at most
 ``PIPELINE_SPIN_LIMIT`` times; a wait that runs out records ``ERROR_PIPELINE_TIMEOUT``
 (the barrier's kind and the stage or item count) and marks the CTA aborted, after which
-its waits return at once, so a broken pipeline ends with an error that
-``ExpertsEngine.check`` raises instead of a hang.
+its waits return at once and its producers issue no more bulk copies; before the CTA
+exits they wait ``ABORT_DRAIN_NS`` for the copies issued before the abort to land, so a
+broken pipeline ends with an error that ``ExpertsEngine.check`` raises instead of a hang
+or a fault.
 
 Constraints: ``wgmma`` tiles (``warps % 4 == 0``, one accumulator chain), no walk, at most
 four windows (the producer warp's lanes write one token each of the token table), both
@@ -59,6 +61,7 @@ from fast.experts.layout import WGMMA_WORD_STRIDE, WINDOW, b_offset_wgmma
 from fast.experts.lists import ERROR_GATE_TIMEOUT, ERROR_PIPELINE_TIMEOUT
 
 __all__ = ["SpecializedExpertsKernel", "weight_block", "scale_block", "PIPELINE_SPIN_LIMIT",
+           "ABORT_DRAIN_NS",
            "PRODUCER_BARRIER",
            "WAIT_FULL", "WAIT_EMPTY", "WAIT_ITEM_FULL", "WAIT_ITEM_EMPTY", "WAIT_KINDS"]
 
@@ -66,6 +69,11 @@ __all__ = ["SpecializedExpertsKernel", "weight_block", "scale_block", "PIPELINE_
 #: ``ERROR_PIPELINE_TIMEOUT`` (each poll may suspend the thread for a while: far more than
 #: any stage takes, seconds at most).
 PIPELINE_SPIN_LIMIT = 1 << 20
+#: How long (``%globaltimer`` ns) an aborted CTA's producers wait before the CTA exits, so
+#: the bulk copies they issued before the abort land in shared memory that still exists: a
+#: full ring of every multiprocessor (132 x 8 x 25 KB, 26 MB) takes about 9 us at the
+#: H200's HBM rate; 1 ms is a hundred times that.
+ABORT_DRAIN_NS = 1_000_000
 #: The named barrier of the producer warps (with ``producers = 2``).
 PRODUCER_BARRIER = 2
 #: Which wait timed out (the error's second word): a stage's ``full`` or ``empty``
@@ -316,6 +324,13 @@ class SpecializedExpertsKernel:
                     g = g + self.fc2.stages
                 i = i + 1
         p.cp_async_wait_all()  # nothing of this thread's still lands after it exits
+        if p.lds_i32(flag) != 0:
+            # aborted: bulk copies issued before the abort may still be landing, and the
+            # CTA's shared memory (their destination and barriers) must outlive them
+            start = cute.arch.globaltimer()
+            waited = Int64(0)
+            while waited < ABORT_DRAIN_NS:
+                waited = cute.arch.globaltimer() - start
 
     @cute.jit
     def _producer_sync(self):
@@ -417,19 +432,23 @@ class SpecializedExpertsKernel:
         full = self._full(bars, slot)
         if g >= RING:
             self._wait(self._empty(bars, slot), (g // RING - 1) % 2, flag, work, WAIT_EMPTY, g)
+        # an aborted CTA issues no more bulk copies; lane 0's read of the flag decides for
+        # the whole warp, so a stage's expected bytes and its copies go together
         if pwarp == 0:
-            if lane == 0:
-                p.mbarrier_arrive_expect_tx(full, self.tx_bytes)
-            cute.arch.sync_warp()
-            base = ring + slot * self.slot_bytes
-            for r in cutlass.range_constexpr((2 * B + 31) // 32):
-                block = lane + 32 * r
-                if block < B:
-                    to, at, size = weight_block(gemm, block, stage)
-                    p.cp_async_bulk(base + to, wbase + Int64(at), size, full)
-                elif block < 2 * B:
-                    to, at, size = scale_block(gemm, block - B, stage)
-                    p.cp_async_bulk(base + to, sbase + Int64(at), size, full)
+            aborted = cute.arch.shuffle_sync(p.lds_i32(flag), 0)
+            if aborted == 0:
+                if lane == 0:
+                    p.mbarrier_arrive_expect_tx(full, self.tx_bytes)
+                cute.arch.sync_warp()
+                base = ring + slot * self.slot_bytes
+                for r in cutlass.range_constexpr((2 * B + 31) // 32):
+                    block = lane + 32 * r
+                    if block < B:
+                        to, at, size = weight_block(gemm, block, stage)
+                        p.cp_async_bulk(base + to, wbase + Int64(at), size, full)
+                    elif block < 2 * B:
+                        to, at, size = scale_block(gemm, block - B, stage)
+                        p.cp_async_bulk(base + to, sbase + Int64(at), size, full)
 
     @cute.jit
     def _stage_b(self, gemm: cutlass.Constexpr, src, dst, ok, ring, bars, stage, g):
