@@ -27,7 +27,8 @@ ranks' partial rows (the reads a one-shot all-reduce makes); PyTorch RMSNorm; cu
 every row count (``fast.schedules.wide_gemms``), so every token's outputs are bitwise
 independent of its batch; run it beside a run without the flag on the same GPU for the
 mode's cost per row count (the render says which mode a run used, and each case records
-what each GEMM launched).
+what each GEMM launched). ``--invariant-mma wgmma`` runs those GEMMs on the warpgroup MMA
+(``WideLayer(invariant_mma="wgmma")``, sm_90a).
 
 The byte limit: rank 0's dense weight slices (router rows and latent-down rows, shared
 gate/up and down slices, up-projection rows) plus the TP slices of the touched experts, at
@@ -195,10 +196,11 @@ def rank_arguments(ap, *, out: str, tokens: str, reps: int) -> None:
                          "(ExpertsEngine tactic; default the engine's)")
 
 
-def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant: bool = False):
+def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant: bool = False,
+                   invariant_mma: str = "mma.sync"):
     """(layer, weights, run header, flush) of a GPU-node run: the real layer's weights
     (``verify.cases.device_weights``), its virtual TP ranks at the widest batch (with
-    ``batch_invariant``: ``WideLayer(batch_invariant=True)``), the run's
+    ``batch_invariant``: ``WideLayer(batch_invariant=True, invariant_mma=...)``), the run's
     device/torch/python, the mode and the read bandwidth measured now, and the L2 flush."""
     from fast.schedules.wide import WideLayer
     from verify import cases
@@ -208,10 +210,12 @@ def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "ranks": ranks, "cases": [],
               "batch_invariant": bool(batch_invariant), "read_gbs": read_bandwidth_gbs()}
+    if batch_invariant:
+        result["invariant_mma"] = invariant_mma
     weights = cases.device_weights("kimi_k3")
     layer = WideLayer(weights, ranks=ranks, max_rows=max(tokens_list),
                       experts_tactic=parse_tactic(experts_tactic),
-                      batch_invariant=bool(batch_invariant))
+                      batch_invariant=bool(batch_invariant), invariant_mma=invariant_mma)
     return layer, weights, result, flush
 
 
@@ -284,9 +288,9 @@ def render(result: dict) -> str:
     experts and at the tail (runs before those placements existed show "-"), the best
     stock composition and the speed-up of the front step and of the beside step (the
     layer's default placement, ``fast.schedules.wide.DEFAULT_SHARED_PLACEMENT``)."""
-    mode = ("batch invariant (--batch-invariant: the four GEMMs on fast.gemm, one K split "
-            "per GEMM at every row count)" if result.get("batch_invariant")
-            else "GEMMs on cuBLAS (the default)")
+    mode = (f"batch invariant (--batch-invariant: the four GEMMs on fast.gemm, one K split "
+            f"per GEMM at every row count, on {result.get('invariant_mma', 'mma.sync')})"
+            if result.get("batch_invariant") else "GEMMs on cuBLAS (the default)")
     lines = [f"Device {result['device']}, torch {result['torch']}; {result['ranks']} virtual "
              f"TP ranks, rank 0 timed; read bandwidth {result['read_gbs']:.0f} GB/s (this "
              f"run); fraction = byte limit / time; {mode}.", "",
@@ -315,13 +319,16 @@ def main(argv=None):
     ap.add_argument("--batch-invariant", action="store_true",
                     help="WideLayer(batch_invariant=True): the four GEMMs on fast.gemm, one K "
                          "split per GEMM at every row count")
+    ap.add_argument("--invariant-mma", default="mma.sync", choices=("mma.sync", "wgmma"),
+                    help="with --batch-invariant: the GEMMs' MMA (wgmma: sm_90a's warpgroup "
+                         "MMA)")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
 
     tokens_list = [int(t) for t in args.tokens.split(",")]
     layer, w, result, flush = measured_layer(args.ranks, tokens_list, args.experts_tactic,
-                                             args.batch_invariant)
+                                             args.batch_invariant, args.invariant_mma)
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     c = w.config
     result["experts_tactic"] = args.experts_tactic or "default"

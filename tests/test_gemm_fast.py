@@ -492,6 +492,12 @@ def _chunked_shapes():
             mine = sorted((p for p in params if (p["warps"], p["mtiles"]) == tile),
                           key=lambda p: p["windows"])
             cases += [(arch, p) for p in (mine[0], mine[-1]) if (arch, p) not in cases]
+    # invariant_mma="wgmma" (sm_90a only): the real layer's kernels at TP 1..16
+    for n in (1, 2, 4, 8, 16):
+        cases += [("sm_90a", p) for p in kernel_params(real, n, range(real.front_max + 1,
+                                                                      real.wide_rows + 1),
+                                                       mma="wgmma")
+                  if ("sm_90a", p) not in cases]
     return cases
 
 
@@ -501,8 +507,29 @@ def test_chunked_shapes_cover_the_wide_layer():
     chunked variant only."""
     params = [p for arch, p in _chunked_shapes() if arch == "sm_90a"]
     assert all(p.get("chunked") for p in params)
-    assert {p["windows"] for p in params} == {5, 6, 7, 8}
-    assert {16 * p["warps"] * p["mtiles"] for p in params} == {64, 128}
+    for wgmma in (False, True):
+        mine = [p for p in params if bool(p.get("wgmma")) == wgmma]
+        assert {p["windows"] for p in mine} == {5, 6, 7, 8}
+        assert {16 * p["warps"] * p["mtiles"] for p in mine} == {64, 128}
+    assert all(p["warps"] == 4 for p in params if p.get("wgmma"))
+    assert not any(p.get("wgmma") for arch, p in _chunked_shapes() if arch != "sm_90a")
+
+
+def test_wide_gemms_one_mma_kind_and_split_at_every_row_count():
+    """``invariant_mma``: every launch of a wide GEMM at 65..1024 rows has the GEMM's one K
+    split and the chosen MMA kind (the two fields that fix a token's bits), and a kind
+    that is not one of ``INVARIANT_MMAS`` is refused by name."""
+    from fast.schedules.wide_gemms import INVARIANT_MMAS, gemm_launches, gemm_splits
+    from model.config import LatentMoEConfig
+
+    cfg = LatentMoEConfig.kimi_k3()
+    splits = gemm_splits(cfg, 8)
+    for mma in INVARIANT_MMAS:
+        for name, per_t in gemm_launches(cfg, 8, range(65, cfg.wide_rows + 1), mma=mma).items():
+            assert {(l.tactic.splits, l.tactic.wgmma) for l in per_t.values()} == \
+                {(splits[name], mma == "wgmma")}, (name, mma)
+    with pytest.raises(ValueError, match="invariant_mma must be one of"):
+        gemm_launches(cfg, 8, [65], mma="hmma")
 
 
 @pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")

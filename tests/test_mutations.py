@@ -345,9 +345,9 @@ MUTATIONS = [
     # choose_tactic keeps the object's split).
     _one("fast GEMM: a GEMM's K split follows the batch bucket (doubled at T = 25..64)",
          "fast/gemm/host.py",
-         "        return choose_tactic(self.rows, self.k, tokens, self.sms, self.splits)",
+         "        return choose_tactic(self.rows, self.k, tokens, self.sms, self.splits, self.wgmma)",
          "        return choose_tactic(self.rows, self.k, tokens, self.sms,\n"
-         "                             self.splits * (2 if 24 < tokens <= 64 else 1))",
+         "                             self.splits * (2 if 24 < tokens <= 64 else 1), self.wgmma)",
          ["verify/test_gemm_fast.py::test_gemm_fast_default_batch_invariant"], needs_gpu=True),
     _one("fast GEMM: the wide layer's K split follows the token chunks (halved above 128 rows)",
          "fast/gemm/host.py",

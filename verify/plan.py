@@ -188,6 +188,13 @@ def _gemm_tactic(target: Target, ctx: _Context) -> tuple[str, str] | None:
     return _wgmma_skip(target, ctx.params.get("tactic"))
 
 
+def _wide_invariant_mma(target: Target, ctx: _Context) -> tuple[str, str] | None:
+    if ctx.params.get("mma") == "wgmma" and target.arch != "sm_90a":
+        return "hardware", (f"wgmma is an sm_90a instruction (invariant_mma='wgmma'); this "
+                            f"GPU is {target.arch}")
+    return None
+
+
 #: (file, function calling pytest.skip / importorskip) -> its evaluation for a target: a
 #: function of (target, context) returning (category, reason) or None (it runs). A helper's
 #: skip applies to the tests that call it.
@@ -195,6 +202,7 @@ RUNTIME_SKIPS = {
     ("test_experts.py", "_skip_unless_wgmma"): _helper_wgmma,
     ("test_experts.py", "test_experts_stages_real"): _real_experts_on_cpu,
     ("test_gemm_fast.py", "test_gemm_fast_tactic"): _gemm_tactic,
+    ("test_wide_fast.py", "_skip_unless_mma_runs"): _wide_invariant_mma,
     ("test_stock.py", "_model"): _stock_real_dimensions,
     ("test_distributed.py", "test_wide_real_ranks"): _small_tp_ranks,
     ("test_flashinfer_allreduce.py", "fused"): _flashinfer_comm,

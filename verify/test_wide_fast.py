@@ -418,6 +418,8 @@ def test_wide_fast_bad_input(backend, contract):
         _layer("small", 8, 96)
     with pytest.raises(ValueError, match="batch_invariant must be a bool"):
         _layer("small", 2, 96, batch_invariant=1)
+    with pytest.raises(ValueError, match="invariant_mma must be one of"):
+        _layer("small", 2, 96, batch_invariant=True, invariant_mma="hmma")
     with pytest.raises(ValueError, match=r"K must be a multiple of 64; at 8 ranks shared_down "
                                          r"K=32"):
         _layer("small_i1024", 8, 96, batch_invariant=True)
@@ -474,14 +476,28 @@ def check_wide_batch_invariant(contract, layer, x, batches) -> None:
                                  index_names=("pair", "column") if name == "rows" else ROWS)
 
 
-def _check_one_split_per_gemm(layer, low: int, high: int) -> None:
-    """Every GEMM of every rank launches one K split at every row count of the layer
-    (the mode's design; a tile or chunk change is free to follow the batch)."""
+def _check_one_split_per_gemm(layer, low: int, high: int, mma: str = "mma.sync") -> None:
+    """Every GEMM of every rank launches one K split and the layer's one MMA kind
+    (``invariant_mma``) at every row count of the layer (the mode's design; a tile or chunk
+    change is free to follow the batch)."""
     for r in layer.local_ranks:
         plans = [layer.gemm_plan(r, t) for t in range(low, high + 1)]
         assert set(plans[0]) == {"front", "shared_gate_up", "shared_down", "up"}
         for name in plans[0]:
             assert len({p[name].tactic.splits for p in plans}) == 1, (r, name)
+            assert {p[name].tactic.wgmma for p in plans} == {mma == "wgmma"}, (r, name, mma)
+
+
+#: The MMA kinds of the batch-invariant mode (``WideLayer(invariant_mma=...)``).
+MMAS = ("mma.sync", "wgmma")
+
+
+def _skip_unless_mma_runs(mma: str) -> None:
+    from fast.backend import gpu_arch
+
+    if mma == "wgmma" and gpu_arch() != "sm_90a":
+        pytest.skip(f"wgmma is an sm_90a instruction (invariant_mma='wgmma'); this GPU is "
+                    f"{gpu_arch()}")
 
 
 #: (config, ranks, largest batch) of the batch-invariance contracts at small widths: TP 2..16
@@ -489,12 +505,14 @@ BATCH_INVARIANT_GRID = [("small", 2, 256), ("small", 4, 256), ("small_s1024", 8,
                         ("small_s1024", 16, 160)]
 
 
+@pytest.mark.parametrize("mma", MMAS)
 @pytest.mark.parametrize("config_name,ranks,top", BATCH_INVARIANT_GRID)
-def test_wide_fast_stages_batch_invariant(backend, config_name, ranks, top, seed, contract):
-    """``batch_invariant=True``: every stage of every rank at the bucket's first row count
-    and the largest, the four GEMMs on fast.gemm within their bound and bitwise equal to
-    the same GEMM alone (``verify.wide_fast_checks``)."""
-    layer = _batch_invariant_layer(config_name, ranks, top)
+def test_wide_fast_stages_batch_invariant(backend, config_name, ranks, top, mma, seed, contract):
+    """``batch_invariant=True`` on each MMA kind: every stage of every rank at the bucket's
+    first row count and the largest, the four GEMMs on fast.gemm within their bound and
+    bitwise equal to the same GEMM alone (``verify.wide_fast_checks``)."""
+    _skip_unless_mma_runs(mma)
+    layer = _batch_invariant_layer(config_name, ranks, top, mma)
     assert layer.batch_invariant
     for tokens in (65, top):
         x = _inputs(layer.config, tokens, seed + tokens)
@@ -503,37 +521,41 @@ def test_wide_fast_stages_batch_invariant(backend, config_name, ranks, top, seed
 
 
 @functools.cache
-def _batch_invariant_layer(config_name: str, ranks: int, max_rows: int):
-    return _layer(config_name, ranks, max_rows, batch_invariant=True)
+def _batch_invariant_layer(config_name: str, ranks: int, max_rows: int, mma: str):
+    return _layer(config_name, ranks, max_rows, batch_invariant=True, invariant_mma=mma)
 
 
+@pytest.mark.parametrize("mma", MMAS)
 @pytest.mark.parametrize("config_name,ranks,top", BATCH_INVARIANT_GRID)
-def test_wide_fast_batch_invariant(backend, config_name, ranks, top, seed, contract):
-    """``WideLayer(batch_invariant=True)``: the first ``t`` of ``top`` random tokens decoded
-    as a batch of ``t`` at every row count on both sides of every tactic and token-chunk
-    edge of the GEMMs (and a few around the engine's windows), each token's every stage on
-    every rank bitwise its bits in the batch of ``top``; then the design itself: one K
-    split per GEMM at every row count."""
-    layer = _batch_invariant_layer(config_name, ranks, top)
+def test_wide_fast_batch_invariant(backend, config_name, ranks, top, mma, seed, contract):
+    """``WideLayer(batch_invariant=True)`` on each MMA kind: the first ``t`` of ``top``
+    random tokens decoded as a batch of ``t`` at every row count on both sides of every
+    tactic and token-chunk edge of the GEMMs (and a few around the engine's windows), each
+    token's every stage on every rank bitwise its bits in the batch of ``top``; then the
+    design itself: one K split and one MMA kind per GEMM at every row count."""
+    _skip_unless_mma_runs(mma)
+    layer = _batch_invariant_layer(config_name, ranks, top, mma)
     low = layer.config.front_max + 1
     batches = sorted(set(launch_edges(layer, low, top)) | {66, 72, 73, 100, top - 1})
     assert len(batches) >= 8, batches  # the edges were found: the check is not vacuous
     x = _inputs(layer.config, top, seed)
     check_wide_batch_invariant(contract, layer, x, batches)
-    _check_one_split_per_gemm(layer, low, top)
+    _check_one_split_per_gemm(layer, low, top, mma)
 
 
 @pytest.mark.config("kimi_k3")
-def test_wide_fast_real_tp8_batch_invariant(backend, seed, contract):
-    """The real layer over 8 virtual TP ranks with ``batch_invariant=True``: 65, 66, 128,
-    129, 257, 512, 513 and 1023 rows against 1024 (token chunks 2 to 16, both 64- and
-    128-row tiles), every stage of every rank; then one call of 65 rows passes every stage
-    contract (each GEMM on fast.gemm at the real widths, the TP8 front's 560 rows padded to
-    576)."""
-    layer = _layer("kimi_k3", 8, 1024, batch_invariant=True)
+@pytest.mark.parametrize("mma", MMAS)
+def test_wide_fast_real_tp8_batch_invariant(backend, mma, seed, contract):
+    """The real layer over 8 virtual TP ranks with ``batch_invariant=True`` on each MMA
+    kind: 65, 66, 128, 129, 257, 512, 513 and 1023 rows against 1024 (token chunks 2 to
+    16, both 64- and 128-row tiles), every stage of every rank; then one call of 65 rows
+    passes every stage contract (each GEMM on fast.gemm at the real widths, the TP8 front's
+    560 rows padded to 576)."""
+    _skip_unless_mma_runs(mma)
+    layer = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_mma=mma)
     x = _inputs(layer.config, 1024, seed)
     check_wide_batch_invariant(contract, layer, x, (65, 66, 128, 129, 257, 512, 513, 1023))
-    _check_one_split_per_gemm(layer, 65, 1024)
+    _check_one_split_per_gemm(layer, 65, 1024, mma)
     few = x[:65].contiguous()
     check_wide_fast(contract, layer, layer(few), few)
 

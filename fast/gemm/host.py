@@ -99,10 +99,10 @@ PDL_MAX_TOKENS = 16
 
 
 def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
-                  splits: int | None = None) -> Tactic:
+                  splits: int | None = None, wgmma: bool = False) -> Tactic:
     """The default tactic of an ``[N, K]`` weight (``N`` its padded rows,
     ``layout.padded_rows``) at ``tokens`` rows, with ``splits`` K splits (default
-    ``splits_of(N, K, sms)``).
+    ``splits_of(N, K, sms)``), on ``mma.sync`` or (``wgmma``) on the warpgroup MMA.
 
     Up to 64 tokens, where ``splits`` is that default: the measured table for the layer's
     shapes; otherwise 64-row tiles (128 where N allows one wave of them) with the fewest K
@@ -110,8 +110,14 @@ def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
     ``splits``, or more than 64 tokens (token chunks, ``layout.token_chunks``): 128-row
     tiles where N allows them and they still make ``sms`` CTAs (tiles x splits x chunks),
     else 64-row tiles; two m-tiles per warp, so a chunk's 8 windows fit the registers.
-    Either way its ``splits`` does not depend on ``tokens``: the default GEMM is batch
-    invariant."""
+    ``wgmma``: the same rule at every ``tokens`` (the measured table is ``mma.sync``'s), on
+    4 warps of one (64 rows) or two (128 rows) m-tiles. Either way neither ``splits`` nor
+    the MMA kind depends on ``tokens``: the default GEMM is batch invariant."""
+    if wgmma:
+        splits = splits_of(n, k, sms) if splits is None else splits
+        chunks = token_chunks(tokens)[0]
+        rows = 128 if n % 128 == 0 and n // 128 * splits * chunks >= sms else 64
+        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True)
     if tokens <= MAX_TOKENS:
         one = _one_chunk_tactic(n, k, tokens, sms)
         if splits is None or splits == one.splits:
@@ -153,16 +159,16 @@ class Launch(typing.NamedTuple):
 
 
 def launch_for(n: int, k: int, tokens: int, *, splits: int | None = None,
-               tactic: Tactic | None = None, sms: int = 132) -> Launch:
+               tactic: Tactic | None = None, sms: int = 132, wgmma: bool = False) -> Launch:
     """The launch of a call of ``tokens`` rows on an ``[N, K]`` weight (``N`` its real
     rows: the kernel runs ``padded_rows(N)``): ``tactic`` or the default
-    (``choose_tactic`` with ``splits``). Pure Python (what ``DenseGemm`` launches and the
+    (``choose_tactic`` with ``splits`` and ``wgmma``). Pure Python (what ``DenseGemm`` launches and the
     layers compile at construction; ``tests/test_gemm_fast.py`` checks it on the CPU).
 
     Raises ValueError: a tactic whose tile does not divide the padded rows, whose K split
     does not divide K into its stages, or that does not serve ``tokens`` rows."""
     rows = padded_rows(n)
-    tactic = tactic or choose_tactic(rows, k, tokens, sms, splits)
+    tactic = tactic or choose_tactic(rows, k, tokens, sms, splits, wgmma)
     if rows % tactic.tile_rows:
         raise ValueError(f"N={n} (padded to {rows} rows) is not a multiple of the tactic's "
                          f"{tactic.tile_rows}-row tile ({tactic})")
@@ -240,17 +246,20 @@ class DenseGemm:
             64) == 0``); default ``splits_of(padded N, K)`` (the measured table's for the
             DEP layer's shapes). A layer that serves other row counts picks its own
             (``splits_for_rows``), once.
+        wgmma: every default tactic on the warpgroup MMA (sm_90a only) instead of
+            ``mma.sync``: another instruction, so other bits than ``mma.sync`` at the same
+            ``splits``, but one MMA kind at every ``T``, so still batch invariant.
 
     Raises (before anything is allocated on the device): TypeError for a weight that is not
     a tensor; ValueError naming the argument for a bad dtype, shape, ``max_tokens``,
-    ``splits``, ``pdl``, a weight not contiguous or not on a CUDA device; RuntimeError where
-    the fast kernels cannot run.
+    ``splits``, ``pdl``, ``wgmma`` (a bool; True only on an sm_90a device), a weight not
+    contiguous or not on a CUDA device; RuntimeError where the fast kernels cannot run.
 
     Run: ``python -m pytest verify/test_gemm_fast.py -k fast`` (on an SM90/SM100 GPU).
     """
 
     def __init__(self, weight: torch.Tensor, *, max_tokens: int = MAX_TOKENS, tactics=None,
-                 pdl: bool | None = None, splits: int | None = None):
+                 pdl: bool | None = None, splits: int | None = None, wgmma: bool = False):
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"DenseGemm: weight must be a torch.Tensor, got {type(weight).__name__}")
         if weight.dtype != _BF16 or weight.dim() != 2:
@@ -270,6 +279,8 @@ class DenseGemm:
                              f"into multiples of 64, got {splits!r}")
         if pdl not in (None, True, False):
             raise ValueError(f"DenseGemm: pdl must be None, True or False, got {pdl!r}")
+        if not isinstance(wgmma, bool):
+            raise ValueError(f"DenseGemm: wgmma must be a bool, got {wgmma!r}")
         if weight.device.type != "cuda":
             raise ValueError(f"DenseGemm: weight must be on a CUDA device, got {weight.device}")
         if not weight.is_contiguous() or weight.data_ptr() % 16:
@@ -277,6 +288,9 @@ class DenseGemm:
         ok, why = backend.device_supported()
         if not ok:
             raise RuntimeError(f"DenseGemm: the fast kernels cannot run here: {why}")
+        if wgmma and backend.device_arch(weight.device) != "sm_90a":
+            raise ValueError(f"DenseGemm: wgmma=True needs an sm_90a device (warpgroup MMA is "
+                             f"Hopper's), this one is {backend.device_arch(weight.device)}")
         #: N, the output's columns; ``rows``, the padded rows the kernel runs over
         self.n, self.k, self.max_tokens = n, k, max_tokens
         self.rows = padded_rows(n)
@@ -290,6 +304,8 @@ class DenseGemm:
         self.pdl = pdl
         self.device = weight.device
         self.arch = backend.device_arch(self.device)
+        #: every default tactic on the warpgroup MMA (else ``mma.sync``)
+        self.wgmma = wgmma
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         #: the K splits of every default tactic: the one summation order of this GEMM
         self.splits = splits_of(self.rows, k, self.sms) if splits is None else splits
@@ -309,8 +325,9 @@ class DenseGemm:
         self._null = torch.zeros(4, dtype=_F32, device=self.device)
 
     def tactic(self, tokens: int) -> Tactic:
-        """The default tactic at ``tokens`` rows (``choose_tactic`` with :attr:`splits`)."""
-        return choose_tactic(self.rows, self.k, tokens, self.sms, self.splits)
+        """The default tactic at ``tokens`` rows (``choose_tactic`` with :attr:`splits` and
+        :attr:`wgmma`)."""
+        return choose_tactic(self.rows, self.k, tokens, self.sms, self.splits, self.wgmma)
 
     def launch(self, tokens: int, tactic: Tactic | None = None) -> Launch:
         """What a call of ``tokens`` rows launches (``launch_for``; default tactic

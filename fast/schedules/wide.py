@@ -99,7 +99,7 @@ import torch
 from fast import backend
 from fast.schedules.dense import check_hidden_rows
 from fast.schedules.steps import run_steps
-from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes
+from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes, check_mma
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
                                          SHARED_PLACEMENTS, WIDE_STEPS, WideCall, WideRank,
                                          WideRankOutputs, WideStageCalls, as_int32)
@@ -259,12 +259,14 @@ def check_rows_and_timeout(owner: str, config: LatentMoEConfig, max_rows, timeou
 
 
 def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
-                          batch_invariant) -> None:
-    """A wide layer's ``batch_invariant`` (a bool) and, when True, whether the rank's four
-    GEMMs fit ``fast.gemm`` at ``ranks`` ranks (``wide_gemms.check_fast_gemm_shapes``);
-    refused by name before any device work."""
+                          batch_invariant, invariant_mma="mma.sync") -> None:
+    """A wide layer's ``batch_invariant`` (a bool), its ``invariant_mma``
+    (``wide_gemms.INVARIANT_MMAS``) and, when True, whether the rank's four GEMMs fit
+    ``fast.gemm`` at ``ranks`` ranks (``wide_gemms.check_fast_gemm_shapes``); refused by
+    name before any device work."""
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"{owner}: batch_invariant must be a bool, got {batch_invariant!r}")
+    check_mma(owner, invariant_mma)
     if batch_invariant:
         check_fast_gemm_shapes(owner, config, ranks)
 
@@ -299,11 +301,15 @@ class WideLayer(WideStageCalls):
             count (``fast.schedules.wide_gemms``; the module docstring says why the other
             stages already are). Default False: cuBLAS, which is not. Needs each GEMM's K
             a multiple of 64 (every TP rank count of the real layer); refused otherwise.
+        invariant_mma: the MMA of those GEMMs: ``"mma.sync"`` (default) or ``"wgmma"``
+            (sm_90a's warpgroup MMA; other bits than ``mma.sync``, the same at every row
+            count). Read only with ``batch_invariant=True``.
     """
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_rows: int | None = None,
                  device: str | torch.device = "cuda", timeout_s: float = 10.0,
-                 experts_tactic: dict | None = None, batch_invariant: bool = False):
+                 experts_tactic: dict | None = None, batch_invariant: bool = False,
+                 invariant_mma: str = "mma.sync"):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
@@ -311,7 +317,7 @@ class WideLayer(WideStageCalls):
         c = weights.config
         check_ranks(c, ranks)
         max_rows = check_rows_and_timeout("WideLayer", c, max_rows, timeout_s)
-        check_batch_invariant("WideLayer", c, ranks, batch_invariant)
+        check_batch_invariant("WideLayer", c, ranks, batch_invariant, invariant_mma)
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"WideLayer: device must be a CUDA device, got {device}")
@@ -349,7 +355,7 @@ class WideLayer(WideStageCalls):
                     "WideLayer", {"front": self.front_weights[r],
                                   "shared_gate_up": self.shared_gate_up[r],
                                   "shared_down": self.shared_down[r], "up": self.up[r]},
-                    c, n, max_rows)
+                    c, n, max_rows, invariant_mma)
                 # the front GEMM's weight may be a view of its zero-padded copy: one copy
                 self.front_weights[r] = self.fast_gemms[r]["front"].weight
         self.bias = slice_to_device(weights.bias)

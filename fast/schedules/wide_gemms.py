@@ -30,19 +30,26 @@ once with zero rows at construction: the TP4/8/16 fronts' 1120/560/280 rows of t
 layer). At the real dimensions every TP 1..16 rank qualifies; the small test configs'
 shared down-projection at 8 or 16 ranks (``S/N`` = 32 or 16) does not.
 
-The mode's cost against cuBLAS is not measured yet (``benchmarks/wide_table.py
---batch-invariant``); ``docs/schedules/wide.md`` says what is known.
+**The MMA kind** (``mma``): ``"mma.sync"`` (default) or ``"wgmma"`` (sm_90a's warpgroup
+MMA, ``fast.gemm.DenseGemm(wgmma=True)``): one kind for every GEMM at every row count, so
+either is batch invariant; they give other bits than each other.
+
+The mode's cost against cuBLAS: ``benchmarks/wide_table.py --batch-invariant`` (with
+``--invariant-mma wgmma`` for the warpgroup MMA); ``docs/schedules/wide.md`` has the
+measured figures.
 """
 
 from __future__ import annotations
 
 from model.config import LatentMoEConfig
 
-__all__ = ["WIDE_GEMMS", "gemm_shapes", "check_fast_gemm_shapes", "gemm_splits",
-           "gemm_launches", "kernel_params", "build_fast_gemms"]
+__all__ = ["WIDE_GEMMS", "INVARIANT_MMAS", "gemm_shapes", "check_fast_gemm_shapes", "gemm_splits",
+           "gemm_launches", "check_mma", "kernel_params", "build_fast_gemms"]
 
 #: The wide rank's dense GEMMs, by name (the table of the module docstring).
 WIDE_GEMMS = ("front", "shared_gate_up", "shared_down", "up")
+#: The MMA kinds the batch-invariant mode runs its GEMMs on (module docstring).
+INVARIANT_MMAS = ("mma.sync", "wgmma")
 
 
 def gemm_shapes(config: LatentMoEConfig, ranks: int) -> dict[str, tuple[int, int]]:
@@ -74,22 +81,32 @@ def gemm_splits(config: LatentMoEConfig, ranks: int, sms: int = 132) -> dict[str
             for name, (n, k) in gemm_shapes(config, ranks).items()}
 
 
-def gemm_launches(config: LatentMoEConfig, ranks: int, rows, sms: int = 132) -> dict:
+def gemm_launches(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
+                  mma: str = "mma.sync") -> dict:
     """``{gemm: {T: fast.gemm.Launch}}``: what each GEMM launches at each row count ``T`` of
-    ``rows`` (an iterable of ints), at its one K split (pure Python: the CPU tests check
-    the chunk arithmetic and compile these kernels)."""
+    ``rows`` (an iterable of ints), at its one K split, on ``mma`` (``INVARIANT_MMAS``)
+    (pure Python: the CPU tests check the chunk arithmetic and compile these kernels)."""
     from fast.gemm.host import launch_for
 
+    check_mma("gemm_launches", mma)
     splits = gemm_splits(config, ranks, sms)
-    return {name: {t: launch_for(n, k, t, splits=splits[name], sms=sms) for t in rows}
+    return {name: {t: launch_for(n, k, t, splits=splits[name], sms=sms, wgmma=mma == "wgmma")
+                   for t in rows}
             for name, (n, k) in gemm_shapes(config, ranks).items()}
 
 
-def kernel_params(config: LatentMoEConfig, ranks: int, rows, sms: int = 132) -> list[dict]:
+def check_mma(owner: str, mma) -> None:
+    """Refuse, by name, an ``mma`` that is not one of ``INVARIANT_MMAS``."""
+    if mma not in INVARIANT_MMAS:
+        raise ValueError(f"{owner}: invariant_mma must be one of {INVARIANT_MMAS}, got {mma!r}")
+
+
+def kernel_params(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
+                  mma: str = "mma.sync") -> list[dict]:
     """The distinct ``fast.gemm`` kernel parameters a rank compiles for the row counts
-    ``rows`` (:func:`gemm_launches`)."""
+    ``rows`` on ``mma`` (:func:`gemm_launches`)."""
     seen = []
-    for per_t in gemm_launches(config, ranks, rows, sms).values():
+    for per_t in gemm_launches(config, ranks, rows, sms, mma).values():
         for launch in per_t.values():
             if launch.params not in seen:
                 seen.append(launch.params)
@@ -97,10 +114,10 @@ def kernel_params(config: LatentMoEConfig, ranks: int, rows, sms: int = 132) -> 
 
 
 def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: int,
-                     max_rows: int) -> dict:
+                     max_rows: int, mma: str = "mma.sync") -> dict:
     """One ``fast.gemm.DenseGemm`` per GEMM of one rank (``weights``: name -> its BF16
     weight on the device, ``WIDE_GEMMS``), each with its K split (:func:`gemm_splits` on
-    this GPU) and buffers for up to ``max_rows`` rows, and every kernel a call of
+    this GPU), on ``mma`` (``INVARIANT_MMAS``; ``"wgmma"`` needs an sm_90a device) and buffers for up to ``max_rows`` rows, and every kernel a call of
     ``front_max + 1 .. max_rows`` rows launches compiled now (none at call time, none
     inside a graph capture). The ``front`` GEMM's weight is padded to a multiple of 64
     rows where it needs it (``DenseGemm.padded_weight``)."""
@@ -109,13 +126,15 @@ def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: 
     from fast.gemm import DenseGemm
 
     check_fast_gemm_shapes(owner, config, ranks)
+    check_mma(owner, mma)
     if set(weights) != set(WIDE_GEMMS):
         raise ValueError(f"{owner}: the fast GEMMs need the weights {WIDE_GEMMS}, got "
                          f"{sorted(weights)}")
     device = next(iter(weights.values())).device
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = gemm_splits(config, ranks, sms)
-    gemms = {name: DenseGemm(weights[name], max_tokens=max_rows, splits=splits[name])
+    gemms = {name: DenseGemm(weights[name], max_tokens=max_rows, splits=splits[name],
+                             wgmma=mma == "wgmma")
              for name in WIDE_GEMMS}
     for gemm in gemms.values():
         gemm.compile_for(range(config.front_max + 1, max_rows + 1))

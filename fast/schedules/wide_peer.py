@@ -140,6 +140,8 @@ class WidePeerLayer(WideStageCalls):
             ``fast.gemm`` with one K split per GEMM at every row count, so every token's
             outputs are bitwise independent of the batch it is decoded in; the same on
             every rank.
+        invariant_mma: as ``WideLayer``'s: ``"mma.sync"`` (default) or ``"wgmma"``; the
+            same on every rank.
 
     Construction is collective over ``group`` (the symmetric buffer's rendezvous), and so
     is the first call of each ``T`` (:meth:`_prepare`).
@@ -147,7 +149,8 @@ class WidePeerLayer(WideStageCalls):
 
     def __init__(self, weights: LatentMoEWeights, *, max_rows: int | None = None, group=None,
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
-                 experts_tactic: dict | None = None, batch_invariant: bool = False):
+                 experts_tactic: dict | None = None, batch_invariant: bool = False,
+                 invariant_mma: str = "mma.sync"):
         import torch.distributed as dist
 
         from fast.experts import experts_engine_for, prepare_experts_for
@@ -161,17 +164,18 @@ class WidePeerLayer(WideStageCalls):
         max_rows = check_rows_and_timeout("WidePeerLayer", c, max_rows, timeout_s)
         group, rank, n = process_group("WidePeerLayer", group)
         check_ranks(c, n)
-        check_batch_invariant("WidePeerLayer", c, n, batch_invariant)
+        check_batch_invariant("WidePeerLayer", c, n, batch_invariant, invariant_mma)
         device = cuda_device("WidePeerLayer", device)
         ok, why = backend.device_supported()
         if not ok:
             raise RuntimeError(f"WidePeerLayer: the fast kernels cannot run here: {why}")
         seen = [None] * n
-        dist.all_gather_object(seen, (max_rows, c, batch_invariant), group=group)
+        dist.all_gather_object(seen, (max_rows, c, batch_invariant, invariant_mma), group=group)
         if any(s != seen[0] for s in seen):
             raise ValueError("WidePeerLayer: every rank must build the layer with the same "
-                             f"config, max_rows and batch_invariant; got max_rows "
-                             f"{[s[0] for s in seen]}, batch_invariant {[s[2] for s in seen]}")
+                             f"config, max_rows, batch_invariant and invariant_mma; got max_rows "
+                             f"{[s[0] for s in seen]}, batch_invariant {[s[2] for s in seen]}, "
+                             f"invariant_mma {[s[3] for s in seen]}")
         self.config, self.group, self.rank, self.ranks = c, group, rank, n
         self.max_rows, self.device, self.timeout_s = max_rows, device, float(timeout_s)
         self.arch = backend.device_arch(device)
@@ -197,7 +201,7 @@ class WidePeerLayer(WideStageCalls):
                 "WidePeerLayer", {"front": self.front_weights[r],
                                   "shared_gate_up": self.shared_gate_up[r],
                                   "shared_down": self.shared_down[r], "up": self.up[r]},
-                c, n, max_rows)
+                c, n, max_rows, invariant_mma)
             # the front GEMM's weight may be a view of its zero-padded copy: one copy
             self.front_weights[r] = self.fast_gemms["front"].weight
         self.bias = to_device(weights.bias)
