@@ -445,8 +445,8 @@ def test_wide_batch_invariant_ranks_run_one_program(stand_ins, monkeypatch):
     w, rec = weights(), stand_ins
     built = []
 
-    def build(owner, gemm_weights, config, ranks, max_rows):
-        assert set(gemm_weights) == set(WIDE_GEMMS) and ranks == RANKS
+    def build(owner, gemm_weights, config, ranks, max_rows, mma):
+        assert set(gemm_weights) == set(WIDE_GEMMS) and ranks == RANKS and mma == "mma.sync"
         shapes = {n: tuple(t.shape) for n, t in gemm_weights.items()}
         assert shapes == gemm_shapes(config, ranks)  # the table the compile set is built from
         built.append((owner, shapes))
