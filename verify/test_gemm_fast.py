@@ -413,10 +413,11 @@ WIDE_TOP = 1024
 
 
 @functools.cache
-def wide_case(gemm: str):
+def wide_case(gemm: str, mma: str = "mma.sync"):
     """(DenseGemm, x [1024, K], addend [1024, N] or None, out dtype) of one TP8 wide GEMM
-    (``fast.schedules.wide_gemms``: shapes, K split on this GPU) on random weights of its
-    shape, N(0, 1/K) BF16, one seed per GEMM."""
+    (``fast.schedules.wide_gemms``: shapes, K split on this GPU) on ``mma`` (the wide
+    mode's ``invariant_mma``) over random weights of its shape, N(0, 1/K) BF16, one seed
+    per GEMM (the same data for both MMA kinds)."""
     from fast.gemm import DenseGemm
     from fast.schedules.wide_gemms import gemm_shapes, gemm_splits
 
@@ -429,15 +430,16 @@ def wide_case(gemm: str):
     addend = (torch.randn(WIDE_TOP, n, generator=g).to(torch.bfloat16).to(DEVICE)
               if gemm == "up" else None)
     out_dtype = torch.float32 if gemm == "front" else torch.bfloat16
-    eng = DenseGemm(weight, max_tokens=WIDE_TOP, splits=gemm_splits(cfg, 8, sms)[gemm])
+    eng = DenseGemm(weight, max_tokens=WIDE_TOP, splits=gemm_splits(cfg, 8, sms)[gemm],
+                    wgmma=mma == "wgmma")
     eng.compile_for(WIDE_ROWS + (WIDE_TOP,))
     return eng, x, addend, out_dtype
 
 
-def run_wide(gemm: str, tokens: int, x=None, addend=None):
-    """The wide GEMM on the first ``tokens`` rows into a NaN-poisoned output followed by a
-    NaN guard of 256 elements; returns (out, guard)."""
-    eng, x0, a0, out_dtype = wide_case(gemm)
+def run_wide(gemm: str, tokens: int, x=None, addend=None, mma: str = "mma.sync"):
+    """The wide GEMM (on ``mma``) on the first ``tokens`` rows into a NaN-poisoned output
+    followed by a NaN guard of 256 elements; returns (out, guard)."""
+    eng, x0, a0, out_dtype = wide_case(gemm, mma)
     x = x0 if x is None else x
     addend = a0 if addend is None else addend
     buf = torch.full((tokens * eng.n + 256,), float("nan"), dtype=out_dtype, device=DEVICE)
@@ -447,13 +449,19 @@ def run_wide(gemm: str, tokens: int, x=None, addend=None):
     return out, buf[tokens * eng.n:]
 
 
+@pytest.mark.parametrize("mma", ("mma.sync", "wgmma"))
 @pytest.mark.parametrize("gemm", ("front", "shared_gate_up", "shared_down", "up"))
-def test_gemm_fast_wide_rows(backend, gemm, contract):
-    """One TP8 wide GEMM at 65..1024 rows (token chunks on the grid; the module docstring):
-    bounded, batch invariant at every row count of ``WIDE_ROWS``, nothing past its output,
-    graph replays equal to eager calls, split order on designed operands."""
-    eng, x, addend, out_dtype = wide_case(gemm)
-    full, guard = run_wide(gemm, WIDE_TOP)
+def test_gemm_fast_wide_rows(backend, gemm, mma, contract):
+    """One TP8 wide GEMM at 65..1024 rows (token chunks on the grid; the module docstring)
+    on each MMA kind of the wide mode (``invariant_mma``): bounded, batch invariant at every
+    row count of ``WIDE_ROWS`` (one K split and one MMA kind at each), nothing past its
+    output, graph replays equal to eager calls, split order on designed operands."""
+    from fast.backend import gpu_arch
+
+    if mma == "wgmma" and gpu_arch() != "sm_90a":
+        pytest.skip(f"wgmma is an sm_90a instruction; this GPU is {gpu_arch()}")
+    eng, x, addend, out_dtype = wide_case(gemm, mma)
+    full, guard = run_wide(gemm, WIDE_TOP, mma=mma)
     label = eng.launch(WIDE_TOP).tactic.label()
     contract.bitwise(_bits(guard), _bits(torch.full_like(guard, float("nan"))),
                      what=f"wide {gemm}: nothing stored past the [T, N] output, T={WIDE_TOP}")
@@ -466,7 +474,8 @@ def test_gemm_fast_wide_rows(backend, gemm, contract):
                          bound_name=BOUND_NAME, index_names=ROWS)
     for tokens in WIDE_ROWS:
         assert eng.launch(tokens).tactic.splits == eng.splits
-        out, guard = run_wide(gemm, tokens)
+        assert eng.launch(tokens).tactic.wgmma == (mma == "wgmma")
+        out, guard = run_wide(gemm, tokens, mma=mma)
         what = f"wide {gemm} ({eng.launch(tokens).tactic.label()}, {eng.launch(tokens).chunks} chunks)"
         contract.bitwise(_bits(out), _bits(full[:tokens]),
                          what=f"{what}: T={tokens} vs the first rows of T={WIDE_TOP}",
@@ -477,7 +486,7 @@ def test_gemm_fast_wide_rows(backend, gemm, contract):
     mates = x.clone()
     mates[1:] = (torch.randn(mates[1:].shape, generator=g, device=DEVICE) * 1000).to(torch.bfloat16)
     for tokens in (65, 129, WIDE_TOP):
-        out, _ = run_wide(gemm, tokens, x=mates)
+        out, _ = run_wide(gemm, tokens, x=mates, mma=mma)
         contract.bitwise(_bits(out[:1]), _bits(full[:1]),
                          what=f"wide {gemm}: token 0 among other batch-mates, T={tokens}",
                          index_names=ROWS)
@@ -498,15 +507,15 @@ def test_gemm_fast_wide_rows(backend, gemm, contract):
         src = torch.roll(x[:tokens], i + 1, dims=0).contiguous()
         xs.copy_(src)
         graph.replay()
-        want, _ = run_wide(gemm, tokens, x=src)
+        want, _ = run_wide(gemm, tokens, x=src, mma=mma)
         contract.bitwise(_bits(out), _bits(want), what=f"wide {gemm} T={tokens}: graph replay {i}",
                          index_names=ROWS)
     torch.cuda.synchronize()
     if eng.splits >= 2:
-        _check_wide_split_order(contract, gemm)
+        _check_wide_split_order(contract, gemm, mma)
 
 
-def _check_wide_split_order(contract, gemm: str) -> None:
+def _check_wide_split_order(contract, gemm: str, mma: str = "mma.sync") -> None:
     """``test_gemm_fast_split_order_designed``'s operands on a wide GEMM's shape at 257 rows
     (5 token chunks, each reducing its own splits' partials): token ``t`` picks one k per
     split, the weight holds +-2^24, 2^12, 1, 2^-12, so the FP32 sum of the partials depends
@@ -514,11 +523,11 @@ def _check_wide_split_order(contract, gemm: str) -> None:
     addend, then one rounding."""
     from fast.gemm import DenseGemm
 
-    eng, _, addend, out_dtype = wide_case(gemm)
+    eng, _, addend, out_dtype = wide_case(gemm, mma)
     n, k, splits, tokens = eng.n, eng.k, eng.splits, 257
     designed = cases.order_exposing_values(
         (n, k), seed_of(f"verify/test_gemm_fast.py::wide-designed::{gemm}"), DEVICE)
-    other = DenseGemm(designed, max_tokens=tokens, splits=splits)
+    other = DenseGemm(designed, max_tokens=tokens, splits=splits, wgmma=mma == "wgmma")
     adds = None if addend is None else addend[:tokens].contiguous()
     xd, acc = designed_split_operands(designed, tokens, splits, adds)
     got = other(xd.to(DEVICE), out_dtype=out_dtype, addend=adds)
