@@ -47,6 +47,7 @@ import torch
 
 from benchmarks.experts_table import device_time_us, l2_flush, parse_tactic, rendered
 from benchmarks.readbw import read_bandwidth_gbs
+from fast.schedules.wide_gemms import INVARIANT_MMAS
 
 STAGES = ("shared", "front", "publish", "route", "experts", "finalize", "latent", "hidden",
           "rank")
@@ -319,7 +320,7 @@ def main(argv=None):
     ap.add_argument("--batch-invariant", action="store_true",
                     help="WideLayer(batch_invariant=True): the four GEMMs on fast.gemm, one K "
                          "split per GEMM at every row count")
-    ap.add_argument("--invariant-mma", default="mma.sync", choices=("mma.sync", "wgmma"),
+    ap.add_argument("--invariant-mma", default="mma.sync", choices=INVARIANT_MMAS,
                     help="with --batch-invariant: the GEMMs' MMA (wgmma: sm_90a's warpgroup "
                          "MMA)")
     args = ap.parse_args(argv)

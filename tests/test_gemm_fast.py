@@ -468,36 +468,33 @@ def _shapes():
 
 def _chunked_shapes():
     """(arch, kernel parameters): every chunked kernel the wide layer's batch-invariant
-    mode compiles at TP 1..16 of the real layer and of the small test configs
-    (``fast.schedules.wide_gemms.kernel_params`` over 65..wide_rows rows, and 65..256 at
-    the small widths) for sm_90a; for sm_100a / sm_103a each tile's smallest and largest
-    window count (as ``_shapes``)."""
+    mode compiles at TP 1..16 of the real layer (both ``INVARIANT_MMAS``) and of the small
+    test configs (``fast.schedules.wide_gemms.kernel_params`` over 65..wide_rows rows, and
+    65..256 at the small widths) for sm_90a; for sm_100a / sm_103a each ``mma.sync`` tile's
+    smallest and largest window count (as ``_shapes``)."""
     import dataclasses
 
-    from fast.schedules.wide_gemms import check_fast_gemm_shapes, kernel_params
+    from fast.schedules.wide_gemms import INVARIANT_MMAS, check_fast_gemm_shapes, kernel_params
     from model.config import LatentMoEConfig
 
     real, small = LatentMoEConfig.kimi_k3(), LatentMoEConfig.small()
     wide16 = dataclasses.replace(small, intermediate=1024, shared_intermediate=1024)
     params = []
-    for cfg, ranks, top in ([(real, n, real.wide_rows) for n in (1, 2, 4, 8, 16)]
-                            + [(small, n, 256) for n in (1, 2, 4)]
-                            + [(wide16, n, 256) for n in (8, 16)]):
+    for cfg, ranks, top, mma in ([(real, n, real.wide_rows, m) for m in INVARIANT_MMAS
+                                  for n in (1, 2, 4, 8, 16)]
+                                 + [(small, n, 256, "mma.sync") for n in (1, 2, 4)]
+                                 + [(wide16, n, 256, "mma.sync") for n in (8, 16)]):
         check_fast_gemm_shapes("test", cfg, ranks)
-        params += [p for p in kernel_params(cfg, ranks, range(cfg.front_max + 1, top + 1))
+        params += [p for p in kernel_params(cfg, ranks, range(cfg.front_max + 1, top + 1),
+                                            mma=mma)
                    if p not in params]
     cases = [("sm_90a", p) for p in params]
+    blackwell = [p for p in params if not p.get("wgmma")]  # the warpgroup MMA is sm_90a's
     for arch in backend.TARGETS[1:]:
-        for tile in sorted({(p["warps"], p["mtiles"]) for p in params}):
-            mine = sorted((p for p in params if (p["warps"], p["mtiles"]) == tile),
+        for tile in sorted({(p["warps"], p["mtiles"]) for p in blackwell}):
+            mine = sorted((p for p in blackwell if (p["warps"], p["mtiles"]) == tile),
                           key=lambda p: p["windows"])
             cases += [(arch, p) for p in (mine[0], mine[-1]) if (arch, p) not in cases]
-    # invariant_mma="wgmma" (sm_90a only): the real layer's kernels at TP 1..16
-    for n in (1, 2, 4, 8, 16):
-        cases += [("sm_90a", p) for p in kernel_params(real, n, range(real.front_max + 1,
-                                                                      real.wide_rows + 1),
-                                                       mma="wgmma")
-                  if ("sm_90a", p) not in cases]
     return cases
 
 

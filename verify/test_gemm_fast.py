@@ -52,6 +52,7 @@ import functools
 import pytest
 import torch
 
+from fast.schedules.wide_gemms import INVARIANT_MMAS
 from verify import bounds, cases
 from verify.seeds import seed_of
 
@@ -449,7 +450,7 @@ def run_wide(gemm: str, tokens: int, x=None, addend=None, mma: str = "mma.sync")
     return out, buf[tokens * eng.n:]
 
 
-@pytest.mark.parametrize("mma", ("mma.sync", "wgmma"))
+@pytest.mark.parametrize("mma", INVARIANT_MMAS)
 @pytest.mark.parametrize("gemm", ("front", "shared_gate_up", "shared_down", "up"))
 def test_gemm_fast_wide_rows(backend, gemm, mma, contract):
     """One TP8 wide GEMM at 65..1024 rows (token chunks on the grid; the module docstring)

@@ -36,6 +36,7 @@ import time
 import pytest
 import torch
 
+from fast.schedules.wide_gemms import INVARIANT_MMAS
 from model.config import LatentMoEConfig
 from model.weights import LatentMoEWeights
 from reference.schedules.mailbox import SENTINEL_BF16, SENTINEL_F32
@@ -488,10 +489,6 @@ def _check_one_split_per_gemm(layer, low: int, high: int, mma: str = "mma.sync")
             assert {p[name].tactic.wgmma for p in plans} == {mma == "wgmma"}, (r, name, mma)
 
 
-#: The MMA kinds of the batch-invariant mode (``WideLayer(invariant_mma=...)``).
-MMAS = ("mma.sync", "wgmma")
-
-
 def _skip_unless_mma_runs(mma: str) -> None:
     from fast.backend import gpu_arch
 
@@ -505,7 +502,7 @@ BATCH_INVARIANT_GRID = [("small", 2, 256), ("small", 4, 256), ("small_s1024", 8,
                         ("small_s1024", 16, 160)]
 
 
-@pytest.mark.parametrize("mma", MMAS)
+@pytest.mark.parametrize("mma", INVARIANT_MMAS)
 @pytest.mark.parametrize("config_name,ranks,top", BATCH_INVARIANT_GRID)
 def test_wide_fast_stages_batch_invariant(backend, config_name, ranks, top, mma, seed, contract):
     """``batch_invariant=True`` on each MMA kind: every stage of every rank at the bucket's
@@ -525,7 +522,7 @@ def _batch_invariant_layer(config_name: str, ranks: int, max_rows: int, mma: str
     return _layer(config_name, ranks, max_rows, batch_invariant=True, invariant_mma=mma)
 
 
-@pytest.mark.parametrize("mma", MMAS)
+@pytest.mark.parametrize("mma", INVARIANT_MMAS)
 @pytest.mark.parametrize("config_name,ranks,top", BATCH_INVARIANT_GRID)
 def test_wide_fast_batch_invariant(backend, config_name, ranks, top, mma, seed, contract):
     """``WideLayer(batch_invariant=True)`` on each MMA kind: the first ``t`` of ``top``
@@ -544,7 +541,7 @@ def test_wide_fast_batch_invariant(backend, config_name, ranks, top, mma, seed, 
 
 
 @pytest.mark.config("kimi_k3")
-@pytest.mark.parametrize("mma", MMAS)
+@pytest.mark.parametrize("mma", INVARIANT_MMAS)
 def test_wide_fast_real_tp8_batch_invariant(backend, mma, seed, contract):
     """The real layer over 8 virtual TP ranks with ``batch_invariant=True`` on each MMA
     kind: 65, 66, 128, 129, 257, 512, 513 and 1023 rows against 1024 (token chunks 2 to

@@ -113,12 +113,7 @@ def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
     ``wgmma``: the same rule at every ``tokens`` (the measured table is ``mma.sync``'s), on
     4 warps of one (64 rows) or two (128 rows) m-tiles. Either way neither ``splits`` nor
     the MMA kind depends on ``tokens``: the default GEMM is batch invariant."""
-    if wgmma:
-        splits = splits_of(n, k, sms) if splits is None else splits
-        chunks = token_chunks(tokens)[0]
-        rows = 128 if n % 128 == 0 and n // 128 * splits * chunks >= sms else 64
-        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True)
-    if tokens <= MAX_TOKENS:
+    if tokens <= MAX_TOKENS and not wgmma:
         one = _one_chunk_tactic(n, k, tokens, sms)
         if splits is None or splits == one.splits:
             return one
@@ -126,6 +121,8 @@ def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
         splits = splits_of(n, k, sms)
     chunks = token_chunks(tokens)[0]
     rows = 128 if n % 128 == 0 and n // 128 * splits * chunks >= sms else 64
+    if wgmma:
+        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True)
     return Tactic(warps=rows // 32, mtiles=2, splits=splits)
 
 
