@@ -349,6 +349,15 @@ MUTATIONS = [
          "        return choose_tactic(self.rows, self.k, tokens, self.sms,\n"
          "                             self.splits * (2 if 24 < tokens <= 64 else 1), self.wgmma)",
          ["verify/test_gemm_fast.py::test_gemm_fast_default_batch_invariant"], needs_gpu=True),
+    # DenseGemm(wgmma=True): the MMA kind, like the K split, fixes a token's bits
+    _one("fast GEMM: the wide mode's MMA kind follows the token chunks (mma.sync up to 128 "
+         "rows, wgmma above)",
+         "fast/gemm/host.py",
+         "    if wgmma:\n        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True)",
+         "    if wgmma and chunks > 2:\n"
+         "        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True)",
+         ["verify/test_gemm_fast.py::test_gemm_fast_wide_rows[fast-front-wgmma]"],
+         needs_gpu=True),
     _one("fast GEMM: the wide layer's K split follows the token chunks (halved above 128 rows)",
          "fast/gemm/host.py",
          "    return Tactic(warps=rows // 32, mtiles=2, splits=splits)\n\n\ndef _one_chunk_tactic(",
