@@ -205,15 +205,23 @@ def run_ranks(args, run_mode, result: dict, started: float) -> None:
     """``run_mode(mode, first, count, shard, sizes)`` for one DEP16 rank (its 56 experts,
     whole, at ``args.dep_tokens`` tokens per rank) and one TP8 rank (all 896 experts, the
     first of 8 slices, at ``args.wide_rows`` rows), each where its sizes are given; then
-    ``result``, with its wall time since ``started``, written to ``args.out``."""
+    ``result``, with its wall time since ``started``, written to ``args.out``. The file is
+    also written after the first mode with ``"complete": false``, so that a run stopped by a
+    time limit keeps the mode it finished."""
+    def write(complete: bool) -> None:
+        result["wall_s"] = time.time() - started
+        result["complete"] = complete
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
     if args.dep_tokens:
         run_mode("dep16", 0, 56, (0, 1), [int(v) for v in args.dep_tokens.split(",")])
         torch.cuda.empty_cache()  # the mode's engine and peers are gone with its scope
+        if args.wide_rows:
+            write(complete=False)
     if args.wide_rows:
         run_mode("tp8", 0, 896, (0, 8), [int(v) for v in args.wide_rows.split(",")])
-    result["wall_s"] = time.time() - started
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    write(complete=True)
 
 
 def experts_arguments(ap: argparse.ArgumentParser, *, out: str, reps: int, dep_tokens: str,
