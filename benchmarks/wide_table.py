@@ -27,8 +27,9 @@ ranks' partial rows (the reads a one-shot all-reduce makes); PyTorch RMSNorm; cu
 every row count (``fast.schedules.wide_gemms``), so every token's outputs are bitwise
 independent of its batch; run it beside a run without the flag on the same GPU for the
 mode's cost per row count (the render says which mode a run used, and each case records
-what each GEMM launched). ``--invariant-mma wgmma`` runs those GEMMs on the warpgroup MMA
-(``WideLayer(invariant_mma="wgmma")``, sm_90a).
+what each GEMM launched). ``--invariant-mma`` picks those GEMMs' MMA: ``auto`` (the layer's
+default: the warpgroup MMA on sm_90a, ``mma.sync`` elsewhere), ``mma.sync`` or ``wgmma``;
+the result records the kind that ran.
 
 The byte limit: rank 0's dense weight slices (router rows and latent-down rows, shared
 gate/up and down slices, up-projection rows) plus the TP slices of the touched experts, at
@@ -47,7 +48,7 @@ import torch
 
 from benchmarks.experts_table import device_time_us, l2_flush, parse_tactic, rendered
 from benchmarks.readbw import read_bandwidth_gbs
-from fast.schedules.wide_gemms import INVARIANT_MMAS
+from fast.schedules.wide_gemms import MMA_CHOICES
 
 STAGES = ("shared", "front", "publish", "route", "experts", "finalize", "latent", "hidden",
           "rank")
@@ -198,7 +199,7 @@ def rank_arguments(ap, *, out: str, tokens: str, reps: int) -> None:
 
 
 def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant: bool = False,
-                   invariant_mma: str = "mma.sync"):
+                   invariant_mma: str = "auto"):
     """(layer, weights, run header, flush) of a GPU-node run: the real layer's weights
     (``verify.cases.device_weights``), its virtual TP ranks at the widest batch (with
     ``batch_invariant``: ``WideLayer(batch_invariant=True, invariant_mma=...)``), the run's
@@ -211,12 +212,12 @@ def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "ranks": ranks, "cases": [],
               "batch_invariant": bool(batch_invariant), "read_gbs": read_bandwidth_gbs()}
-    if batch_invariant:
-        result["invariant_mma"] = invariant_mma
     weights = cases.device_weights("kimi_k3")
     layer = WideLayer(weights, ranks=ranks, max_rows=max(tokens_list),
                       experts_tactic=parse_tactic(experts_tactic),
                       batch_invariant=bool(batch_invariant), invariant_mma=invariant_mma)
+    if batch_invariant:  # the kind the layer runs ("auto" resolved on this GPU)
+        result["invariant_mma"] = layer.invariant_mma
     return layer, weights, result, flush
 
 
@@ -320,9 +321,9 @@ def main(argv=None):
     ap.add_argument("--batch-invariant", action="store_true",
                     help="WideLayer(batch_invariant=True): the four GEMMs on fast.gemm, one K "
                          "split per GEMM at every row count")
-    ap.add_argument("--invariant-mma", default="mma.sync", choices=INVARIANT_MMAS,
-                    help="with --batch-invariant: the GEMMs' MMA (wgmma: sm_90a's warpgroup "
-                         "MMA)")
+    ap.add_argument("--invariant-mma", default="auto", choices=MMA_CHOICES,
+                    help="with --batch-invariant: the GEMMs' MMA (auto: the layer's default, "
+                         "wgmma on sm_90a, else mma.sync; wgmma: sm_90a's warpgroup MMA)")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return

@@ -529,6 +529,26 @@ def test_wide_gemms_one_mma_kind_and_split_at_every_row_count():
         gemm_launches(cfg, 8, [65], mma="hmma")
 
 
+def test_wide_gemms_auto_mma_resolves_per_architecture():
+    """A layer's default ``invariant_mma="auto"`` is the warpgroup MMA on sm_90a and
+    ``mma.sync`` on the Blackwell targets (no wgmma there); a named kind is itself,
+    ``"wgmma"`` off sm_90a and ``"auto"`` where a kernel needs a kind are refused by name."""
+    from fast.schedules.wide_gemms import gemm_launches, resolve_mma
+    from model.config import LatentMoEConfig
+
+    assert resolve_mma("L", "auto", "sm_90a") == "wgmma"
+    for arch in ("sm_100a", "sm_103a"):
+        assert resolve_mma("L", "auto", arch) == "mma.sync"
+        assert resolve_mma("L", "mma.sync", arch) == "mma.sync"
+        with pytest.raises(ValueError, match="L: invariant_mma='wgmma' needs an sm_90a GPU"):
+            resolve_mma("L", "wgmma", arch)
+    assert resolve_mma("L", "mma.sync", "sm_90a") == "mma.sync"
+    with pytest.raises(ValueError, match="L: invariant_mma must be one of"):
+        resolve_mma("L", "hmma", "sm_90a")
+    with pytest.raises(ValueError, match="invariant_mma must be one of"):
+        gemm_launches(LatentMoEConfig.kimi_k3(), 8, [65], mma="auto")
+
+
 @pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
 @pytest.mark.parametrize("arch,params", _chunked_shapes(),
                          ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()))

@@ -446,7 +446,8 @@ def test_wide_batch_invariant_ranks_run_one_program(stand_ins, monkeypatch):
     built = []
 
     def build(owner, gemm_weights, config, ranks, max_rows, mma):
-        assert set(gemm_weights) == set(WIDE_GEMMS) and ranks == RANKS and mma == "mma.sync"
+        # invariant_mma="auto" on the stand-ins' sm_90a: the warpgroup MMA, on both layers
+        assert set(gemm_weights) == set(WIDE_GEMMS) and ranks == RANKS and mma == "wgmma"
         shapes = {n: tuple(t.shape) for n, t in gemm_weights.items()}
         assert shapes == gemm_shapes(config, ranks)  # the table the compile set is built from
         built.append((owner, shapes))

@@ -188,6 +188,7 @@ def test_wide_peer_batch_invariant(backend, process_group, seed, contract):
     real = WidePeerLayer(w, max_rows=200, batch_invariant=True)
     virtual = WideLayer(w, ranks=n, max_rows=200, device="cuda", batch_invariant=True)
     assert real.batch_invariant and virtual.batch_invariant
+    assert real.invariant_mma == virtual.invariant_mma  # "auto" resolves alike on one GPU kind
     xs = cases.rank_rows(cfg, n, 200, seed, "cuda")
     top = real(xs[rank])
     want = {f.name: getattr(top, f.name).clone() for f in dataclasses.fields(top)

@@ -99,7 +99,7 @@ import torch
 from fast import backend
 from fast.schedules.dense import check_hidden_rows
 from fast.schedules.steps import run_steps
-from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes, check_mma
+from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes, check_mma, resolve_mma
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
                                          SHARED_PLACEMENTS, WIDE_STEPS, WideCall, WideRank,
                                          WideRankOutputs, WideStageCalls, as_int32)
@@ -259,14 +259,14 @@ def check_rows_and_timeout(owner: str, config: LatentMoEConfig, max_rows, timeou
 
 
 def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
-                          batch_invariant, invariant_mma="mma.sync") -> None:
+                          batch_invariant, invariant_mma="auto") -> None:
     """A wide layer's ``batch_invariant`` (a bool), its ``invariant_mma``
-    (``wide_gemms.INVARIANT_MMAS``) and, when True, whether the rank's four GEMMs fit
+    (``wide_gemms.MMA_CHOICES``) and, when True, whether the rank's four GEMMs fit
     ``fast.gemm`` at ``ranks`` ranks (``wide_gemms.check_fast_gemm_shapes``); refused by
     name before any device work."""
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"{owner}: batch_invariant must be a bool, got {batch_invariant!r}")
-    check_mma(owner, invariant_mma)
+    check_mma(owner, invariant_mma, allow_auto=True)
     if batch_invariant:
         check_fast_gemm_shapes(owner, config, ranks)
 
@@ -301,15 +301,17 @@ class WideLayer(WideStageCalls):
             count (``fast.schedules.wide_gemms``; the module docstring says why the other
             stages already are). Default False: cuBLAS, which is not. Needs each GEMM's K
             a multiple of 64 (every TP rank count of the real layer); refused otherwise.
-        invariant_mma: the MMA of those GEMMs: ``"mma.sync"`` (default) or ``"wgmma"``
-            (sm_90a's warpgroup MMA; other bits than ``mma.sync``, the same at every row
-            count). Read only with ``batch_invariant=True``.
+        invariant_mma: the MMA of those GEMMs: ``"auto"`` (default: ``"wgmma"`` on sm_90a,
+            the faster there, ``"mma.sync"`` elsewhere; ``wide_gemms.resolve_mma``),
+            ``"mma.sync"`` or ``"wgmma"`` (sm_90a's warpgroup MMA; other bits than
+            ``mma.sync``, the same at every row count). Read only with
+            ``batch_invariant=True``; the kind in use is ``self.invariant_mma``.
     """
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_rows: int | None = None,
                  device: str | torch.device = "cuda", timeout_s: float = 10.0,
                  experts_tactic: dict | None = None, batch_invariant: bool = False,
-                 invariant_mma: str = "mma.sync"):
+                 invariant_mma: str = "auto"):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
@@ -329,6 +331,8 @@ class WideLayer(WideStageCalls):
         self.config, self.ranks, self.max_rows, self.device = c, ranks, max_rows, device
         self.timeout_s = float(timeout_s)
         self.arch = backend.device_arch(device)
+        #: the MMA kind of the batch-invariant GEMMs (``invariant_mma`` resolved on this GPU)
+        self.invariant_mma = resolve_mma("WideLayer", invariant_mma, self.arch)
         n, on = ranks, dict(device=device)
         e_n, l_n, s_n, h_n = c.experts // n, c.latent // n, c.shared_intermediate // n, c.hidden // n
         s = c.shared_intermediate
@@ -355,7 +359,7 @@ class WideLayer(WideStageCalls):
                     "WideLayer", {"front": self.front_weights[r],
                                   "shared_gate_up": self.shared_gate_up[r],
                                   "shared_down": self.shared_down[r], "up": self.up[r]},
-                    c, n, max_rows, invariant_mma)
+                    c, n, max_rows, self.invariant_mma)
                 # the front GEMM's weight may be a view of its zero-padded copy: one copy
                 self.front_weights[r] = self.fast_gemms[r]["front"].weight
         self.bias = slice_to_device(weights.bias)

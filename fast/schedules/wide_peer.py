@@ -84,7 +84,7 @@ from fast.schedules.steps import run_steps
 from fast.schedules.wide import (compiled_kernel, check_batch_invariant, check_list_params,
                                  check_call_options, check_ranks, check_rows_and_timeout,
                                  kernel_params, mailbox_timeout)
-from fast.schedules.wide_gemms import build_fast_gemms
+from fast.schedules.wide_gemms import build_fast_gemms, resolve_mma
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, WIDE_STEPS,
                                          WideCall, WideRank, WideRankOutputs, WideStageCalls,
                                          as_int32, rank_gemm_bf16_into)
@@ -140,8 +140,9 @@ class WidePeerLayer(WideStageCalls):
             ``fast.gemm`` with one K split per GEMM at every row count, so every token's
             outputs are bitwise independent of the batch it is decoded in; the same on
             every rank.
-        invariant_mma: as ``WideLayer``'s: ``"mma.sync"`` (default) or ``"wgmma"``; the
-            same on every rank.
+        invariant_mma: as ``WideLayer``'s: ``"auto"`` (default), ``"mma.sync"`` or
+            ``"wgmma"``; the same on every rank, and so is the kind it resolves to
+            (``self.invariant_mma``).
 
     Construction is collective over ``group`` (the symmetric buffer's rendezvous), and so
     is the first call of each ``T`` (:meth:`_prepare`).
@@ -150,7 +151,7 @@ class WidePeerLayer(WideStageCalls):
     def __init__(self, weights: LatentMoEWeights, *, max_rows: int | None = None, group=None,
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
                  experts_tactic: dict | None = None, batch_invariant: bool = False,
-                 invariant_mma: str = "mma.sync"):
+                 invariant_mma: str = "auto"):
         import torch.distributed as dist
 
         from fast.experts import experts_engine_for, prepare_experts_for
@@ -169,8 +170,9 @@ class WidePeerLayer(WideStageCalls):
         ok, why = backend.device_supported()
         if not ok:
             raise RuntimeError(f"WidePeerLayer: the fast kernels cannot run here: {why}")
+        mma = resolve_mma("WidePeerLayer", invariant_mma, backend.device_arch(device))
         seen = [None] * n
-        dist.all_gather_object(seen, (max_rows, c, batch_invariant, invariant_mma), group=group)
+        dist.all_gather_object(seen, (max_rows, c, batch_invariant, mma), group=group)
         if any(s != seen[0] for s in seen):
             raise ValueError("WidePeerLayer: every rank must build the layer with the same "
                              f"config, max_rows, batch_invariant and invariant_mma; got max_rows "
@@ -179,6 +181,8 @@ class WidePeerLayer(WideStageCalls):
         self.config, self.group, self.rank, self.ranks = c, group, rank, n
         self.max_rows, self.device, self.timeout_s = max_rows, device, float(timeout_s)
         self.arch = backend.device_arch(device)
+        #: the MMA kind of the batch-invariant GEMMs (``invariant_mma`` resolved on this GPU)
+        self.invariant_mma = mma
         e_n, l_n, s_n, h_n = c.experts // n, c.latent // n, c.shared_intermediate // n, c.hidden // n
         s, r, on = c.shared_intermediate, rank, dict(device=device)
         self.columns = h_n
@@ -201,7 +205,7 @@ class WidePeerLayer(WideStageCalls):
                 "WidePeerLayer", {"front": self.front_weights[r],
                                   "shared_gate_up": self.shared_gate_up[r],
                                   "shared_down": self.shared_down[r], "up": self.up[r]},
-                c, n, max_rows, invariant_mma)
+                c, n, max_rows, self.invariant_mma)
             # the front GEMM's weight may be a view of its zero-padded copy: one copy
             self.front_weights[r] = self.fast_gemms["front"].weight
         self.bias = to_device(weights.bias)
