@@ -199,7 +199,7 @@ def rank_arguments(ap, *, out: str, tokens: str, reps: int) -> None:
 
 
 def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant: bool = False,
-                   invariant_mma: str = "auto"):
+                   invariant_mma: str = "auto", serial_from: int | None = None):
     """(layer, weights, run header, flush) of a GPU-node run: the real layer's weights
     (``verify.cases.device_weights``), its virtual TP ranks at the widest batch (with
     ``batch_invariant``: ``WideLayer(batch_invariant=True, invariant_mma=...)``), the run's
@@ -215,9 +215,11 @@ def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant
     weights = cases.device_weights("kimi_k3")
     layer = WideLayer(weights, ranks=ranks, max_rows=max(tokens_list),
                       experts_tactic=parse_tactic(experts_tactic),
-                      batch_invariant=bool(batch_invariant), invariant_mma=invariant_mma)
+                      batch_invariant=bool(batch_invariant), invariant_mma=invariant_mma,
+                      invariant_serial_from=serial_from)
     if batch_invariant:  # the kind the layer runs ("auto" resolved on this GPU)
         result["invariant_mma"] = layer.invariant_mma
+        result["serial_from"] = serial_from
     return layer, weights, result, flush
 
 
@@ -291,7 +293,9 @@ def render(result: dict) -> str:
     stock composition and the speed-up of the front step and of the beside step (the
     layer's default placement, ``fast.schedules.wide.DEFAULT_SHARED_PLACEMENT``)."""
     mode = (f"batch invariant (--batch-invariant: the four GEMMs on fast.gemm, one K split "
-            f"per GEMM at every row count, on {result.get('invariant_mma', 'mma.sync')})"
+            f"per GEMM at every row count, on {result.get('invariant_mma', 'mma.sync')}"
+            + (f", serial splits from {result['serial_from']} rows"
+               if result.get("serial_from") else "") + ")"
             if result.get("batch_invariant") else "GEMMs on cuBLAS (the default)")
     lines = [f"Device {result['device']}, torch {result['torch']}; {result['ranks']} virtual "
              f"TP ranks, rank 0 timed; read bandwidth {result['read_gbs']:.0f} GB/s (this "
@@ -321,6 +325,9 @@ def main(argv=None):
     ap.add_argument("--batch-invariant", action="store_true",
                     help="WideLayer(batch_invariant=True): the four GEMMs on fast.gemm, one K "
                          "split per GEMM at every row count")
+    ap.add_argument("--serial-from", type=int, default=None,
+                    help="with --batch-invariant: calls of at least this many rows run each "
+                         "GEMM's K splits serially in each CTA (the same bits; default never)")
     ap.add_argument("--invariant-mma", default="auto", choices=MMA_CHOICES,
                     help="with --batch-invariant: the GEMMs' MMA (auto: the layer's default, "
                          "wgmma on sm_90a, else mma.sync; wgmma: sm_90a's warpgroup MMA)")
@@ -330,7 +337,8 @@ def main(argv=None):
 
     tokens_list = [int(t) for t in args.tokens.split(",")]
     layer, w, result, flush = measured_layer(args.ranks, tokens_list, args.experts_tactic,
-                                             args.batch_invariant, args.invariant_mma)
+                                             args.batch_invariant, args.invariant_mma,
+                                             args.serial_from)
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     c = w.config
     result["experts_tactic"] = args.experts_tactic or "default"

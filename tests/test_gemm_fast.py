@@ -466,6 +466,10 @@ def _shapes():
     return cases
 
 
+#: The row count from which the compile set's serial-splits kernels are launched.
+SERIAL_FROM = 129
+
+
 def _chunked_shapes():
     """(arch, kernel parameters): every chunked kernel the wide layer's batch-invariant
     mode compiles at TP 1..16 of the real layer (both ``INVARIANT_MMAS``) and of the small
@@ -487,6 +491,10 @@ def _chunked_shapes():
         check_fast_gemm_shapes("test", cfg, ranks)
         params += [p for p in kernel_params(cfg, ranks, range(cfg.front_max + 1, top + 1),
                                             mma=mma)
+                   if p not in params]
+    for mma in INVARIANT_MMAS:  # serial splits (invariant_serial_from), TP8 of the real layer
+        params += [p for p in kernel_params(real, 8, range(real.front_max + 1, real.wide_rows + 1),
+                                            mma=mma, serial_from=SERIAL_FROM)
                    if p not in params]
     cases = [("sm_90a", p) for p in params]
     blackwell = [p for p in params if not p.get("wgmma")]  # the warpgroup MMA is sm_90a's
@@ -510,6 +518,9 @@ def test_chunked_shapes_cover_the_wide_layer():
         assert {16 * p["warps"] * p["mtiles"] for p in mine} == {64, 128}
     assert all(p["warps"] == 4 for p in params if p.get("wgmma"))
     assert not any(p.get("wgmma") for arch, p in _chunked_shapes() if arch != "sm_90a")
+    for wgmma in (False, True):  # the serial-splits kernels of both kinds
+        assert any(p.get("serial") and bool(p.get("wgmma")) == wgmma for p in params)
+    assert any(p.get("serial") for arch, p in _chunked_shapes() if arch != "sm_90a")
 
 
 def test_wide_gemms_one_mma_kind_and_split_at_every_row_count():
@@ -527,6 +538,86 @@ def test_wide_gemms_one_mma_kind_and_split_at_every_row_count():
                 {(splits[name], mma == "wgmma")}, (name, mma)
     with pytest.raises(ValueError, match="invariant_mma must be one of"):
         gemm_launches(cfg, 8, [65], mma="hmma")
+
+
+def test_serial_splits_launch_one_cta_per_tile_with_the_same_split():
+    """``Tactic(serial=True)``: the same ``splits`` (the summation order) with one CTA per
+    tile and chunk instead of per (tile, split), no workspace; its label and kernel
+    parameters say so (the other kernels' parameters unchanged); twice the accumulator
+    tiles per warp, bounded by ``MAX_ACCUMULATORS_SERIAL``; the wide layer's launches from
+    ``serial_from`` rows are serial, below it as before, one K split and one MMA kind at
+    every row count either way."""
+    import dataclasses
+
+    from fast.gemm.host import choose_tactic, launch_for
+    from fast.gemm.layout import MAX_ACCUMULATORS_SERIAL, Tactic, token_chunks
+    from fast.schedules.wide_gemms import INVARIANT_MMAS, gemm_launches, gemm_splits
+    from model.config import LatentMoEConfig
+
+    t = Tactic(warps=4, mtiles=2, splits=8, wgmma=True, serial=True)
+    assert t.label() == "r128w4s8,wgmma,serial"
+    assert t.kernel_params(8, chunked=True)["serial"] is True
+    assert "serial" not in dataclasses.replace(t, serial=False).kernel_params(8, chunked=True)
+    assert t.tiles_per_warp(8) == 32 == MAX_ACCUMULATORS_SERIAL and t.serves(1024)
+    assert not Tactic(mtiles=4, serial=True).serves(1024)  # 2 x 4 x 8 tiles
+    with pytest.raises(ValueError, match="Tactic.serial must be a bool"):
+        Tactic(serial=1)
+    cross = launch_for(576, 7168, 1024, splits=8, wgmma=True)
+    serial = launch_for(576, 7168, 1024, splits=8, wgmma=True, serial=True)
+    assert serial.tactic.splits == cross.tactic.splits == 8 and serial.tactic.serial
+    assert serial.grid == 576 // serial.tactic.tile_rows  # tiles only
+    assert cross.grid == 576 // cross.tactic.tile_rows * 8
+    assert serial.chunks == cross.chunks == token_chunks(1024)[0]
+    # serial CTAs are tiles x chunks: the 128-row tile only where those still fill the GPU
+    assert choose_tactic(576, 7168, 1024, splits=8, serial=True).tile_rows == 64
+    assert choose_tactic(1536, 7168, 1024, splits=8, serial=True).tile_rows == 128
+    cfg = LatentMoEConfig.kimi_k3()
+    splits = gemm_splits(cfg, 8)
+    for mma in INVARIANT_MMAS:
+        launches = gemm_launches(cfg, 8, range(65, cfg.wide_rows + 1), mma=mma, serial_from=257)
+        for name, per_t in launches.items():
+            assert {(l.tactic.splits, l.tactic.wgmma) for l in per_t.values()} == \
+                {(splits[name], mma == "wgmma")}, (name, mma)
+            assert all(l.tactic.serial == (t >= 257) for t, l in per_t.items()), (name, mma)
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+def test_serial_kernels_fit_their_registers(tmp_path):
+    """The serial-splits kernels that hold the most accumulators (the wide layer's 8-window
+    chunks, both MMA kinds, 64- and 128-row tiles, sm_90a) fit their registers at two CTAs
+    per multiprocessor without a stack frame (spilled accumulators would stream through
+    local memory every MMA step)."""
+    from tools.ptx_dump import run_compile
+    from tools.sass_budget import kernel_attributes
+
+    script = ("import sys, ast\nfrom fast.gemm.host import compile_kernel\n"
+              "compile_kernel(sys.argv[1], **ast.literal_eval(sys.argv[2]))\n")
+    params = [p for arch, p in _chunked_shapes()
+              if arch == "sm_90a" and p.get("serial") and p["windows"] == 8]
+    assert {(bool(p.get("wgmma")), 16 * p["warps"] * p["mtiles"]) for p in params} >= \
+        {(False, 128), (True, 128)}
+    for i, p in enumerate(params):
+        out = tmp_path / str(i)
+        out.mkdir()
+        run_compile(script, ["sm_90a", repr(p)], keep="cubin", dump_dir=out)
+        (cubin,) = sorted(out.rglob("*.cubin"))
+        attrs = kernel_attributes(cubin.read_bytes())
+        assert attrs["frame"] == 0 and attrs["registers"] <= 65536 // (2 * 32 * p["warps"]), (p, attrs)
+
+
+def test_wide_layer_refuses_a_bad_serial_from_by_name():
+    """``invariant_serial_from``: None or a positive row count, refused by name before any
+    device work (``fast.schedules.wide.check_batch_invariant``, both wide layers)."""
+    from fast.schedules.wide import check_batch_invariant
+    from model.config import LatentMoEConfig
+
+    cfg = LatentMoEConfig.kimi_k3()
+    for bad in (0, -1, True, 1.5, "129"):
+        with pytest.raises(ValueError, match="WideLayer: invariant_serial_from must be None or "
+                                             "a positive int"):
+            check_batch_invariant("WideLayer", cfg, 8, True, "auto", bad)
+    for good in (None, 1, 257):
+        check_batch_invariant("WideLayer", cfg, 8, True, "auto", good)
 
 
 def test_wide_gemms_auto_mma_resolves_per_architecture():

@@ -345,27 +345,39 @@ MUTATIONS = [
     # choose_tactic keeps the object's split).
     _one("fast GEMM: a GEMM's K split follows the batch bucket (doubled at T = 25..64)",
          "fast/gemm/host.py",
-         "        return choose_tactic(self.rows, self.k, tokens, self.sms, self.splits, self.wgmma)",
+         "        return choose_tactic(self.rows, self.k, tokens, self.sms, self.splits, self.wgmma,\n"
+         "                             serial)",
          "        return choose_tactic(self.rows, self.k, tokens, self.sms,\n"
-         "                             self.splits * (2 if 24 < tokens <= 64 else 1), self.wgmma)",
+         "                             self.splits * (2 if 24 < tokens <= 64 else 1), self.wgmma,\n"
+         "                             serial)",
          ["verify/test_gemm_fast.py::test_gemm_fast_default_batch_invariant"], needs_gpu=True),
     # DenseGemm(wgmma=True): the MMA kind, like the K split, fixes a token's bits
     _one("fast GEMM: the wide mode's MMA kind follows the token chunks (mma.sync up to 128 "
          "rows, wgmma above)",
          "fast/gemm/host.py",
-         "    if wgmma:\n        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True)",
+         "    if wgmma:\n        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial)",
          "    if wgmma and chunks > 2:\n"
-         "        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True)",
+         "        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial)",
          ["verify/test_gemm_fast.py::test_gemm_fast_wide_rows[fast-front-wgmma]"],
          needs_gpu=True),
     _one("fast GEMM: the wide layer's K split follows the token chunks (halved above 128 rows)",
          "fast/gemm/host.py",
-         "    return Tactic(warps=rows // 32, mtiles=2, splits=splits)\n\n\ndef _one_chunk_tactic(",
+         "    return Tactic(warps=rows // 32, mtiles=2, splits=splits, serial=serial)\n\n\n"
+         "def _one_chunk_tactic(",
          "    return Tactic(warps=rows // 32, mtiles=2,\n"
-         "                  splits=splits // 2 if chunks > 2 and splits > 1 else splits)\n\n\n"
+         "                  splits=splits // 2 if chunks > 2 and splits > 1 else splits,\n"
+         "                  serial=serial)\n\n\n"
          "def _one_chunk_tactic(",
          ["verify/test_wide_fast.py::test_wide_fast_batch_invariant"], needs_gpu=True,
          expect="vs the same tokens at T="),
+    # Tactic.serial: the splits in one CTA must fold exactly where a split CTA's chain ends
+    _one("fast GEMM: serial splits fold their partial sum at every stage, not at each "
+         "split's end",
+         "fast/gemm/kernel.py",
+         "                if (s + 1) % per_split == 0:",
+         "                if (s + 1) % 1 == 0:",
+         ["verify/test_gemm_fast.py::test_gemm_fast_wide_serial_splits[fast-front-mma.sync]"],
+         needs_gpu=True, expect="serial = cross-CTA splits"),
     _one("fast GEMM: the split-K partials summed in reverse split order", "fast/gemm/kernel.py",
          "got = [ld_cg_v4(ws + lay.ws_offset(Int64(sp), tile, warp, mt, wn, lane,",
          "got = [ld_cg_v4(ws + lay.ws_offset(Int64(splits - 1 - sp), tile, warp, mt, wn, lane,",

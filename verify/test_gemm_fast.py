@@ -39,6 +39,11 @@ of the last), every row count on both sides of a chunk or tile edge bitwise the 
 of the 1024-row call, token 0 unmoved by batch-mates 1000 times larger, nothing stored
 past the ``[T, N]`` output (a NaN guard), a CUDA graph's replays equal to eager calls, and
 the split-K order on designed operands across five token chunks.
+**Serial splits** (``test_gemm_fast_wide_serial_splits``): the same four GEMMs with every
+split run in one CTA (``fast.gemm.Tactic.serial``) give bitwise the cross-CTA form's output
+at 65, 129, 257 and 1024 rows, store nothing past the output, and a ``DenseGemm`` that
+switches to them from 129 rows (``serial_from``) is bitwise the first rows of the
+cross-CTA 1024-row call at every row count of ``WIDE_ROWS``.
 
 Inputs per GEMM come from one seed per GEMM (``verify.seeds.seed_of`` of the GEMM's id), so
 the float64 reference of the largest batch is computed once and every smaller batch is a
@@ -514,6 +519,57 @@ def test_gemm_fast_wide_rows(backend, gemm, mma, contract):
     torch.cuda.synchronize()
     if eng.splits >= 2:
         _check_wide_split_order(contract, gemm, mma)
+
+
+#: The row count from which ``test_gemm_fast_wide_serial_splits``'s GEMM switches to
+#: serial splits (three token chunks and more).
+SERIAL_FROM = 129
+
+
+@pytest.mark.parametrize("mma", INVARIANT_MMAS)
+@pytest.mark.parametrize("gemm", ("front", "shared_gate_up", "shared_down", "up"))
+def test_gemm_fast_wide_serial_splits(backend, gemm, mma, contract):
+    """Serial splits on one TP8 wide GEMM (on each MMA kind of the wide mode): the serial
+    form of the default tactic (every K split in one CTA, folded in split order) bitwise
+    equal to the cross-CTA form at 65, 129, 257 and 1024 rows, nothing stored past its
+    output; a ``DenseGemm(serial_from=129)`` of the same weight bitwise the first rows of
+    the cross-CTA 1024-row call at every row count of ``WIDE_ROWS`` (across the switch)."""
+    from fast.backend import gpu_arch
+    from fast.gemm import DenseGemm
+    from fast.gemm.host import choose_tactic
+
+    if mma == "wgmma" and gpu_arch() != "sm_90a":
+        pytest.skip(f"wgmma is an sm_90a instruction; this GPU is {gpu_arch()}")
+    eng, x, addend, out_dtype = wide_case(gemm, mma)
+    full, _ = run_wide(gemm, WIDE_TOP, mma=mma)
+    for tokens in (65, 129, 257, WIDE_TOP):
+        cross, _ = run_wide(gemm, tokens, mma=mma)
+        tactic = choose_tactic(eng.rows, eng.k, tokens, eng.sms, eng.splits, eng.wgmma,
+                               serial=True)
+        assert tactic.serial and tactic.splits == eng.splits and tactic.wgmma == eng.wgmma
+        buf = torch.full((tokens * eng.n + 256,), float("nan"), dtype=out_dtype, device=DEVICE)
+        out = buf[:tokens * eng.n].view(tokens, eng.n)
+        eng(x[:tokens].contiguous(), out_dtype=out_dtype, out=out, tactic=tactic,
+            addend=None if addend is None else addend[:tokens].contiguous())
+        what = f"wide {gemm} {tactic.label()} T={tokens}"
+        contract.bitwise(_bits(out), _bits(cross), what=f"{what}: serial = cross-CTA splits",
+                         index_names=ROWS)
+        contract.bitwise(_bits(buf[tokens * eng.n:]),
+                         _bits(torch.full((256,), float("nan"), dtype=out_dtype, device=DEVICE)),
+                         what=f"{what}: nothing stored past the output")
+    switching = DenseGemm(eng.weight, max_tokens=WIDE_TOP, splits=eng.splits, wgmma=eng.wgmma,
+                          serial_from=SERIAL_FROM)
+    switching.compile_for(WIDE_ROWS + (WIDE_TOP,))
+    for tokens in WIDE_ROWS + (WIDE_TOP,):
+        launch = switching.launch(tokens)
+        assert launch.tactic.serial == (tokens >= SERIAL_FROM)
+        assert launch.tactic.splits == eng.splits
+        out = switching(x[:tokens].contiguous(), out_dtype=out_dtype,
+                        addend=None if addend is None else addend[:tokens].contiguous())
+        contract.bitwise(_bits(out), _bits(full[:tokens]),
+                         what=f"wide {gemm} serial_from={SERIAL_FROM} ({launch.tactic.label()}): "
+                              f"T={tokens} vs the first rows of the cross-CTA T={WIDE_TOP}",
+                         index_names=ROWS)
 
 
 def _check_wide_split_order(contract, gemm: str, mma: str = "mma.sync") -> None:

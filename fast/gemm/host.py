@@ -17,7 +17,7 @@ import torch
 
 from fast import backend
 from fast.device.compile import compiled, frozen
-from fast.gemm.layout import (MAX_ACCUMULATORS, MAX_CALL_TOKENS, MAX_TOKENS, MAX_WINDOWS, Tactic,
+from fast.gemm.layout import (MAX_CALL_TOKENS, MAX_TOKENS, MAX_WINDOWS, Tactic,
                               chunk_workspace_bytes, padded_rows, token_chunks)
 
 __all__ = ["DenseGemm", "choose_tactic", "splits_of", "splits_for_rows", "CANDIDATES",
@@ -99,7 +99,7 @@ PDL_MAX_TOKENS = 16
 
 
 def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
-                  splits: int | None = None, wgmma: bool = False) -> Tactic:
+                  splits: int | None = None, wgmma: bool = False, serial: bool = False) -> Tactic:
     """The default tactic of an ``[N, K]`` weight (``N`` its padded rows,
     ``layout.padded_rows``) at ``tokens`` rows, with ``splits`` K splits (default
     ``splits_of(N, K, sms)``), on ``mma.sync`` or (``wgmma``) on the warpgroup MMA.
@@ -112,18 +112,21 @@ def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
     else 64-row tiles; two m-tiles per warp, so a chunk's 8 windows fit the registers.
     ``wgmma``: the same rule at every ``tokens`` (the measured table is ``mma.sync``'s), on
     4 warps of one (64 rows) or two (128 rows) m-tiles. Either way neither ``splits`` nor
-    the MMA kind depends on ``tokens``: the default GEMM is batch invariant."""
-    if tokens <= MAX_TOKENS and not wgmma:
+    the MMA kind depends on ``tokens``: the default GEMM is batch invariant.
+    ``serial``: the same tactic with its splits run one after another in each CTA
+    (``Tactic.serial``: the same bits), its tile chosen for ``tiles x chunks`` CTAs."""
+    if tokens <= MAX_TOKENS and not wgmma and not serial:
         one = _one_chunk_tactic(n, k, tokens, sms)
         if splits is None or splits == one.splits:
             return one
     if splits is None:
         splits = splits_of(n, k, sms)
     chunks = token_chunks(tokens)[0]
-    rows = 128 if n % 128 == 0 and n // 128 * splits * chunks >= sms else 64
+    ctas_per_tile = chunks * (1 if serial else splits)
+    rows = 128 if n % 128 == 0 and n // 128 * ctas_per_tile >= sms else 64
     if wgmma:
-        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True)
-    return Tactic(warps=rows // 32, mtiles=2, splits=splits)
+        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial)
+    return Tactic(warps=rows // 32, mtiles=2, splits=splits, serial=serial)
 
 
 def _one_chunk_tactic(n: int, k: int, tokens: int, sms: int) -> Tactic:
@@ -146,7 +149,8 @@ class Launch(typing.NamedTuple):
     """What one call launches (``launch_for``): its ``tactic``; ``chunks`` token chunks of
     ``windows`` windows each (``layout.token_chunks``); ``params``, the kernel's
     compile-time parameters (``Tactic.kernel_params``; ``chunked`` for more than one chunk
-    or a padded weight); ``grid``, the CTAs per chunk (tiles x splits)."""
+    or a padded weight); ``grid``, the CTAs per chunk (tiles x splits; tiles for a
+    ``serial`` tactic)."""
 
     tactic: Tactic
     chunks: int
@@ -156,16 +160,17 @@ class Launch(typing.NamedTuple):
 
 
 def launch_for(n: int, k: int, tokens: int, *, splits: int | None = None,
-               tactic: Tactic | None = None, sms: int = 132, wgmma: bool = False) -> Launch:
+               tactic: Tactic | None = None, sms: int = 132, wgmma: bool = False,
+               serial: bool = False) -> Launch:
     """The launch of a call of ``tokens`` rows on an ``[N, K]`` weight (``N`` its real
     rows: the kernel runs ``padded_rows(N)``): ``tactic`` or the default
-    (``choose_tactic`` with ``splits`` and ``wgmma``). Pure Python (what ``DenseGemm`` launches and the
+    (``choose_tactic`` with ``splits``, ``wgmma`` and ``serial``). Pure Python (what ``DenseGemm`` launches and the
     layers compile at construction; ``tests/test_gemm_fast.py`` checks it on the CPU).
 
     Raises ValueError: a tactic whose tile does not divide the padded rows, whose K split
     does not divide K into its stages, or that does not serve ``tokens`` rows."""
     rows = padded_rows(n)
-    tactic = tactic or choose_tactic(rows, k, tokens, sms, splits, wgmma)
+    tactic = tactic or choose_tactic(rows, k, tokens, sms, splits, wgmma, serial)
     if rows % tactic.tile_rows:
         raise ValueError(f"N={n} (padded to {rows} rows) is not a multiple of the tactic's "
                          f"{tactic.tile_rows}-row tile ({tactic})")
@@ -175,10 +180,11 @@ def launch_for(n: int, k: int, tokens: int, *, splits: int | None = None,
     chunks, windows = token_chunks(tokens)
     if not tactic.serves(tokens):
         raise ValueError(f"tactic {tactic.label()} does not serve {tokens} tokens "
-                         f"({tactic.mtiles} m-tiles x {windows} windows per chunk > "
-                         f"{MAX_ACCUMULATORS} accumulator tiles per warp)")
+                         f"({tactic.tiles_per_warp(windows)} accumulator tiles per warp at "
+                         f"{windows} windows per chunk > {tactic.max_tiles()})")
     params = tactic.kernel_params(windows, chunked=chunks > 1 or rows != n)
-    return Launch(tactic, chunks, windows, params, rows // tactic.tile_rows * tactic.splits)
+    return Launch(tactic, chunks, windows, params,
+                  rows // tactic.tile_rows * (1 if tactic.serial else tactic.splits))
 
 
 def kernel_shapes(tactics) -> list[dict]:
@@ -186,7 +192,7 @@ def kernel_shapes(tactics) -> list[dict]:
     seen = []
     for t in tactics:
         for windows in range(1, MAX_WINDOWS + 1):
-            if t.mtiles * windows > MAX_ACCUMULATORS:
+            if t.tiles_per_warp(windows) > t.max_tiles():
                 continue
             params = t.kernel_params(windows)
             if params not in seen:
@@ -246,6 +252,9 @@ class DenseGemm:
         wgmma: every default tactic on the warpgroup MMA (sm_90a only) instead of
             ``mma.sync``: another instruction, so other bits than ``mma.sync`` at the same
             ``splits``, but one MMA kind at every ``T``, so still batch invariant.
+        serial_from: calls of at least this many rows run the default tactic's serial form
+            (``Tactic.serial``: every split in one CTA, one after another; the same bits,
+            no workspace traffic); None (default): never. Never changes a bit.
 
     Raises (before anything is allocated on the device): TypeError for a weight that is not
     a tensor; ValueError naming the argument for a bad dtype, shape, ``max_tokens``,
@@ -256,7 +265,8 @@ class DenseGemm:
     """
 
     def __init__(self, weight: torch.Tensor, *, max_tokens: int = MAX_TOKENS, tactics=None,
-                 pdl: bool | None = None, splits: int | None = None, wgmma: bool = False):
+                 pdl: bool | None = None, splits: int | None = None, wgmma: bool = False,
+                 serial_from: int | None = None):
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"DenseGemm: weight must be a torch.Tensor, got {type(weight).__name__}")
         if weight.dtype != _BF16 or weight.dim() != 2:
@@ -278,6 +288,10 @@ class DenseGemm:
             raise ValueError(f"DenseGemm: pdl must be None, True or False, got {pdl!r}")
         if not isinstance(wgmma, bool):
             raise ValueError(f"DenseGemm: wgmma must be a bool, got {wgmma!r}")
+        if serial_from is not None and (isinstance(serial_from, bool)
+                                        or not isinstance(serial_from, int) or serial_from < 1):
+            raise ValueError(f"DenseGemm: serial_from must be None or a positive int (rows), "
+                             f"got {serial_from!r}")
         if weight.device.type != "cuda":
             raise ValueError(f"DenseGemm: weight must be on a CUDA device, got {weight.device}")
         if not weight.is_contiguous() or weight.data_ptr() % 16:
@@ -303,6 +317,8 @@ class DenseGemm:
         self.arch = backend.device_arch(self.device)
         #: every default tactic on the warpgroup MMA (else ``mma.sync``)
         self.wgmma = wgmma
+        #: calls of at least this many rows run serial splits (None: never)
+        self.serial_from = serial_from
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         #: the K splits of every default tactic: the one summation order of this GEMM
         self.splits = splits_of(self.rows, k, self.sms) if splits is None else splits
@@ -322,9 +338,11 @@ class DenseGemm:
         self._null = torch.zeros(4, dtype=_F32, device=self.device)
 
     def tactic(self, tokens: int) -> Tactic:
-        """The default tactic at ``tokens`` rows (``choose_tactic`` with :attr:`splits` and
-        :attr:`wgmma`)."""
-        return choose_tactic(self.rows, self.k, tokens, self.sms, self.splits, self.wgmma)
+        """The default tactic at ``tokens`` rows (``choose_tactic`` with :attr:`splits`,
+        :attr:`wgmma`, and serial splits from :attr:`serial_from` rows)."""
+        serial = self.serial_from is not None and tokens >= self.serial_from
+        return choose_tactic(self.rows, self.k, tokens, self.sms, self.splits, self.wgmma,
+                             serial)
 
     def launch(self, tokens: int, tactic: Tactic | None = None) -> Launch:
         """What a call of ``tokens`` rows launches (``launch_for``; default tactic
@@ -345,7 +363,7 @@ class DenseGemm:
         return seen
 
     def _ws_bytes(self, t: Tactic) -> int:
-        if t.splits == 1:
+        if t.splits == 1 or t.serial:
             return 0
         return chunk_workspace_bytes(t.splits, self.rows, self._window_slots)
 
@@ -418,8 +436,8 @@ class DenseGemm:
         self._check_tactic(tactic)
         if not tactic.serves(t):
             raise ValueError(f"DenseGemm: tactic {tactic.label()} does not serve {t} tokens "
-                             f"({tactic.mtiles} m-tiles x {token_chunks(t)[1]} windows > "
-                             f"{MAX_ACCUMULATORS} accumulator tiles per warp)")
+                             f"({tactic.tiles_per_warp(token_chunks(t)[1])} accumulator tiles "
+                             f"per warp > {tactic.max_tiles()})")
         launch = self.launch(t, tactic)
         if self._ws_bytes(tactic) > self.workspace.numel() * 4:
             if torch.cuda.is_current_stream_capturing():

@@ -122,6 +122,20 @@ class SplitKGemmKernel:
     are clamped to column ``width - 1`` (never used). A token's sums are the same in any
     chunk: still only ``splits`` changes bits.
 
+    **Serial splits** (``serial``, a compile-time parameter; the kernels without it keep
+    their code). The grid has one CTA per tile (and chunk), not per (tile, split): the CTA
+    runs every split of K itself, one after another through one pipeline over all of K, and
+    keeps a second set of accumulators, the running sum. At the end of split ``s`` (a
+    stage boundary: ``K / splits`` is a multiple of ``stage_k``) it folds the split's
+    accumulators into the running sum, ``sum = p_0`` for ``s = 0`` and ``sum = sum + p_s``
+    (``add.rn.f32``) after, and zeroes them for split ``s + 1``; then the epilogue on the
+    sum. Each ``p_s`` is the MMA chain a split CTA computes (the same steps in k order from
+    the split's first k, from zero) and the fold is the last CTA's reduction, in the same
+    order, so the bits equal the cross-CTA form's at the same ``splits``; what changes is
+    the work: no workspace, no tile counter, ``splits`` times fewer CTAs, each streaming all
+    of K (the form for calls with many token chunks, where the cross-CTA form writes and
+    reads back ``splits`` FP32 partials of every output).
+
     Constraints (checked by the host, ``fast.gemm.DenseGemm``): ``N % tile_rows == 0``,
     ``K % (splits * stage_k) == 0``, ``8 (windows - 1) < T <= 8 windows`` (chunked: per
     chunk, as ``layout.token_chunks`` cuts them), at most ``layout.MAX_ACCUMULATORS``
@@ -132,7 +146,7 @@ class SplitKGemmKernel:
 
     def __init__(self, *, warps: int = 4, mtiles: int = 2, windows: int = 1, ring: int = 4,
                  stage_k: int = 64, occupancy: int = 2, wgmma: bool = False,
-                 chunked: bool = False):
+                 chunked: bool = False, serial: bool = False):
         if warps not in (1, 2, 4, 8) or mtiles not in (1, 2, 4) or not 1 <= windows <= lay.MAX_WINDOWS:
             raise ValueError(f"SplitKGemmKernel: warps {warps}, mtiles {mtiles}, windows "
                              f"{windows} not supported")
@@ -144,6 +158,8 @@ class SplitKGemmKernel:
         self.wgmma = bool(wgmma)
         #: token chunks on the grid's second dimension and padded rows (class docstring)
         self.chunked = bool(chunked)
+        #: every K split in this CTA, one after another (class docstring, "Serial splits")
+        self.serial = bool(serial)
         self.warps, self.mtiles, self.windows = warps, mtiles, windows
         self.ring, self.stage_k, self.occupancy = ring, stage_k, occupancy
         self.threads = 32 * warps
@@ -213,6 +229,11 @@ class SplitKGemmKernel:
         kc = k // splits
         k0 = split * kc
         stages = kc // self.stage_k
+        per_split = stages  # stages of one split
+        if cutlass.const_expr(self.serial):
+            # one CTA per tile (and chunk): every split, from k = 0, one after another
+            k0 = Int32(0)
+            stages = k // self.stage_k
         row_bytes = Int64(k) * 2
 
         # 1. this lane's weight pieces (stage 0, sub-chunk 0), per (m-tile, half)
@@ -245,6 +266,11 @@ class SplitKGemmKernel:
         acc = cute.make_rmem_tensor((MT * W * 4,), Float32)
         for i in cutlass.range_constexpr(MT * W * 4):
             acc[i] = Float32(0.0)
+        if cutlass.const_expr(self.serial):
+            # the running sum of the splits folded so far (written at the first fold)
+            total = cute.make_rmem_tensor((MT * W * 4,), Float32)
+            for i in cutlass.range_constexpr(MT * W * 4):
+                total[i] = Float32(0.0)
 
         # 2. main loop. Prologue: the weights of the first ring - 1 stages (one group), then
         # (programmatic dependent launch) wait for the previous grid of the stream, whose
@@ -274,10 +300,27 @@ class SplitKGemmKernel:
                 self._compute_wgmma(acc, ring + (s % RING) * SLOT, warp)
             else:
                 self._compute(acc, ring + (s % RING) * SLOT, warp, lane)
+            if cutlass.const_expr(self.serial):
+                if (s + 1) % per_split == 0:
+                    # split (s + 1) / per_split - 1 is complete (its wgmma waited for in
+                    # _compute_wgmma): fold it in split order, the reduction's
+                    # ``acc = p_0; acc = acc + p_s`` (split 0 starts the sum: -0 stays -0),
+                    # and start the next split's chain from zero
+                    first = s + 1 == per_split
+                    for i in cutlass.range_constexpr(MT * W * 4):
+                        total[i] = cutlass.select_(first, acc[i], h.fadd(total[i], acc[i]))
+                        acc[i] = Float32(0.0)
         cute.arch.cp_async_wait_group(0)
 
         # 3. split-K: partials to the workspace, the last CTA of the tile reduces in order
-        if splits > 1:
+        # (serial splits: the running sum is the reduced result)
+        if cutlass.const_expr(self.serial):
+            if cutlass.const_expr(self.chunked):
+                self._epilogue(total, out, addend, width, tokens, flags, tile, warp, lane,
+                               width=width)
+            else:
+                self._epilogue(total, out, addend, n, tokens, flags, tile, warp, lane)
+        elif splits > 1:
             for mt in cutlass.range_constexpr(MT):
                 for wn in cutlass.range_constexpr(W):
                     at = (mt * W + wn) * 4

@@ -54,7 +54,8 @@ __all__ = [
     "WINDOW", "MAX_TOKENS", "MAX_WINDOWS", "SUB_K", "PIECE", "BLOCK",
     "a_source", "a_offset", "b_offset", "b_read_offset", "mma_operands", "c_map", "ws_offset",
     "a_offset_wgmma", "b_offset_wgmma", "wgmma_descriptors", "swizzled_chunk", "ROW_BYTES", "ATOM_BYTES",
-    "windows_for", "Tactic", "SMEM_PER_SM", "MAX_ACCUMULATORS", "slot_bytes", "ring_for",
+    "windows_for", "Tactic", "SMEM_PER_SM", "MAX_ACCUMULATORS", "MAX_ACCUMULATORS_SERIAL",
+    "slot_bytes", "ring_for",
     "MAX_CHUNKS", "MAX_CALL_TOKENS", "ROW_QUANTUM", "token_chunks", "padded_rows",
     "chunk_workspace_bytes", "chunk_first_row", "chunk_workspace_offset", "chunk_counter",
 ]
@@ -76,6 +77,8 @@ ROW_BYTES, ATOM_BYTES = 128, 1024
 #: it, ptxas spills (measured with the kernel's code: 4 m-tiles x 5 windows fit in 250
 #: registers, 4 x 6 spill).
 MAX_ACCUMULATORS = 20
+#: The same bound for a ``Tactic(serial=True)``, counting the running sum's tiles too.
+MAX_ACCUMULATORS_SERIAL = 32
 #: The most token chunks of one launch (the grid's second dimension), so the most rows one
 #: call serves: ``MAX_CALL_TOKENS`` (S2's 1024 rows are 16 chunks).
 MAX_CHUNKS = 64
@@ -273,6 +276,11 @@ class Tactic:
             contracts pass on the H200; timed in ``dense-wgmma.md`` of the H200 and the
             H100). It changes bits against ``mma.sync`` (another instruction), never with
             the tile shape.
+        serial: the K splits run one after another in each CTA (one CTA per tile and
+            token chunk, a running sum folded in split order at each split's end;
+            ``fast.gemm.kernel``'s "Serial splits") instead of one CTA per split: the same
+            bits as the cross-CTA form at the same ``splits``, no workspace; each warp
+            holds twice the accumulators, so ``2 mtiles windows <= MAX_ACCUMULATORS_SERIAL``.
     """
 
     warps: int = 4
@@ -282,6 +290,7 @@ class Tactic:
     occupancy: int | None = None
     ring: int | None = None
     wgmma: bool = False
+    serial: bool = False
 
     def __post_init__(self):
         for name in ("warps", "mtiles", "splits"):
@@ -300,6 +309,20 @@ class Tactic:
         if self.wgmma and self.warps not in (4, 8):
             raise ValueError(f"Tactic.wgmma needs whole warpgroups (warps 4 or 8), got "
                              f"warps={self.warps}")
+        for name in ("wgmma", "serial"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Tactic.{name} must be a bool, got {getattr(self, name)!r}")
+
+    def tiles_per_warp(self, windows: int) -> int:
+        """Accumulator tiles (16 x 8 FP32 each) a warp holds at ``windows`` windows: one
+        set per (m-tile, window), two with ``serial`` (the running sum)."""
+        return self.mtiles * windows * (2 if self.serial else 1)
+
+    def max_tiles(self) -> int:
+        """The most accumulator tiles a warp may hold: ``MAX_ACCUMULATORS_SERIAL`` for
+        ``serial`` (the running sum is touched once per split, not in the MMA loop), else
+        ``MAX_ACCUMULATORS``."""
+        return MAX_ACCUMULATORS_SERIAL if self.serial else MAX_ACCUMULATORS
 
     @property
     def tile_rows(self) -> int:
@@ -309,17 +332,19 @@ class Tactic:
         """Whether the tactic runs a call of ``tokens`` rows: its warp's accumulators
         (``mtiles`` times the windows of a token chunk, ``token_chunks``) fit
         ``MAX_ACCUMULATORS``."""
-        return self.mtiles * token_chunks(tokens)[1] <= MAX_ACCUMULATORS
+        return self.tiles_per_warp(token_chunks(tokens)[1]) <= self.max_tiles()
 
     def kernel_params(self, windows: int, chunked: bool = False) -> dict:
         """The compile-time parameters of the kernel this tactic runs at ``windows`` windows
         per token chunk; ``chunked``: the kernel of token chunks and padded rows (the grid's
         second dimension, an output width below the padded rows; the module docstring),
         which a call of more than ``MAX_TOKENS`` rows or of a padded weight launches."""
-        if self.mtiles * windows > MAX_ACCUMULATORS:
-            raise ValueError(f"Tactic {self.label()}: {self.mtiles} m-tiles x {windows} windows "
-                             f"exceed {MAX_ACCUMULATORS} accumulator tiles per warp (registers); "
-                             f"it serves up to {8 * (MAX_ACCUMULATORS // self.mtiles)} tokens")
+        if self.tiles_per_warp(windows) > self.max_tiles():
+            per_window = self.tiles_per_warp(1)
+            raise ValueError(f"Tactic {self.label()}: {self.tiles_per_warp(windows)} accumulator "
+                             f"tiles per warp at {windows} windows exceed {self.max_tiles()} "
+                             f"(registers); it serves up to "
+                             f"{8 * (self.max_tiles() // per_window)} tokens per chunk")
         occ = self.occupancy or (2 if self.tile_rows <= 128 else 1)
         ring = self.ring or ring_for(self.tile_rows, windows, self.stage_k, occ)
         if occ * (ring * slot_bytes(self.tile_rows, windows, self.stage_k) + 2048) > SMEM_PER_SM:
@@ -332,10 +357,13 @@ class Tactic:
             params["wgmma"] = True
         if chunked:  # likewise: the single-chunk kernels' parameters (and code) stay as they were
             params["chunked"] = True
+        if self.serial:  # likewise
+            params["serial"] = True
         return params
 
     def label(self) -> str:
         extra = "".join(f",{k}{getattr(self, k)}" for k in ("stage_k", "occupancy", "ring")
                         if getattr(self, k) != Tactic.__dataclass_fields__[k].default)
         extra += ",wgmma" if self.wgmma else ""
+        extra += ",serial" if self.serial else ""
         return f"r{self.tile_rows}w{self.warps}s{self.splits}{extra}"

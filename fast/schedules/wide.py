@@ -259,14 +259,21 @@ def check_rows_and_timeout(owner: str, config: LatentMoEConfig, max_rows, timeou
 
 
 def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
-                          batch_invariant, invariant_mma="auto") -> None:
+                          batch_invariant, invariant_mma="auto",
+                          invariant_serial_from=None) -> None:
     """A wide layer's ``batch_invariant`` (a bool), its ``invariant_mma``
-    (``wide_gemms.MMA_CHOICES``) and, when True, whether the rank's four GEMMs fit
+    (``wide_gemms.MMA_CHOICES``), its ``invariant_serial_from`` (None or a positive int)
+    and, when True, whether the rank's four GEMMs fit
     ``fast.gemm`` at ``ranks`` ranks (``wide_gemms.check_fast_gemm_shapes``); refused by
     name before any device work."""
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"{owner}: batch_invariant must be a bool, got {batch_invariant!r}")
     check_mma(owner, invariant_mma, allow_auto=True)
+    if invariant_serial_from is not None and (
+            isinstance(invariant_serial_from, bool) or not isinstance(invariant_serial_from, int)
+            or invariant_serial_from < 1):
+        raise ValueError(f"{owner}: invariant_serial_from must be None or a positive int "
+                         f"(rows), got {invariant_serial_from!r}")
     if batch_invariant:
         check_fast_gemm_shapes(owner, config, ranks)
 
@@ -306,12 +313,15 @@ class WideLayer(WideStageCalls):
             ``"mma.sync"`` or ``"wgmma"`` (sm_90a's warpgroup MMA; other bits than
             ``mma.sync``, the same at every row count). Read only with
             ``batch_invariant=True``; the kind in use is ``self.invariant_mma``.
+        invariant_serial_from: with ``batch_invariant=True``, calls of at least this many
+            rows run each GEMM's K splits one after another in each CTA
+            (``fast.gemm.Tactic.serial``; the same bits); None (default): never.
     """
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_rows: int | None = None,
                  device: str | torch.device = "cuda", timeout_s: float = 10.0,
                  experts_tactic: dict | None = None, batch_invariant: bool = False,
-                 invariant_mma: str = "auto"):
+                 invariant_mma: str = "auto", invariant_serial_from: int | None = None):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
@@ -319,7 +329,8 @@ class WideLayer(WideStageCalls):
         c = weights.config
         check_ranks(c, ranks)
         max_rows = check_rows_and_timeout("WideLayer", c, max_rows, timeout_s)
-        check_batch_invariant("WideLayer", c, ranks, batch_invariant, invariant_mma)
+        check_batch_invariant("WideLayer", c, ranks, batch_invariant, invariant_mma,
+                              invariant_serial_from)
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"WideLayer: device must be a CUDA device, got {device}")
@@ -359,7 +370,7 @@ class WideLayer(WideStageCalls):
                     "WideLayer", {"front": self.front_weights[r],
                                   "shared_gate_up": self.shared_gate_up[r],
                                   "shared_down": self.shared_down[r], "up": self.up[r]},
-                    c, n, max_rows, self.invariant_mma)
+                    c, n, max_rows, self.invariant_mma, invariant_serial_from)
                 # the front GEMM's weight may be a view of its zero-padded copy: one copy
                 self.front_weights[r] = self.fast_gemms[r]["front"].weight
         self.bias = slice_to_device(weights.bias)

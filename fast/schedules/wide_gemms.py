@@ -35,6 +35,12 @@ shared down-projection at 8 or 16 ranks (``S/N`` = 32 or 16) does not.
 is batch invariant; they give other bits than each other. A layer's ``invariant_mma="auto"``
 (its default) takes ``"wgmma"`` on sm_90a and ``"mma.sync"`` elsewhere (:func:`resolve_mma`).
 
+**Serial splits** (``serial_from``): calls of at least that many rows run each GEMM's
+splits one after another inside each CTA (``fast.gemm.Tactic.serial``) instead of one CTA
+per split: the same summation order, so the same bits at every row count, without the
+split partials' round trip through global memory. None (the default) keeps the cross-CTA
+splits at every row count.
+
 The mode's cost against cuBLAS: ``benchmarks/wide_table.py --batch-invariant`` (with
 ``--invariant-mma wgmma`` for the warpgroup MMA); ``docs/schedules/wide.md`` has the
 measured figures.
@@ -85,15 +91,17 @@ def gemm_splits(config: LatentMoEConfig, ranks: int, sms: int = 132) -> dict[str
 
 
 def gemm_launches(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
-                  mma: str = "mma.sync") -> dict:
+                  mma: str = "mma.sync", serial_from: int | None = None) -> dict:
     """``{gemm: {T: fast.gemm.Launch}}``: what each GEMM launches at each row count ``T`` of
-    ``rows`` (an iterable of ints), at its one K split, on ``mma`` (``INVARIANT_MMAS``)
+    ``rows`` (an iterable of ints), at its one K split, on ``mma`` (``INVARIANT_MMAS``),
+    with serial splits from ``serial_from`` rows (``fast.gemm.DenseGemm``'s; None: never)
     (pure Python: the CPU tests check the chunk arithmetic and compile these kernels)."""
     from fast.gemm.host import launch_for
 
     check_mma("gemm_launches", mma)
     splits = gemm_splits(config, ranks, sms)
-    return {name: {t: launch_for(n, k, t, splits=splits[name], sms=sms, wgmma=mma == "wgmma")
+    return {name: {t: launch_for(n, k, t, splits=splits[name], sms=sms, wgmma=mma == "wgmma",
+                                 serial=serial_from is not None and t >= serial_from)
                    for t in rows}
             for name, (n, k) in gemm_shapes(config, ranks).items()}
 
@@ -124,11 +132,11 @@ def resolve_mma(owner: str, mma, arch: str) -> str:
 
 
 def kernel_params(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
-                  mma: str = "mma.sync") -> list[dict]:
+                  mma: str = "mma.sync", serial_from: int | None = None) -> list[dict]:
     """The distinct ``fast.gemm`` kernel parameters a rank compiles for the row counts
-    ``rows`` on ``mma`` (:func:`gemm_launches`)."""
+    ``rows`` on ``mma`` with ``serial_from`` (:func:`gemm_launches`)."""
     seen = []
-    for per_t in gemm_launches(config, ranks, rows, sms, mma).values():
+    for per_t in gemm_launches(config, ranks, rows, sms, mma, serial_from).values():
         for launch in per_t.values():
             if launch.params not in seen:
                 seen.append(launch.params)
@@ -136,10 +144,13 @@ def kernel_params(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
 
 
 def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: int,
-                     max_rows: int, mma: str = "mma.sync") -> dict:
+                     max_rows: int, mma: str = "mma.sync",
+                     serial_from: int | None = None) -> dict:
     """One ``fast.gemm.DenseGemm`` per GEMM of one rank (``weights``: name -> its BF16
     weight on the device, ``WIDE_GEMMS``), each with its K split (:func:`gemm_splits` on
-    this GPU), on ``mma`` (``INVARIANT_MMAS``; ``"wgmma"`` needs an sm_90a device) and buffers for up to ``max_rows`` rows, and every kernel a call of
+    this GPU), on ``mma`` (``INVARIANT_MMAS``; ``"wgmma"`` needs an sm_90a device), with
+    serial splits from ``serial_from`` rows (None: never; the same bits) and buffers for up
+    to ``max_rows`` rows, and every kernel a call of
     ``front_max + 1 .. max_rows`` rows launches compiled now (none at call time, none
     inside a graph capture). The ``front`` GEMM's weight is padded to a multiple of 64
     rows where it needs it (``DenseGemm.padded_weight``)."""
@@ -156,7 +167,7 @@ def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = gemm_splits(config, ranks, sms)
     gemms = {name: DenseGemm(weights[name], max_tokens=max_rows, splits=splits[name],
-                             wgmma=mma == "wgmma")
+                             wgmma=mma == "wgmma", serial_from=serial_from)
              for name in WIDE_GEMMS}
     for gemm in gemms.values():
         gemm.compile_for(range(config.front_max + 1, max_rows + 1))

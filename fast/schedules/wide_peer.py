@@ -143,6 +143,7 @@ class WidePeerLayer(WideStageCalls):
         invariant_mma: as ``WideLayer``'s: ``"auto"`` (default), ``"mma.sync"`` or
             ``"wgmma"``; the same on every rank, and so is the kind it resolves to
             (``self.invariant_mma``).
+        invariant_serial_from: as ``WideLayer``'s (None or rows); the same on every rank.
 
     Construction is collective over ``group`` (the symmetric buffer's rendezvous), and so
     is the first call of each ``T`` (:meth:`_prepare`).
@@ -151,7 +152,7 @@ class WidePeerLayer(WideStageCalls):
     def __init__(self, weights: LatentMoEWeights, *, max_rows: int | None = None, group=None,
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
                  experts_tactic: dict | None = None, batch_invariant: bool = False,
-                 invariant_mma: str = "auto"):
+                 invariant_mma: str = "auto", invariant_serial_from: int | None = None):
         import torch.distributed as dist
 
         from fast.experts import experts_engine_for, prepare_experts_for
@@ -165,19 +166,23 @@ class WidePeerLayer(WideStageCalls):
         max_rows = check_rows_and_timeout("WidePeerLayer", c, max_rows, timeout_s)
         group, rank, n = process_group("WidePeerLayer", group)
         check_ranks(c, n)
-        check_batch_invariant("WidePeerLayer", c, n, batch_invariant, invariant_mma)
+        check_batch_invariant("WidePeerLayer", c, n, batch_invariant, invariant_mma,
+                              invariant_serial_from)
         device = cuda_device("WidePeerLayer", device)
         ok, why = backend.device_supported()
         if not ok:
             raise RuntimeError(f"WidePeerLayer: the fast kernels cannot run here: {why}")
         mma = resolve_mma("WidePeerLayer", invariant_mma, backend.device_arch(device))
         seen = [None] * n
-        dist.all_gather_object(seen, (max_rows, c, batch_invariant, mma), group=group)
+        dist.all_gather_object(seen, (max_rows, c, batch_invariant, mma, invariant_serial_from),
+                               group=group)
         if any(s != seen[0] for s in seen):
             raise ValueError("WidePeerLayer: every rank must build the layer with the same "
-                             f"config, max_rows, batch_invariant and invariant_mma; got max_rows "
-                             f"{[s[0] for s in seen]}, batch_invariant {[s[2] for s in seen]}, "
-                             f"invariant_mma {[s[3] for s in seen]}")
+                             f"config, max_rows, batch_invariant, invariant_mma and "
+                             f"invariant_serial_from; got max_rows {[s[0] for s in seen]}, "
+                             f"batch_invariant {[s[2] for s in seen]}, invariant_mma "
+                             f"{[s[3] for s in seen]}, invariant_serial_from "
+                             f"{[s[4] for s in seen]}")
         self.config, self.group, self.rank, self.ranks = c, group, rank, n
         self.max_rows, self.device, self.timeout_s = max_rows, device, float(timeout_s)
         self.arch = backend.device_arch(device)
@@ -205,7 +210,7 @@ class WidePeerLayer(WideStageCalls):
                 "WidePeerLayer", {"front": self.front_weights[r],
                                   "shared_gate_up": self.shared_gate_up[r],
                                   "shared_down": self.shared_down[r], "up": self.up[r]},
-                c, n, max_rows, self.invariant_mma)
+                c, n, max_rows, self.invariant_mma, invariant_serial_from)
             # the front GEMM's weight may be a view of its zero-padded copy: one copy
             self.front_weights[r] = self.fast_gemms["front"].weight
         self.bias = to_device(weights.bias)
