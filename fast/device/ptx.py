@@ -23,7 +23,7 @@ __all__ = [
     "cp_async_16", "cp_async_4", "cp_async_4z", "lds_u16", "lds_u8", "lds_v4", "sts_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
     "mma_bf16", "rotr", "prmt", "mul_bf16x2", "atomic_add", "atomic_max", "shfl_xor", "shfl_up",
     "e4m3x2_to_f32", "f32x2_to_e4m3x2", "f32_to_bf16_bits",
-    "smem_matrix_descriptor", "smem_matrix_descriptor_sw128", "smem_descriptor_offset", "wgmma_bf16", "wgmma_bf16_ss", "wgmma_settle", "ld_relaxed_gpu",
+    "smem_matrix_descriptor", "smem_matrix_descriptor_sw128", "smem_descriptor_offset", "wgmma_bf16", "wgmma_bf16_ss", "wgmma_e4m3_ss", "wgmma_settle", "ld_relaxed_gpu",
     "fence_acq_rel_gpu",
     "red_release_gpu_add", "pinned_i32", "lds_u32", "load_v4", "store_v4",
     "mbarrier_init", "mbarrier_init_fence", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
@@ -451,6 +451,33 @@ def wgmma_bf16_ss(acc, a_descriptor, b_descriptor, n: int):
     f32 = ir.F32Type.get()
     struct = llvm.StructType.get_literal([f32] * count)
     operands = ([_ir(Int64(a_descriptor)), _ir(Int64(b_descriptor)), _ir(Int32(1))]
+                + [_ir(Float32(x)) for x in acc])
+    result = llvm.inline_asm(struct, operands, code, constraints, has_side_effects=True)
+    return [Float32(llvm.extractvalue(f32, result, [i])) for i in range(count)]
+
+
+def wgmma_e4m3_ss(acc, a_descriptor, b_descriptor, n: int, accumulate=1):
+    """``wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3`` with both operands in
+    shared memory (K-major descriptors: 32 FP8 k are 32 bytes, so a 128-byte swizzled row
+    holds 128 k and a k step moves the descriptor 32 bytes, as a BF16 k16 step does):
+    ``acc`` (``n / 2`` FP32 accumulators of this thread) ``+=`` A (64 x 32) x B (``n`` x
+    32)^T where ``accumulate`` (Int32) is non-zero, else ``acc = A B^T`` (the scale-d
+    predicate). FP8 operands are K-major only (no transpose immediates). How the tensor
+    cores round the sum is not the BF16 MMA's: ``benchmarks/fp8_wgmma_probe.py`` measures it.
+    Asynchronous, as ``wgmma_bf16``."""
+    from cutlass._mlir.dialects import llvm
+
+    count = n // 2
+    if n % 8 or not 8 <= n <= 256 or len(acc) != count:
+        raise ValueError(f"wgmma m64n{n}k32 takes {n // 2} accumulators")
+    outs = ", ".join(f"${i}" for i in range(count))
+    code = (f"{{ .reg .pred p; setp.ne.b32 p, ${count + 2}, 0; "
+            f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{outs}}}, "
+            f"${count}, ${count + 1}, p, 1, 1; }}")
+    constraints = ",".join(["=f"] * count + ["l", "l", "r"] + [str(i) for i in range(count)])
+    f32 = ir.F32Type.get()
+    struct = llvm.StructType.get_literal([f32] * count)
+    operands = ([_ir(Int64(a_descriptor)), _ir(Int64(b_descriptor)), _ir(Int32(accumulate))]
                 + [_ir(Float32(x)) for x in acc])
     result = llvm.inline_asm(struct, operands, code, constraints, has_side_effects=True)
     return [Float32(llvm.extractvalue(f32, result, [i])) for i in range(count)]
