@@ -244,26 +244,6 @@ MUTATIONS = [
          "live, bslot=self._b_slot(ring, 0))",
          ["verify/test_experts.py::test_experts_stages_every_tactic[fast-walk=2]"],
          needs_gpu=True),
-    _one("fast experts engine (specialized): a consumer warp releases its ring slot before "
-         "its MMAs have read it (the producer refills a slot in use)",
-         "fast/experts/specialized.py",
-         "            cute.arch.fence_view_async_shared()\n"
-         "            ExpertsGemmKernel.compute_stage(",
-         "            cute.arch.fence_view_async_shared()\n"
-         "            if lane == 0:\n"
-         "                p.mbarrier_arrive(self._empty(bars, slot))\n"
-         "            ExpertsGemmKernel.compute_stage(",
-         ["verify/test_experts.py::test_experts_stages_every_tactic"
-          "[fast-specialized=1,wgmma=1,producers=2,ring=2,ctas=3]"], needs_gpu=True),
-    _one("fast experts engine (specialized): a stage's full barrier expects one arrival "
-         "more than its producers make (every consumer wait runs out)",
-         "fast/experts/specialized.py",
-         "p.mbarrier_init(self._full(bars, s), 1 + 32 * self.producers)",
-         "p.mbarrier_init(self._full(bars, s), 2 + 32 * self.producers)",
-         ["verify/test_experts.py::test_experts_stages_every_tactic"
-          "[fast-specialized=1,wgmma=1,ctas=3]"], needs_gpu=True,
-         # the pipeline's own timeout error, not a hang or a fault
-         expect="ExpertsEngine (specialized)"),
     _one("fast experts engine: the plan kernel's stale-lists guard off (lists appended by "
          "two route stages are planned as one call's)",
          "fast/experts/lists.py",

@@ -267,13 +267,7 @@ TACTICS = [dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtile
            # FC2 items of several row tiles (2 of the small config's 128-row tiles, 4 of
            # its 64-row ones), the ring running across each tile boundary
            dict(walk=2), dict(walk=4, warps=4, mtiles=1), dict(walk=2, ctas=3),
-           dict(walk=2, wgmma=1), dict(walk=2, fused=1, pdl_chain=1, ctas=3),
-           # the warp-specialized grid (fast.experts.specialized): its default tile with
-           # the launch chain, 128-row tiles over 3 CTAs, the shallowest ring with two
-           # producer warps (every slot reused within an item)
-           dict(specialized=1, wgmma=1, warps=8, mtiles=2, pdl_chain=1),
-           dict(specialized=1, wgmma=1, ctas=3),
-           dict(specialized=1, wgmma=1, producers=2, ring=2, ctas=3)]
+           dict(walk=2, wgmma=1), dict(walk=2, fused=1, pdl_chain=1, ctas=3)]
 
 
 def _skip_unless_wgmma(tactic: dict, arch: str) -> None:
@@ -301,10 +295,6 @@ _CHAIN_FREE_SHAPES = (
     dict(walk=4, warps=4, mtiles=1), dict(walk=2, ctas=2), dict(walk=2, ring=2),
     dict(walk=2, fused=1, ctas=2))
 _MMA_SYNC_ONLY_SHAPES = (dict(warps=2, mtiles=2),)
-# the warp-specialized grid runs the warpgroup MMA only
-_WGMMA_ONLY_SHAPES = (dict(specialized=1), dict(specialized=1, ring=2, ctas=2),
-                      dict(specialized=1, producers=2, ctas=2),
-                      dict(specialized=1, warps=8, mtiles=2, pdl_chain=1))
 # (mma kind, window count)
 _CHAIN_FREE_CASES = [(0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4)]
 
@@ -315,8 +305,8 @@ _CHAIN_FREE_CASES = [(0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4)]
 @pytest.mark.parametrize("wgmma,windows", _CHAIN_FREE_CASES,
                          ids=[f"{'wgmma' if k else 'mma.sync'}-w{w}" for k, w in _CHAIN_FREE_CASES])
 def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract, wgmma, windows):
-    """Tile shape, ring depth, occupancy, the launch chain, the fused grid, the
-    warp-specialized grid, the grid's size and FC2's walk over several row tiles never
+    """Tile shape, ring depth, occupancy, the launch chain, the fused grid, the grid's
+    size and FC2's walk over several row tiles never
     change a bit (the sum order of each output is the chunk order); only the number
     of accumulator chains does. Checked for each MMA kind against itself, one case per
     (kind, window count)."""
@@ -328,7 +318,7 @@ def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract, wgmma
     ids = cases.routing(engine.config, 96, seed, skew=1.0)
     args = (codes.cuda(), scales.cuda(), ids.cuda())
     base = engine(*args, windows=windows, tactic=dict(wgmma=wgmma))
-    for tactic in _CHAIN_FREE_SHAPES + (_WGMMA_ONLY_SHAPES if wgmma else _MMA_SYNC_ONLY_SHAPES):
+    for tactic in _CHAIN_FREE_SHAPES + (() if wgmma else _MMA_SYNC_ONLY_SHAPES):
         tactic = dict(tactic, wgmma=wgmma)
         contract.bitwise(_bits(engine(*args, windows=windows, tactic=tactic)), _bits(base),
                          what=f"tactic {tactic} vs the default shape, windows {windows}",
@@ -405,8 +395,7 @@ def test_experts_tactics_change_no_bit_real(backend, config_name, first, count, 
     if engine.arch == "sm_90a":
         base[True] = _bits(engine(*args, tactic=dict(wgmma=1)))
         shapes += [dict(wgmma=1, fused=1),
-                   dict(wgmma=1, warps=8, mtiles=2, fused=1, pdl_chain=1),
-                   dict(wgmma=1, warps=8, mtiles=2, specialized=1, pdl_chain=1)]
+                   dict(wgmma=1, warps=8, mtiles=2, fused=1, pdl_chain=1)]
     for tactic in shapes:
         wgmma = bool(tactic.get("wgmma"))
         contract.bitwise(_bits(engine(*args, tactic=tactic)), base[wgmma],

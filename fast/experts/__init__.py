@@ -29,10 +29,7 @@ the GEMMs in ``fast.experts.kernels``):
 4. ``ExpertsGemmKernel`` FC2: the same over ``w2`` with the hidden rows, BF16 rows out.
 
 Steps 3 and 4 run as one persistent grid by default on a DEP owner
-(``kernels.FusedExpertsKernel``); tactic ``specialized`` runs them as one warp-specialized
-grid instead (``fast.experts.specialized``: producer warps stream a deep shared-memory ring
-for the computing warps; its contracts pass on an H100, where it ran 1.5-2.1x slower than
-the default).
+(``kernels.FusedExpertsKernel``).
 
 Hopper has no block-scaled MMA, so E2M1 codes are placed into BF16 bit patterns and
 multiplied by their power-of-two scale (exact in the range ``layout`` states), and the

@@ -142,7 +142,7 @@ def choose_walk(inter: int, latent: int, tile_rows: int) -> int:
 
 #: The keys of an FC kernel tactic (``ExpertsEngine.__call__``).
 TACTIC_KEYS = ("warps", "mtiles", "ring", "chains", "occupancy", "pdl", "wgmma", "pdl_chain",
-               "fused", "ctas", "walk", "specialized", "producers")
+               "fused", "ctas", "walk")
 
 
 def check_ctas(ctas, owner: str) -> None:
@@ -191,26 +191,16 @@ def complete_tactic(tactic: dict, arch: str) -> dict:
     if tactic["wgmma"] and arch != "sm_90a":
         raise ValueError(f"ExpertsEngine: tactic wgmma needs sm_90a (warpgroup MMA is Hopper's), "
                          f"the target is {arch}")
-    if tactic.get("specialized") and not tactic["wgmma"]:
-        raise ValueError("ExpertsEngine: tactic specialized (the warp-specialized grid) runs the "
-                         "warpgroup MMA: name wgmma=1 with it")
-    if tactic.get("specialized") and tactic.get("walk", 1) != 1:
-        raise ValueError("ExpertsEngine: tactic specialized streams every item through its own "
-                         f"ring and takes no walk, got walk={tactic['walk']}")
-    if "producers" in tactic and not tactic.get("specialized"):
-        raise ValueError("ExpertsEngine: tactic producers is the warp-specialized grid's "
-                         "(specialized=1)")
     return tactic
 
 
 def kernel_class(kind: str) -> type:
     """The class of the kernel ``kind`` of :func:`kernel_params`."""
-    from fast.experts import kernels, lists, specialized
+    from fast.experts import kernels, lists
 
     return {"lists": lists.RoutingListsKernel, "plan": lists.PlanKernel,
             "fused": kernels.FusedExpertsKernel, "fc1": kernels.ExpertsGemmKernel,
-            "fc2": kernels.ExpertsGemmKernel,
-            "specialized": specialized.SpecializedExpertsKernel}[kind]
+            "fc2": kernels.ExpertsGemmKernel}[kind]
 
 
 def compiled_kernel(kind: str, arch: str, params: tuple):
@@ -227,8 +217,6 @@ def _occupancy(params: tuple) -> int:
     from fast.experts import kernels
 
     kw = dict(params)
-    if "producers" in kw:  # the warp-specialized kernel: its own
-        return kw["occupancy"]
     if "fc1" in kw and "fc2" in kw:  # the fused kernel: the smaller of the two
         return min(_occupancy(kw["fc1"]), _occupancy(kw["fc2"]))
 
@@ -258,12 +246,6 @@ def kernel_params(g, config, windows: int, capture: bool, strict: bool,
     walk = common.pop("walk", 1)  # FC2's row tiles per item (FC1's items are long)
     chain = bool(common.pop("pdl_chain", False))
     fused = bool(common.pop("fused", False))
-    specialized = bool(common.pop("specialized", False))
-    producers = common.pop("producers", 1)
-    if specialized:  # ring and occupancy are the warp-specialized grid's own
-        own = dict(producers=producers, ring=common.pop("ring", 0),
-                   occupancy=common.pop("occupancy", 1))
-        fused = True  # the plan kernel zeroes the FC1 counts the FC2 items wait for
     params = {
         "lists": tuple(sorted(dict(latent=g.latent, top_k=config.top_k, experts=config.experts,
                                    first=g.first, count=g.count, strict=strict,
@@ -276,10 +258,7 @@ def kernel_params(g, config, windows: int, capture: bool, strict: bool,
         "fc2": tuple(sorted(dict(common, fc1=False, rows=g.latent, k=g.inter, capture=False,
                                  walk=walk).items())),
     }
-    if specialized:  # one warp-specialized grid (specialized.SpecializedExpertsKernel)
-        params["specialized"] = tuple(sorted(dict(own, fc1=params.pop("fc1"),
-                                                  fc2=params.pop("fc2")).items()))
-    elif fused:  # one persistent grid for both GEMMs (kernels.FusedExpertsKernel)
+    if fused:  # one persistent grid for both GEMMs (kernels.FusedExpertsKernel)
         params["fused"] = (("fc1", params.pop("fc1")), ("fc2", params.pop("fc2")))
     return params
 
@@ -452,8 +431,7 @@ class ExpertsEngine:
                 and wrote its ``plan`` rows (``fast.schedules.wide_route``); the call
                 then launches from the plan kernel on.
             tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
-                "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "ctas", "walk",
-                "specialized", "producers"}``
+                "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "ctas", "walk"}``
                 (defaults: ``default_tactic``'s tile and grid, a ring of 4 stages for one
                 window and 3 for more, one accumulator chain, CTAs per multiprocessor
                 from the shared memory, ``pdl`` on: FC1 lets FC2 launch early, and FC2
@@ -464,13 +442,8 @@ class ExpertsEngine:
                 items, as at a real rank's batch; ``walk``: FC2 row tiles per work item,
                 streamed back to back through one ring, their B operand copied once
                 and kept in shared memory, for FC2 GEMMs of at most
-                ``kernels.WALK_MAX_STAGES`` stages; ``specialized`` (with ``wgmma``, no
-                walk): FC1 and FC2 in one warp-specialized grid
-                (``specialized.SpecializedExpertsKernel``: ``producers`` warps, 1 or 2,
-                fill a ring of ``ring`` slots, default as deep as one CTA per
-                multiprocessor holds, for the computing warps). Warps, m-tiles, ring,
-                occupancy, pdl, pdl_chain, fused, ctas, walk, specialized and producers
-                never change a bit; ``chains``
+                ``kernels.WALK_MAX_STAGES`` stages. Warps, m-tiles, ring,
+                occupancy, pdl, pdl_chain, fused, ctas and walk never change a bit; ``chains``
                 changes the summation order (within the same bound), so a call with a
                 non-default ``chains`` is not batch invariant with the default; ``wgmma``
                 changes the instruction (the contracts hold each MMA kind batch invariant
@@ -502,10 +475,9 @@ class ExpertsEngine:
         p = self.prepared
         caps = [i64(t) for t in ((cap.fc1, cap.codes, cap.scales) if cap else (self._null,) * 3)]
         ctas = tactic.get("ctas")
-        one = "specialized" if "specialized" in fn else "fused" if "fused" in fn else None
-        if one:
-            grid = i32(ctas or self.sms * _occupancy(params[one]))
-            fn[one](i64(p.w13), i64(p.s13), i64(self.plan), i64(self.lists), work,
+        if "fused" in fn:
+            grid = i32(ctas or self.sms * _occupancy(params["fused"]))
+            fn["fused"](i64(p.w13), i64(p.s13), i64(self.plan), i64(self.lists), work,
                         i64(self.hidden), i64(p.w2), i64(p.s2), i64(out), *caps,
                         i32(self.max_rows), grid, stream)
             if validate:
@@ -568,7 +540,7 @@ class ExpertsEngine:
                  and g.latent % WGMMA_TILE_ROWS == 0
                  and not own.keys() & {"warps", "mtiles", "chains", "wgmma"})
         walk = own.get("walk", 1)
-        if "walk" not in own and not own.get("specialized"):  # its items take no walk
+        if "walk" not in own:
             tile = {**choose_tile(rows, c.top_k, c.experts, g.count, windows=windows,
                                   wgmma=wgmma), **own}
             walk = choose_walk(g.inter, g.latent, 16 * tile.get("warps", 4) * tile.get("mtiles", 2))
@@ -581,8 +553,7 @@ class ExpertsEngine:
         device), and clear the error."""
         from fast.experts.kernels import GATE_SPIN_LIMIT
         from fast.experts.lists import (ERROR_GATE_TIMEOUT, ERROR_ID_RANGE, ERROR_LIST_OVERFLOW,
-                                        ERROR_PIPELINE_TIMEOUT, ERROR_STALE_LISTS)
-        from fast.experts.specialized import PIPELINE_SPIN_LIMIT, WAIT_KINDS
+                                        ERROR_STALE_LISTS)
 
         at = self.layout.error
         code, pair, value = (int(v) for v in self.work[at:at + 3].tolist())
@@ -599,11 +570,6 @@ class ExpertsEngine:
             raise EngineError(f"ExpertsEngine (fused): an FC2 item of local expert {pair} waited "
                               f"{GATE_SPIN_LIMIT} polls (about 2 s) for its expert's FC1 items and saw "
                               f"{value} finished; the call's rows are unspecified")
-        if code == ERROR_PIPELINE_TIMEOUT:
-            raise EngineError(f"ExpertsEngine (specialized): a CTA's wait on its "
-                              f"{WAIT_KINDS.get(pair, pair)} barrier at count {value} ran "
-                              f"{PIPELINE_SPIN_LIMIT} polls (a kernel bug: a stage or item never "
-                              f"filled or released); the call's rows are unspecified")
         k = self.config.top_k
         where = f"ids[{pair // k}, {pair % k}] = {value}"
         if code == ERROR_ID_RANGE:

@@ -24,7 +24,7 @@ from fast.experts.layout import (CHUNK, DECODE_MASK, PAIR3_GATHER, PAIR3_MULTIPL
                                  chunks_per_stage, stages_of, wgmma_b_descriptor)
 from fast.experts.lists import ERROR_GATE_TIMEOUT, Workspace, e8m0_f32_bits
 
-__all__ = ["GATE_SPIN_LIMIT", "WALK_MAX_STAGES", "EPILOGUE_BARRIER", "ExpertsGemmKernel",
+__all__ = ["GATE_SPIN_LIMIT", "WALK_MAX_STAGES", "ExpertsGemmKernel",
            "FusedExpertsKernel"]
 
 #: How many times a fused FC2 item polls its expert's FC1 count before it gives up (claims
@@ -35,9 +35,6 @@ GATE_SPIN_LIMIT = 1 << 22
 #: The most stages per tile a walked GEMM (``ExpertsGemmKernel(walk > 1)``) may have: its
 #: tile's stages are unrolled, and only short GEMMs (FC2 of a TP slice) need the walk.
 WALK_MAX_STAGES = 8
-#: The named barrier (``bar.sync`` id) of the computing threads' epilogue in a
-#: warp-specialized kernel (``ExpertsGemmKernel.epilogue_barrier``); 0 is the CTA's.
-EPILOGUE_BARRIER = 1
 
 
 class ExpertsGemmKernel:
@@ -122,10 +119,6 @@ class ExpertsGemmKernel:
         #: (``signal``), FC2 waits for its expert's count before reading hidden rows
         #: (``gate``; ``fc1_tiles``: FC1 tiles per window group)
         self.signal, self.gate, self.fc1_tiles = False, False, 0
-        #: set by ``specialized.SpecializedExpertsKernel``: the threads that compute (its
-        #: consumer warps), which then meet at named barrier ``EPILOGUE_BARRIER`` in the
-        #: epilogue instead of the CTA barrier (0: every thread of the CTA computes)
-        self.epilogue_threads = 0
         self.threads = 32 * warps
         self.tokens = WINDOW * windows  # token slots of a work item (the MMA's N)
         self.tile_rows = 16 * warps * mtiles
@@ -565,20 +558,10 @@ class ExpertsGemmKernel:
             p.sts_i32(info + 20, groups_e)
 
     @cute.jit
-    def epilogue_barrier(self):
-        """The barrier of the computing threads inside an epilogue: the CTA's
-        (``bar.sync 0``), or named barrier ``EPILOGUE_BARRIER`` of the ``epilogue_threads``
-        consumer threads of a warp-specialized kernel (its producer warps never reach it)."""
-        if cutlass.const_expr(self.epilogue_threads):
-            cute.arch.barrier(barrier_id=EPILOGUE_BARRIER, number_of_threads=self.epilogue_threads)
-        else:
-            cute.arch.sync_threads()
-
-    @cute.jit
     def signal_ready(self, work: Int64, expert, tid):
         """Fused FC1: after every thread's hidden-row stores (the barrier), thread 0 counts
         this item at its expert with a GPU-scope release."""
-        self.epilogue_barrier()
+        cute.arch.sync_threads()
         if tid == 0:
             p.red_release_gpu_add(work + Int64(self.ws.ready + expert) * 4, 1)
 
@@ -803,7 +786,7 @@ class ExpertsGemmKernel:
             for w in cutlass.range_constexpr(W):
                 if w < nwin:
                     self._situ_window(acc, act, red, mt, w, warp, g, q)
-        self.epilogue_barrier()
+        cute.arch.sync_threads()
         for mt in cutlass.range_constexpr(MT):
             local = warp * MT + mt
             block = local // 4

@@ -19,7 +19,7 @@ from fast.device import ptx as p
 from fast.experts.layout import WINDOW
 
 __all__ = ["EMPTY_ID", "ERROR_ID_RANGE", "ERROR_LIST_OVERFLOW", "ERROR_NOT_LOCAL",
-           "ERROR_GATE_TIMEOUT", "ERROR_STALE_LISTS", "ERROR_PIPELINE_TIMEOUT", "Workspace", "RoutingListsKernel",
+           "ERROR_GATE_TIMEOUT", "ERROR_STALE_LISTS", "Workspace", "RoutingListsKernel",
            "PlanKernel", "e8m0_f32_bits"]
 
 #: The id of every slot of an empty receive row (engines built with ``empty_rows``).
@@ -30,9 +30,6 @@ EMPTY_ID = -1
 #: no plan kernel consumed: a ``listed`` call's appends made twice).
 ERROR_ID_RANGE, ERROR_LIST_OVERFLOW, ERROR_NOT_LOCAL, ERROR_GATE_TIMEOUT = 1, 2, 3, 4
 ERROR_STALE_LISTS = 5
-#: a warp-specialized kernel's wait on one of its shared-memory barriers timed out (a
-#: kernel bug: a stage or an item never filled or released); see ``fast.experts.specialized``
-ERROR_PIPELINE_TIMEOUT = 6
 
 
 class Workspace:
