@@ -434,26 +434,33 @@ def wgmma_bf16(acc, a, descriptor, n: int):
     return [Float32(llvm.extractvalue(f32, result, [i])) for i in range(count)]
 
 
+def _wgmma_ss(acc, a_descriptor, b_descriptor, accumulate, instruction: str, immediates: str):
+    """One ``wgmma`` with both operands by descriptor: ``instruction`` (the mnemonic with
+    its shape and types), the scale-d predicate from ``accumulate`` (Int32, non-zero: D
+    added) and the trailing ``immediates``; ``acc`` tied to the outputs."""
+    from cutlass._mlir.dialects import llvm
+
+    count = len(acc)
+    outs = ", ".join(f"${i}" for i in range(count))
+    code = (f"{{ .reg .pred p; setp.ne.b32 p, ${count + 2}, 0; "
+            f"{instruction} {{{outs}}}, ${count}, ${count + 1}, p, {immediates}; }}")
+    constraints = ",".join(["=f"] * count + ["l", "l", "r"] + [str(i) for i in range(count)])
+    f32 = ir.F32Type.get()
+    struct = llvm.StructType.get_literal([f32] * count)
+    operands = ([_ir(Int64(a_descriptor)), _ir(Int64(b_descriptor)), _ir(Int32(accumulate))]
+                + [_ir(Float32(x)) for x in acc])
+    result = llvm.inline_asm(struct, operands, code, constraints, has_side_effects=True)
+    return [Float32(llvm.extractvalue(f32, result, [i])) for i in range(count)]
+
+
 def wgmma_bf16_ss(acc, a_descriptor, b_descriptor, n: int):
     """``wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16`` with both operands in
     shared memory (K-major descriptors): ``acc`` (``n / 2`` FP32 accumulators of this
     thread) += A (64 x 16) x B (``n`` x 16)^T. Asynchronous, as ``wgmma_bf16``."""
-    from cutlass._mlir.dialects import llvm
-
-    count = n // 2
-    if n % 8 or not 8 <= n <= 256 or len(acc) != count:
+    if n % 8 or not 8 <= n <= 256 or len(acc) != n // 2:
         raise ValueError(f"wgmma m64n{n}k16 takes {n // 2} accumulators")
-    outs = ", ".join(f"${i}" for i in range(count))
-    code = (f"{{ .reg .pred p; setp.ne.b32 p, ${count + 2}, 0; "
-            f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16 {{{outs}}}, "
-            f"${count}, ${count + 1}, p, 1, 1, 0, 0; }}")
-    constraints = ",".join(["=f"] * count + ["l", "l", "r"] + [str(i) for i in range(count)])
-    f32 = ir.F32Type.get()
-    struct = llvm.StructType.get_literal([f32] * count)
-    operands = ([_ir(Int64(a_descriptor)), _ir(Int64(b_descriptor)), _ir(Int32(1))]
-                + [_ir(Float32(x)) for x in acc])
-    result = llvm.inline_asm(struct, operands, code, constraints, has_side_effects=True)
-    return [Float32(llvm.extractvalue(f32, result, [i])) for i in range(count)]
+    return _wgmma_ss(acc, a_descriptor, b_descriptor, 1,
+                     f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16", "1, 1, 0, 0")
 
 
 def wgmma_e4m3_ss(acc, a_descriptor, b_descriptor, n: int, accumulate=1):
@@ -465,22 +472,10 @@ def wgmma_e4m3_ss(acc, a_descriptor, b_descriptor, n: int, accumulate=1):
     predicate). FP8 operands are K-major only (no transpose immediates). How the tensor
     cores round the sum is not the BF16 MMA's: ``benchmarks/fp8_wgmma_probe.py`` measures it.
     Asynchronous, as ``wgmma_bf16``."""
-    from cutlass._mlir.dialects import llvm
-
-    count = n // 2
-    if n % 8 or not 8 <= n <= 256 or len(acc) != count:
+    if n % 8 or not 8 <= n <= 256 or len(acc) != n // 2:
         raise ValueError(f"wgmma m64n{n}k32 takes {n // 2} accumulators")
-    outs = ", ".join(f"${i}" for i in range(count))
-    code = (f"{{ .reg .pred p; setp.ne.b32 p, ${count + 2}, 0; "
-            f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3 {{{outs}}}, "
-            f"${count}, ${count + 1}, p, 1, 1; }}")
-    constraints = ",".join(["=f"] * count + ["l", "l", "r"] + [str(i) for i in range(count)])
-    f32 = ir.F32Type.get()
-    struct = llvm.StructType.get_literal([f32] * count)
-    operands = ([_ir(Int64(a_descriptor)), _ir(Int64(b_descriptor)), _ir(Int32(accumulate))]
-                + [_ir(Float32(x)) for x in acc])
-    result = llvm.inline_asm(struct, operands, code, constraints, has_side_effects=True)
-    return [Float32(llvm.extractvalue(f32, result, [i])) for i in range(count)]
+    return _wgmma_ss(acc, a_descriptor, b_descriptor, accumulate,
+                     f"wgmma.mma_async.sync.aligned.m64n{n}k32.f32.e4m3.e4m3", "1, 1")
 
 
 def wgmma_settle(values):
