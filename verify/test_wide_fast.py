@@ -24,6 +24,9 @@ one GPU: each stage of every rank against the reference stage on *that rank's ow
 | CUDA graph, stream orders | replays (both mailbox buffers, interleaved with eager calls) and the side stream (plain, delayed by a spin) bitwise equal to the serialized eager call |
 | bad input | rows outside 65..max_rows, a rank count that does not match, a wrong dtype: a clear error before any launch |
 | batch invariance (``batch_invariant=True``) | the four GEMMs on fast.gemm pass the stage contracts (``mma_matmul_bound`` at their K split, bitwise = the same GEMM alone); each token's every stage output on every rank (front, logits, latent, ids, weights, plan rows, expert rows, partial, routed, normed, shared gate/up, SiTU, shared, up columns, out) at row counts on both sides of every tactic and token-chunk edge bitwise = the same token in the largest batch; TP 2, 4 (small), 8, 16 (small, S = I = 1024) and TP8 at the real widths (65 to 1023 rows against 1024) |
+| serial splits (``invariant_serial_from``) | every stage of every rank bitwise the cross-CTA split layer's at 65..256 rows, and batch invariant across the switch |
+| another process | the same batch-invariant layer, weights and rows in a second process: the same bits |
+| 1000 graph replays | on changing inputs, every 50th (and the last) bitwise equal to an eager call |
 | designed all-reduce orders | every rank's partials (latent) and hidden partials (shared, up columns) replaced by values of a wide dynamic range, at 4, 8 and 16 ranks, where the FP32 sum's order decides its bits: every rank's routed, normed and out bitwise = the rank-order sum (``ordered_sum_bf16``) and every other rank's; the reversed order differs on many elements (the inputs do expose the order) |
 """
 
@@ -538,6 +541,98 @@ def test_wide_fast_batch_invariant(backend, config_name, ranks, top, mma, seed, 
     x = _inputs(layer.config, top, seed)
     check_wide_batch_invariant(contract, layer, x, batches)
     _check_one_split_per_gemm(layer, low, top, mma)
+
+
+@pytest.mark.config("small")
+def test_wide_fast_serial_splits_same_bits(backend, seed, contract):
+    """``invariant_serial_from=129`` (from three token chunks on, each GEMM's K splits run
+    one after another in each CTA, ``fast.gemm.Tactic.serial``): every stage of every rank
+    bitwise the cross-CTA layer's at 65, 128, 129, 200 and 256 rows, and the layer still
+    batch invariant across the switch (its first ``t`` tokens against its 256-row call)."""
+    ranks, top = 4, 256
+    cross = _batch_invariant_layer("small", ranks, top, "auto")
+    serial = _layer("small", ranks, top, batch_invariant=True, invariant_serial_from=129)
+    assert serial.invariant_mma == cross.invariant_mma
+    for r in serial.local_ranks:
+        assert not any(p.tactic.serial for p in serial.gemm_plan(r, 128).values())
+        assert all(p.tactic.serial for p in serial.gemm_plan(r, 129).values())
+    x = _inputs(serial.config, top, seed)
+    for t in (65, 128, 129, 200, top):
+        xs = x[:t].contiguous()
+        want = [{n: _raw(getattr(o, n)).clone() for n in TOKEN_STAGES} for o in cross(xs)]
+        for r, o in enumerate(serial(xs)):
+            for name in TOKEN_STAGES:
+                contract.bitwise(_raw(getattr(o, name)), want[r][name],
+                                 what=f"rank {r} {name}: serial splits vs cross-CTA, T={t}",
+                                 index_names=("pair", "column") if name == "rows" else ROWS)
+    check_wide_batch_invariant(contract, serial, x, (65, 128, 129, 130, 200, top - 1))
+
+
+@pytest.mark.config("small")
+def test_wide_fast_same_bits_in_another_process(backend, seed, contract, tmp_path):
+    """A second process that builds the same layer (``batch_invariant=True``) from the same
+    weights and runs the same rows returns the same bits at every stage a user reads
+    (logits, ids, weights, shared, out of every rank): nothing in a call depends on the
+    process (addresses, allocator state, compile caches)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ranks, tokens, stages = 4, 129, ("logits", "ids", "weights", "shared", "out")
+    saved = tmp_path / "other_process.pt"
+    script = (
+        "import sys, torch\n"
+        "from verify import cases\n"
+        "from fast.schedules.wide import WideLayer\n"
+        "w = cases.weights('small')\n"
+        f"layer = WideLayer(w, ranks={ranks}, max_rows=256, device='cuda', batch_invariant=True)\n"
+        f"x = cases.hidden_rows(layer.config, {tokens}, {seed}).cuda()\n"
+        "outs = layer(x)\n"
+        f"torch.save([{{n: getattr(o, n).cpu() for n in {stages!r}}} for o in outs], sys.argv[1])\n")
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
+    done = subprocess.run([sys.executable, "-c", script, str(saved)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = torch.load(saved)
+    layer = _batch_invariant_layer("small", ranks, 256, "auto")
+    outs = layer(_inputs(layer.config, tokens, seed))
+    for r, o in enumerate(outs):
+        for name in stages:
+            contract.bitwise(_raw(getattr(o, name)).cpu(), _raw(theirs[r][name]),
+                             what=f"rank {r} {name}: this process vs another", index_names=ROWS)
+
+
+@pytest.mark.config("small")
+def test_wide_fast_graph_1000_replays(backend, seed, contract):
+    """The layer's CUDA graphs (one per mailbox buffer) replayed 1000 times on changing
+    inputs (a new batch copied in before each replay); every 50th replay, and the last,
+    bitwise equal to an eager call on the same inputs, which also moves the graphs to the
+    other mailbox buffer (no state drifts: mailboxes re-armed, tile counters re-armed, no
+    stale scratch)."""
+    ranks, tokens = 4, 100
+    layer = _batch_invariant_layer("small", ranks, 256, "auto")
+    static = _inputs(layer.config, tokens, seed)
+    replay, _ = layer.graph(static)
+    pool = [_inputs(layer.config, tokens, seed + 1 + i) for i in range(8)]
+    g = torch.Generator().manual_seed(seed)
+    for i in range(1000):
+        batch, other = pool[i % len(pool)], pool[(i * 3 + 1) % len(pool)]
+        scale = float(torch.rand((), generator=g)) + 0.5
+        static.copy_(torch.cat([batch[: tokens // 2], other[tokens // 2:]]) * scale)
+        outs = replay()
+        if i % 50 == 49 or i == 999:
+            torch.cuda.synchronize()
+            layer.check()
+            got = [o.out.clone() for o in outs]
+            eager = layer(static.clone())
+            for r in range(ranks):
+                contract.bitwise(got[r], eager[r].out,
+                                 what=f"replay {i + 1} rank {r} out = eager", index_names=ROWS)
+    layer.check()
+    check_armed(contract, layer, "after 1000 replays")
 
 
 @pytest.mark.config("kimi_k3")
