@@ -39,6 +39,7 @@ import torch
 
 from benchmarks.experts_table import device_time_us, l2_flush, parse_tactic, rendered
 from benchmarks.readbw import read_bandwidth_gbs
+from fast.gemm.mma_kind import INVARIANT_MMAS
 
 STAGES = ("dense", "dispatch", "experts", "partial", "home", "rank")
 #: Timed apart as well, inside a stage above: the combine kernel alone (in "home").
@@ -129,7 +130,8 @@ def render(result: dict) -> str:
     dense = (f"dense GEMMs: --dense-gemm {mode} (per T: router/front/shared down/up)"
              if mode else "dense GEMMs: cuBLAS (a run from before --dense-gemm)")
     if result.get("batch_invariant"):
-        dense += "; batch invariant (--batch-invariant: one K split per GEMM at every T)"
+        dense += ("; batch invariant (--batch-invariant: one K split per GEMM at every T, on "
+                  f"{result.get('invariant_mma', 'mma.sync')})")
     planned = all("dense_plan" in c for c in result["cases"]) and mode is not None
     # runs made before the combine was timed apart have no "combine" column
     parts = [p for p in PARTS if all(p in c["median_us"] for c in result["cases"])]
@@ -169,6 +171,9 @@ def main(argv=None):
     ap.add_argument("--batch-invariant", action="store_true",
                     help="DepLayer(batch_invariant=True): every dense GEMM on fast.gemm, one K "
                          "split per GEMM at every T")
+    ap.add_argument("--invariant-mma", default="mma.sync", choices=INVARIANT_MMAS,
+                    help="the fast.gemm dense GEMMs' MMA (DepLayer(invariant_mma=...); wgmma: "
+                         "sm_90a's warpgroup MMA)")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
@@ -181,14 +186,16 @@ def main(argv=None):
     flush = l2_flush()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "python": platform.python_version(), "ranks": args.ranks,
-              "batch_invariant": args.batch_invariant, "cases": []}
+              "batch_invariant": args.batch_invariant, "invariant_mma": args.invariant_mma,
+              "cases": []}
     result["read_gbs"] = read_bandwidth_gbs()
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     w = cases.device_weights("kimi_k3")
     c = w.config
     layer = DepLayer(w, ranks=args.ranks, max_tokens=max(tokens_list), dense_gemm=args.dense_gemm,
                      batch_invariant=args.batch_invariant,
-                     experts_tactic=parse_tactic(args.experts_tactic))
+                     experts_tactic=parse_tactic(args.experts_tactic),
+                     invariant_mma=args.invariant_mma)
     result["dense_gemm"] = layer.dense.gemm
     result["experts_tactic"] = args.experts_tactic or "default"
     per = layer.per

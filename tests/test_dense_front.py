@@ -86,18 +86,25 @@ def test_choose_backend_modes():
 
 
 @pytest.mark.parametrize("config_name", ["kimi_k3", "small"])  # the DEP contracts' configs
-@pytest.mark.parametrize("mode", ["auto", "fast"])
-def test_dense_front_kernels_are_compile_tested(config_name, mode):
+@pytest.mark.parametrize("mode,mma", [("auto", "mma.sync"), ("fast", "mma.sync"),
+                                      ("fast", "wgmma")])
+def test_dense_front_kernels_are_compile_tested(config_name, mode, mma):
     """Every fast.gemm kernel shape a ``DenseFront`` of the config compiles at construction
-    (``max_tokens`` 64) is one that ``tests/test_gemm_fast.py::test_kernel_compiles`` compiles
-    for sm_90a: every kernel shape of every candidate tactic at every window count it
-    serves. Each batch's tactic serves the batch."""
-    from fast.gemm.host import CANDIDATES, kernel_shapes
+    (``max_tokens`` 64, on ``invariant_mma``) is one that
+    ``tests/test_gemm_fast.py::test_kernel_compiles`` compiles for sm_90a: every kernel
+    shape of every candidate tactic at every window count it serves, and the warpgroup-MMA
+    tiles. Each batch's tactic serves the batch, on the one MMA kind, with one K split per
+    GEMM at every batch."""
+    from fast.gemm.host import CANDIDATES, WGMMA_TILES, kernel_shapes
 
     cfg = getattr(LatentMoEConfig, config_name)()
     compiled = kernel_shapes({dataclasses.replace(t, splits=1) for c in CANDIDATES.values()
-                              for t in c})
-    plan = dense.fast_tactics(cfg, mode, 64)
+                              for t in c} | set(WGMMA_TILES))
+    plan = dense.fast_tactics(cfg, mode, 64, mma=mma)
+    for per_t in plan.values():
+        assert {t.wgmma for t in per_t.values()} == {mma == "wgmma"}
+    if mode == "fast":
+        assert all(len({t.splits for t in per_t.values()}) == 1 for per_t in plan.values())
     if mode == "fast":
         assert set(plan) == set(dense.GEMMS)
         assert all(sorted(per_t) == list(range(1, 65)) for per_t in plan.values())
@@ -106,8 +113,8 @@ def test_dense_front_kernels_are_compile_tested(config_name, mode):
         for tokens, tactic in per_t.items():
             assert tactic.serves(tokens), (name, tokens, tactic)
             assert n % tactic.tile_rows == 0 and k % (tactic.splits * tactic.stage_k) == 0
-    for params in dense.fast_kernel_params(cfg, mode, 64):
-        assert params in compiled, f"{config_name} {mode}: kernel {params} is not compile-tested"
+    for params in dense.fast_kernel_params(cfg, mode, 64, mma=mma):
+        assert params in compiled, f"{config_name} {mode} {mma}: kernel {params} is not compile-tested"
 
 
 def test_dense_front_refuses_bad_modes_before_touching_a_device():
@@ -118,3 +125,5 @@ def test_dense_front_refuses_bad_modes_before_touching_a_device():
         dense.DenseFront(None, "cpu", max_tokens=65, gemm="fast")
     with pytest.raises(ValueError, match="max_tokens must be None or a positive int"):
         dense.DenseFront(None, "cpu", max_tokens=0)
+    with pytest.raises(ValueError, match="DenseFront: invariant_mma must be one of"):
+        dense.DenseFront(None, "cpu", batch_invariant=True, invariant_mma="auto")

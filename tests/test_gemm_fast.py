@@ -454,7 +454,7 @@ def _shapes():
     third of the CPU time)."""
     import dataclasses
 
-    from fast.gemm.host import CANDIDATES, kernel_shapes
+    from fast.gemm.host import CANDIDATES, WGMMA_TILES, kernel_shapes
 
     shapes = {dataclasses.replace(t, splits=1) for cands in CANDIDATES.values() for t in cands}
     cases = []
@@ -463,6 +463,8 @@ def _shapes():
         cases += [("sm_90a", q) for q in params if ("sm_90a", q) not in cases]
         for arch in backend.TARGETS[1:]:
             cases += [(arch, q) for q in (params[0], params[-1]) if (arch, q) not in cases]
+    # the warpgroup-MMA tiles choose_tactic gives a DenseFront(invariant_mma="wgmma")
+    cases += [("sm_90a", q) for q in kernel_shapes(WGMMA_TILES) if ("sm_90a", q) not in cases]
     return cases
 
 

@@ -203,6 +203,7 @@ RUNTIME_SKIPS = {
     ("test_experts.py", "test_experts_stages_real"): _real_experts_on_cpu,
     ("test_gemm_fast.py", "test_gemm_fast_tactic"): _gemm_tactic,
     ("test_wide_fast.py", "_skip_unless_mma_runs"): _wide_invariant_mma,
+    ("test_dep_fast.py", "_skip_unless_mma_runs"): _wide_invariant_mma,
     ("test_gemm_fast.py", "test_gemm_fast_wide_rows"): _wide_invariant_mma,
     ("test_gemm_fast.py", "test_gemm_fast_wide_serial_splits"): _wide_invariant_mma,
     ("test_stock.py", "_model"): _stock_real_dimensions,

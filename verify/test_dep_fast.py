@@ -44,6 +44,8 @@ import functools
 import pytest
 import torch
 
+from fast.gemm.mma_kind import INVARIANT_MMAS
+
 from reference import emulation
 from reference.mx import quantize_mxfp8
 from reference.schedules.dep import POISON_CODE, POISON_SCALE, local_finalize, ordered_combine
@@ -355,37 +357,56 @@ def check_batch_invariant(contract, layer, xs, batches) -> None:
                                  index_names=ROWS)
 
 
+def _skip_unless_mma_runs(mma: str) -> None:
+    from fast.backend import gpu_arch
+
+    if mma == "wgmma" and gpu_arch() != "sm_90a":
+        pytest.skip(f"wgmma is an sm_90a instruction (invariant_mma='wgmma'); this GPU is "
+                    f"{gpu_arch()}")
+
+
+#: (ranks, the dense GEMMs' MMA kind) of the small-width batch-invariance contract
+BATCH_INVARIANT_CASES = [(1, "mma.sync"), (4, "mma.sync"), (16, "mma.sync"), (4, "wgmma")]
+
+
 @pytest.mark.config("small")
-@pytest.mark.parametrize("ranks", (1, 4, 16))
-def test_dep_fast_batch_invariant(backend, ranks, seed, contract):
-    """``DepLayer(batch_invariant=True)``: every T = 1..63 against T = 64 (every window and
-    bucket edge of the GEMMs and the engine), every stage of every rank, and the check
-    itself: the layer reports the mode and runs every dense GEMM on fast.gemm with one K
-    split per GEMM."""
+@pytest.mark.parametrize("ranks,mma", BATCH_INVARIANT_CASES)
+def test_dep_fast_batch_invariant(backend, ranks, mma, seed, contract):
+    """``DepLayer(batch_invariant=True)`` on each MMA kind of its dense GEMMs
+    (``invariant_mma``): every T = 1..63 against T = 64 (every window and bucket edge of
+    the GEMMs and the engine), every stage of every rank, and the check itself: the layer
+    reports the mode and runs every dense GEMM on fast.gemm with one K split and one MMA
+    kind per GEMM."""
     from fast.gemm.layout import MAX_TOKENS
 
+    _skip_unless_mma_runs(mma)
     cfg = cases.config("small")
-    layer = _layer("small", ranks, MAX_TOKENS, "auto", batch_invariant=True)
+    layer = _layer("small", ranks, MAX_TOKENS, "auto", batch_invariant=True, invariant_mma=mma)
     assert layer.dense.batch_invariant
     plans = [layer.dense.plan(t) for t in range(1, MAX_TOKENS + 1)]
     for name in plans[0]:
         assert {p[name].backend for p in plans} == {"fast"}, name
         assert len({p[name].tactic.splits for p in plans}) == 1, name
+        assert {p[name].tactic.wgmma for p in plans} == {mma == "wgmma"}, name
     xs = cases.rank_rows(cfg, ranks, MAX_TOKENS, seed, "cuda")
     check_batch_invariant(contract, layer, xs, range(1, MAX_TOKENS))
 
 
 @pytest.mark.config("kimi_k3")
-def test_dep_fast_real_dep16_batch_invariant(backend, seed, contract):
-    """The real layer over 16 virtual ranks with ``batch_invariant=True``: T = 1, 2, 8, 9,
-    16, 17, 24, 25, 32, 33, 63 (both sides of every bucket edge of ``DEFAULT_TACTICS`` and
-    of the engine's windows) against T = 64, every stage of every rank; then one batch of
-    T = 2 passes every stage contract (each dense GEMM on fast.gemm at the real widths)."""
+@pytest.mark.parametrize("mma", INVARIANT_MMAS)
+def test_dep_fast_real_dep16_batch_invariant(backend, mma, seed, contract):
+    """The real layer over 16 virtual ranks with ``batch_invariant=True`` on each MMA kind
+    of its dense GEMMs: T = 1, 2, 8, 9, 16, 17, 24, 25, 32, 33, 63 (both sides of every
+    bucket edge of ``DEFAULT_TACTICS`` and of the engine's windows) against T = 64, every
+    stage of every rank; then one batch of T = 2 passes every stage contract (each dense
+    GEMM on fast.gemm at the real widths)."""
+    _skip_unless_mma_runs(mma)
     cfg = cases.config("kimi_k3")
     w = cases.layer_weights("kimi_k3")
     from fast.schedules.dep import DepLayer
 
-    layer = DepLayer(w, ranks=16, max_tokens=64, device="cuda", batch_invariant=True)
+    layer = DepLayer(w, ranks=16, max_tokens=64, device="cuda", batch_invariant=True,
+                     invariant_mma=mma)
     xs = cases.rank_rows(cfg, 16, 64, seed, "cuda")
     check_batch_invariant(contract, layer, xs, (1, 2, 8, 9, 16, 17, 24, 25, 32, 33, 63))
     few = [x[:2].contiguous() for x in xs]

@@ -21,7 +21,7 @@ from fast.gemm.layout import (MAX_CALL_TOKENS, MAX_TOKENS, MAX_WINDOWS, Tactic,
                               chunk_workspace_bytes, padded_rows, token_chunks)
 
 __all__ = ["DenseGemm", "choose_tactic", "splits_of", "splits_for_rows", "CANDIDATES",
-           "DEFAULT_TACTICS", "PDL_MAX_TOKENS", "compile_kernel", "kernel_shapes", "Launch",
+           "DEFAULT_TACTICS", "WGMMA_TILES", "PDL_MAX_TOKENS", "compile_kernel", "kernel_shapes", "Launch",
            "launch_for"]
 
 _R64, _R128 = dict(warps=2, mtiles=2), dict(warps=4, mtiles=2)
@@ -89,6 +89,11 @@ def splits_for_rows(n: int, k: int, tokens: int, sms: int = 132) -> int:
     while tiles * splits * chunks < sms and k % (2 * splits * 64) == 0:
         splits *= 2
     return splits
+
+
+#: The tiles ``choose_tactic(..., wgmma=True)`` gives (at any ``splits``): 4 warps of one
+#: (64 rows) or two (128 rows) m-tiles; what a ``DenseGemm(wgmma=True)`` compiles.
+WGMMA_TILES = (Tactic(warps=4, mtiles=1, wgmma=True), Tactic(warps=4, mtiles=2, wgmma=True))
 
 
 #: Calls of at most this many tokens launch with programmatic dependent launch by default

@@ -60,6 +60,7 @@ import torch
 
 from fast import activation, mx, router, stock
 from fast.gemm.layout import MAX_TOKENS as FAST_MAX_TOKENS
+from fast.gemm.mma_kind import check_mma, resolve_mma
 from fast.gemm.layout import Tactic, windows_for
 from model.config import LatentMoEConfig
 from model.weights import LatentMoEWeights
@@ -147,16 +148,18 @@ def choose_backend(gemm: str, n: int, k: int, tokens: int, mode: str = "auto") -
 
 
 def fast_tactics(config: LatentMoEConfig, mode: str, max_tokens: int | None = None,
-                 sms: int = 132) -> dict[str, dict[int, Tactic]]:
+                 sms: int = 132, mma: str = "mma.sync") -> dict[str, dict[int, Tactic]]:
     """Per GEMM, the batches ``T`` (up to ``max_tokens``, at most ``FAST_MAX_TOKENS``) that
     run fast.gemm under ``mode``, with the tactic each runs (``fast.gemm.choose_tactic`` on a
-    GPU of ``sms`` multiprocessors; 132: the H200). GEMMs that never run it are left out."""
+    GPU of ``sms`` multiprocessors, 132: the H200, on ``mma``: ``DenseFront``'s
+    ``invariant_mma``). GEMMs that never run it are left out."""
     from fast.gemm.host import choose_tactic
 
+    check_mma("fast_tactics", mma)
     top = FAST_MAX_TOKENS if max_tokens is None else min(max_tokens, FAST_MAX_TOKENS)
     plan = {}
     for name, (n, k) in gemm_shapes(config).items():
-        chosen = {t: choose_tactic(n, k, t, sms) for t in range(1, top + 1)
+        chosen = {t: choose_tactic(n, k, t, sms, wgmma=mma == "wgmma") for t in range(1, top + 1)
                   if choose_backend(name, n, k, t, mode) == "fast"}
         if chosen:
             plan[name] = chosen
@@ -164,12 +167,12 @@ def fast_tactics(config: LatentMoEConfig, mode: str, max_tokens: int | None = No
 
 
 def fast_kernel_params(config: LatentMoEConfig, mode: str, max_tokens: int | None = None,
-                       sms: int = 132) -> list[dict]:
+                       sms: int = 132, mma: str = "mma.sync") -> list[dict]:
     """The distinct fast.gemm kernel shapes (``Tactic.kernel_params``) a ``DenseFront`` of
-    ``config`` compiles under ``mode`` (what ``tests/test_dense_front.py`` checks against
-    the shapes ``tests/test_gemm_fast.py`` compiles)."""
+    ``config`` compiles under ``mode`` on ``mma`` (what ``tests/test_dense_front.py``
+    checks against the shapes ``tests/test_gemm_fast.py`` compiles)."""
     seen = []
-    for per_t in fast_tactics(config, mode, max_tokens, sms).values():
+    for per_t in fast_tactics(config, mode, max_tokens, sms, mma).values():
         for t, tactic in per_t.items():
             params = tactic.kernel_params(windows_for(t))
             if params not in seen:
@@ -217,20 +220,26 @@ class DenseFront:
         batch_invariant: every token's outputs bitwise independent of its batch (size and
             batch-mates): every GEMM on fast.gemm (``gemm`` ``"auto"`` is taken as
             ``"fast"``; ``"cublas"`` is refused). ``gemm="fast"`` alone gives the same.
+        invariant_mma: the MMA of every fast.gemm GEMM: ``"mma.sync"`` (default; the
+            measured tactic table's) or ``"wgmma"`` (sm_90a's warpgroup MMA, on
+            ``choose_tactic``'s rule at every T: other bits than ``mma.sync``, the same at
+            every batch; ``fast.gemm.mma_kind``).
 
     Raises:
-        ValueError: a bad ``gemm``, ``max_tokens`` or ``batch_invariant``; from ``fast.gemm.DenseGemm``, a
+        ValueError: a bad ``gemm``, ``max_tokens``, ``batch_invariant`` or
+            ``invariant_mma`` (``"wgmma"`` off sm_90a); from ``fast.gemm.DenseGemm``, a
             weight the fast GEMM cannot take where it is chosen (N or K not a multiple of
             64); RuntimeError: the fast kernels cannot run on this device where chosen.
     """
 
     def __init__(self, weights: LatentMoEWeights, device: torch.device, *,
                  max_tokens: int | None = None, gemm: str = "auto",
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, invariant_mma: str = "mma.sync"):
         if gemm not in GEMM_MODES:
             raise ValueError(f"DenseFront: gemm must be one of {GEMM_MODES}, got {gemm!r}")
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"DenseFront: batch_invariant must be a bool, got {batch_invariant!r}")
+        check_mma("DenseFront", invariant_mma)
         if batch_invariant:
             if gemm == "cublas":
                 raise ValueError("DenseFront: batch_invariant=True runs every dense GEMM on "
@@ -253,6 +262,12 @@ class DenseFront:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.gemm, self.max_tokens = gemm, max_tokens
+        if device.type == "cuda" and invariant_mma == "wgmma":  # refused off sm_90a, by name
+            from fast import backend
+
+            resolve_mma("DenseFront", invariant_mma, backend.device_arch(device))
+        #: the MMA of every fast.gemm GEMM (``invariant_mma``)
+        self.invariant_mma = invariant_mma
         on = dict(device=device)
         self.gate = weights.gate.to(**on).contiguous()
         self.bias = weights.bias.to(**on).contiguous()
@@ -279,7 +294,8 @@ class DenseFront:
             return {}
         from fast.gemm import DenseGemm, compile_kernel
 
-        gemms = {name: DenseGemm(self._weight[name], max_tokens=top) for name in names}
+        gemms = {name: DenseGemm(self._weight[name], max_tokens=top,
+                                 wgmma=self.invariant_mma == "wgmma") for name in names}
         for name, g in gemms.items():
             for t in range(1, top + 1):
                 if self.backend(name, t) == "fast":

@@ -140,6 +140,9 @@ class DepLayer:
         experts_tactic: the experts engine's FC kernel settings for every call
             (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
             the engine's defaults.
+        invariant_mma: the MMA of the fast.gemm dense GEMMs (``DenseFront``'s):
+            ``"mma.sync"`` (default) or ``"wgmma"`` (sm_90a; other bits, the same at every
+            batch).
     """
 
     #: ``fast.schedules.graphs.BucketGraphs``' input: every virtual rank's tokens (a list).
@@ -147,7 +150,8 @@ class DepLayer:
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_tokens: int,
                  device: str | torch.device = "cuda", dense_gemm: str = "auto",
-                 batch_invariant: bool = False, experts_tactic: dict | None = None):
+                 batch_invariant: bool = False, experts_tactic: dict | None = None,
+                 invariant_mma: str = "mma.sync"):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
@@ -171,7 +175,7 @@ class DepLayer:
         self.arch = backend.device_arch(device)
         on = dict(device=device)
         self.dense = DenseFront(weights, device, max_tokens=max_tokens, gemm=dense_gemm,
-                                batch_invariant=batch_invariant)
+                                batch_invariant=batch_invariant, invariant_mma=invariant_mma)
         rows = ranks * max_tokens
         self.engines = [
             experts_engine_for(self.arch, prepare_experts_for(self.arch, weights, device,

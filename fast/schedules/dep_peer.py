@@ -141,6 +141,8 @@ class DepPeerLayer:
         experts_tactic: the experts engine's FC kernel settings for every call
             (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
             the engine's defaults.
+        invariant_mma: as ``DepLayer``'s (the MMA of the fast.gemm dense GEMMs); the same
+            on every rank.
 
     Construction of a scratch is collective (every rank of the group must construct it).
     """
@@ -151,7 +153,8 @@ class DepPeerLayer:
     def __init__(self, weights: LatentMoEWeights, *, max_tokens: int | None = None, group=None,
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
                  scratch: DepPeerScratch | None = None, dense_gemm: str = "auto",
-                 batch_invariant: bool = False, experts_tactic: dict | None = None):
+                 batch_invariant: bool = False, experts_tactic: dict | None = None,
+                 invariant_mma: str = "mma.sync"):
         from fast.experts import experts_engine_for, prepare_experts_for
         from fast.experts.engine import EngineScratch
 
@@ -181,7 +184,8 @@ class DepPeerLayer:
         self.per = c.experts // self.ranks
         self.arch = backend.device_arch(self.device)
         self.dense = DenseFront(weights, self.device, max_tokens=self.max_tokens,
-                                gemm=dense_gemm, batch_invariant=batch_invariant)
+                                gemm=dense_gemm, batch_invariant=batch_invariant,
+                                invariant_mma=invariant_mma)
         prepared = prepare_experts_for(self.arch, weights, self.device,
                                        experts=(self.rank * self.per, self.per))
         rows = self.ranks * self.max_tokens

@@ -99,7 +99,8 @@ import torch
 from fast import backend
 from fast.schedules.dense import check_hidden_rows
 from fast.schedules.steps import run_steps
-from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes, check_mma, resolve_mma
+from fast.gemm.mma_kind import check_mma, resolve_mma
+from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
                                          SHARED_PLACEMENTS, WIDE_STEPS, WideCall, WideRank,
                                          WideRankOutputs, WideStageCalls, as_int32)

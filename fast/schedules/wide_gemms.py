@@ -48,6 +48,7 @@ measured figures.
 
 from __future__ import annotations
 
+from fast.gemm.mma_kind import INVARIANT_MMAS, MMA_CHOICES, check_mma, resolve_mma
 from model.config import LatentMoEConfig
 
 __all__ = ["WIDE_GEMMS", "INVARIANT_MMAS", "MMA_CHOICES", "gemm_shapes", "check_fast_gemm_shapes", "gemm_splits",
@@ -55,10 +56,6 @@ __all__ = ["WIDE_GEMMS", "INVARIANT_MMAS", "MMA_CHOICES", "gemm_shapes", "check_
 
 #: The wide rank's dense GEMMs, by name (the table of the module docstring).
 WIDE_GEMMS = ("front", "shared_gate_up", "shared_down", "up")
-#: The MMA kinds the batch-invariant mode runs its GEMMs on (module docstring).
-INVARIANT_MMAS = ("mma.sync", "wgmma")
-#: What a layer's ``invariant_mma`` accepts: ``"auto"`` (:func:`resolve_mma`) or a kind.
-MMA_CHOICES = ("auto",) + INVARIANT_MMAS
 
 
 def gemm_shapes(config: LatentMoEConfig, ranks: int) -> dict[str, tuple[int, int]]:
@@ -104,31 +101,6 @@ def gemm_launches(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
                                  serial=serial_from is not None and t >= serial_from)
                    for t in rows}
             for name, (n, k) in gemm_shapes(config, ranks).items()}
-
-
-def check_mma(owner: str, mma, allow_auto: bool = False) -> None:
-    """Refuse, by name, an ``mma`` that is not one of ``INVARIANT_MMAS`` (or ``"auto"``
-    where ``allow_auto``: a layer's argument, before :func:`resolve_mma`)."""
-    choices = MMA_CHOICES if allow_auto else INVARIANT_MMAS
-    if mma not in choices:
-        raise ValueError(f"{owner}: invariant_mma must be one of {choices}, got {mma!r}")
-
-
-def resolve_mma(owner: str, mma, arch: str) -> str:
-    """The MMA kind a layer built with ``invariant_mma=mma`` runs on a GPU of ``arch``
-    (``fast.backend.device_arch``): ``"auto"`` is ``"wgmma"`` on ``sm_90a`` (measured
-    faster than ``mma.sync`` at every row count of the wide layer, 65..1024, on an H100:
-    ``docs/schedules/wide.md``) and ``"mma.sync"`` elsewhere (wgmma is an sm_90a
-    instruction); a kind is itself, ``"wgmma"`` refused off ``sm_90a``. So a layer's bits
-    in this mode are a function of the GPU architecture and the argument, never of the
-    batch."""
-    check_mma(owner, mma, allow_auto=True)
-    if mma == "auto":
-        return "wgmma" if arch == "sm_90a" else "mma.sync"
-    if mma == "wgmma" and arch != "sm_90a":
-        raise ValueError(f"{owner}: invariant_mma='wgmma' needs an sm_90a GPU (warpgroup MMA), "
-                         f"this one is {arch}")
-    return mma
 
 
 def kernel_params(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,

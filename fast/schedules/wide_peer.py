@@ -84,7 +84,8 @@ from fast.schedules.steps import run_steps
 from fast.schedules.wide import (compiled_kernel, check_batch_invariant, check_list_params,
                                  check_call_options, check_ranks, check_rows_and_timeout,
                                  kernel_params, mailbox_timeout)
-from fast.schedules.wide_gemms import build_fast_gemms, resolve_mma
+from fast.gemm.mma_kind import resolve_mma
+from fast.schedules.wide_gemms import build_fast_gemms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, WIDE_STEPS,
                                          WideCall, WideRank, WideRankOutputs, WideStageCalls,
                                          as_int32, rank_gemm_bf16_into)

@@ -1,0 +1,41 @@
+"""The MMA kind of a batch-invariant GEMM set (``fast.gemm.DenseGemm(wgmma=...)``): which
+kinds exist, which a layer may name, and what ``"auto"`` is on each GPU architecture.
+
+A kind fixes a token's bits as the K split does (another instruction, another summation
+inside each MMA step), so a batch-invariant layer runs all its fast.gemm GEMMs on one kind
+at every row count; the two kinds give other bits than each other.
+"""
+
+from __future__ import annotations
+
+__all__ = ["INVARIANT_MMAS", "MMA_CHOICES", "check_mma", "resolve_mma"]
+
+#: The MMA kinds the batch-invariant mode runs its GEMMs on (module docstring).
+INVARIANT_MMAS = ("mma.sync", "wgmma")
+#: What a layer's ``invariant_mma`` accepts: ``"auto"`` (:func:`resolve_mma`) or a kind.
+MMA_CHOICES = ("auto",) + INVARIANT_MMAS
+
+
+def check_mma(owner: str, mma, allow_auto: bool = False) -> None:
+    """Refuse, by name, an ``mma`` that is not one of ``INVARIANT_MMAS`` (or ``"auto"``
+    where ``allow_auto``: a layer's argument, before :func:`resolve_mma`)."""
+    choices = MMA_CHOICES if allow_auto else INVARIANT_MMAS
+    if mma not in choices:
+        raise ValueError(f"{owner}: invariant_mma must be one of {choices}, got {mma!r}")
+
+
+def resolve_mma(owner: str, mma, arch: str) -> str:
+    """The MMA kind a layer built with ``invariant_mma=mma`` runs on a GPU of ``arch``
+    (``fast.backend.device_arch``): ``"auto"`` is ``"wgmma"`` on ``sm_90a`` (measured
+    faster than ``mma.sync`` at every row count of the wide layer, 65..1024, on an H100:
+    ``docs/schedules/wide.md``) and ``"mma.sync"`` elsewhere (wgmma is an sm_90a
+    instruction); a kind is itself, ``"wgmma"`` refused off ``sm_90a``. So a layer's bits
+    in this mode are a function of the GPU architecture and the argument, never of the
+    batch."""
+    check_mma(owner, mma, allow_auto=True)
+    if mma == "auto":
+        return "wgmma" if arch == "sm_90a" else "mma.sync"
+    if mma == "wgmma" and arch != "sm_90a":
+        raise ValueError(f"{owner}: invariant_mma='wgmma' needs an sm_90a GPU (warpgroup MMA), "
+                         f"this one is {arch}")
+    return mma
