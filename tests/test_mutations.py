@@ -340,6 +340,15 @@ MUTATIONS = [
          "        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial)",
          ["verify/test_gemm_fast.py::test_gemm_fast_wide_rows[fast-front-wgmma]"],
          needs_gpu=True),
+    # DepLayer(invariant_mma="wgmma"): its one-chunk calls take choose_tactic's rule too
+    _one("fast GEMM: the DEP dense GEMMs' MMA kind follows the batch (mma.sync up to 24 "
+         "tokens, wgmma above)",
+         "fast/gemm/host.py",
+         "    if wgmma:\n        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial)",
+         "    if wgmma and tokens > 24:\n"
+         "        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial)",
+         ["verify/test_dep_fast.py::test_dep_fast_batch_invariant[fast-4-wgmma]"],
+         needs_gpu=True),
     _one("fast GEMM: the wide layer's K split follows the token chunks (halved above 128 rows)",
          "fast/gemm/host.py",
          "    return Tactic(warps=rows // 32, mtiles=2, splits=splits, serial=serial)\n\n\n"
