@@ -41,12 +41,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import platform
 import statistics
 import time
 
 import torch
 
+from benchmarks.provenance import run_header, tree_note
 from benchmarks.experts_table import rendered
 
 FLUSH_BYTES = 256 << 20
@@ -131,7 +131,7 @@ def render(result: dict) -> str:
     this run's best tactic per GEMM; the router on a side stream; the write flush), each with
     its fraction of the byte limit; then per GEMM timed alone, cuBLAS against the best and the
     default tactic."""
-    lines = [f"Device {result['device']}, torch {result['torch']}; read bandwidth "
+    lines = [f"Device {result['device']}, torch {result['torch']}{tree_note(result)}; read bandwidth "
              f"{result['read_gbs']:.0f} GB/s (this run); "
              "fraction = byte limit / time; medians of graph replays after an L2 flush by a "
              "256 MiB read (the write flush: a 256 MiB write, whose dirty lines drain during "
@@ -195,8 +195,7 @@ def main(argv=None):
     flush_out = torch.zeros(readbw.CTAS, dtype=torch.int32, device="cuda")
     flush = lambda: readbw.read(flush_buf, flush_out)  # noqa: E731
     write_flush = lambda: flush_buf.fill_(1)  # noqa: E731
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "python": platform.python_version(), "rows": []}
+    result = {**run_header(), "rows": []}
     t0 = time.time()
     result["read_gbs"] = read_bandwidth_gbs()
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)

@@ -28,11 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 
 import torch
 
+from benchmarks.provenance import run_header, tree_note
 from benchmarks.experts_table import capture_graph, l2_flush, replay_times_us, parse_tactic, \
     rendered
 from benchmarks.readbw import read_bandwidth_gbs
@@ -108,7 +108,7 @@ def render(result: dict) -> str:
     layer's and the best stock composition's medians; the layer is as slow as its slowest
     rank, so the last columns compare the slowest rank of each."""
     lines = [f"Device {result['device']} x {result['ranks']} (one process per GPU), torch "
-             f"{result['torch']}; read bandwidth {result['read_gbs']:.0f} GB/s, peer write "
+             f"{result['torch']}{tree_note(result)}; read bandwidth {result['read_gbs']:.0f} GB/s, peer write "
              f"{result['peer_gbs']['write']:.0f} GB/s, peer read {result['peer_gbs']['read']:.0f} "
              "GB/s (this run); medians of graph replays; fraction = byte limit / time.", "",
              "| T | rank | touched | limit us | fast us (frac) | stock us (frac) | speed-up |",
@@ -151,8 +151,7 @@ def main(argv=None):
     torch.manual_seed(rank)
     tokens_list = [int(t) for t in args.tokens.split(",")]
     flush = l2_flush()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "python": platform.python_version(), "ranks": ranks, "cases": [],
+    result = {**run_header(), "ranks": ranks, "cases": [],
               "read_gbs": read_bandwidth_gbs(), "peer_gbs": peer_bandwidth_gbs()}
     if rank == 0:
         print(f"read {result['read_gbs']:.0f} GB/s, peer {result['peer_gbs']}", flush=True)

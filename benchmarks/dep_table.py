@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 
 import torch
 
+from benchmarks.provenance import run_header, tree_note
 from benchmarks.experts_table import device_time_us, l2_flush, parse_tactic, rendered
 from benchmarks.readbw import read_bandwidth_gbs
 from fast.gemm.mma_kind import INVARIANT_MMAS
@@ -136,8 +136,8 @@ def render(result: dict) -> str:
     # runs made before the combine was timed apart have no "combine" column
     parts = [p for p in PARTS if all(p in c["median_us"] for c in result["cases"])]
     columns = [*STAGES[:-2], *parts, STAGES[-2]]
-    lines = [f"Device {result['device']}, torch {result['torch']}; {result['ranks']} virtual "
-             f"ranks; read bandwidth {result['read_gbs']:.0f} GB/s (this run); fraction = "
+    lines = [f"Device {result['device']}, torch {result['torch']}{tree_note(result)}; "
+             f"{result['ranks']} virtual ranks; read bandwidth {result['read_gbs']:.0f} GB/s (this run); fraction = "
              f"byte limit / time; {dense}" + ("; combine: the combine kernel alone, part of "
                                               "home" if parts else "") + ".", "",
              "| T | limit us | " + " | ".join(columns) + " | rank us (frac) | "
@@ -184,8 +184,7 @@ def main(argv=None):
     torch.manual_seed(0)
     tokens_list = [int(t) for t in args.tokens.split(",")]
     flush = l2_flush()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "python": platform.python_version(), "ranks": args.ranks,
+    result = {**run_header(), "ranks": args.ranks,
               "batch_invariant": args.batch_invariant, "invariant_mma": args.invariant_mma,
               "cases": []}
     result["read_gbs"] = read_bandwidth_gbs()

@@ -63,11 +63,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
+
+from benchmarks.provenance import run_header, tree_note
 
 L, I, E, K = 3584, 3072, 896, 16
 FLUSH_BYTES = 256 << 20
@@ -151,8 +152,7 @@ def rendered(args, render) -> bool:
 def new_result() -> dict:
     """A run's result record: the device, the software, an empty case list, and the read
     bandwidth measured now (``read_gbs``, the byte limits' rate)."""
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "python": platform.python_version(), "cases": []}
+    result = {**run_header(), "cases": []}
     from benchmarks import readbw
 
     result["read_gbs"] = readbw.read_bandwidth_gbs()
@@ -514,8 +514,9 @@ def render(result: dict) -> str:
     default's."""
     extra = [p for p in ("marlin", "trtllm", "fi90")
              if any(k.startswith(p) for c in result["cases"] for k in c["median_us"])]
-    lines = [f"Device {result['device']}, torch {result['torch']}; read bandwidth "
-             f"{result['read_gbs']:.0f} GB/s (this run); fraction = byte limit / time.", "",
+    lines = [f"Device {result['device']}, torch {result['torch']}{tree_note(result)}; read "
+             f"bandwidth {result['read_gbs']:.0f} GB/s (this run); fraction = byte limit / time.",
+             "",
              "| mode | size | skew | touched | limit us | engine us (frac) | triton best us (frac) "
              "| grouped_mm us (frac) | engine / triton |"
              + "".join(f" {p} best us (frac) | engine / {p} |" for p in extra),

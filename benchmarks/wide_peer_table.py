@@ -52,11 +52,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 
 import torch
 
+from benchmarks.provenance import run_header, tree_note
 from benchmarks.dep_peer_table import replay_times_us_in_step
 from benchmarks.experts_table import capture_graph, l2_flush, parse_tactic, rendered
 from benchmarks.readbw import read_bandwidth_gbs
@@ -428,7 +428,7 @@ def render(result: dict) -> str:
     stages = result.get("stages", list(STAGES))
     n = result["ranks"]
     lines = [f"Device {result['device']} x {n} (one process per GPU, TP{n}, real ranks), "
-             f"torch {result['torch']}; read bandwidth {result['read_gbs']:.0f} GB/s (rank 0, "
+             f"torch {result['torch']}{tree_note(result)}; read bandwidth {result['read_gbs']:.0f} GB/s (rank 0, "
              f"this run); medians of {result.get('reps', '?')} graph replays, L2 flushed "
              "before each; fraction = byte limit / time.", "",
              "| T | rank | touched | limit us | " + " | ".join(stages) +
@@ -483,8 +483,7 @@ def main(argv=None):
     ranks = Ranks(args.reps)
     flush = l2_flush()
     read_gbs = read_bandwidth_gbs()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "python": platform.python_version(), "ranks": n, "reps": args.reps,
+    result = {**run_header(), "ranks": n, "reps": args.reps,
               "timeout_s": args.timeout_s, "read_gbs": read_gbs,
               "read_gbs_per_rank": ranks.gather(read_gbs),
               "stages": list(STAGES), "untimed": UNTIMED, "cases": [], "per_rank": []}

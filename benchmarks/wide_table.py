@@ -41,11 +41,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 
 import torch
 
+from benchmarks.provenance import run_header, tree_note
 from benchmarks.experts_table import device_time_us, l2_flush, parse_tactic, rendered
 from benchmarks.readbw import read_bandwidth_gbs
 from fast.schedules.wide_gemms import MMA_CHOICES
@@ -209,8 +209,7 @@ def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant
 
     torch.manual_seed(0)
     flush = l2_flush()
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "python": platform.python_version(), "ranks": ranks, "cases": [],
+    result = {**run_header(), "ranks": ranks, "cases": [],
               "batch_invariant": bool(batch_invariant), "read_gbs": read_bandwidth_gbs()}
     weights = cases.device_weights("kimi_k3")
     layer = WideLayer(weights, ranks=ranks, max_rows=max(tokens_list),
@@ -297,8 +296,8 @@ def render(result: dict) -> str:
             + (f", serial splits from {result['serial_from']} rows"
                if result.get("serial_from") else "") + ")"
             if result.get("batch_invariant") else "GEMMs on cuBLAS (the default)")
-    lines = [f"Device {result['device']}, torch {result['torch']}; {result['ranks']} virtual "
-             f"TP ranks, rank 0 timed; read bandwidth {result['read_gbs']:.0f} GB/s (this "
+    lines = [f"Device {result['device']}, torch {result['torch']}{tree_note(result)}; "
+             f"{result['ranks']} virtual TP ranks, rank 0 timed; read bandwidth {result['read_gbs']:.0f} GB/s (this "
              f"run); fraction = byte limit / time; {mode}.", "",
              "| T | touched | limit us | " + " | ".join(STAGES[:-1]) +
              " | rank us (frac) | shared beside / tail us | stock us (frac) | speed-up "
