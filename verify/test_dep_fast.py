@@ -463,35 +463,18 @@ def test_dep_fast_same_bits_in_another_process(backend, seed, contract, tmp_path
     weights and runs the same tokens returns the same bits at every stage a user reads
     (logits, ids, weights, shared, out of every rank): nothing in a call depends on the
     process (addresses, allocator state, compile caches)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from verify.other_process import check_same_bits_as_another_process
 
-    ranks, tokens, stages = 4, 9, ("logits", "ids", "weights", "shared", "out")
-    saved = tmp_path / "other_process.pt"
-    script = (
-        "import sys, torch\n"
-        "from verify import cases\n"
-        "from fast.schedules.dep import DepLayer\n"
-        "w = cases.layer_weights('small')\n"
-        f"layer = DepLayer(w, ranks={ranks}, max_tokens=16, device='cuda', batch_invariant=True)\n"
-        f"xs = cases.rank_rows(cases.config('small'), {ranks}, {tokens}, {seed}, 'cuda')\n"
-        "outs = layer(xs)\n"
-        f"torch.save([{{n: getattr(o, n).cpu() for n in {stages!r}}} for o in outs], sys.argv[1])\n")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run([sys.executable, "-c", script, str(saved)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    theirs = torch.load(saved)
+    ranks, tokens = 4, 9
     layer = _layer("small", ranks, 16, "auto", batch_invariant=True)
     outs = layer(cases.rank_rows(cases.config("small"), ranks, tokens, seed, "cuda"))
-    for r, o in enumerate(outs):
-        for name in stages:
-            contract.bitwise(_raw(getattr(o, name)).cpu(), _raw(theirs[r][name]),
-                             what=f"rank {r} {name}: this process vs another", index_names=ROWS)
+    check_same_bits_as_another_process(
+        contract, outs,
+        "from fast.schedules.dep import DepLayer\n"
+        "w = cases.layer_weights('small')\n"
+        f"layer = DepLayer(w, ranks={ranks}, max_tokens=16, device='cuda', batch_invariant=True)",
+        f"layer(cases.rank_rows(cases.config('small'), {ranks}, {tokens}, {seed}, 'cuda'))",
+        ("logits", "ids", "weights", "shared", "out"), tmp_path / "other_process.pt", ROWS)
 
 
 @pytest.mark.config("small")

@@ -570,39 +570,20 @@ def test_wide_fast_serial_splits_same_bits(backend, seed, contract):
 
 @pytest.mark.config("small")
 def test_wide_fast_same_bits_in_another_process(backend, seed, contract, tmp_path):
-    """A second process that builds the same layer (``batch_invariant=True``) from the same
-    weights and runs the same rows returns the same bits at every stage a user reads
-    (logits, ids, weights, shared, out of every rank): nothing in a call depends on the
-    process (addresses, allocator state, compile caches)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    """The S2 layer (4 virtual TP ranks, ``batch_invariant=True``, 129 rows: three token
+    chunks) built again in a second process from the same weights: the polled logits, the
+    routing, the shared expert and the output of every rank are the same bits there."""
+    from verify.other_process import check_same_bits_as_another_process
 
-    ranks, tokens, stages = 4, 129, ("logits", "ids", "weights", "shared", "out")
-    saved = tmp_path / "other_process.pt"
-    script = (
-        "import sys, torch\n"
-        "from verify import cases\n"
+    layer = _batch_invariant_layer("small", 4, 256, "auto")
+    outs = layer(_inputs(layer.config, 129, seed))
+    check_same_bits_as_another_process(
+        contract, outs,
         "from fast.schedules.wide import WideLayer\n"
-        "w = cases.weights('small')\n"
-        f"layer = WideLayer(w, ranks={ranks}, max_rows=256, device='cuda', batch_invariant=True)\n"
-        f"x = cases.hidden_rows(layer.config, {tokens}, {seed}).cuda()\n"
-        "outs = layer(x)\n"
-        f"torch.save([{{n: getattr(o, n).cpu() for n in {stages!r}}} for o in outs], sys.argv[1])\n")
-    root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(root), os.environ.get("PYTHONPATH")) if p))
-    done = subprocess.run([sys.executable, "-c", script, str(saved)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    theirs = torch.load(saved)
-    layer = _batch_invariant_layer("small", ranks, 256, "auto")
-    outs = layer(_inputs(layer.config, tokens, seed))
-    for r, o in enumerate(outs):
-        for name in stages:
-            contract.bitwise(_raw(getattr(o, name)).cpu(), _raw(theirs[r][name]),
-                             what=f"rank {r} {name}: this process vs another", index_names=ROWS)
+        "layer = WideLayer(cases.weights('small'), ranks=4, max_rows=256, device='cuda', "
+        "batch_invariant=True)",
+        f"layer(cases.hidden_rows(layer.config, 129, {seed}).cuda())",
+        ("logits", "ids", "weights", "shared", "out"), tmp_path / "other_process.pt", ROWS)
 
 
 @pytest.mark.config("small")
