@@ -14,15 +14,26 @@ import platform
 import subprocess
 from pathlib import Path
 
-__all__ = ["ROOT", "tree_commit", "run_header", "tree_note"]
+__all__ = ["ROOT", "git_head", "tree_commit", "run_header", "tree_note"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def git_head(root: Path = ROOT) -> tuple[str, bool]:
+    """``(HEAD's full commit, whether a tracked file differs)`` of the checkout at
+    ``root``. Raises OSError or ``subprocess.CalledProcessError`` where git cannot tell (no
+    git, or a copied tree without its history)."""
+    sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                            cwd=root, check=True, capture_output=True, text=True).stdout
+    return sha, bool(status.strip())
+
+
 def tree_commit(root: Path = ROOT) -> str:
     """The measured tree's commit: ``$BENCH_COMMIT`` (``<sha>[-dirty]``), else the first
-    word of ``root/COMMIT``, else ``git rev-parse --short HEAD`` (``-dirty`` when a tracked
-    file differs), else ``"unknown"``."""
+    word of ``root/COMMIT``, else :func:`git_head` (``-dirty`` when a tracked file
+    differs), else ``"unknown"``."""
     given = os.environ.get("BENCH_COMMIT")
     if given:
         return given
@@ -32,13 +43,10 @@ def tree_commit(root: Path = ROOT) -> str:
         if words:
             return words[0]
     try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, check=True,
-                             capture_output=True, text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, check=True, capture_output=True, text=True).stdout
+        sha, dirty = git_head(root)
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-    return sha + ("-dirty" if dirty.strip() else "")
+    return sha + ("-dirty" if dirty else "")
 
 
 def run_header() -> dict:

@@ -43,7 +43,7 @@ import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 
-from benchmarks import history
+from benchmarks import history, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 MARKERS = {"gpu": "benchmark_gpu", "cpu": "benchmark_cpu"}
@@ -82,14 +82,10 @@ def resolve_commit(given: str | None) -> tuple[str, bool]:
         sha, _, flag = given.partition("-")
         return sha, flag == "dirty"
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, check=True,
-                             capture_output=True, text=True).stdout.strip()
-        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                cwd=ROOT, check=True, capture_output=True, text=True).stdout
+        return provenance.git_head(ROOT)
     except (OSError, subprocess.CalledProcessError) as error:
         raise SystemExit(f"benchmarks.run: no git commit here ({error}); pass --commit "
                          "<sha>[-dirty] of the tree being measured") from error
-    return sha, bool(status.strip())
 
 
 def run_pytest(suite: str, out: Path, *, machine: str, commit: str | None, dirty: bool,

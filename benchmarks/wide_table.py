@@ -48,7 +48,7 @@ import torch
 from benchmarks.provenance import run_header, tree_note
 from benchmarks.experts_table import device_time_us, l2_flush, parse_tactic, rendered
 from benchmarks.readbw import read_bandwidth_gbs
-from fast.schedules.wide_gemms import MMA_CHOICES
+from fast.gemm.mma_kind import MMA_CHOICES
 
 STAGES = ("shared", "front", "publish", "route", "experts", "finalize", "latent", "hidden",
           "rank")

@@ -480,7 +480,8 @@ def _chunked_shapes():
     smallest and largest window count (as ``_shapes``)."""
     import dataclasses
 
-    from fast.schedules.wide_gemms import INVARIANT_MMAS, check_fast_gemm_shapes, kernel_params
+    from fast.gemm.mma_kind import INVARIANT_MMAS
+    from fast.schedules.wide_gemms import check_fast_gemm_shapes, kernel_params
     from model.config import LatentMoEConfig
 
     real, small = LatentMoEConfig.kimi_k3(), LatentMoEConfig.small()
@@ -529,7 +530,8 @@ def test_wide_gemms_one_mma_kind_and_split_at_every_row_count():
     """``invariant_mma``: every launch of a wide GEMM at 65..1024 rows has the GEMM's one K
     split and the chosen MMA kind (the two fields that fix a token's bits), and a kind
     that is not one of ``INVARIANT_MMAS`` is refused by name."""
-    from fast.schedules.wide_gemms import INVARIANT_MMAS, gemm_launches, gemm_splits
+    from fast.gemm.mma_kind import INVARIANT_MMAS
+    from fast.schedules.wide_gemms import gemm_launches, gemm_splits
     from model.config import LatentMoEConfig
 
     cfg = LatentMoEConfig.kimi_k3()
@@ -553,7 +555,8 @@ def test_serial_splits_launch_one_cta_per_tile_with_the_same_split():
 
     from fast.gemm.host import choose_tactic, launch_for
     from fast.gemm.layout import MAX_ACCUMULATORS_SERIAL, Tactic, token_chunks
-    from fast.schedules.wide_gemms import INVARIANT_MMAS, gemm_launches, gemm_splits
+    from fast.gemm.mma_kind import INVARIANT_MMAS
+    from fast.schedules.wide_gemms import gemm_launches, gemm_splits
     from model.config import LatentMoEConfig
 
     t = Tactic(warps=4, mtiles=2, splits=8, wgmma=True, serial=True)
@@ -626,7 +629,8 @@ def test_wide_gemms_auto_mma_resolves_per_architecture():
     """A layer's default ``invariant_mma="auto"`` is the warpgroup MMA on sm_90a and
     ``mma.sync`` on the Blackwell targets (no wgmma there); a named kind is itself,
     ``"wgmma"`` off sm_90a and ``"auto"`` where a kernel needs a kind are refused by name."""
-    from fast.schedules.wide_gemms import gemm_launches, resolve_mma
+    from fast.gemm.mma_kind import resolve_mma
+    from fast.schedules.wide_gemms import gemm_launches
     from model.config import LatentMoEConfig
 
     assert resolve_mma("L", "auto", "sm_90a") == "wgmma"

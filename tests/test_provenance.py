@@ -19,7 +19,7 @@ def test_tree_commit_sources_in_order(tmp_path, monkeypatch):
 
 def test_tree_commit_of_this_checkout(monkeypatch):
     monkeypatch.delenv("BENCH_COMMIT", raising=False)
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=provenance.ROOT,
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=provenance.ROOT,
                           capture_output=True, text=True).stdout.strip()
     if not head:  # not a git checkout (a copied tree): the COMMIT file or "unknown"
         return

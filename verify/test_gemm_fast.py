@@ -57,7 +57,7 @@ import functools
 import pytest
 import torch
 
-from fast.schedules.wide_gemms import INVARIANT_MMAS
+from fast.gemm.mma_kind import INVARIANT_MMAS
 from verify import bounds, cases
 from verify.seeds import seed_of
 

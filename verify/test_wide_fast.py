@@ -39,7 +39,7 @@ import time
 import pytest
 import torch
 
-from fast.schedules.wide_gemms import INVARIANT_MMAS
+from fast.gemm.mma_kind import INVARIANT_MMAS
 from model.config import LatentMoEConfig
 from model.weights import LatentMoEWeights
 from reference.schedules.mailbox import SENTINEL_BF16, SENTINEL_F32

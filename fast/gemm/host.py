@@ -21,7 +21,7 @@ from fast.gemm.layout import (MAX_CALL_TOKENS, MAX_TOKENS, MAX_WINDOWS, Tactic,
                               chunk_workspace_bytes, padded_rows, token_chunks)
 
 __all__ = ["DenseGemm", "choose_tactic", "splits_of", "splits_for_rows", "CANDIDATES",
-           "DEFAULT_TACTICS", "WGMMA_TILES", "PDL_MAX_TOKENS", "compile_kernel", "kernel_shapes", "Launch",
+           "DEFAULT_TACTICS", "WGMMA_TILES", "PDL_MAX_TOKENS", "check_serial_from", "compile_kernel", "kernel_shapes", "Launch",
            "launch_for"]
 
 _R64, _R128 = dict(warps=2, mtiles=2), dict(warps=4, mtiles=2)
@@ -218,6 +218,14 @@ def compile_kernel(arch: str, **params):
     return compiled(SplitKGemmKernel, arch, frozen(params))
 
 
+def check_serial_from(owner: str, name: str, value) -> None:
+    """Refuse, naming ``owner`` and the argument ``name``, a row count from which calls run
+    serial splits (``DenseGemm(serial_from=...)`` and the wide layers'
+    ``invariant_serial_from``) that is not None or a positive int."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"{owner}: {name} must be None or a positive int (rows), got {value!r}")
+
+
 _BF16, _F32 = torch.bfloat16, torch.float32
 
 
@@ -293,10 +301,7 @@ class DenseGemm:
             raise ValueError(f"DenseGemm: pdl must be None, True or False, got {pdl!r}")
         if not isinstance(wgmma, bool):
             raise ValueError(f"DenseGemm: wgmma must be a bool, got {wgmma!r}")
-        if serial_from is not None and (isinstance(serial_from, bool)
-                                        or not isinstance(serial_from, int) or serial_from < 1):
-            raise ValueError(f"DenseGemm: serial_from must be None or a positive int (rows), "
-                             f"got {serial_from!r}")
+        check_serial_from("DenseGemm", "serial_from", serial_from)
         if weight.device.type != "cuda":
             raise ValueError(f"DenseGemm: weight must be on a CUDA device, got {weight.device}")
         if not weight.is_contiguous() or weight.data_ptr() % 16:

@@ -99,6 +99,7 @@ import torch
 from fast import backend
 from fast.schedules.dense import check_hidden_rows
 from fast.schedules.steps import run_steps
+from fast.gemm.host import check_serial_from
 from fast.gemm.mma_kind import check_mma, resolve_mma
 from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
@@ -263,18 +264,14 @@ def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
                           batch_invariant, invariant_mma="auto",
                           invariant_serial_from=None) -> None:
     """A wide layer's ``batch_invariant`` (a bool), its ``invariant_mma``
-    (``wide_gemms.MMA_CHOICES``), its ``invariant_serial_from`` (None or a positive int)
+    (``fast.gemm.mma_kind.MMA_CHOICES``), its ``invariant_serial_from`` (None or a positive int)
     and, when True, whether the rank's four GEMMs fit
     ``fast.gemm`` at ``ranks`` ranks (``wide_gemms.check_fast_gemm_shapes``); refused by
     name before any device work."""
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"{owner}: batch_invariant must be a bool, got {batch_invariant!r}")
     check_mma(owner, invariant_mma, allow_auto=True)
-    if invariant_serial_from is not None and (
-            isinstance(invariant_serial_from, bool) or not isinstance(invariant_serial_from, int)
-            or invariant_serial_from < 1):
-        raise ValueError(f"{owner}: invariant_serial_from must be None or a positive int "
-                         f"(rows), got {invariant_serial_from!r}")
+    check_serial_from(owner, "invariant_serial_from", invariant_serial_from)
     if batch_invariant:
         check_fast_gemm_shapes(owner, config, ranks)
 
@@ -310,7 +307,7 @@ class WideLayer(WideStageCalls):
             stages already are). Default False: cuBLAS, which is not. Needs each GEMM's K
             a multiple of 64 (every TP rank count of the real layer); refused otherwise.
         invariant_mma: the MMA of those GEMMs: ``"auto"`` (default: ``"wgmma"`` on sm_90a,
-            the faster there, ``"mma.sync"`` elsewhere; ``wide_gemms.resolve_mma``),
+            the faster there, ``"mma.sync"`` elsewhere; ``fast.gemm.mma_kind.resolve_mma``),
             ``"mma.sync"`` or ``"wgmma"`` (sm_90a's warpgroup MMA; other bits than
             ``mma.sync``, the same at every row count). Read only with
             ``batch_invariant=True``; the kind in use is ``self.invariant_mma``.

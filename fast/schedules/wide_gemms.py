@@ -33,7 +33,8 @@ shared down-projection at 8 or 16 ranks (``S/N`` = 32 or 16) does not.
 **The MMA kind** (``mma``): ``"mma.sync"`` or ``"wgmma"`` (sm_90a's warpgroup MMA,
 ``fast.gemm.DenseGemm(wgmma=True)``): one kind for every GEMM at every row count, so either
 is batch invariant; they give other bits than each other. A layer's ``invariant_mma="auto"``
-(its default) takes ``"wgmma"`` on sm_90a and ``"mma.sync"`` elsewhere (:func:`resolve_mma`).
+(its default) takes ``"wgmma"`` on sm_90a and ``"mma.sync"`` elsewhere
+(``fast.gemm.mma_kind.resolve_mma``).
 
 **Serial splits** (``serial_from``): calls of at least that many rows run each GEMM's
 splits one after another inside each CTA (``fast.gemm.Tactic.serial``) instead of one CTA
@@ -48,11 +49,11 @@ measured figures.
 
 from __future__ import annotations
 
-from fast.gemm.mma_kind import INVARIANT_MMAS, MMA_CHOICES, check_mma, resolve_mma
+from fast.gemm.mma_kind import check_mma
 from model.config import LatentMoEConfig
 
-__all__ = ["WIDE_GEMMS", "INVARIANT_MMAS", "MMA_CHOICES", "gemm_shapes", "check_fast_gemm_shapes", "gemm_splits",
-           "gemm_launches", "check_mma", "resolve_mma", "kernel_params", "build_fast_gemms"]
+__all__ = ["WIDE_GEMMS", "gemm_shapes", "check_fast_gemm_shapes", "gemm_splits",
+           "gemm_launches", "kernel_params", "build_fast_gemms"]
 
 #: The wide rank's dense GEMMs, by name (the table of the module docstring).
 WIDE_GEMMS = ("front", "shared_gate_up", "shared_down", "up")
@@ -90,7 +91,7 @@ def gemm_splits(config: LatentMoEConfig, ranks: int, sms: int = 132) -> dict[str
 def gemm_launches(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
                   mma: str = "mma.sync", serial_from: int | None = None) -> dict:
     """``{gemm: {T: fast.gemm.Launch}}``: what each GEMM launches at each row count ``T`` of
-    ``rows`` (an iterable of ints), at its one K split, on ``mma`` (``INVARIANT_MMAS``),
+    ``rows`` (an iterable of ints), at its one K split, on ``mma`` (``fast.gemm.mma_kind.INVARIANT_MMAS``),
     with serial splits from ``serial_from`` rows (``fast.gemm.DenseGemm``'s; None: never)
     (pure Python: the CPU tests check the chunk arithmetic and compile these kernels)."""
     from fast.gemm.host import launch_for
@@ -120,7 +121,7 @@ def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: 
                      serial_from: int | None = None) -> dict:
     """One ``fast.gemm.DenseGemm`` per GEMM of one rank (``weights``: name -> its BF16
     weight on the device, ``WIDE_GEMMS``), each with its K split (:func:`gemm_splits` on
-    this GPU), on ``mma`` (``INVARIANT_MMAS``; ``"wgmma"`` needs an sm_90a device), with
+    this GPU), on ``mma`` (``fast.gemm.mma_kind.INVARIANT_MMAS``; ``"wgmma"`` needs an sm_90a device), with
     serial splits from ``serial_from`` rows (None: never; the same bits) and buffers for up
     to ``max_rows`` rows, and every kernel a call of
     ``front_max + 1 .. max_rows`` rows launches compiled now (none at call time, none
