@@ -1,12 +1,18 @@
 """Fixtures of the unit tests: a seed and a generator from the test's node id
-(``verify.seeds.seed_of``, the same rule as the verification suite's)."""
+(``verify.seeds.seed_of``, the same rule as the verification suite's); PyTorch's CPU
+transcendental kernels warmed up in every test process (``verify.cpu_math``)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from verify import cpu_math
 from verify.seeds import seed_of
+
+
+def pytest_configure(config):
+    cpu_math.warm_up()
 
 
 @pytest.fixture

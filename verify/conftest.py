@@ -45,6 +45,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from verify import cpu_math
 from verify import backends as backend_registry
 from verify.recorder import Recorder
 from verify.report import (Report, format_table, format_totals, merge_reports, report_payload,
@@ -73,6 +74,7 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    cpu_math.warm_up()  # PyTorch's first parallel exp/tanh call in a process (verify.cpu_math)
     report = Report()
     config.stash[REPORT_KEY] = report
     specs = config.getoption("backend", default=None)
