@@ -76,8 +76,12 @@ def route(
         raise ValueError(f"route: bias is on {bias.device}, logits on {logits.device}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= e:
         raise ValueError(f"route: top_k must be an int in [1, E={e}], got {top_k!r}")
-    if not torch.isfinite(logits).all():
-        raise ValueError("route: logits must be finite (NaN/inf would make the selection undefined)")
+    finite = torch.isfinite(logits).all(dim=1)
+    if not finite.all():
+        bad = torch.nonzero(~finite).flatten().tolist()
+        raise ValueError(f"route: logits must be finite (NaN/inf would make the selection "
+                         f"undefined); not finite in token rows {bad[:8]}"
+                         f"{' ...' if len(bad) > 8 else ''} of {logits.shape[0]}")
     if not torch.isfinite(bias).all():
         raise ValueError("route: bias must be finite")
     s = torch.sigmoid(logits)

@@ -66,5 +66,9 @@ def test_errors():
         route(torch.zeros(2, 32), torch.zeros(32), top_k=33)
     with pytest.raises(ValueError, match="logits must be finite"):
         route(torch.full((1, 32), float("nan")), torch.zeros(32))
+    some = torch.zeros(5, 32)
+    some[3, 7], some[1, 0] = float("inf"), float("nan")
+    with pytest.raises(ValueError, match=r"not finite in token rows \[1, 3\] of 5"):
+        route(some, torch.zeros(32))
     with pytest.raises(ValueError, match="x must be a bfloat16"):
         router_logits(torch.zeros(2, 32), torch.zeros(4, 32, dtype=torch.bfloat16))

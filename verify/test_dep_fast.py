@@ -33,6 +33,7 @@ layer (DEP16) runs ``"auto"``, which mixes the two (``DENSE_BACKENDS``).
 | designed orders | the owner finalize (k order) and the combine (owner order) on values of a wide dynamic range at 8 ranks, where the order decides the bits: bitwise their reference orders |
 | another process | the same layer, weights and tokens in a second process: the same bits |
 | 1000 graph replays | on changing inputs, every 50th bitwise equal to an eager call |
+| a bad token | one token's row NaN, infinite or overflowing (``verify.isolation``): the call completes and every other token's every stage, home and owner, is bitwise as with its ordinary row |
 | batch invariance (``batch_invariant=True``) | every rank's first ``t`` tokens as a batch of ``t``: every stage bitwise the same tokens' at ``T = 64`` (home: logits to out; owner: received ids/weights, local expert rows, partials), every ``t`` on the small config, both sides of every bucket edge at the real one |
 """
 
@@ -49,7 +50,7 @@ from fast.gemm.mma_kind import INVARIANT_MMAS
 from reference import emulation
 from reference.mx import quantize_mxfp8
 from reference.schedules.dep import POISON_CODE, POISON_SCALE, local_finalize, ordered_combine
-from verify import bounds, cases
+from verify import bounds, cases, isolation
 
 pytestmark = [pytest.mark.gpu, pytest.mark.backends("fast")]
 
@@ -411,6 +412,50 @@ def test_dep_fast_real_dep16_batch_invariant(backend, mma, seed, contract):
     check_batch_invariant(contract, layer, xs, (1, 2, 8, 9, 16, 17, 24, 25, 32, 33, 63))
     few = [x[:2].contiguous() for x in xs]
     check_dep_fast(contract, layer, layer(few), few)
+
+
+# -- a bad token changes no other token ---------------------------------------------------
+
+@pytest.mark.config("small")
+@pytest.mark.parametrize("dense_gemm", DENSE_GEMMS)
+@pytest.mark.parametrize("kind", isolation.BAD_KINDS)
+def test_dep_fast_bad_token_isolation(backend, kind, dense_gemm, seed, contract):
+    """Rank 1's token 3 of 4 virtual ranks x 16 tokens replaced by a bad row
+    (``verify.isolation.bad_row``: NaN, infinite or overflowing; the reference refuses such
+    a batch, the GPU layer cannot check without a synchronization): the call completes (no
+    engine error) and every other token's stages are bitwise those of the call with its
+    ordinary row: as home on every rank (logits to out), and as owner on every rank the
+    other received rows' codes, scales, ids and weights, their local pairs' expert rows and
+    their partials."""
+    ranks, tokens, at = 4, 16, (1, 3)
+    layer = _layer("small", ranks, tokens, dense_gemm)
+    xs = cases.rank_rows(layer.config, ranks, tokens, seed, "cuda")
+    clean = [_snapshot(o) for o in layer(xs)]
+    bad = [x.clone() for x in xs]
+    bad[at[0]][at[1]] = isolation.bad_row(kind, xs[at[0]][at[1]], seed)
+    dirty = [_snapshot(o) for o in layer(bad)]  # check=True: raises an engine error
+    k, n_rows = layer.config.top_k, ranks * tokens
+    received = isolation.kept_rows(n_rows, at[0] * tokens + at[1], device="cuda")
+    owner_stages = ("recv_codes", "recv_scales", "recv_ids", "recv_weights")
+    for r in range(ranks):
+        home = (isolation.kept_rows(tokens, at[1], device="cuda") if r == at[0]
+                else torch.ones(tokens, dtype=torch.bool, device="cuda"))
+        what = f"rank {r} with a {kind} token at rank {at[0]} row {at[1]}"
+        isolation.check_others_unchanged(
+            contract, {n: _raw(clean[r][n]) for n in HOME_STAGES},
+            {n: _raw(dirty[r][n]) for n in HOME_STAGES}, home, f"{what}, as home")
+        isolation.check_others_unchanged(
+            contract, {n: _raw(clean[r][n]) for n in owner_stages},
+            {n: _raw(dirty[r][n]) for n in owner_stages}, received, f"{what}, as owner")
+        ids = clean[r]["recv_ids"]
+        local = (ids >= r * layer.per) & (ids < (r + 1) * layer.per) & received[:, None]
+        contract.bitwise(_raw(dirty[r]["rows"].view(n_rows, k, -1)[local]),
+                         _raw(clean[r]["rows"].view(n_rows, k, -1)[local]),
+                         what=f"{what}: the other rows' local expert rows",
+                         index_names=("pair", "column"))
+        sent = (ids[:, 0] >= 0) & received
+        contract.bitwise(_raw(dirty[r]["partials"][sent]), _raw(clean[r]["partials"][sent]),
+                         what=f"{what}: the other rows' partials", index_names=ROWS)
 
 
 # -- orders exposed by designed values, and reliability ------------------------------------

@@ -1,6 +1,7 @@
 """Invariances: a token's output bits do not depend on its batch-mates or its
 row position; runs are deterministic; the EP size changes only what its order changes;
-the wide engine's list order (the GPU's relaxed slot claims) changes no bit.
+the wide engine's list order (the GPU's relaxed slot claims) changes no bit; a bad token
+(NaN, infinite or overflowing row) changes no bit of any other token (``verify.isolation``).
 
 Stream orderings (side streams delayed or serialized, CUDA-graph replay) are properties of
 the fast multi-stream schedules; their contracts belong with those schedules in ``fast/``
@@ -16,7 +17,7 @@ import torch
 from reference.layer import stock_order_trace
 from reference.schedules.dep import dep_layer_virtual
 from reference.schedules.wide import wide_layer_virtual
-from verify import cases
+from verify import cases, isolation
 
 pytestmark = pytest.mark.config("small")
 ROWS = ("token", "column")
@@ -106,3 +107,30 @@ def test_wide_claim_order_invariance(ranks, seed, contract):
     shuffled = wide_layer_virtual(x, w, ranks, cfg, claim_order=order)[0]
     contract.bitwise(shuffled.out, base.out, what="wide output, shuffled list claims",
                      index_names=ROWS)
+
+
+
+# -- a bad token: the reference refuses the batch, naming it (verify.isolation) --------------
+
+@pytest.mark.parametrize("schedule", ("stock", "dep", "wide"))
+@pytest.mark.parametrize("kind", isolation.BAD_KINDS)
+def test_bad_token_refused_by_reference(schedule, kind, seed):
+    """The reference schedules define no output for a token whose logits are not finite
+    (the top-k of NaN scores is undefined): a batch holding one (``verify.isolation.bad_row``:
+    NaN, infinite or overflowing rows) raises ``ValueError`` naming that token's row, on
+    S0, on the S1 rank that holds it and on S2. (The fast layers cannot check without a
+    host synchronization; their contract is that the bad token changes no other token:
+    ``test_dep_fast_bad_token_isolation``, ``test_wide_fast_bad_token_isolation``.)"""
+    cfg, w = cases.config("small"), cases.weights("small")
+    if schedule == "dep":
+        xs = cases.rank_rows(cfg, 4, 8, seed)
+        xs[1][3] = isolation.bad_row(kind, xs[1][3], seed)
+        run, row = (lambda: dep_layer_virtual(xs, w, cfg)), 3
+    else:
+        x = cases.hidden_rows(cfg, 70, seed)
+        x[33] = isolation.bad_row(kind, x[33], seed)
+        run = (lambda: stock_order_trace(x, w, cfg)) if schedule == "stock" else (
+            lambda: wide_layer_virtual(x, w, 4, cfg))
+        row = 33
+    with pytest.raises(ValueError, match=rf"logits must be finite .* token rows \[{row}\] "):
+        run()

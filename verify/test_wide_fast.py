@@ -22,6 +22,7 @@ one GPU: each stage of every rank against the reference stage on *that rank's ow
 | late writer | polls launched before the publishes (another stream, behind a spin) wait and return the writers' words |
 | timeout | a reader whose writer never arrives records the error and ends; ``check`` raises naming the rank, buffer, token, column and the writer |
 | CUDA graph, stream orders | replays (both mailbox buffers, interleaved with eager calls) and the side stream (plain, delayed by a spin) bitwise equal to the serialized eager call |
+| a bad token | one row NaN, infinite or overflowing (``verify.isolation``): the call completes and every other row's every token stage on every rank is bitwise as with its ordinary row |
 | bad input | rows outside 65..max_rows, a rank count that does not match, a wrong dtype: a clear error before any launch |
 | batch invariance (``batch_invariant=True``) | the four GEMMs on fast.gemm pass the stage contracts (``mma_matmul_bound`` at their K split, bitwise = the same GEMM alone); each token's every stage output on every rank (front, logits, latent, ids, weights, plan rows, expert rows, partial, routed, normed, shared gate/up, SiTU, shared, up columns, out) at row counts on both sides of every tactic and token-chunk edge bitwise = the same token in the largest batch; TP 2, 4 (small), 8, 16 (small, S = I = 1024) and TP8 at the real widths (65 to 1023 rows against 1024) |
 | serial splits (``invariant_serial_from``) | every stage of every rank bitwise the cross-CTA split layer's at 65..256 rows, and batch invariant across the switch |
@@ -43,7 +44,7 @@ from fast.gemm.mma_kind import INVARIANT_MMAS
 from model.config import LatentMoEConfig
 from model.weights import LatentMoEWeights
 from reference.schedules.mailbox import SENTINEL_BF16, SENTINEL_F32
-from verify import cases
+from verify import cases, isolation
 from reference.schedules.groups import ordered_sum_bf16
 from verify.wide_fast_checks import ROWS, check_armed, check_wide_fast, published_words
 
@@ -684,3 +685,28 @@ def test_wide_fast_all_reduce_orders_designed(backend, config_name, ranks, seed,
                          index_names=ROWS)
         contract.bitwise(_raw(o.out.cpu()), first, what=f"rank {r} out = rank 0's out",
                          index_names=ROWS)
+
+
+# -- a bad token changes no other token ---------------------------------------------------
+
+@pytest.mark.config("small")
+@pytest.mark.parametrize("kind", isolation.BAD_KINDS)
+def test_wide_fast_bad_token_isolation(backend, kind, seed, contract):
+    """Row 33 of 70 on 4 virtual TP ranks replaced by a bad row (``verify.isolation.bad_row``:
+    NaN, infinite or overflowing; the reference refuses such a batch, the GPU layer cannot
+    check without a synchronization): the call completes (no engine or mailbox error) and
+    every other row's every token stage (``TOKEN_STAGES``) on every rank is bitwise that of
+    the call with its ordinary row."""
+    layer = _layer("small", 4, 128)
+    x = _inputs(layer.config, 70, seed)
+    clean = [_snapshot(o) for o in layer(x)]
+    bad = x.clone()
+    bad[33] = isolation.bad_row(kind, x[33], seed)
+    dirty = [_snapshot(o) for o in layer(bad)]  # check=True: raises a recorded error
+    keep = isolation.kept_rows(70, 33, device="cuda")
+    for r in range(4):
+        isolation.check_others_unchanged(
+            contract, {n: _raw(v) for n, v in clean[r].items()},
+            {n: _raw(v) for n, v in dirty[r].items()}, keep,
+            f"rank {r} with a {kind} token at row 33")
+
