@@ -501,6 +501,67 @@ def config_tag(name: str | None, prefix: str) -> str:
     return "owner " + rest
 
 
+#: What every run joined by :func:`merge_runs` must share (one device, software and tree).
+MERGE_KEYS = ("device", "torch", "python", "commit")
+
+
+def merge_runs(results: list[dict]) -> dict:
+    """One result of several runs' cases (each run a part of one table that did not fit one
+    device call): the shared header (``MERGE_KEYS``), every case in the parts' order with
+    its own run's read bandwidth (``case["read_gbs"]``; its ``limit_us`` was computed at that
+    rate, so each fraction stays one run's), ``parts`` (each run's read bandwidth, wall time,
+    completeness and cases), the peers' descriptions and versions (which must agree: a
+    layout, configuration or build that changed between runs would make one table of two
+    contests), every run's tiny-problem checks and every error a run reported. There is no
+    top-level ``read_gbs``: each case carries its own.
+
+    Raises:
+        ValueError: fewer than two runs; runs of another device, software or tree; a case
+            (mode, size, skew) in two runs; a peer described, or built, differently by two
+            runs.
+    """
+    if len(results) < 2:
+        raise ValueError(f"merge_runs: needs at least two runs, got {len(results)}")
+    first = results[0]
+    for i, r in enumerate(results[1:], 1):
+        for key in MERGE_KEYS:
+            if r.get(key) != first.get(key):
+                raise ValueError(f"merge_runs: run {i} has {key}={r.get(key)!r}, run 0 "
+                                 f"{first.get(key)!r} (one table is one device, software and tree)")
+    merged = {key: first.get(key) for key in MERGE_KEYS}
+    merged.update(cases=[], parts=[], peers={})
+    seen = {}
+    for i, r in enumerate(results):
+        if "read_gbs" not in r or "cases" not in r:
+            raise ValueError(f"merge_runs: run {i} is not an experts_table result "
+                             f"(no read_gbs or cases)")
+        for c in r["cases"]:
+            key = (c["mode"], c["size"], float(c["skew"]))
+            if key in seen:
+                raise ValueError(f"merge_runs: case {key} is in run {seen[key]} and run {i}")
+            seen[key] = i
+            merged["cases"].append({**c, "read_gbs": c.get("read_gbs", r["read_gbs"])})
+        merged["parts"].append({"read_gbs": r["read_gbs"], "wall_s": r.get("wall_s"),
+                                "complete": r.get("complete"), "cases": len(r["cases"])})
+        for name, desc in r.get("peers", {}).items():
+            if name in merged["peers"] and merged["peers"][name] != desc:
+                raise ValueError(f"merge_runs: peer {name!r} is described differently by "
+                                 f"run {i} than by an earlier run")
+            merged["peers"][name] = desc
+        for key, value in r.items():
+            if key.endswith("_checks"):  # every run's tiny-problem checks
+                merged.setdefault(key, []).extend(value)
+            elif key.endswith("_versions"):  # one peer build per table
+                if key in merged and merged[key] != value:
+                    raise ValueError(f"merge_runs: {key} differ between runs ({merged[key]!r} "
+                                     f"and {value!r})")
+                merged[key] = value
+            elif key.endswith("_error") and value not in merged.get(key, ""):
+                merged[key] = f"{merged[key]}; run {i}: {value}" if key in merged else value
+    merged["complete"] = all(p["complete"] for p in merged["parts"])
+    return merged
+
+
 def render(result: dict) -> str:
     """A markdown table of a result: per case the median time of each contestant (us) and
     its fraction of the byte limit; the best triton_kernels layout and configuration (named,
@@ -514,13 +575,22 @@ def render(result: dict) -> str:
     default's."""
     extra = [p for p in ("marlin", "trtllm", "fi90")
              if any(k.startswith(p) for c in result["cases"] for k in c["median_us"])]
-    lines = [f"Device {result['device']}, torch {result['torch']}{tree_note(result)}; read "
-             f"bandwidth {result['read_gbs']:.0f} GB/s (this run); fraction = byte limit / time.",
+    parts = result.get("parts")
+    if parts:  # merge_runs: each case's fractions are of its own run's read bandwidth
+        rates = " / ".join(f"{p['read_gbs']:.0f}" for p in parts)
+        bandwidth = (f"{len(parts)} runs joined, read bandwidth {rates} GB/s (each case's "
+                     f"limit and fractions at its own run's rate, the read GB/s column)")
+    else:
+        bandwidth = f"read bandwidth {result['read_gbs']:.0f} GB/s (this run)"
+    lines = [f"Device {result['device']}, torch {result['torch']}{tree_note(result)}; "
+             f"{bandwidth}; fraction = byte limit / time.",
              "",
-             "| mode | size | skew | touched | limit us | engine us (frac) | triton best us (frac) "
+             "| mode | size | skew | touched |" + (" read GB/s |" if parts else "")
+             + " limit us | engine us (frac) | triton best us (frac) "
              "| grouped_mm us (frac) | engine / triton |"
              + "".join(f" {p} best us (frac) | engine / {p} |" for p in extra),
-             "|---|---|---|---|---|---|---|---|---|" + "---|---|" * len(extra)]
+             "|---|---|---|---|" + ("---|" if parts else "") + "---|---|---|---|---|"
+             + "---|---|" * len(extra)]
     for c in result["cases"]:
         med, lim = c["median_us"], c["limit_us"]
         tri_name, tri = best_of(med, "triton")
@@ -528,7 +598,8 @@ def render(result: dict) -> str:
         tag = lambda n, p: f" {config_tag(n, p)}" if config_tag(n, p) else ""  # noqa: E731
         gm = med.get("grouped_mm")
         ratio = f"{tri / med['engine']:.2f}x" if tri else "-"
-        line = (f"| {c['mode']} | {c['size']} | {c['skew']:.1f} | {c['touched']} | {lim:.1f} | "
+        rate = f" {c['read_gbs']:.0f} |" if parts else ""
+        line = (f"| {c['mode']} | {c['size']} | {c['skew']:.1f} | {c['touched']} |{rate} {lim:.1f} | "
                 f"{cell(med['engine'])} | {cell(tri)}{tag(tri_name, 'triton')} | {cell(gm)} | {ratio} |")
         for p in extra:
             name, best = best_of(med, p)
@@ -564,8 +635,21 @@ def main(argv=None):
     ap.add_argument("--tactics", default="",
                     help="extra engine tactics, e.g. 'ring=6;warps=8,mtiles=1;wgmma=1,windows=4' "
                          "(windows=N sets that variant's window count: 1, 2 or 4)")
+    ap.add_argument("--merge", nargs="+", metavar="RESULT",
+                    help="join these result JSONs of one device and tree (each a part of one "
+                         "table: merge_runs) into --out and print its markdown; no run")
     args = ap.parse_args(argv)
     if rendered(args, render):
+        return
+    if args.merge:
+        runs = []
+        for path in args.merge:
+            with open(path) as f:
+                runs.append(json.load(f))
+        merged = merge_runs(runs)
+        with open(args.out, "w") as f:
+            json.dump(merged, f, indent=1)
+        print(render(merged), end="")
         return
 
     from fast.experts import ExpertsEngine, prepare_experts
