@@ -177,9 +177,15 @@ def main(argv=None):
     ap.add_argument("--wgmma", action="store_true",
                     help="also time the wgmma version of every candidate with 4 or 8 warps "
                          "(sm_90a; labels end in ',wgmma'; not used for the best-tactic rows)")
+    ap.add_argument("--overlap", action="store_true",
+                    help="with --wgmma: also time each wgmma version with one stage's MMAs in "
+                         "flight (Tactic.overlap; labels end in ',wgmma,overlap') and check it "
+                         "gives the wgmma version's bits")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
+    if args.overlap and not args.wgmma:
+        ap.error("--overlap times the wgmma versions' overlap form: pass --wgmma too")
 
     from benchmarks.experts_table import device_time_us
     from benchmarks.readbw import read_bandwidth_gbs
@@ -208,6 +214,9 @@ def main(argv=None):
         if args.wgmma:
             cands += [dataclasses.replace(t, wgmma=True) for t in CANDIDATES[shape]
                       if t.warps in (4, 8)]
+        if args.overlap:
+            cands += [dataclasses.replace(t, wgmma=True, overlap=True) for t in CANDIDATES[shape]
+                      if t.warps in (4, 8)]
         return cands
 
     engines = {g: DenseGemm(probe[g][0], tactics=timed(tuple(probe[g][0].shape))) for g in gemms}
@@ -229,25 +238,30 @@ def main(argv=None):
                 case["times"][name] = device_time_us(
                     lambda: eng(a, out_dtype=out_dtype, addend=addend, out=out, tactic=t),
                     reps=args.reps, flush=flush)
+            bits = lambda o: o.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)  # noqa: E731
             if args.wgmma:  # does warpgroup MMA give mma.sync's bits at the same splits?
-                case["wgmma_same_bits"] = {}
+                case["wgmma_same_bits"], case["overlap_same_bits"] = {}, {}
                 for t in timed(tuple(weight.shape)):
-                    if t.wgmma and t.serves(tokens):
-                        plain = dataclasses.replace(t, wgmma=False)
+                    if t.wgmma and t.serves(tokens):  # overlap: against the plain wgmma form
+                        plain = dataclasses.replace(t, overlap=False) if t.overlap else \
+                            dataclasses.replace(t, wgmma=False)
                         got = [eng(a, out_dtype=out_dtype, addend=addend, tactic=v).clone()
                                for v in (t, plain)]
-                        case["wgmma_same_bits"][t.label()] = bool(torch.equal(
-                            got[0].view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32),
-                            got[1].view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)))
+                        key = "overlap_same_bits" if t.overlap else "wgmma_same_bits"
+                        case[key][t.label()] = bool(torch.equal(bits(got[0]), bits(got[1])))
             case["median_us"] = {k: statistics.median(v) for k, v in case["times"].items()}
             med = case["median_us"]
-            tact = {k: v for k, v in med.items() if k.startswith("r") and not k.endswith("wgmma")}
+            tact = {k: v for k, v in med.items() if k.startswith("r") and ",wgmma" not in k}
             best = min(tact, key=tact.get)
-            wg = {k: v for k, v in med.items() if k.endswith("wgmma")}
-            same = case.get("wgmma_same_bits", {})
+            wg = {k: v for k, v in med.items() if ",wgmma" in k and ",overlap" not in k}
+            ov = {k: v for k, v in med.items() if ",overlap" in k}
+            same, ov_same = case.get("wgmma_same_bits", {}), case.get("overlap_same_bits", {})
             wg_best = (f" | wgmma best {min(wg, key=wg.get)} {min(wg.values()):6.1f} "
                        f"({limit / min(wg.values()):.2f}), bits = mma.sync: "
                        f"{sum(same.values())}/{len(same)}") if wg else ""
+            wg_best += (f" | overlap best {min(ov, key=ov.get)} {min(ov.values()):6.1f} "
+                        f"({limit / min(ov.values()):.2f}), bits = wgmma: "
+                        f"{sum(ov_same.values())}/{len(ov_same)}") if ov else ""
             print(f"T {tokens:3d} {g:11s} limit {limit:6.1f}us | cublas {med['cublas']:6.1f} "
                   f"({limit / med['cublas']:.2f}) | default {case['default']} {med['default']:6.1f} "
                   f"({limit / med['default']:.2f}) | best {best} {tact[best]:6.1f} "

@@ -822,9 +822,85 @@ def test_wgmma_tactic_checks():
 @pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
 @pytest.mark.parametrize("windows", [1, 4, 8])
 @pytest.mark.parametrize("tactic", [Tactic(warps=4, mtiles=2, wgmma=True),
-                                    Tactic(warps=8, mtiles=2, wgmma=True)],
+                                    Tactic(warps=8, mtiles=2, wgmma=True),
+                                    Tactic(warps=4, mtiles=2, wgmma=True, overlap=True)],
                          ids=lambda t: t.label())
 def test_wgmma_kernel_compiles(tactic, windows):
     from fast.gemm.host import compile_kernel
 
     assert compile_kernel("sm_90a", **tactic.kernel_params(windows)) is not None
+
+
+# --- Tactic.overlap: one stage's warpgroup MMAs in flight -----------------------------------
+
+def test_overlap_tactic_checks():
+    """``overlap`` needs ``wgmma`` and a ring of at least 3 stages; its label and kernel
+    parameters say so, and the parameters of every other kernel are unchanged."""
+    with pytest.raises(ValueError, match="overlap keeps warpgroup MMAs in flight: it needs wgmma"):
+        Tactic(warps=4, mtiles=2, overlap=True)
+    with pytest.raises(ValueError, match="Tactic.overlap must be a bool"):
+        Tactic(warps=4, mtiles=2, wgmma=True, overlap=1)
+    t = Tactic(warps=4, mtiles=2, wgmma=True, overlap=True)
+    assert t.label() == "r128w4s1,wgmma,overlap" and t.kernel_params(8)["overlap"] is True
+    assert "overlap" not in Tactic(warps=4, mtiles=2, wgmma=True).kernel_params(8)
+    with pytest.raises(ValueError, match="overlap needs a ring of at least 3 stages, got 2"):
+        Tactic(warps=4, mtiles=2, wgmma=True, overlap=True, ring=2).kernel_params(4)
+    from fast.gemm.kernel import SplitKGemmKernel
+
+    with pytest.raises(ValueError, match="overlap needs wgmma and a ring of at least 3"):
+        SplitKGemmKernel(warps=4, mtiles=2, windows=1, ring=4, overlap=True)
+    assert SplitKGemmKernel(warps=4, mtiles=2, windows=1, ring=5, wgmma=True, overlap=True).ahead == 3
+    assert SplitKGemmKernel(warps=4, mtiles=2, windows=1, ring=5, wgmma=True).ahead == 4
+
+
+_SASS = """
+import sys, ast
+from fast.gemm.host import compile_kernel
+compile_kernel("sm_90a", **ast.literal_eval(sys.argv[1]))
+"""
+
+
+def _sass(tmp_path, params: dict) -> list[str]:
+    """The instructions (opcode with modifiers and operands) of the kernel of ``params``
+    compiled for sm_90a, disassembled by nvdisasm."""
+    import subprocess
+
+    from tools.ptx_dump import run_compile
+    from tools.sass_budget import nvdisasm
+
+    out = tmp_path / ("o" if params.get("overlap") else "p")
+    out.mkdir()
+    run_compile(_SASS, [repr(params)], keep="cubin", dump_dir=out)
+    cubin = sorted(out.rglob("*SplitKGemmKernel*.cubin"))
+    assert cubin, f"no cubin dumped for {params}"
+    text = subprocess.run([nvdisasm(), "-c", str(cubin[0])], capture_output=True, text=True,
+                          check=True).stdout
+    return [line.split("*/", 1)[1].strip().rstrip(";").strip() for line in text.splitlines()
+            if line.strip().startswith("/*") and "*/" in line and line.split("*/", 1)[1].strip()]
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+@pytest.mark.parametrize("chunked_serial", [False, True], ids=["plain", "chunked-serial"])
+def test_overlap_keeps_one_stage_of_mmas_in_flight(tmp_path, chunked_serial):
+    """In the machine code ptxas produced: the overlap kernel's stage ends with a wait that
+    leaves one MMA group in flight (``WARPGROUP.DEPBAR.LE gsb0, 0x1``), each stage's HGMMAs
+    are issued back to back (ptxas did not serialize them: no warpgroup wait between them),
+    and every read of the accumulators follows a full wait (``0x0``: after the loop, and
+    in the serial form before each fold); the kernel without overlap never leaves a group
+    in flight."""
+    import dataclasses
+
+    base = (Tactic(warps=4, mtiles=1, splits=8, wgmma=True, serial=True) if chunked_serial
+            else Tactic(warps=4, mtiles=2, wgmma=True))
+    for overlap in (False, True):
+        t = dataclasses.replace(base, overlap=overlap)
+        sass = _sass(tmp_path, t.kernel_params(8, chunked=chunked_serial))
+        waits = [i for i, s in enumerate(sass) if s.startswith("WARPGROUP.DEPBAR")]
+        hgmma = [i for i, s in enumerate(sass) if s.startswith("HGMMA")]
+        assert hgmma and waits
+        in_flight = [i for i in waits if sass[i].endswith("0x1")]
+        assert bool(in_flight) == overlap, (t.label(), [sass[i] for i in waits])
+        assert any(sass[i].endswith("0x0") for i in waits)
+        # the HGMMAs of a stage: between the first and the last, no warpgroup wait
+        first, last = hgmma[0], max(h for h in hgmma if h < (in_flight or waits)[0])
+        assert not [i for i in waits if first < i < last], (t.label(), "HGMMAs serialized")

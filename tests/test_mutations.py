@@ -289,12 +289,12 @@ MUTATIONS = [
     _one("fast GEMM: the tokens loaded before griddepcontrol.wait", "fast/gemm/kernel.py",
          "        cute.arch.griddepcontrol_wait()\n"
          "        cute.arch.griddepcontrol_launch_dependents()\n"
-         "        for st in cutlass.range_constexpr(RING - 1):\n"
+         "        for st in cutlass.range_constexpr(AHEAD):\n"
          "            if st < stages:\n"
          "                self._issue_b(xbase, src, dst, ring + st * SLOT, st)\n"
          "            cute.arch.cp_async_commit_group()\n",
          "        cute.arch.griddepcontrol_launch_dependents()\n"
-         "        for st in cutlass.range_constexpr(RING - 1):\n"
+         "        for st in cutlass.range_constexpr(AHEAD):\n"
          "            if st < stages:\n"
          "                self._issue_b(xbase, src, dst, ring + st * SLOT, st)\n"
          "            cute.arch.cp_async_commit_group()\n"

@@ -188,6 +188,12 @@ def _gemm_tactic(target: Target, ctx: _Context) -> tuple[str, str] | None:
     return _wgmma_skip(target, ctx.params.get("tactic"))
 
 
+def _sm90a_only(target: Target, ctx: _Context) -> tuple[str, str] | None:
+    if target.arch != "sm_90a":
+        return "hardware", f"wgmma is an sm_90a instruction; this GPU is {target.arch}"
+    return None
+
+
 def _wide_invariant_mma(target: Target, ctx: _Context) -> tuple[str, str] | None:
     if ctx.params.get("mma") == "wgmma" and target.arch != "sm_90a":
         return "hardware", (f"wgmma is an sm_90a instruction (invariant_mma='wgmma'); this "
@@ -202,6 +208,7 @@ RUNTIME_SKIPS = {
     ("test_experts.py", "_skip_unless_wgmma"): _helper_wgmma,
     ("test_experts.py", "test_experts_stages_real"): _real_experts_on_cpu,
     ("test_gemm_fast.py", "test_gemm_fast_tactic"): _gemm_tactic,
+    ("test_gemm_fast.py", "test_gemm_fast_wgmma_overlap_same_bits"): _sm90a_only,
     ("test_wide_fast.py", "_skip_unless_mma_runs"): _wide_invariant_mma,
     ("test_dep_fast.py", "_skip_unless_mma_runs"): _wide_invariant_mma,
     ("test_gemm_fast.py", "test_gemm_fast_wide_rows"): _wide_invariant_mma,

@@ -142,7 +142,19 @@ def _wgmma_tactics():
     return out
 
 
-@pytest.mark.parametrize("gemm,tactic", _tactics() + _wgmma_tactics(),
+def _overlap_tactics():
+    """``_wgmma_tactics`` with one stage's MMAs left in flight (``Tactic.overlap``), at most
+    two per GEMM."""
+    import dataclasses
+
+    out = []
+    for g in GEMMS:
+        mine = [dataclasses.replace(t, overlap=True) for gg, t in _wgmma_tactics() if gg == g]
+        out += [(g, t) for t in mine[:2]]
+    return out
+
+
+@pytest.mark.parametrize("gemm,tactic", _tactics() + _wgmma_tactics() + _overlap_tactics(),
                          ids=lambda v: v if isinstance(v, str) else v.label())
 def test_gemm_fast_tactic(backend, gemm, tactic, contract):
     """One tactic of one GEMM at every batch it serves: within the bound, every batch a
@@ -181,6 +193,27 @@ def test_gemm_fast_tactic(backend, gemm, tactic, contract):
     for _ in range(3):
         contract.bitwise(_bits(run(gemm, top, tactic)), _bits(full),
                          what=f"{gemm} {tactic.label()}: rerun", index_names=ROWS)
+
+
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_gemm_fast_wgmma_overlap_same_bits(backend, gemm, contract):
+    """``Tactic.overlap`` (each stage's warpgroup MMAs in flight while the next stage's
+    copies are waited for, the copies one stage less ahead) runs the same MMAs in the same
+    order: bitwise the tactic without it, at T = 1, 9, 33 and 64, for each of the GEMM's
+    ``_overlap_tactics``."""
+    import dataclasses
+
+    from fast.backend import gpu_arch
+
+    if gpu_arch() != "sm_90a":
+        pytest.skip(f"wgmma is an sm_90a instruction; this GPU is {gpu_arch()}")
+    for _, tactic in [gt for gt in _overlap_tactics() if gt[0] == gemm]:
+        plain = dataclasses.replace(tactic, overlap=False)
+        for tokens in (1, 9, 33, 64):
+            if tactic.serves(tokens):
+                contract.bitwise(_bits(run(gemm, tokens, tactic)), _bits(run(gemm, tokens, plain)),
+                                 what=f"{gemm} {tactic.label()} vs {plain.label()}, T={tokens}",
+                                 index_names=ROWS)
 
 
 @pytest.mark.parametrize("gemm", GEMMS)
@@ -532,8 +565,11 @@ def test_gemm_fast_wide_serial_splits(backend, gemm, mma, contract):
     """Serial splits on one TP8 wide GEMM (on each MMA kind of the wide mode): the serial
     form of the default tactic (every K split in one CTA, folded in split order) bitwise
     equal to the cross-CTA form at 65, 129, 257 and 1024 rows, nothing stored past its
-    output; a ``DenseGemm(serial_from=129)`` of the same weight bitwise the first rows of
+    output (on wgmma also with ``Tactic.overlap``: the fold after in-flight MMAs); a
+    ``DenseGemm(serial_from=129)`` of the same weight bitwise the first rows of
     the cross-CTA 1024-row call at every row count of ``WIDE_ROWS`` (across the switch)."""
+    import dataclasses
+
     from fast.backend import gpu_arch
     from fast.gemm import DenseGemm
     from fast.gemm.host import choose_tactic
@@ -557,6 +593,14 @@ def test_gemm_fast_wide_serial_splits(backend, gemm, mma, contract):
         contract.bitwise(_bits(buf[tokens * eng.n:]),
                          _bits(torch.full((256,), float("nan"), dtype=out_dtype, device=DEVICE)),
                          what=f"{what}: nothing stored past the output")
+        if mma == "wgmma":  # the serial fold after in-flight MMAs (Tactic.overlap)
+            overlap = dataclasses.replace(tactic, overlap=True)
+            out_o = torch.full_like(out, float("nan"))
+            eng(x[:tokens].contiguous(), out_dtype=out_dtype, out=out_o, tactic=overlap,
+                addend=None if addend is None else addend[:tokens].contiguous())
+            contract.bitwise(_bits(out_o), _bits(cross),
+                             what=f"wide {gemm} {overlap.label()} T={tokens}: = cross-CTA splits",
+                             index_names=ROWS)
     switching = DenseGemm(eng.weight, max_tokens=WIDE_TOP, splits=eng.splits, wgmma=eng.wgmma,
                           serial_from=SERIAL_FROM)
     switching.compile_for(WIDE_ROWS + (WIDE_TOP,))

@@ -136,6 +136,15 @@ class SplitKGemmKernel:
     of K (the form for calls with many token chunks, where the cross-CTA form writes and
     reads back ``splits`` FP32 partials of every output).
 
+    **Overlap** (``overlap``, a compile-time parameter of the ``wgmma`` kernels; those
+    without it keep their code). A stage's warpgroup MMAs stay in flight while the next
+    stage's copies are waited for and issued: each stage waits only for the previous
+    stage's group (``wait_group 1``), and the copies run ``ring - 2`` stages ahead instead
+    of ``ring - 1``, so the slot refilled at stage ``s`` is that of stage ``s - 2``, whose
+    MMAs every warp has waited for before the stage's barrier. The accumulators are read
+    only after a ``wait_group 0`` (after the loop, and before each serial split's fold).
+    The MMAs and their order are the same: the same bits as the kernel without it.
+
     Constraints (checked by the host, ``fast.gemm.DenseGemm``): ``N % tile_rows == 0``,
     ``K % (splits * stage_k) == 0``, ``8 (windows - 1) < T <= 8 windows`` (chunked: per
     chunk, as ``layout.token_chunks`` cuts them), at most ``layout.MAX_ACCUMULATORS``
@@ -146,7 +155,7 @@ class SplitKGemmKernel:
 
     def __init__(self, *, warps: int = 4, mtiles: int = 2, windows: int = 1, ring: int = 4,
                  stage_k: int = 64, occupancy: int = 2, wgmma: bool = False,
-                 chunked: bool = False, serial: bool = False):
+                 chunked: bool = False, serial: bool = False, overlap: bool = False):
         if warps not in (1, 2, 4, 8) or mtiles not in (1, 2, 4) or not 1 <= windows <= lay.MAX_WINDOWS:
             raise ValueError(f"SplitKGemmKernel: warps {warps}, mtiles {mtiles}, windows "
                              f"{windows} not supported")
@@ -154,12 +163,20 @@ class SplitKGemmKernel:
             raise ValueError(f"SplitKGemmKernel: stage_k {stage_k} / ring {ring} not supported")
         if wgmma and warps not in (4, 8):
             raise ValueError(f"SplitKGemmKernel: wgmma needs warps 4 or 8, got {warps}")
+        if overlap and (not wgmma or ring < 3):
+            raise ValueError(f"SplitKGemmKernel: overlap needs wgmma and a ring of at least 3 "
+                             f"stages, got wgmma={wgmma}, ring={ring}")
         #: warpgroup MMA with both operands in the slot (``layout.a_offset_wgmma``)
         self.wgmma = bool(wgmma)
         #: token chunks on the grid's second dimension and padded rows (class docstring)
         self.chunked = bool(chunked)
         #: every K split in this CTA, one after another (class docstring, "Serial splits")
         self.serial = bool(serial)
+        #: one stage's warpgroup MMAs left in flight (class docstring, "Overlap")
+        self.overlap = bool(overlap)
+        #: stages copied ahead of the one computed: ``ring - 1``, one fewer with ``overlap``
+        #: (the slot refilled is then two stages back, whose MMAs have completed)
+        self.ahead = ring - 2 if self.overlap else ring - 1
         self.warps, self.mtiles, self.windows = warps, mtiles, windows
         self.ring, self.stage_k, self.occupancy = ring, stage_k, occupancy
         self.threads = 32 * warps
@@ -276,23 +293,27 @@ class SplitKGemmKernel:
         # (programmatic dependent launch) wait for the previous grid of the stream, whose
         # output x, the addend or out may be, and let the next grid launch; then the tokens
         # of those stages (one group each).
-        for st in cutlass.range_constexpr(RING - 1):
+        AHEAD: cutlass.Constexpr = self.ahead
+        for st in cutlass.range_constexpr(AHEAD):
             if st < stages:
                 self._issue_a(asrc, ring + st * SLOT, st, warp, lane)
         cute.arch.cp_async_commit_group()
         cute.arch.griddepcontrol_wait()
         cute.arch.griddepcontrol_launch_dependents()
-        for st in cutlass.range_constexpr(RING - 1):
+        for st in cutlass.range_constexpr(AHEAD):
             if st < stages:
                 self._issue_b(xbase, src, dst, ring + st * SLOT, st)
             cute.arch.cp_async_commit_group()
         for s in cutlass.range(stages, unroll=1):
-            cute.arch.cp_async_wait_group(RING - 2)
+            cute.arch.cp_async_wait_group(AHEAD - 1)
             if cutlass.const_expr(self.wgmma):
                 # this thread's completed copies, visible to the wgmma reads (async proxy)
                 cute.arch.fence_view_async_shared()
+            # every thread's copies of stage s have landed, and every warp has passed its
+            # wait for the MMAs of the stage whose slot is refilled next (s - 1; with
+            # overlap s - 2)
             cute.arch.sync_threads()
-            ahead = s + RING - 1
+            ahead = s + AHEAD
             if ahead < stages:
                 self._issue(asrc, xbase, src, dst, ring + (ahead % RING) * SLOT, ahead, warp, lane)
             cute.arch.cp_async_commit_group()
@@ -302,6 +323,8 @@ class SplitKGemmKernel:
                 self._compute(acc, ring + (s % RING) * SLOT, warp, lane)
             if cutlass.const_expr(self.serial):
                 if (s + 1) % per_split == 0:
+                    if cutlass.const_expr(self.overlap):
+                        self._settle_wgmma(acc)  # the split's last MMAs, before the fold
                     # split (s + 1) / per_split - 1 is complete (its wgmma waited for in
                     # _compute_wgmma): fold it in split order, the reduction's
                     # ``acc = p_0; acc = acc + p_s`` (split 0 starts the sum: -0 stays -0),
@@ -311,6 +334,8 @@ class SplitKGemmKernel:
                         total[i] = cutlass.select_(first, acc[i], h.fadd(total[i], acc[i]))
                         acc[i] = Float32(0.0)
         cute.arch.cp_async_wait_group(0)
+        if cutlass.const_expr(self.overlap):
+            self._settle_wgmma(acc)  # the last stage's MMAs (a no-op wait after a fold)
 
         # 3. split-K: partials to the workspace, the last CTA of the tile reduces in order
         # (serial splits: the running sum is the reduced result)
@@ -447,7 +472,10 @@ class SplitKGemmKernel:
         one ``wgmma m64n(8 windows)k16`` of this warp's warpgroup, both operands read by
         descriptor (``layout.wgmma_descriptors``), every output adding its steps in k
         order; one commit group per stage, waited for before the slot is refilled, then
-        the accumulators are read back only after the wait."""
+        the accumulators are read back only after the wait. With ``overlap`` the wait leaves
+        this stage's group in flight (``wait_group 1``: the previous stage's has completed,
+        so its slot, two stages back from the next refill, is free) and the accumulators
+        are read back by :meth:`_settle_wgmma` after the loop."""
         MT: cutlass.Constexpr = self.mtiles
         W: cutlass.Constexpr = self.windows
         SUBS: cutlass.Constexpr = self.subs
@@ -465,9 +493,18 @@ class SplitKGemmKernel:
                     for i in cutlass.range_constexpr(4 * W):
                         acc[base + i] = d[i]
         warpgroup.commit_group()
+        if cutlass.const_expr(self.overlap):
+            warpgroup.wait_group(1)
+        else:
+            self._settle_wgmma(acc)
+
+    @cute.jit
+    def _settle_wgmma(self, acc):
+        """Wait for every warpgroup MMA of this warp's group (``wait_group 0``), then take
+        the accumulators back as ordinary registers (``wgmma_settle``)."""
         warpgroup.wait_group(0)
-        d = p.wgmma_settle([acc[i] for i in range(MT * W * 4)])
-        for i in cutlass.range_constexpr(MT * W * 4):
+        d = p.wgmma_settle([acc[i] for i in range(self.mtiles * self.windows * 4)])
+        for i in cutlass.range_constexpr(self.mtiles * self.windows * 4):
             acc[i] = d[i]
 
     @cute.jit

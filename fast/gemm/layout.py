@@ -281,6 +281,10 @@ class Tactic:
             ``fast.gemm.kernel``'s "Serial splits") instead of one CTA per split: the same
             bits as the cross-CTA form at the same ``splits``, no workspace; each warp
             holds twice the accumulators, so ``2 mtiles windows <= MAX_ACCUMULATORS_SERIAL``.
+        overlap: with ``wgmma``, each stage's MMAs stay in flight while the next stage's
+            copies are waited for and issued (``fast.gemm.kernel``'s "Overlap"; the copies
+            run one stage less ahead, so the ring needs at least 3 stages): the same MMAs in
+            the same order, so the same bits as without it.
     """
 
     warps: int = 4
@@ -291,6 +295,7 @@ class Tactic:
     ring: int | None = None
     wgmma: bool = False
     serial: bool = False
+    overlap: bool = False
 
     def __post_init__(self):
         for name in ("warps", "mtiles", "splits"):
@@ -309,9 +314,11 @@ class Tactic:
         if self.wgmma and self.warps not in (4, 8):
             raise ValueError(f"Tactic.wgmma needs whole warpgroups (warps 4 or 8), got "
                              f"warps={self.warps}")
-        for name in ("wgmma", "serial"):
+        for name in ("wgmma", "serial", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Tactic.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.overlap and not self.wgmma:
+            raise ValueError("Tactic.overlap keeps warpgroup MMAs in flight: it needs wgmma=True")
 
     def tiles_per_warp(self, windows: int) -> int:
         """Accumulator tiles (16 x 8 FP32 each) a warp holds at ``windows`` windows: one
@@ -351,6 +358,9 @@ class Tactic:
             raise ValueError(f"Tactic {self}: {ring} ring stages of "
                              f"{slot_bytes(self.tile_rows, windows, self.stage_k)} bytes do not "
                              f"fit {occ} CTAs per multiprocessor at {windows} windows")
+        if self.overlap and ring < 3:
+            raise ValueError(f"Tactic {self.label()}: overlap needs a ring of at least 3 stages, "
+                             f"got {ring} at {windows} windows")
         params = dict(warps=self.warps, mtiles=self.mtiles, windows=windows, ring=ring,
                       stage_k=self.stage_k, occupancy=occ)
         if self.wgmma:  # only then: the mma.sync kernels' parameters stay as they were
@@ -359,6 +369,8 @@ class Tactic:
             params["chunked"] = True
         if self.serial:  # likewise
             params["serial"] = True
+        if self.overlap:  # likewise
+            params["overlap"] = True
         return params
 
     def label(self) -> str:
@@ -366,4 +378,5 @@ class Tactic:
                         if getattr(self, k) != Tactic.__dataclass_fields__[k].default)
         extra += ",wgmma" if self.wgmma else ""
         extra += ",serial" if self.serial else ""
+        extra += ",overlap" if self.overlap else ""
         return f"r{self.tile_rows}w{self.warps}s{self.splits}{extra}"
