@@ -904,3 +904,34 @@ def test_overlap_keeps_one_stage_of_mmas_in_flight(tmp_path, chunked_serial):
         # the HGMMAs of a stage: between the first and the last, no warpgroup wait
         first, last = hgmma[0], max(h for h in hgmma if h < (in_flight or waits)[0])
         assert not [i for i in waits if first < i < last], (t.label(), "HGMMAs serialized")
+
+
+def test_overlap_in_the_wide_layer_and_dense_gemm_rules():
+    """``invariant_overlap`` / ``overlap`` through the wide GEMMs: every launch at 65..1024
+    rows on wgmma has ``overlap`` with the same K split and kind as without it (so the same
+    bits); with ``mma.sync`` it is refused by name (the tactic rule and the layers' check,
+    before any device work), and a non-bool too."""
+    from fast.gemm.host import choose_tactic
+    from fast.schedules.wide import check_batch_invariant, check_overlap
+    from fast.schedules.wide_gemms import gemm_launches
+    from model.config import LatentMoEConfig
+
+    cfg = LatentMoEConfig.kimi_k3()
+    rows = range(65, cfg.wide_rows + 1, 37)
+    plain = gemm_launches(cfg, 8, rows, mma="wgmma", serial_from=257)
+    flying = gemm_launches(cfg, 8, rows, mma="wgmma", serial_from=257, overlap=True)
+    for name, per_t in flying.items():
+        for t, launch in per_t.items():
+            base = plain[name][t].tactic
+            assert launch.tactic.overlap and launch.params.get("overlap") is True
+            assert (launch.tactic.splits, launch.tactic.wgmma, launch.tactic.serial) == \
+                (base.splits, base.wgmma, base.serial), (name, t)
+            assert launch.grid == plain[name][t].grid and launch.chunks == plain[name][t].chunks
+    with pytest.raises(ValueError, match="overlap keeps warpgroup MMAs in flight: it needs wgmma"):
+        choose_tactic(576, 7168, 100, overlap=True)
+    with pytest.raises(ValueError, match="WideLayer: invariant_overlap=True keeps warpgroup MMAs"):
+        check_batch_invariant("WideLayer", cfg, 8, True, "mma.sync", None, True)
+    with pytest.raises(ValueError, match="WidePeerLayer: invariant_overlap must be a bool"):
+        check_overlap("WidePeerLayer", 1, "wgmma")
+    check_batch_invariant("WideLayer", cfg, 8, True, "auto", None, True)  # resolved later
+    check_overlap("WideLayer", True, "wgmma")

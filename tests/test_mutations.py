@@ -326,27 +326,31 @@ MUTATIONS = [
     _one("fast GEMM: a GEMM's K split follows the batch bucket (doubled at T = 25..64)",
          "fast/gemm/host.py",
          "        return choose_tactic(self.rows, self.k, tokens, self.sms, self.splits, self.wgmma,\n"
-         "                             serial)",
+         "                             serial, self.overlap)",
          "        return choose_tactic(self.rows, self.k, tokens, self.sms,\n"
          "                             self.splits * (2 if 24 < tokens <= 64 else 1), self.wgmma,\n"
-         "                             serial)",
+         "                             serial, self.overlap)",
          ["verify/test_gemm_fast.py::test_gemm_fast_default_batch_invariant"], needs_gpu=True),
     # DenseGemm(wgmma=True): the MMA kind, like the K split, fixes a token's bits
     _one("fast GEMM: the wide mode's MMA kind follows the token chunks (mma.sync up to 128 "
          "rows, wgmma above)",
          "fast/gemm/host.py",
-         "    if wgmma:\n        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial)",
+         "    if wgmma:\n        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial,\n"
+         "                      overlap=overlap)",
          "    if wgmma and chunks > 2:\n"
-         "        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial)",
+         "        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial,\n"
+         "                      overlap=overlap)",
          ["verify/test_gemm_fast.py::test_gemm_fast_wide_rows[fast-front-wgmma]"],
          needs_gpu=True),
     # DepLayer(invariant_mma="wgmma"): its one-chunk calls take choose_tactic's rule too
     _one("fast GEMM: the DEP dense GEMMs' MMA kind follows the batch (mma.sync up to 24 "
          "tokens, wgmma above)",
          "fast/gemm/host.py",
-         "    if wgmma:\n        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial)",
+         "    if wgmma:\n        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial,\n"
+         "                      overlap=overlap)",
          "    if wgmma and tokens > 24:\n"
-         "        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial)",
+         "        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial,\n"
+         "                      overlap=overlap)",
          ["verify/test_dep_fast.py::test_dep_fast_batch_invariant[fast-4-wgmma]"],
          needs_gpu=True),
     _one("fast GEMM: the wide layer's K split follows the token chunks (halved above 128 rows)",

@@ -26,6 +26,7 @@ one GPU: each stage of every rank against the reference stage on *that rank's ow
 | bad input | rows outside 65..max_rows, a rank count that does not match, a wrong dtype: a clear error before any launch |
 | batch invariance (``batch_invariant=True``) | the four GEMMs on fast.gemm pass the stage contracts (``mma_matmul_bound`` at their K split, bitwise = the same GEMM alone); each token's every stage output on every rank (front, logits, latent, ids, weights, plan rows, expert rows, partial, routed, normed, shared gate/up, SiTU, shared, up columns, out) at row counts on both sides of every tactic and token-chunk edge bitwise = the same token in the largest batch; TP 2, 4 (small), 8, 16 (small, S = I = 1024) and TP8 at the real widths (65 to 1023 rows against 1024) |
 | serial splits (``invariant_serial_from``) | every stage of every rank bitwise the cross-CTA split layer's at 65..256 rows, and batch invariant across the switch |
+| MMAs in flight (``invariant_overlap``) | every stage of every rank bitwise the same layer's without it at 65..256 rows (with serial splits from 129), and batch invariant |
 | another process | the same batch-invariant layer, weights and rows in a second process: the same bits |
 | 1000 graph replays | on changing inputs, every 50th (and the last) bitwise equal to an eager call |
 | designed all-reduce orders | every rank's partials (latent) and hidden partials (shared, up columns) replaced by values of a wide dynamic range, at 4, 8 and 16 ranks, where the FP32 sum's order decides its bits: every rank's routed, normed and out bitwise = the rank-order sum (``ordered_sum_bf16``) and every other rank's; the reversed order differs on many elements (the inputs do expose the order) |
@@ -481,6 +482,20 @@ def check_wide_batch_invariant(contract, layer, x, batches) -> None:
                                  index_names=("pair", "column") if name == "rows" else ROWS)
 
 
+def check_same_token_stages(contract, layer, other, x, rows, what: str) -> None:
+    """``layer`` and ``other`` (two wide layers that must give the same bits) on the first
+    ``t`` rows of ``x`` for each ``t`` of ``rows``: every token stage (``TOKEN_STAGES``) of
+    every rank bitwise equal."""
+    for t in rows:
+        xs = x[:t].contiguous()
+        want = [{n: _raw(getattr(o, n)).clone() for n in TOKEN_STAGES} for o in other(xs)]
+        for r, o in enumerate(layer(xs)):
+            for name in TOKEN_STAGES:
+                contract.bitwise(_raw(getattr(o, name)), want[r][name],
+                                 what=f"rank {r} {name}: {what}, T={t}",
+                                 index_names=("pair", "column") if name == "rows" else ROWS)
+
+
 def _check_one_split_per_gemm(layer, low: int, high: int, mma: str = "mma.sync") -> None:
     """Every GEMM of every rank launches one K split and the layer's one MMA kind
     (``invariant_mma``) at every row count of the layer (the mode's design; a tile or chunk
@@ -558,15 +573,33 @@ def test_wide_fast_serial_splits_same_bits(backend, seed, contract):
         assert not any(p.tactic.serial for p in serial.gemm_plan(r, 128).values())
         assert all(p.tactic.serial for p in serial.gemm_plan(r, 129).values())
     x = _inputs(serial.config, top, seed)
-    for t in (65, 128, 129, 200, top):
-        xs = x[:t].contiguous()
-        want = [{n: _raw(getattr(o, n)).clone() for n in TOKEN_STAGES} for o in cross(xs)]
-        for r, o in enumerate(serial(xs)):
-            for name in TOKEN_STAGES:
-                contract.bitwise(_raw(getattr(o, name)), want[r][name],
-                                 what=f"rank {r} {name}: serial splits vs cross-CTA, T={t}",
-                                 index_names=("pair", "column") if name == "rows" else ROWS)
+    check_same_token_stages(contract, serial, cross, x, (65, 128, 129, 200, top),
+                            "serial splits vs cross-CTA")
     check_wide_batch_invariant(contract, serial, x, (65, 128, 129, 130, 200, top - 1))
+
+
+@pytest.mark.config("small")
+@pytest.mark.parametrize("mma", ("wgmma",))
+def test_wide_fast_overlap_same_bits(backend, mma, seed, contract):
+    """``invariant_overlap=True`` (each GEMM's warpgroup MMAs in flight across a stage,
+    ``fast.gemm.Tactic.overlap``), with serial splits from 129 rows: every stage of every
+    rank bitwise the same layer's without it at 65, 128, 129, 200 and 256 rows (the same
+    MMAs in the same order), every GEMM launch with it, and batch invariant across those
+    row counts."""
+    _skip_unless_mma_runs(mma)
+    ranks, top = 4, 256
+    plain = _layer("small", ranks, top, batch_invariant=True, invariant_mma=mma,
+                   invariant_serial_from=129)
+    flying = _layer("small", ranks, top, batch_invariant=True, invariant_mma=mma,
+                    invariant_serial_from=129, invariant_overlap=True)
+    for r in flying.local_ranks:
+        for t in (65, 129, top):
+            assert all(p.tactic.overlap for p in flying.gemm_plan(r, t).values())
+            assert not any(p.tactic.overlap for p in plain.gemm_plan(r, t).values())
+    x = _inputs(flying.config, top, seed)
+    check_same_token_stages(contract, flying, plain, x, (65, 128, 129, 200, top),
+                            "MMAs in flight vs not")
+    check_wide_batch_invariant(contract, flying, x, (65, 128, 129, 200, top - 1))
 
 
 @pytest.mark.config("small")

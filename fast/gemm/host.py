@@ -104,7 +104,8 @@ PDL_MAX_TOKENS = 16
 
 
 def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
-                  splits: int | None = None, wgmma: bool = False, serial: bool = False) -> Tactic:
+                  splits: int | None = None, wgmma: bool = False, serial: bool = False,
+                  overlap: bool = False) -> Tactic:
     """The default tactic of an ``[N, K]`` weight (``N`` its padded rows,
     ``layout.padded_rows``) at ``tokens`` rows, with ``splits`` K splits (default
     ``splits_of(N, K, sms)``), on ``mma.sync`` or (``wgmma``) on the warpgroup MMA.
@@ -119,7 +120,11 @@ def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
     4 warps of one (64 rows) or two (128 rows) m-tiles. Either way neither ``splits`` nor
     the MMA kind depends on ``tokens``: the default GEMM is batch invariant.
     ``serial``: the same tactic with its splits run one after another in each CTA
-    (``Tactic.serial``: the same bits), its tile chosen for ``tiles x chunks`` CTAs."""
+    (``Tactic.serial``: the same bits), its tile chosen for ``tiles x chunks`` CTAs.
+    ``overlap`` (with ``wgmma`` only): each stage's MMAs left in flight
+    (``Tactic.overlap``: the same bits)."""
+    if overlap and not wgmma:
+        raise ValueError("choose_tactic: overlap keeps warpgroup MMAs in flight: it needs wgmma=True")
     if tokens <= MAX_TOKENS and not wgmma and not serial:
         one = _one_chunk_tactic(n, k, tokens, sms)
         if splits is None or splits == one.splits:
@@ -130,7 +135,8 @@ def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
     ctas_per_tile = chunks * (1 if serial else splits)
     rows = 128 if n % 128 == 0 and n // 128 * ctas_per_tile >= sms else 64
     if wgmma:
-        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial)
+        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial,
+                      overlap=overlap)
     return Tactic(warps=rows // 32, mtiles=2, splits=splits, serial=serial)
 
 
@@ -166,16 +172,16 @@ class Launch(typing.NamedTuple):
 
 def launch_for(n: int, k: int, tokens: int, *, splits: int | None = None,
                tactic: Tactic | None = None, sms: int = 132, wgmma: bool = False,
-               serial: bool = False) -> Launch:
+               serial: bool = False, overlap: bool = False) -> Launch:
     """The launch of a call of ``tokens`` rows on an ``[N, K]`` weight (``N`` its real
     rows: the kernel runs ``padded_rows(N)``): ``tactic`` or the default
-    (``choose_tactic`` with ``splits``, ``wgmma`` and ``serial``). Pure Python (what ``DenseGemm`` launches and the
+    (``choose_tactic`` with ``splits``, ``wgmma``, ``serial`` and ``overlap``). Pure Python (what ``DenseGemm`` launches and the
     layers compile at construction; ``tests/test_gemm_fast.py`` checks it on the CPU).
 
     Raises ValueError: a tactic whose tile does not divide the padded rows, whose K split
     does not divide K into its stages, or that does not serve ``tokens`` rows."""
     rows = padded_rows(n)
-    tactic = tactic or choose_tactic(rows, k, tokens, sms, splits, wgmma, serial)
+    tactic = tactic or choose_tactic(rows, k, tokens, sms, splits, wgmma, serial, overlap)
     if rows % tactic.tile_rows:
         raise ValueError(f"N={n} (padded to {rows} rows) is not a multiple of the tactic's "
                          f"{tactic.tile_rows}-row tile ({tactic})")
@@ -268,6 +274,8 @@ class DenseGemm:
         serial_from: calls of at least this many rows run the default tactic's serial form
             (``Tactic.serial``: every split in one CTA, one after another; the same bits,
             no workspace traffic); None (default): never. Never changes a bit.
+        overlap: with ``wgmma``, every default tactic leaves each stage's MMAs in flight
+            (``Tactic.overlap``); never changes a bit.
 
     Raises (before anything is allocated on the device): TypeError for a weight that is not
     a tensor; ValueError naming the argument for a bad dtype, shape, ``max_tokens``,
@@ -279,7 +287,7 @@ class DenseGemm:
 
     def __init__(self, weight: torch.Tensor, *, max_tokens: int = MAX_TOKENS, tactics=None,
                  pdl: bool | None = None, splits: int | None = None, wgmma: bool = False,
-                 serial_from: int | None = None):
+                 serial_from: int | None = None, overlap: bool = False):
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"DenseGemm: weight must be a torch.Tensor, got {type(weight).__name__}")
         if weight.dtype != _BF16 or weight.dim() != 2:
@@ -301,6 +309,10 @@ class DenseGemm:
             raise ValueError(f"DenseGemm: pdl must be None, True or False, got {pdl!r}")
         if not isinstance(wgmma, bool):
             raise ValueError(f"DenseGemm: wgmma must be a bool, got {wgmma!r}")
+        if not isinstance(overlap, bool) or (overlap and not wgmma):
+            raise ValueError(f"DenseGemm: overlap must be a bool, and True only with wgmma=True "
+                             f"(it keeps warpgroup MMAs in flight), got overlap={overlap!r}, "
+                             f"wgmma={wgmma!r}")
         check_serial_from("DenseGemm", "serial_from", serial_from)
         if weight.device.type != "cuda":
             raise ValueError(f"DenseGemm: weight must be on a CUDA device, got {weight.device}")
@@ -329,6 +341,8 @@ class DenseGemm:
         self.wgmma = wgmma
         #: calls of at least this many rows run serial splits (None: never)
         self.serial_from = serial_from
+        #: every default wgmma tactic leaves each stage's MMAs in flight
+        self.overlap = overlap
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         #: the K splits of every default tactic: the one summation order of this GEMM
         self.splits = splits_of(self.rows, k, self.sms) if splits is None else splits
@@ -349,10 +363,10 @@ class DenseGemm:
 
     def tactic(self, tokens: int) -> Tactic:
         """The default tactic at ``tokens`` rows (``choose_tactic`` with :attr:`splits`,
-        :attr:`wgmma`, and serial splits from :attr:`serial_from` rows)."""
+        :attr:`wgmma`, serial splits from :attr:`serial_from` rows and :attr:`overlap`)."""
         serial = self.serial_from is not None and tokens >= self.serial_from
         return choose_tactic(self.rows, self.k, tokens, self.sms, self.splits, self.wgmma,
-                             serial)
+                             serial, self.overlap)
 
     def launch(self, tokens: int, tactic: Tactic | None = None) -> Launch:
         """What a call of ``tokens`` rows launches (``launch_for``; default tactic

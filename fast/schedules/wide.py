@@ -111,7 +111,8 @@ from model.weights import LatentMoEWeights
 __all__ = ["WideLayer", "WideRankOutputs", "mailbox_timeout", "check_ranks",
            "kernel_params", "compiled_kernel", "compile_all", "mailbox_timeout_message", "MAX_RANKS",
            "MAILBOX_BUFFERS", "SHARED_PLACEMENTS", "DEFAULT_SHARED_PLACEMENT",
-           "check_call_options", "check_rows_and_timeout", "check_batch_invariant"]
+           "check_call_options", "check_rows_and_timeout", "check_batch_invariant",
+           "check_overlap"]
 
 #: The tail kernels keep one 16-byte granule of every rank in registers.
 MAX_RANKS = 16
@@ -262,18 +263,30 @@ def check_rows_and_timeout(owner: str, config: LatentMoEConfig, max_rows, timeou
 
 def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
                           batch_invariant, invariant_mma="auto",
-                          invariant_serial_from=None) -> None:
+                          invariant_serial_from=None, invariant_overlap=False) -> None:
     """A wide layer's ``batch_invariant`` (a bool), its ``invariant_mma``
-    (``fast.gemm.mma_kind.MMA_CHOICES``), its ``invariant_serial_from`` (None or a positive int)
-    and, when True, whether the rank's four GEMMs fit
-    ``fast.gemm`` at ``ranks`` ranks (``wide_gemms.check_fast_gemm_shapes``); refused by
-    name before any device work."""
+    (``fast.gemm.mma_kind.MMA_CHOICES``), its ``invariant_serial_from`` (None or a positive int),
+    its ``invariant_overlap`` (a bool, not with ``"mma.sync"``) and, when True, whether the
+    rank's four GEMMs fit ``fast.gemm`` at ``ranks`` ranks
+    (``wide_gemms.check_fast_gemm_shapes``); refused by name before any device work."""
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"{owner}: batch_invariant must be a bool, got {batch_invariant!r}")
     check_mma(owner, invariant_mma, allow_auto=True)
     check_serial_from(owner, "invariant_serial_from", invariant_serial_from)
+    check_overlap(owner, invariant_overlap, invariant_mma)
     if batch_invariant:
         check_fast_gemm_shapes(owner, config, ranks)
+
+
+def check_overlap(owner: str, invariant_overlap, mma: str) -> None:
+    """``invariant_overlap``, a bool, refused by name with ``mma="mma.sync"`` (it keeps
+    warpgroup MMAs in flight: ``fast.gemm.Tactic.overlap``); call it again with the kind
+    ``"auto"`` resolved to."""
+    if not isinstance(invariant_overlap, bool):
+        raise ValueError(f"{owner}: invariant_overlap must be a bool, got {invariant_overlap!r}")
+    if invariant_overlap and mma == "mma.sync":
+        raise ValueError(f"{owner}: invariant_overlap=True keeps warpgroup MMAs in flight: it "
+                         f"needs invariant_mma 'wgmma' (or 'auto' on sm_90a), not 'mma.sync'")
 
 
 def check_call_options(owner: str, order: str, shared: str) -> None:
@@ -314,12 +327,16 @@ class WideLayer(WideStageCalls):
         invariant_serial_from: with ``batch_invariant=True``, calls of at least this many
             rows run each GEMM's K splits one after another in each CTA
             (``fast.gemm.Tactic.serial``; the same bits); None (default): never.
+        invariant_overlap: with ``batch_invariant=True`` on the warpgroup MMA, each GEMM's
+            MMAs stay in flight across a stage (``fast.gemm.Tactic.overlap``; the same
+            bits); refused with ``"mma.sync"``. Default False.
     """
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_rows: int | None = None,
                  device: str | torch.device = "cuda", timeout_s: float = 10.0,
                  experts_tactic: dict | None = None, batch_invariant: bool = False,
-                 invariant_mma: str = "auto", invariant_serial_from: int | None = None):
+                 invariant_mma: str = "auto", invariant_serial_from: int | None = None,
+                 invariant_overlap: bool = False):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
@@ -328,7 +345,7 @@ class WideLayer(WideStageCalls):
         check_ranks(c, ranks)
         max_rows = check_rows_and_timeout("WideLayer", c, max_rows, timeout_s)
         check_batch_invariant("WideLayer", c, ranks, batch_invariant, invariant_mma,
-                              invariant_serial_from)
+                              invariant_serial_from, invariant_overlap)
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"WideLayer: device must be a CUDA device, got {device}")
@@ -342,6 +359,9 @@ class WideLayer(WideStageCalls):
         self.arch = backend.device_arch(device)
         #: the MMA kind of the batch-invariant GEMMs (``invariant_mma`` resolved on this GPU)
         self.invariant_mma = resolve_mma("WideLayer", invariant_mma, self.arch)
+        check_overlap("WideLayer", invariant_overlap, self.invariant_mma)
+        #: the batch-invariant wgmma GEMMs leave each stage's MMAs in flight
+        self.invariant_overlap = invariant_overlap
         n, on = ranks, dict(device=device)
         e_n, l_n, s_n, h_n = c.experts // n, c.latent // n, c.shared_intermediate // n, c.hidden // n
         s = c.shared_intermediate
@@ -368,7 +388,8 @@ class WideLayer(WideStageCalls):
                     "WideLayer", {"front": self.front_weights[r],
                                   "shared_gate_up": self.shared_gate_up[r],
                                   "shared_down": self.shared_down[r], "up": self.up[r]},
-                    c, n, max_rows, self.invariant_mma, invariant_serial_from)
+                    c, n, max_rows, self.invariant_mma, invariant_serial_from,
+                    invariant_overlap)
                 # the front GEMM's weight may be a view of its zero-padded copy: one copy
                 self.front_weights[r] = self.fast_gemms[r]["front"].weight
         self.bias = slice_to_device(weights.bias)

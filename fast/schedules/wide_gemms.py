@@ -89,27 +89,31 @@ def gemm_splits(config: LatentMoEConfig, ranks: int, sms: int = 132) -> dict[str
 
 
 def gemm_launches(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
-                  mma: str = "mma.sync", serial_from: int | None = None) -> dict:
+                  mma: str = "mma.sync", serial_from: int | None = None,
+                  overlap: bool = False) -> dict:
     """``{gemm: {T: fast.gemm.Launch}}``: what each GEMM launches at each row count ``T`` of
     ``rows`` (an iterable of ints), at its one K split, on ``mma`` (``fast.gemm.mma_kind.INVARIANT_MMAS``),
     with serial splits from ``serial_from`` rows (``fast.gemm.DenseGemm``'s; None: never)
-    (pure Python: the CPU tests check the chunk arithmetic and compile these kernels)."""
+    and, on ``"wgmma"``, ``overlap`` (``fast.gemm.Tactic.overlap``) (pure Python: the CPU
+    tests check the chunk arithmetic and compile these kernels)."""
     from fast.gemm.host import launch_for
 
     check_mma("gemm_launches", mma)
     splits = gemm_splits(config, ranks, sms)
     return {name: {t: launch_for(n, k, t, splits=splits[name], sms=sms, wgmma=mma == "wgmma",
-                                 serial=serial_from is not None and t >= serial_from)
+                                 serial=serial_from is not None and t >= serial_from,
+                                 overlap=overlap)
                    for t in rows}
             for name, (n, k) in gemm_shapes(config, ranks).items()}
 
 
 def kernel_params(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
-                  mma: str = "mma.sync", serial_from: int | None = None) -> list[dict]:
+                  mma: str = "mma.sync", serial_from: int | None = None,
+                  overlap: bool = False) -> list[dict]:
     """The distinct ``fast.gemm`` kernel parameters a rank compiles for the row counts
-    ``rows`` on ``mma`` with ``serial_from`` (:func:`gemm_launches`)."""
+    ``rows`` on ``mma`` with ``serial_from`` and ``overlap`` (:func:`gemm_launches`)."""
     seen = []
-    for per_t in gemm_launches(config, ranks, rows, sms, mma, serial_from).values():
+    for per_t in gemm_launches(config, ranks, rows, sms, mma, serial_from, overlap).values():
         for launch in per_t.values():
             if launch.params not in seen:
                 seen.append(launch.params)
@@ -118,11 +122,12 @@ def kernel_params(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
 
 def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: int,
                      max_rows: int, mma: str = "mma.sync",
-                     serial_from: int | None = None) -> dict:
+                     serial_from: int | None = None, overlap: bool = False) -> dict:
     """One ``fast.gemm.DenseGemm`` per GEMM of one rank (``weights``: name -> its BF16
     weight on the device, ``WIDE_GEMMS``), each with its K split (:func:`gemm_splits` on
     this GPU), on ``mma`` (``fast.gemm.mma_kind.INVARIANT_MMAS``; ``"wgmma"`` needs an sm_90a device), with
-    serial splits from ``serial_from`` rows (None: never; the same bits) and buffers for up
+    serial splits from ``serial_from`` rows (None: never; the same bits), on ``"wgmma"``
+    with ``overlap`` (each stage's MMAs in flight; the same bits) and buffers for up
     to ``max_rows`` rows, and every kernel a call of
     ``front_max + 1 .. max_rows`` rows launches compiled now (none at call time, none
     inside a graph capture). The ``front`` GEMM's weight is padded to a multiple of 64
@@ -140,7 +145,7 @@ def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = gemm_splits(config, ranks, sms)
     gemms = {name: DenseGemm(weights[name], max_tokens=max_rows, splits=splits[name],
-                             wgmma=mma == "wgmma", serial_from=serial_from)
+                             wgmma=mma == "wgmma", serial_from=serial_from, overlap=overlap)
              for name in WIDE_GEMMS}
     for gemm in gemms.values():
         gemm.compile_for(range(config.front_max + 1, max_rows + 1))

@@ -82,8 +82,8 @@ from fast import activation, backend, finalize, mx, router, stock
 from fast.schedules.dense import check_hidden_rows
 from fast.schedules.steps import run_steps
 from fast.schedules.wide import (compiled_kernel, check_batch_invariant, check_list_params,
-                                 check_call_options, check_ranks, check_rows_and_timeout,
-                                 kernel_params, mailbox_timeout)
+                                 check_call_options, check_overlap, check_ranks,
+                                 check_rows_and_timeout, kernel_params, mailbox_timeout)
 from fast.gemm.mma_kind import resolve_mma
 from fast.schedules.wide_gemms import build_fast_gemms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, WIDE_STEPS,
@@ -145,6 +145,7 @@ class WidePeerLayer(WideStageCalls):
             ``"wgmma"``; the same on every rank, and so is the kind it resolves to
             (``self.invariant_mma``).
         invariant_serial_from: as ``WideLayer``'s (None or rows); the same on every rank.
+        invariant_overlap: as ``WideLayer``'s (a bool); the same on every rank.
 
     Construction is collective over ``group`` (the symmetric buffer's rendezvous), and so
     is the first call of each ``T`` (:meth:`_prepare`).
@@ -153,7 +154,8 @@ class WidePeerLayer(WideStageCalls):
     def __init__(self, weights: LatentMoEWeights, *, max_rows: int | None = None, group=None,
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
                  experts_tactic: dict | None = None, batch_invariant: bool = False,
-                 invariant_mma: str = "auto", invariant_serial_from: int | None = None):
+                 invariant_mma: str = "auto", invariant_serial_from: int | None = None,
+                 invariant_overlap: bool = False):
         import torch.distributed as dist
 
         from fast.experts import experts_engine_for, prepare_experts_for
@@ -168,27 +170,30 @@ class WidePeerLayer(WideStageCalls):
         group, rank, n = process_group("WidePeerLayer", group)
         check_ranks(c, n)
         check_batch_invariant("WidePeerLayer", c, n, batch_invariant, invariant_mma,
-                              invariant_serial_from)
+                              invariant_serial_from, invariant_overlap)
         device = cuda_device("WidePeerLayer", device)
         ok, why = backend.device_supported()
         if not ok:
             raise RuntimeError(f"WidePeerLayer: the fast kernels cannot run here: {why}")
         mma = resolve_mma("WidePeerLayer", invariant_mma, backend.device_arch(device))
+        check_overlap("WidePeerLayer", invariant_overlap, mma)
         seen = [None] * n
-        dist.all_gather_object(seen, (max_rows, c, batch_invariant, mma, invariant_serial_from),
-                               group=group)
+        dist.all_gather_object(seen, (max_rows, c, batch_invariant, mma, invariant_serial_from,
+                                      invariant_overlap), group=group)
         if any(s != seen[0] for s in seen):
             raise ValueError("WidePeerLayer: every rank must build the layer with the same "
-                             f"config, max_rows, batch_invariant, invariant_mma and "
-                             f"invariant_serial_from; got max_rows {[s[0] for s in seen]}, "
-                             f"batch_invariant {[s[2] for s in seen]}, invariant_mma "
-                             f"{[s[3] for s in seen]}, invariant_serial_from "
-                             f"{[s[4] for s in seen]}")
+                             f"config, max_rows, batch_invariant, invariant_mma, "
+                             f"invariant_serial_from and invariant_overlap; got max_rows "
+                             f"{[s[0] for s in seen]}, batch_invariant {[s[2] for s in seen]}, "
+                             f"invariant_mma {[s[3] for s in seen]}, invariant_serial_from "
+                             f"{[s[4] for s in seen]}, invariant_overlap {[s[5] for s in seen]}")
         self.config, self.group, self.rank, self.ranks = c, group, rank, n
         self.max_rows, self.device, self.timeout_s = max_rows, device, float(timeout_s)
         self.arch = backend.device_arch(device)
         #: the MMA kind of the batch-invariant GEMMs (``invariant_mma`` resolved on this GPU)
         self.invariant_mma = mma
+        #: the batch-invariant wgmma GEMMs leave each stage's MMAs in flight
+        self.invariant_overlap = invariant_overlap
         e_n, l_n, s_n, h_n = c.experts // n, c.latent // n, c.shared_intermediate // n, c.hidden // n
         s, r, on = c.shared_intermediate, rank, dict(device=device)
         self.columns = h_n
@@ -211,7 +216,7 @@ class WidePeerLayer(WideStageCalls):
                 "WidePeerLayer", {"front": self.front_weights[r],
                                   "shared_gate_up": self.shared_gate_up[r],
                                   "shared_down": self.shared_down[r], "up": self.up[r]},
-                c, n, max_rows, self.invariant_mma, invariant_serial_from)
+                c, n, max_rows, self.invariant_mma, invariant_serial_from, invariant_overlap)
             # the front GEMM's weight may be a view of its zero-padded copy: one copy
             self.front_weights[r] = self.fast_gemms["front"].weight
         self.bias = to_device(weights.bias)
