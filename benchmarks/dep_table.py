@@ -131,7 +131,9 @@ def render(result: dict) -> str:
              if mode else "dense GEMMs: cuBLAS (a run from before --dense-gemm)")
     if result.get("batch_invariant"):
         dense += ("; batch invariant (--batch-invariant: one K split per GEMM at every T, on "
-                  f"{result.get('invariant_mma', 'mma.sync')})")
+                  f"{result.get('invariant_mma', 'mma.sync')}"
+                  + (", MMAs in flight across stages" if result.get("invariant_overlap") else "")
+                  + ")")
     planned = all("dense_plan" in c for c in result["cases"]) and mode is not None
     # runs made before the combine was timed apart have no "combine" column
     parts = [p for p in PARTS if all(p in c["median_us"] for c in result["cases"])]
@@ -174,6 +176,9 @@ def main(argv=None):
     ap.add_argument("--invariant-mma", default="mma.sync", choices=INVARIANT_MMAS,
                     help="the fast.gemm dense GEMMs' MMA (DepLayer(invariant_mma=...); wgmma: "
                          "sm_90a's warpgroup MMA)")
+    ap.add_argument("--invariant-overlap", action="store_true",
+                    help="with --invariant-mma wgmma: each dense GEMM's MMAs in flight across a "
+                         "stage (DepLayer(invariant_overlap=True); the same bits)")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
@@ -186,7 +191,7 @@ def main(argv=None):
     flush = l2_flush()
     result = {**run_header(), "ranks": args.ranks,
               "batch_invariant": args.batch_invariant, "invariant_mma": args.invariant_mma,
-              "cases": []}
+              "invariant_overlap": args.invariant_overlap, "cases": []}
     result["read_gbs"] = read_bandwidth_gbs()
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     w = cases.device_weights("kimi_k3")
@@ -194,7 +199,8 @@ def main(argv=None):
     layer = DepLayer(w, ranks=args.ranks, max_tokens=max(tokens_list), dense_gemm=args.dense_gemm,
                      batch_invariant=args.batch_invariant,
                      experts_tactic=parse_tactic(args.experts_tactic),
-                     invariant_mma=args.invariant_mma)
+                     invariant_mma=args.invariant_mma,
+                     invariant_overlap=args.invariant_overlap)
     result["dense_gemm"] = layer.dense.gemm
     result["experts_tactic"] = args.experts_tactic or "default"
     per = layer.per

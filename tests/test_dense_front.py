@@ -86,9 +86,10 @@ def test_choose_backend_modes():
 
 
 @pytest.mark.parametrize("config_name", ["kimi_k3", "small"])  # the DEP contracts' configs
-@pytest.mark.parametrize("mode,mma", [("auto", "mma.sync"), ("fast", "mma.sync"),
-                                      ("fast", "wgmma")])
-def test_dense_front_kernels_are_compile_tested(config_name, mode, mma):
+@pytest.mark.parametrize("mode,mma,overlap", [("auto", "mma.sync", False),
+                                              ("fast", "mma.sync", False),
+                                              ("fast", "wgmma", False), ("fast", "wgmma", True)])
+def test_dense_front_kernels_are_compile_tested(config_name, mode, mma, overlap):
     """Every fast.gemm kernel shape a ``DenseFront`` of the config compiles at construction
     (``max_tokens`` 64, on ``invariant_mma``) is one that
     ``tests/test_gemm_fast.py::test_kernel_compiles`` compiles for sm_90a: every kernel
@@ -99,10 +100,12 @@ def test_dense_front_kernels_are_compile_tested(config_name, mode, mma):
 
     cfg = getattr(LatentMoEConfig, config_name)()
     compiled = kernel_shapes({dataclasses.replace(t, splits=1) for c in CANDIDATES.values()
-                              for t in c} | set(WGMMA_TILES))
-    plan = dense.fast_tactics(cfg, mode, 64, mma=mma)
+                              for t in c} | set(WGMMA_TILES)
+                             | {dataclasses.replace(t, overlap=True) for t in WGMMA_TILES})
+    plan = dense.fast_tactics(cfg, mode, 64, mma=mma, overlap=overlap)
     for per_t in plan.values():
         assert {t.wgmma for t in per_t.values()} == {mma == "wgmma"}
+        assert {t.overlap for t in per_t.values()} == {overlap}
     if mode == "fast":
         assert all(len({t.splits for t in per_t.values()}) == 1 for per_t in plan.values())
     if mode == "fast":
@@ -113,7 +116,7 @@ def test_dense_front_kernels_are_compile_tested(config_name, mode, mma):
         for tokens, tactic in per_t.items():
             assert tactic.serves(tokens), (name, tokens, tactic)
             assert n % tactic.tile_rows == 0 and k % (tactic.splits * tactic.stage_k) == 0
-    for params in dense.fast_kernel_params(cfg, mode, 64, mma=mma):
+    for params in dense.fast_kernel_params(cfg, mode, 64, mma=mma, overlap=overlap):
         assert params in compiled, f"{config_name} {mode} {mma}: kernel {params} is not compile-tested"
 
 
@@ -127,3 +130,8 @@ def test_dense_front_refuses_bad_modes_before_touching_a_device():
         dense.DenseFront(None, "cpu", max_tokens=0)
     with pytest.raises(ValueError, match="DenseFront: invariant_mma must be one of"):
         dense.DenseFront(None, "cpu", batch_invariant=True, invariant_mma="auto")
+    with pytest.raises(ValueError, match="DenseFront: invariant_overlap=True keeps warpgroup MMAs"):
+        dense.DenseFront(None, "cpu", batch_invariant=True, invariant_overlap=True)
+    with pytest.raises(ValueError, match="DenseFront: invariant_overlap must be a bool"):
+        dense.DenseFront(None, "cpu", batch_invariant=True, invariant_mma="wgmma",
+                         invariant_overlap=1)

@@ -463,8 +463,10 @@ def _shapes():
         cases += [("sm_90a", q) for q in params if ("sm_90a", q) not in cases]
         for arch in backend.TARGETS[1:]:
             cases += [(arch, q) for q in (params[0], params[-1]) if (arch, q) not in cases]
-    # the warpgroup-MMA tiles choose_tactic gives a DenseFront(invariant_mma="wgmma")
-    cases += [("sm_90a", q) for q in kernel_shapes(WGMMA_TILES) if ("sm_90a", q) not in cases]
+    # the warpgroup-MMA tiles choose_tactic gives a DenseFront(invariant_mma="wgmma"), and
+    # with invariant_overlap
+    tiles = list(WGMMA_TILES) + [dataclasses.replace(t, overlap=True) for t in WGMMA_TILES]
+    cases += [("sm_90a", q) for q in kernel_shapes(tiles) if ("sm_90a", q) not in cases]
     return cases
 
 
@@ -498,6 +500,10 @@ def _chunked_shapes():
     for mma in INVARIANT_MMAS:  # serial splits (invariant_serial_from), TP8 of the real layer
         params += [p for p in kernel_params(real, 8, range(real.front_max + 1, real.wide_rows + 1),
                                             mma=mma, serial_from=SERIAL_FROM)
+                   if p not in params]
+    for serial_from in (None, SERIAL_FROM):  # invariant_overlap, TP8 of the real layer
+        params += [p for p in kernel_params(real, 8, range(real.front_max + 1, real.wide_rows + 1),
+                                            mma="wgmma", serial_from=serial_from, overlap=True)
                    if p not in params]
     cases = [("sm_90a", p) for p in params]
     blackwell = [p for p in params if not p.get("wgmma")]  # the warpgroup MMA is sm_90a's
@@ -912,7 +918,8 @@ def test_overlap_in_the_wide_layer_and_dense_gemm_rules():
     bits); with ``mma.sync`` it is refused by name (the tactic rule and the layers' check,
     before any device work), and a non-bool too."""
     from fast.gemm.host import choose_tactic
-    from fast.schedules.wide import check_batch_invariant, check_overlap
+    from fast.gemm.mma_kind import check_overlap
+    from fast.schedules.wide import check_batch_invariant
     from fast.schedules.wide_gemms import gemm_launches
     from model.config import LatentMoEConfig
 

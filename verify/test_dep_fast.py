@@ -33,6 +33,7 @@ layer (DEP16) runs ``"auto"``, which mixes the two (``DENSE_BACKENDS``).
 | designed orders | the owner finalize (k order) and the combine (owner order) on values of a wide dynamic range at 8 ranks, where the order decides the bits: bitwise their reference orders |
 | another process | the same layer, weights and tokens in a second process: the same bits |
 | 1000 graph replays | on changing inputs, every 50th bitwise equal to an eager call |
+| MMAs in flight (``invariant_overlap``) | on the warpgroup MMA, every stage of every rank bitwise the same layer's without it at T = 1, 9, 33, 64 |
 | a bad token | one token's row NaN, infinite or overflowing (``verify.isolation``): the call completes and every other token's every stage, home and owner, is bitwise as with its ordinary row |
 | batch invariance (``batch_invariant=True``) | every rank's first ``t`` tokens as a batch of ``t``: every stage bitwise the same tokens' at ``T = 64`` (home: logits to out; owner: received ids/weights, local expert rows, partials), every ``t`` on the small config, both sides of every bucket edge at the real one |
 """
@@ -412,6 +413,41 @@ def test_dep_fast_real_dep16_batch_invariant(backend, mma, seed, contract):
     check_batch_invariant(contract, layer, xs, (1, 2, 8, 9, 16, 17, 24, 25, 32, 33, 63))
     few = [x[:2].contiguous() for x in xs]
     check_dep_fast(contract, layer, layer(few), few)
+
+
+@pytest.mark.config("small")
+@pytest.mark.parametrize("mma", ("wgmma",))
+def test_dep_fast_overlap_same_bits(backend, mma, seed, contract):
+    """``DepLayer(batch_invariant=True, invariant_mma="wgmma", invariant_overlap=True)``
+    (each dense GEMM's warpgroup MMAs in flight across a stage, ``fast.gemm.Tactic.overlap``)
+    on 4 virtual ranks: every stage of every rank bitwise the same layer's without it at
+    T = 1, 9, 33 and 64 (home stages, received rows, local expert rows, partials of sent
+    rows), every dense GEMM running with it."""
+    _skip_unless_mma_runs(mma)
+    ranks, top = 4, 64
+    plain = _layer("small", ranks, top, "auto", batch_invariant=True, invariant_mma=mma)
+    flying = _layer("small", ranks, top, "auto", batch_invariant=True, invariant_mma=mma,
+                    invariant_overlap=True)
+    assert all(choice.tactic.overlap for t in (1, 33, top)
+               for choice in flying.dense.plan(t).values())
+    xs = cases.rank_rows(flying.config, ranks, top, seed, "cuda")
+    k = flying.config.top_k
+    for t in (1, 9, 33, top):
+        batch = [x[:t].contiguous() for x in xs]
+        want = [_snapshot(o) for o in plain(batch)]
+        got = [_snapshot(o) for o in flying(batch)]
+        for r in range(ranks):
+            what = f"rank {r}, MMAs in flight vs not, T={t}"
+            for name in HOME_STAGES + ("recv_codes", "recv_scales", "recv_ids", "recv_weights"):
+                contract.bitwise(_raw(got[r][name]), _raw(want[r][name]), what=f"{what}: {name}")
+            ids = want[r]["recv_ids"]
+            local = (ids >= r * plain.per) & (ids < (r + 1) * plain.per)
+            contract.bitwise(_raw(got[r]["rows"].view(ranks * t, k, -1)[local]),
+                             _raw(want[r]["rows"].view(ranks * t, k, -1)[local]),
+                             what=f"{what}: local expert rows", index_names=("pair", "column"))
+            sent = ids[:, 0] >= 0
+            contract.bitwise(_raw(got[r]["partials"][sent]), _raw(want[r]["partials"][sent]),
+                             what=f"{what}: partials", index_names=ROWS)
 
 
 # -- a bad token changes no other token ---------------------------------------------------

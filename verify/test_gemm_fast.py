@@ -200,20 +200,28 @@ def test_gemm_fast_wgmma_overlap_same_bits(backend, gemm, contract):
     """``Tactic.overlap`` (each stage's warpgroup MMAs in flight while the next stage's
     copies are waited for, the copies one stage less ahead) runs the same MMAs in the same
     order: bitwise the tactic without it, at T = 1, 9, 33 and 64, for each of the GEMM's
-    ``_overlap_tactics``."""
+    ``_overlap_tactics`` and for the default wgmma tactic a ``DenseGemm(wgmma=True,
+    overlap=True)`` runs (``choose_tactic``; the router's only wgmma tactic)."""
     import dataclasses
 
     from fast.backend import gpu_arch
+    from fast.gemm.host import choose_tactic
 
     if gpu_arch() != "sm_90a":
         pytest.skip(f"wgmma is an sm_90a instruction; this GPU is {gpu_arch()}")
-    for _, tactic in [gt for gt in _overlap_tactics() if gt[0] == gemm]:
-        plain = dataclasses.replace(tactic, overlap=False)
-        for tokens in (1, 9, 33, 64):
+    eng = engine(gemm)
+    compared = 0
+    for tokens in (1, 9, 33, 64):
+        default = choose_tactic(eng.rows, eng.k, tokens, eng.sms, eng.splits, wgmma=True,
+                                overlap=True)
+        for tactic in [t for g, t in _overlap_tactics() if g == gemm] + [default]:
             if tactic.serves(tokens):
+                plain = dataclasses.replace(tactic, overlap=False)
                 contract.bitwise(_bits(run(gemm, tokens, tactic)), _bits(run(gemm, tokens, plain)),
                                  what=f"{gemm} {tactic.label()} vs {plain.label()}, T={tokens}",
                                  index_names=ROWS)
+                compared += 1
+    assert compared >= 4, (gemm, compared)
 
 
 @pytest.mark.parametrize("gemm", GEMMS)

@@ -8,7 +8,7 @@ at every row count; the two kinds give other bits than each other.
 
 from __future__ import annotations
 
-__all__ = ["INVARIANT_MMAS", "MMA_CHOICES", "check_mma", "resolve_mma"]
+__all__ = ["INVARIANT_MMAS", "MMA_CHOICES", "check_mma", "check_overlap", "resolve_mma"]
 
 #: The MMA kinds the batch-invariant mode runs its GEMMs on (module docstring).
 INVARIANT_MMAS = ("mma.sync", "wgmma")
@@ -39,3 +39,14 @@ def resolve_mma(owner: str, mma, arch: str) -> str:
         raise ValueError(f"{owner}: invariant_mma='wgmma' needs an sm_90a GPU (warpgroup MMA), "
                          f"this one is {arch}")
     return mma
+
+
+def check_overlap(owner: str, invariant_overlap, mma: str) -> None:
+    """A layer's ``invariant_overlap``, a bool, refused by name with ``mma="mma.sync"`` (it
+    keeps warpgroup MMAs in flight across a stage: ``fast.gemm.Tactic.overlap``, the same
+    bits); a layer calls it again with the kind ``"auto"`` resolved to."""
+    if not isinstance(invariant_overlap, bool):
+        raise ValueError(f"{owner}: invariant_overlap must be a bool, got {invariant_overlap!r}")
+    if invariant_overlap and mma == "mma.sync":
+        raise ValueError(f"{owner}: invariant_overlap=True keeps warpgroup MMAs in flight: it "
+                         f"needs invariant_mma 'wgmma' (or 'auto' on sm_90a), not 'mma.sync'")

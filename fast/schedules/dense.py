@@ -60,7 +60,7 @@ import torch
 
 from fast import activation, mx, router, stock
 from fast.gemm.layout import MAX_TOKENS as FAST_MAX_TOKENS
-from fast.gemm.mma_kind import check_mma, resolve_mma
+from fast.gemm.mma_kind import check_mma, check_overlap, resolve_mma
 from fast.gemm.layout import Tactic, windows_for
 from model.config import LatentMoEConfig
 from model.weights import LatentMoEWeights
@@ -148,31 +148,35 @@ def choose_backend(gemm: str, n: int, k: int, tokens: int, mode: str = "auto") -
 
 
 def fast_tactics(config: LatentMoEConfig, mode: str, max_tokens: int | None = None,
-                 sms: int = 132, mma: str = "mma.sync") -> dict[str, dict[int, Tactic]]:
+                 sms: int = 132, mma: str = "mma.sync",
+                 overlap: bool = False) -> dict[str, dict[int, Tactic]]:
     """Per GEMM, the batches ``T`` (up to ``max_tokens``, at most ``FAST_MAX_TOKENS``) that
     run fast.gemm under ``mode``, with the tactic each runs (``fast.gemm.choose_tactic`` on a
     GPU of ``sms`` multiprocessors, 132: the H200, on ``mma``: ``DenseFront``'s
-    ``invariant_mma``). GEMMs that never run it are left out."""
+    ``invariant_mma``, with its ``invariant_overlap``). GEMMs that never run it are left
+    out."""
     from fast.gemm.host import choose_tactic
 
     check_mma("fast_tactics", mma)
+    check_overlap("fast_tactics", overlap, mma)
     top = FAST_MAX_TOKENS if max_tokens is None else min(max_tokens, FAST_MAX_TOKENS)
     plan = {}
     for name, (n, k) in gemm_shapes(config).items():
-        chosen = {t: choose_tactic(n, k, t, sms, wgmma=mma == "wgmma") for t in range(1, top + 1)
-                  if choose_backend(name, n, k, t, mode) == "fast"}
+        chosen = {t: choose_tactic(n, k, t, sms, wgmma=mma == "wgmma", overlap=overlap)
+                  for t in range(1, top + 1) if choose_backend(name, n, k, t, mode) == "fast"}
         if chosen:
             plan[name] = chosen
     return plan
 
 
 def fast_kernel_params(config: LatentMoEConfig, mode: str, max_tokens: int | None = None,
-                       sms: int = 132, mma: str = "mma.sync") -> list[dict]:
+                       sms: int = 132, mma: str = "mma.sync", overlap: bool = False) -> list[dict]:
     """The distinct fast.gemm kernel shapes (``Tactic.kernel_params``) a ``DenseFront`` of
-    ``config`` compiles under ``mode`` on ``mma`` (what ``tests/test_dense_front.py``
-    checks against the shapes ``tests/test_gemm_fast.py`` compiles)."""
+    ``config`` compiles under ``mode`` on ``mma`` with ``overlap`` (what
+    ``tests/test_dense_front.py`` checks against the shapes ``tests/test_gemm_fast.py``
+    compiles)."""
     seen = []
-    for per_t in fast_tactics(config, mode, max_tokens, sms, mma).values():
+    for per_t in fast_tactics(config, mode, max_tokens, sms, mma, overlap).values():
         for t, tactic in per_t.items():
             params = tactic.kernel_params(windows_for(t))
             if params not in seen:
@@ -224,6 +228,8 @@ class DenseFront:
             measured tactic table's) or ``"wgmma"`` (sm_90a's warpgroup MMA, on
             ``choose_tactic``'s rule at every T: other bits than ``mma.sync``, the same at
             every batch; ``fast.gemm.mma_kind``).
+        invariant_overlap: on ``"wgmma"``, each GEMM's MMAs stay in flight across a stage
+            (``fast.gemm.Tactic.overlap``; the same bits); refused with ``"mma.sync"``.
 
     Raises:
         ValueError: a bad ``gemm``, ``max_tokens``, ``batch_invariant`` or
@@ -234,12 +240,14 @@ class DenseFront:
 
     def __init__(self, weights: LatentMoEWeights, device: torch.device, *,
                  max_tokens: int | None = None, gemm: str = "auto",
-                 batch_invariant: bool = False, invariant_mma: str = "mma.sync"):
+                 batch_invariant: bool = False, invariant_mma: str = "mma.sync",
+                 invariant_overlap: bool = False):
         if gemm not in GEMM_MODES:
             raise ValueError(f"DenseFront: gemm must be one of {GEMM_MODES}, got {gemm!r}")
         if not isinstance(batch_invariant, bool):
             raise ValueError(f"DenseFront: batch_invariant must be a bool, got {batch_invariant!r}")
         check_mma("DenseFront", invariant_mma)
+        check_overlap("DenseFront", invariant_overlap, invariant_mma)
         if batch_invariant:
             if gemm == "cublas":
                 raise ValueError("DenseFront: batch_invariant=True runs every dense GEMM on "
@@ -268,6 +276,8 @@ class DenseFront:
             resolve_mma("DenseFront", invariant_mma, backend.device_arch(device))
         #: the MMA of every fast.gemm GEMM (``invariant_mma``)
         self.invariant_mma = invariant_mma
+        #: on wgmma, each GEMM's MMAs in flight across a stage (``invariant_overlap``)
+        self.invariant_overlap = invariant_overlap
         on = dict(device=device)
         self.gate = weights.gate.to(**on).contiguous()
         self.bias = weights.bias.to(**on).contiguous()
@@ -295,7 +305,8 @@ class DenseFront:
         from fast.gemm import DenseGemm, compile_kernel
 
         gemms = {name: DenseGemm(self._weight[name], max_tokens=top,
-                                 wgmma=self.invariant_mma == "wgmma") for name in names}
+                                 wgmma=self.invariant_mma == "wgmma",
+                                 overlap=self.invariant_overlap) for name in names}
         for name, g in gemms.items():
             for t in range(1, top + 1):
                 if self.backend(name, t) == "fast":

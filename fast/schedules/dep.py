@@ -143,6 +143,8 @@ class DepLayer:
         invariant_mma: the MMA of the fast.gemm dense GEMMs (``DenseFront``'s):
             ``"mma.sync"`` (default) or ``"wgmma"`` (sm_90a; other bits, the same at every
             batch).
+        invariant_overlap: on ``"wgmma"``, each dense GEMM's MMAs in flight across a stage
+            (``DenseFront``'s; ``fast.gemm.Tactic.overlap``, the same bits). Default False.
     """
 
     #: ``fast.schedules.graphs.BucketGraphs``' input: every virtual rank's tokens (a list).
@@ -151,7 +153,7 @@ class DepLayer:
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_tokens: int,
                  device: str | torch.device = "cuda", dense_gemm: str = "auto",
                  batch_invariant: bool = False, experts_tactic: dict | None = None,
-                 invariant_mma: str = "mma.sync"):
+                 invariant_mma: str = "mma.sync", invariant_overlap: bool = False):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
@@ -175,7 +177,8 @@ class DepLayer:
         self.arch = backend.device_arch(device)
         on = dict(device=device)
         self.dense = DenseFront(weights, device, max_tokens=max_tokens, gemm=dense_gemm,
-                                batch_invariant=batch_invariant, invariant_mma=invariant_mma)
+                                batch_invariant=batch_invariant, invariant_mma=invariant_mma,
+                                invariant_overlap=invariant_overlap)
         rows = ranks * max_tokens
         self.engines = [
             experts_engine_for(self.arch, prepare_experts_for(self.arch, weights, device,

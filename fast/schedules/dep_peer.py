@@ -143,6 +143,7 @@ class DepPeerLayer:
             the engine's defaults.
         invariant_mma: as ``DepLayer``'s (the MMA of the fast.gemm dense GEMMs); the same
             on every rank.
+        invariant_overlap: as ``DepLayer``'s (a bool); the same on every rank.
 
     Construction of a scratch is collective (every rank of the group must construct it).
     """
@@ -154,7 +155,7 @@ class DepPeerLayer:
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
                  scratch: DepPeerScratch | None = None, dense_gemm: str = "auto",
                  batch_invariant: bool = False, experts_tactic: dict | None = None,
-                 invariant_mma: str = "mma.sync"):
+                 invariant_mma: str = "mma.sync", invariant_overlap: bool = False):
         from fast.experts import experts_engine_for, prepare_experts_for
         from fast.experts.engine import EngineScratch
 
@@ -185,7 +186,7 @@ class DepPeerLayer:
         self.arch = backend.device_arch(self.device)
         self.dense = DenseFront(weights, self.device, max_tokens=self.max_tokens,
                                 gemm=dense_gemm, batch_invariant=batch_invariant,
-                                invariant_mma=invariant_mma)
+                                invariant_mma=invariant_mma, invariant_overlap=invariant_overlap)
         prepared = prepare_experts_for(self.arch, weights, self.device,
                                        experts=(self.rank * self.per, self.per))
         rows = self.ranks * self.max_tokens

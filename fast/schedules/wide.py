@@ -100,7 +100,7 @@ from fast import backend
 from fast.schedules.dense import check_hidden_rows
 from fast.schedules.steps import run_steps
 from fast.gemm.host import check_serial_from
-from fast.gemm.mma_kind import check_mma, resolve_mma
+from fast.gemm.mma_kind import check_mma, check_overlap, resolve_mma
 from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
                                          SHARED_PLACEMENTS, WIDE_STEPS, WideCall, WideRank,
@@ -111,8 +111,7 @@ from model.weights import LatentMoEWeights
 __all__ = ["WideLayer", "WideRankOutputs", "mailbox_timeout", "check_ranks",
            "kernel_params", "compiled_kernel", "compile_all", "mailbox_timeout_message", "MAX_RANKS",
            "MAILBOX_BUFFERS", "SHARED_PLACEMENTS", "DEFAULT_SHARED_PLACEMENT",
-           "check_call_options", "check_rows_and_timeout", "check_batch_invariant",
-           "check_overlap"]
+           "check_call_options", "check_rows_and_timeout", "check_batch_invariant"]
 
 #: The tail kernels keep one 16-byte granule of every rank in registers.
 MAX_RANKS = 16
@@ -276,17 +275,6 @@ def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
     check_overlap(owner, invariant_overlap, invariant_mma)
     if batch_invariant:
         check_fast_gemm_shapes(owner, config, ranks)
-
-
-def check_overlap(owner: str, invariant_overlap, mma: str) -> None:
-    """``invariant_overlap``, a bool, refused by name with ``mma="mma.sync"`` (it keeps
-    warpgroup MMAs in flight: ``fast.gemm.Tactic.overlap``); call it again with the kind
-    ``"auto"`` resolved to."""
-    if not isinstance(invariant_overlap, bool):
-        raise ValueError(f"{owner}: invariant_overlap must be a bool, got {invariant_overlap!r}")
-    if invariant_overlap and mma == "mma.sync":
-        raise ValueError(f"{owner}: invariant_overlap=True keeps warpgroup MMAs in flight: it "
-                         f"needs invariant_mma 'wgmma' (or 'auto' on sm_90a), not 'mma.sync'")
 
 
 def check_call_options(owner: str, order: str, shared: str) -> None:

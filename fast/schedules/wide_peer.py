@@ -82,9 +82,9 @@ from fast import activation, backend, finalize, mx, router, stock
 from fast.schedules.dense import check_hidden_rows
 from fast.schedules.steps import run_steps
 from fast.schedules.wide import (compiled_kernel, check_batch_invariant, check_list_params,
-                                 check_call_options, check_overlap, check_ranks,
-                                 check_rows_and_timeout, kernel_params, mailbox_timeout)
-from fast.gemm.mma_kind import resolve_mma
+                                 check_call_options, check_ranks, check_rows_and_timeout,
+                                 kernel_params, mailbox_timeout)
+from fast.gemm.mma_kind import check_overlap, resolve_mma
 from fast.schedules.wide_gemms import build_fast_gemms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, WIDE_STEPS,
                                          WideCall, WideRank, WideRankOutputs, WideStageCalls,
