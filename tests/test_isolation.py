@@ -97,3 +97,18 @@ def test_other_tokens_unchanged_refuses_stages_it_cannot_index():
 def test_kept_rows():
     assert isolation.kept_rows(5, 1).tolist() == [True, False, True, True, True]
     assert isolation.kept_rows(5, (0, 4)).tolist() == [False, True, True, True, False]
+
+
+def test_other_tokens_unchanged_compares_float8_and_bool_stages():
+    """The MXFP8 codes (float8) and masks (bool) are compared too: a changed kept row of
+    either is caught, the bad row's is not."""
+    clean = {"codes": torch.zeros(4, 8).to(torch.float8_e4m3fn),
+             "valid": torch.ones(4, dtype=torch.bool)}
+    keep = isolation.kept_rows(4, 1)
+    dirty = {n: v.clone() for n, v in clean.items()}
+    dirty["codes"][1] = float("nan")
+    dirty["valid"][1] = False
+    isolation.check_others_unchanged(Recording(), clean, dirty, keep, "t")
+    dirty["codes"][2, 3] = 1.0
+    with pytest.raises(AssertionError, match="codes"):
+        isolation.check_others_unchanged(Recording(), clean, dirty, keep, "t")

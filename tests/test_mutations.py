@@ -104,6 +104,9 @@ MUTATIONS = [
     _one("router weights from the biased scores", "reference/router.py",
          "w = torch.gather(scores, 1, ids)", "w = torch.gather(biased, 1, ids)",
          ["verify/test_router.py::test_route"]),
+    _one("router selects from NaN logits instead of refusing the batch", "reference/router.py",
+         "    if not finite.all():\n", "    if False:\n",
+         ["verify/test_invariance.py::test_bad_token_refused_by_reference"]),
     _one("router ties to the higher expert id", "reference/router.py",
          "ids = torch.sort(biased, dim=-1, descending=True, stable=True).indices[:, :top_k]",
          "ids = torch.sort(biased.flip(-1), dim=-1, descending=True, stable=True)"
@@ -355,11 +358,11 @@ MUTATIONS = [
          needs_gpu=True),
     _one("fast GEMM: the wide layer's K split follows the token chunks (halved above 128 rows)",
          "fast/gemm/host.py",
-         "    return Tactic(warps=rows // 32, mtiles=2, splits=splits, serial=serial)\n\n\n"
+         "    return Tactic(warps=rows // 32, mtiles=2, splits=splits, serial=serial, overlap=overlap)\n\n\n"
          "def _one_chunk_tactic(",
          "    return Tactic(warps=rows // 32, mtiles=2,\n"
          "                  splits=splits // 2 if chunks > 2 and splits > 1 else splits,\n"
-         "                  serial=serial)\n\n\n"
+         "                  serial=serial, overlap=overlap)\n\n\n"
          "def _one_chunk_tactic(",
          ["verify/test_wide_fast.py::test_wide_fast_batch_invariant"], needs_gpu=True,
          expect="vs the same tokens at T="),

@@ -67,6 +67,13 @@ def kept_rows(rows: int, bad: int | tuple[int, ...] | list[int], device=None) ->
     return keep
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element width (bool as it is)."""
+    if t.dtype == torch.bool:
+        return t
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
 def check_others_unchanged(contract, clean: Mapping[str, torch.Tensor],
                            bad: Mapping[str, torch.Tensor], keep: torch.Tensor, what: str) -> int:
     """Every stage of ``clean`` (a run with an ordinary row) bitwise equal to the same stage
@@ -88,6 +95,9 @@ def check_others_unchanged(contract, clean: Mapping[str, torch.Tensor],
             raise ValueError(f"check_others_unchanged: stage {name!r} has {tuple(want.shape)} "
                              f"(bad run {tuple(got.shape)}), not a multiple of {n} rows")
         mask = keep.to(want.device).repeat_interleave(want.shape[0] // n)
-        contract.bitwise(got[mask.to(got.device)], want[mask], what=f"{what}: {name} of the other tokens")
+        # rows selected from integer views of the same width (float8 has no indexing
+        # kernels everywhere); the comparison is of bytes either way
+        contract.bitwise(_bits(got)[mask.to(got.device)], _bits(want)[mask],
+                         what=f"{what}: {name} of the other tokens")
         compared += int(mask.sum())
     return compared

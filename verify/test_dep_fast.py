@@ -359,6 +359,32 @@ def check_batch_invariant(contract, layer, xs, batches) -> None:
                                  index_names=ROWS)
 
 
+#: The owner's stage outputs whose rows are its receive rows ``s*T + t``.
+RECEIVED_STAGES = ("recv_codes", "recv_scales", "recv_ids", "recv_weights")
+
+
+def check_rank_stages(contract, got: dict, want: dict, r: int, layer, home, received,
+                      what: str) -> None:
+    """Rank ``r``'s snapshots (``_snapshot``) of two calls of the same batch size bitwise
+    equal where they must be: as home, ``HOME_STAGES`` on the token rows ``home`` selects;
+    as owner, ``RECEIVED_STAGES`` on the receive rows ``received`` selects, the expert rows
+    of those rows' local pairs and the partials of those rows that were sent (the pairs and
+    rows by ``want``'s received ids; the other expert rows are unspecified)."""
+    isolation.check_others_unchanged(contract, {n: want[n] for n in HOME_STAGES},
+                                     {n: got[n] for n in HOME_STAGES}, home, f"{what}, as home")
+    isolation.check_others_unchanged(contract, {n: want[n] for n in RECEIVED_STAGES},
+                                     {n: got[n] for n in RECEIVED_STAGES}, received,
+                                     f"{what}, as owner")
+    ids, k = want["recv_ids"], layer.config.top_k
+    local = (ids >= r * layer.per) & (ids < (r + 1) * layer.per) & received[:, None]
+    rows = ids.shape[0]
+    contract.bitwise(got["rows"].view(rows, k, -1)[local], want["rows"].view(rows, k, -1)[local],
+                     what=f"{what}: the local expert rows", index_names=("pair", "column"))
+    sent = (ids[:, 0] >= 0) & received
+    contract.bitwise(got["partials"][sent], want["partials"][sent],
+                     what=f"{what}: the partials", index_names=ROWS)
+
+
 def _skip_unless_mma_runs(mma: str) -> None:
     from fast.backend import gpu_arch
 
@@ -431,23 +457,14 @@ def test_dep_fast_overlap_same_bits(backend, mma, seed, contract):
     assert all(choice.tactic.overlap for t in (1, 33, top)
                for choice in flying.dense.plan(t).values())
     xs = cases.rank_rows(flying.config, ranks, top, seed, "cuda")
-    k = flying.config.top_k
     for t in (1, 9, 33, top):
         batch = [x[:t].contiguous() for x in xs]
         want = [_snapshot(o) for o in plain(batch)]
         got = [_snapshot(o) for o in flying(batch)]
+        every = torch.ones(ranks * t, dtype=torch.bool, device="cuda")
         for r in range(ranks):
-            what = f"rank {r}, MMAs in flight vs not, T={t}"
-            for name in HOME_STAGES + ("recv_codes", "recv_scales", "recv_ids", "recv_weights"):
-                contract.bitwise(_raw(got[r][name]), _raw(want[r][name]), what=f"{what}: {name}")
-            ids = want[r]["recv_ids"]
-            local = (ids >= r * plain.per) & (ids < (r + 1) * plain.per)
-            contract.bitwise(_raw(got[r]["rows"].view(ranks * t, k, -1)[local]),
-                             _raw(want[r]["rows"].view(ranks * t, k, -1)[local]),
-                             what=f"{what}: local expert rows", index_names=("pair", "column"))
-            sent = ids[:, 0] >= 0
-            contract.bitwise(_raw(got[r]["partials"][sent]), _raw(want[r]["partials"][sent]),
-                             what=f"{what}: partials", index_names=ROWS)
+            check_rank_stages(contract, got[r], want[r], r, plain, every[:t], every,
+                              f"rank {r}, MMAs in flight vs not, T={t}")
 
 
 # -- a bad token changes no other token ---------------------------------------------------
@@ -470,28 +487,12 @@ def test_dep_fast_bad_token_isolation(backend, kind, dense_gemm, seed, contract)
     bad = [x.clone() for x in xs]
     bad[at[0]][at[1]] = isolation.bad_row(kind, xs[at[0]][at[1]], seed)
     dirty = [_snapshot(o) for o in layer(bad)]  # check=True: raises an engine error
-    k, n_rows = layer.config.top_k, ranks * tokens
-    received = isolation.kept_rows(n_rows, at[0] * tokens + at[1], device="cuda")
-    owner_stages = ("recv_codes", "recv_scales", "recv_ids", "recv_weights")
+    received = isolation.kept_rows(ranks * tokens, at[0] * tokens + at[1], device="cuda")
     for r in range(ranks):
         home = (isolation.kept_rows(tokens, at[1], device="cuda") if r == at[0]
                 else torch.ones(tokens, dtype=torch.bool, device="cuda"))
-        what = f"rank {r} with a {kind} token at rank {at[0]} row {at[1]}"
-        isolation.check_others_unchanged(
-            contract, {n: _raw(clean[r][n]) for n in HOME_STAGES},
-            {n: _raw(dirty[r][n]) for n in HOME_STAGES}, home, f"{what}, as home")
-        isolation.check_others_unchanged(
-            contract, {n: _raw(clean[r][n]) for n in owner_stages},
-            {n: _raw(dirty[r][n]) for n in owner_stages}, received, f"{what}, as owner")
-        ids = clean[r]["recv_ids"]
-        local = (ids >= r * layer.per) & (ids < (r + 1) * layer.per) & received[:, None]
-        contract.bitwise(_raw(dirty[r]["rows"].view(n_rows, k, -1)[local]),
-                         _raw(clean[r]["rows"].view(n_rows, k, -1)[local]),
-                         what=f"{what}: the other rows' local expert rows",
-                         index_names=("pair", "column"))
-        sent = (ids[:, 0] >= 0) & received
-        contract.bitwise(_raw(dirty[r]["partials"][sent]), _raw(clean[r]["partials"][sent]),
-                         what=f"{what}: the other rows' partials", index_names=ROWS)
+        check_rank_stages(contract, dirty[r], clean[r], r, layer, home, received,
+                          f"rank {r} with a {kind} token at rank {at[0]} row {at[1]}")
 
 
 # -- orders exposed by designed values, and reliability ------------------------------------

@@ -738,8 +738,6 @@ def test_wide_fast_bad_token_isolation(backend, kind, seed, contract):
     dirty = [_snapshot(o) for o in layer(bad)]  # check=True: raises a recorded error
     keep = isolation.kept_rows(70, 33, device="cuda")
     for r in range(4):
-        isolation.check_others_unchanged(
-            contract, {n: _raw(v) for n, v in clean[r].items()},
-            {n: _raw(v) for n, v in dirty[r].items()}, keep,
-            f"rank {r} with a {kind} token at row 33")
+        isolation.check_others_unchanged(contract, clean[r], dirty[r], keep,
+                                         f"rank {r} with a {kind} token at row 33")
 

@@ -17,6 +17,7 @@ import torch
 
 from fast import backend
 from fast.device.compile import compiled, frozen
+from fast.gemm.mma_kind import check_overlap
 from fast.gemm.layout import (MAX_CALL_TOKENS, MAX_TOKENS, MAX_WINDOWS, Tactic,
                               chunk_workspace_bytes, padded_rows, token_chunks)
 
@@ -121,11 +122,9 @@ def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
     the MMA kind depends on ``tokens``: the default GEMM is batch invariant.
     ``serial``: the same tactic with its splits run one after another in each CTA
     (``Tactic.serial``: the same bits), its tile chosen for ``tiles x chunks`` CTAs.
-    ``overlap`` (with ``wgmma`` only): each stage's MMAs left in flight
-    (``Tactic.overlap``: the same bits)."""
-    if overlap and not wgmma:
-        raise ValueError("choose_tactic: overlap keeps warpgroup MMAs in flight: it needs wgmma=True")
-    if tokens <= MAX_TOKENS and not wgmma and not serial:
+    ``overlap`` (with ``wgmma`` only; ``Tactic`` refuses it otherwise): each stage's MMAs
+    left in flight (``Tactic.overlap``: the same bits)."""
+    if tokens <= MAX_TOKENS and not wgmma and not serial and not overlap:
         one = _one_chunk_tactic(n, k, tokens, sms)
         if splits is None or splits == one.splits:
             return one
@@ -137,7 +136,7 @@ def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
     if wgmma:
         return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial,
                       overlap=overlap)
-    return Tactic(warps=rows // 32, mtiles=2, splits=splits, serial=serial)
+    return Tactic(warps=rows // 32, mtiles=2, splits=splits, serial=serial, overlap=overlap)
 
 
 def _one_chunk_tactic(n: int, k: int, tokens: int, sms: int) -> Tactic:
@@ -309,10 +308,7 @@ class DenseGemm:
             raise ValueError(f"DenseGemm: pdl must be None, True or False, got {pdl!r}")
         if not isinstance(wgmma, bool):
             raise ValueError(f"DenseGemm: wgmma must be a bool, got {wgmma!r}")
-        if not isinstance(overlap, bool) or (overlap and not wgmma):
-            raise ValueError(f"DenseGemm: overlap must be a bool, and True only with wgmma=True "
-                             f"(it keeps warpgroup MMAs in flight), got overlap={overlap!r}, "
-                             f"wgmma={wgmma!r}")
+        check_overlap("DenseGemm", overlap, "wgmma" if wgmma else "mma.sync", name="overlap")
         check_serial_from("DenseGemm", "serial_from", serial_from)
         if weight.device.type != "cuda":
             raise ValueError(f"DenseGemm: weight must be on a CUDA device, got {weight.device}")

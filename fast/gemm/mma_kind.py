@@ -41,12 +41,13 @@ def resolve_mma(owner: str, mma, arch: str) -> str:
     return mma
 
 
-def check_overlap(owner: str, invariant_overlap, mma: str) -> None:
-    """A layer's ``invariant_overlap``, a bool, refused by name with ``mma="mma.sync"`` (it
-    keeps warpgroup MMAs in flight across a stage: ``fast.gemm.Tactic.overlap``, the same
-    bits); a layer calls it again with the kind ``"auto"`` resolved to."""
-    if not isinstance(invariant_overlap, bool):
-        raise ValueError(f"{owner}: invariant_overlap must be a bool, got {invariant_overlap!r}")
-    if invariant_overlap and mma == "mma.sync":
-        raise ValueError(f"{owner}: invariant_overlap=True keeps warpgroup MMAs in flight: it "
-                         f"needs invariant_mma 'wgmma' (or 'auto' on sm_90a), not 'mma.sync'")
+def check_overlap(owner: str, overlap, mma: str, name: str = "invariant_overlap") -> None:
+    """Argument ``name`` of ``owner`` (a layer's ``invariant_overlap``, ``DenseGemm``'s
+    ``overlap``), a bool, refused by name with ``mma="mma.sync"`` (it keeps warpgroup MMAs
+    in flight across a stage: ``fast.gemm.Tactic.overlap``, the same bits); a layer calls
+    it again with the kind ``"auto"`` resolved to."""
+    if not isinstance(overlap, bool):
+        raise ValueError(f"{owner}: {name} must be a bool, got {overlap!r}")
+    if overlap and mma == "mma.sync":
+        raise ValueError(f"{owner}: {name}=True keeps warpgroup MMAs in flight: it needs the "
+                         f"warpgroup MMA ('wgmma', or 'auto' on sm_90a), not 'mma.sync'")
