@@ -62,25 +62,23 @@ DEPENDS: dict[tuple[str, str], tuple[str, ...]] = {
 
 def parse(lines) -> dict[str, tuple[str, str]]:
     """``{"<arch> <family>:<set> <kind> <Class>": (sha1, bytes)}`` of digest lines (blank
-    lines ignored); raises ValueError on a line of another shape."""
-    out = {}
-    for line in lines:
-        fields = line.split()
-        if not fields:
-            continue
-        if len(fields) != 6:
-            raise ValueError(f"not a sass_digest line: {line!r}")
-        out[" ".join(fields[:4])] = (fields[4], fields[5])
-    return out
+    lines ignored); raises ValueError on a line of another shape
+    (``tools.sass_digest.parse_lines``)."""
+    from tools.sass_digest import parse_lines
+
+    return parse_lines(lines)
 
 
-def current_digests(arch: str, jobs: int | None = None) -> list[str]:
-    """The digest lines of ``sets()`` compiled from this tree for ``arch`` (one process per
-    kernel, ``jobs`` at a time; CuTe DSL, no GPU needed), sorted."""
+def current_digests(arch: str, jobs: int | None = None,
+                    kernel_sets: list[tuple[str, str]] | None = None) -> list[str]:
+    """The digest lines of ``kernel_sets`` ((family, name) of ``tools.sass_digest.SETS``;
+    default ``sets()``) compiled from this tree for ``arch`` (one process per kernel,
+    ``jobs`` at a time; CuTe DSL, no GPU needed), sorted."""
     from tools.sass_digest import digest, kinds
 
+    chosen = sets() if kernel_sets is None else list(kernel_sets)
     with concurrent.futures.ThreadPoolExecutor(jobs or os.cpu_count() or 1) as pool:
-        todo = [job for listed in pool.map(lambda s: kinds(arch, *s), sets()) for job in listed]
+        todo = [job for listed in pool.map(lambda s: kinds(arch, *s), chosen) for job in listed]
         return sorted(line for lines in pool.map(lambda j: digest(*j), todo) for line in lines)
 
 

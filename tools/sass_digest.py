@@ -138,6 +138,21 @@ def digest(arch: str, family: str, name: str, kind: str) -> list[str]:
         return lines
 
 
+def parse_lines(lines) -> dict[str, tuple[str, str]]:
+    """``{"<arch> <family>:<set> <kind> <Class>": (sha1, bytes)}`` of digest lines (this
+    tool's output format; blank lines ignored); raises ValueError on a line of another
+    shape."""
+    out = {}
+    for line in lines:
+        fields = line.split()
+        if not fields:
+            continue
+        if len(fields) != 6:
+            raise ValueError(f"not a sass_digest line: {line!r}")
+        out[" ".join(fields[:4])] = (fields[4], fields[5])
+    return out
+
+
 def kinds(arch: str, family: str, name: str) -> list[tuple[str, str, str, str]]:
     """(arch, family, name, kernel kind) of every kernel of one set."""
     return [(arch, family, name, kind) for kind in compile_set([arch, family, name, "?"]).split()]

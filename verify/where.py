@@ -83,6 +83,10 @@ class Run:
     what: str
     note: str
     rows: list[dict] = field(default_factory=list)
+    #: the file beside the report with the SASS digests of the kernels the run ran
+    #: (``tools/sass_digest.py``'s lines), and the architecture they ran as; None if unrecorded
+    sass_digest: str | None = None
+    sass_arch: str | None = None
 
     def totals(self) -> dict[str, int]:
         out = {"passed": 0, "failed": 0, "skipped": 0}
@@ -102,10 +106,14 @@ def load_run(machine: str, report: str) -> Run:
     for key in ("commit", "date"):
         if key not in meta:
             raise ValueError(f"{report}: no {key!r} in {meta_path.name if meta is not data else 'the report'}")
+    if bool(meta.get("sass_digest")) != bool(meta.get("sass_arch")):
+        raise ValueError(f"{report}: 'sass_digest' and 'sass_arch' go together (the digest "
+                         f"file and the architecture the run's kernels ran as)")
     return Run(machine=machine, report=report, commit=str(meta["commit"]),
                date=str(meta["date"]), log=meta.get("log"), what=str(meta.get("what", "")),
                note=str(meta.get("note") or meta.get("failures") or ""),
-               rows=list(data["rows"]))
+               rows=list(data["rows"]), sass_digest=meta.get("sass_digest"),
+               sass_arch=meta.get("sass_arch"))
 
 
 def runs() -> dict[str, Run | None]:
@@ -216,6 +224,73 @@ def files_table(all_runs: dict[str, Run | None]) -> tuple[str, list[str]]:
     return "\n".join(lines), orphans
 
 
+#: The line of the page that the docs build replaces with a run's kernel status
+#: (:func:`kernels_status`); ``{machine}`` is the run's machine.
+KERNELS_MARKER = "<!-- verified:kernels {machine} -->"
+KERNELS_MARKER_RE = re.compile(r"<!-- verified:kernels (.+?) -->")
+
+
+def recorded_kernels(run: Run) -> dict[str, tuple[str, str]]:
+    """The digests of the kernels ``run`` ran (its ``sass_digest`` file's lines of its
+    ``sass_arch``): ``{"<arch> <family>:<set> <kind> <Class>": (sha1, bytes)}``."""
+    from tools.sass_digest import parse_lines
+
+    if not run.sass_digest:
+        raise ValueError(f"{run.machine}: the run recorded no SASS digests")
+    path = (ROOT / run.report).with_name(run.sass_digest)
+    lines = parse_lines(path.read_text().splitlines())
+    return {k: v for k, v in lines.items() if k.split()[0] == run.sass_arch}
+
+
+def recorded_sets(run: Run) -> list[tuple[str, str]]:
+    """The ``tools.sass_digest`` kernel sets (family, name) of ``run``'s recorded kernels."""
+    return sorted({tuple(key.split()[1].split(":", 1)) for key in recorded_kernels(run)})
+
+
+def kernels_status(run: Run, current: list[str] | None, not_checked: str = "") -> str:
+    """What the page says of ``run``'s kernels at the tree the site is built from:
+    whether each kernel whose contracts passed in ``run`` compiles to the same machine
+    code now. ``current``: this tree's digest lines of :func:`recorded_sets` for the run's
+    architecture (``tools.sass_digest`` compiled on the CPU), None when they were not
+    computed (``not_checked`` says why)."""
+    from tools.sass_digest import SETS, parse_lines
+
+    old = recorded_kernels(run)
+    where = f"the {run.machine} run at `{_short(run.commit)}`"
+    if current is None:
+        return (f"**Machine code at this tree: not checked** ({not_checked}). The docs build "
+                f"compares the {len(old)} `{run.sass_arch}` kernels of {where} with this "
+                f"tree's when CuTe DSL can compile them.")
+    new = {k: v for k, v in parse_lines(current).items() if k.split()[0] == run.sass_arch}
+    recorded = set(recorded_sets(run))
+    new = {k: v for k, v in new.items() if tuple(k.split()[1].split(":", 1)) in recorded}
+    name = lambda key: "`{1} {2}` ({3})".format(*key.split())  # noqa: E731
+    changed = sorted(name(k) + ("" if k in new else " (no longer compiled)")
+                     for k in old if old[k] != new.get(k))
+    added = sorted(name(k) for k in new if k not in old)
+    unrecorded = sorted(f"`{f}:{n}`" for f, n in SETS if (f, n) not in recorded)
+    same = len(old) - len(changed)
+    if changed:
+        out = [f"**Machine code at this tree: {len(changed)} of the {len(old)} "
+               f"`{run.sass_arch}` kernels of {where} compile to other machine code now**, "
+               f"so their contracts have not passed on a GPU since: " + ", ".join(changed) +
+               f". The other {same} compile to the same SASS."]
+    else:
+        out = [f"**Machine code at this tree: the same.** The {len(old)} `{run.sass_arch}` "
+               f"kernels whose contracts passed in {where} compile to the same SASS from this "
+               f"tree. What changed since that run, if anything, is outside their machine "
+               f"code (launch arguments, buffers, streams, the contracts themselves), which "
+               f"only a new run on the GPU covers: the run verifies its own commit, not this "
+               f"one."]
+    if added:
+        out.append("Kernels of those sets that the run did not have (never run in a recorded "
+                   "suite): " + ", ".join(added) + ".")
+    if unrecorded:
+        out.append("Kernel sets of `tools/sass_digest.py` the run did not record (not "
+                   "compared): " + ", ".join(unrecorded) + ".")
+    return " ".join(out)
+
+
 def render(distances: dict[str, int | None], head: str) -> str:
     """The whole page, with ``distances`` (short commit -> commits behind ``head``)."""
     all_runs = runs()
@@ -251,6 +326,24 @@ def render(distances: dict[str, int | None], head: str) -> str:
     notes = [(m, run.note) for m, run in all_runs.items() if run is not None and run.note]
     if notes:
         out += [f"* **{m}:** {note}" for m, note in notes] + [""]
+    digested = [run for run in all_runs.values() if run is not None and run.sass_digest]
+    if digested:
+        out += [
+            "## Machine code at this tree",
+            "",
+            "A GPU run records the SASS digests (`tools/sass_digest.py`) of the kernels whose",
+            "contracts it ran. When this site is built the same kernels are compiled from the",
+            "current tree on the CPU and compared, so the line below says whether the machine",
+            "code that passed is this tree's. It cannot say the same of the host code around",
+            "the kernels: the commits behind HEAD above count every change. Only the kernel",
+            "sets of `tools/sass_digest.py` are compared (the stage kernels, five experts-engine",
+            "geometries, the schedules' own kernels, the dense and wide GEMMs of the defaults",
+            "and of the wide batch-invariant mode), not every tactic a layer can be built with.",
+            "",
+        ]
+        for run in digested:
+            out += [f"* **{run.machine}** (`{Path(run.report).parent / run.sass_digest}`, "
+                    f"`{run.sass_arch}`): " + KERNELS_MARKER.format(machine=run.machine), ""]
     out += [
         "## Per contract file",
         "",
