@@ -98,6 +98,26 @@ def device_supported() -> tuple[bool, str]:
     return True, ""
 
 
+def require_supported(who: str) -> None:
+    """A RuntimeError starting with ``who`` unless this machine can run the fast kernels
+    (``device_supported``); every fast layer, engine and GEMM checks this at construction."""
+    ok, why = device_supported()
+    if not ok:
+        raise RuntimeError(f"{who}: the fast kernels cannot run here: {why}")
+
+
+def cuda_device(who: str, device=None) -> torch.device:
+    """``device`` (default ``"cuda"``) as a ``torch.device`` with its index (the current
+    device when it has none); a ValueError starting with ``who`` unless it is a CUDA
+    device."""
+    device = torch.device(device if device is not None else "cuda")
+    if device.type != "cuda":
+        raise ValueError(f"{who}: device must be a CUDA device, got {device}")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def available(kernel: str) -> tuple[bool, str]:
     """(True, "") when ``kernel`` can run on this machine, else (False, the reason)."""
     if kernel not in KERNELS:

@@ -85,12 +85,25 @@ def test_process_group_refuses_without_distributed():
 
 
 def test_cuda_device(monkeypatch):
+    from fast import backend
+
     with pytest.raises(ValueError, match=r"^SomeLayer: device must be a CUDA device, got cpu$"):
-        symmetric.cuda_device("SomeLayer", "cpu")
+        backend.cuda_device("SomeLayer", "cpu")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
-    assert symmetric.cuda_device("X") == torch.device("cuda", 3)
-    assert symmetric.cuda_device("X", "cuda") == torch.device("cuda", 3)
-    assert symmetric.cuda_device("X", torch.device("cuda", 1)) == torch.device("cuda", 1)
+    assert backend.cuda_device("X") == torch.device("cuda", 3)
+    assert backend.cuda_device("X", "cuda") == torch.device("cuda", 3)
+    assert backend.cuda_device("X", torch.device("cuda", 1)) == torch.device("cuda", 1)
+
+
+def test_require_supported_names_the_caller(monkeypatch):
+    from fast import backend
+
+    monkeypatch.setattr(backend, "device_supported", lambda: (False, "no CUDA device"))
+    with pytest.raises(RuntimeError, match=r"^SomeLayer: the fast kernels cannot run here: "
+                                           r"no CUDA device$"):
+        backend.require_supported("SomeLayer")
+    monkeypatch.setattr(backend, "device_supported", lambda: (True, ""))
+    backend.require_supported("SomeLayer")
 
 
 class FakeSymmetricMemory:

@@ -252,6 +252,7 @@ def stand_ins(monkeypatch):
         monkeypatch.setattr(module, "torch", cpu_torch)
         monkeypatch.setattr(module, "run_steps", rec.run_steps, raising=False)
     monkeypatch.setattr(backend, "device_supported", lambda: (True, ""))
+    monkeypatch.setattr(backend, "cuda_device", lambda who, device=None: DEVICE)
     monkeypatch.setattr(backend, "device_arch", lambda device: "sm_90a")
     monkeypatch.setattr(backend, "stream", lambda device=None: "stream")
     monkeypatch.setattr(backend, "ptr", lambda t, kind, align=None: ("ptr", t.data_ptr(), kind))

@@ -332,9 +332,7 @@ class ExpertsEngine:
             raise ValueError(f"ExpertsEngine: prepared experts must be on a CUDA device, got {prepared.device}")
         if not isinstance(max_rows, int) or max_rows < 1:
             raise ValueError(f"ExpertsEngine: max_rows must be a positive int, got {max_rows!r}")
-        ok, why = backend.device_supported()
-        if not ok:
-            raise RuntimeError(f"ExpertsEngine: the fast kernels cannot run here: {why}")
+        backend.require_supported("ExpertsEngine")
         self.prepared, self.strict = prepared, strict
         self.empty_rows = bool(empty_rows)
         self.config, self.geometry = prepared.config, prepared.geometry

@@ -314,9 +314,7 @@ class DenseGemm:
             raise ValueError(f"DenseGemm: weight must be on a CUDA device, got {weight.device}")
         if not weight.is_contiguous() or weight.data_ptr() % 16:
             raise ValueError("DenseGemm: weight must be contiguous and 16-byte aligned")
-        ok, why = backend.device_supported()
-        if not ok:
-            raise RuntimeError(f"DenseGemm: the fast kernels cannot run here: {why}")
+        backend.require_supported("DenseGemm")
         if wgmma and backend.device_arch(weight.device) != "sm_90a":
             raise ValueError(f"DenseGemm: wgmma=True needs an sm_90a device (warpgroup MMA is "
                              f"Hopper's), this one is {backend.device_arch(weight.device)}")

@@ -164,14 +164,8 @@ class DepLayer:
                              f"E={c.experts} (each rank owns E/N experts)")
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"DepLayer: max_tokens must be a positive int, got {max_tokens!r}")
-        device = torch.device(device)
-        if device.type != "cuda":
-            raise ValueError(f"DepLayer: device must be a CUDA device, got {device}")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        ok, why = backend.device_supported()
-        if not ok:
-            raise RuntimeError(f"DepLayer: the fast kernels cannot run here: {why}")
+        device = backend.cuda_device("DepLayer", device)
+        backend.require_supported("DepLayer")
         self.config, self.ranks, self.max_tokens, self.device = c, ranks, max_tokens, device
         self.per = c.experts // ranks
         self.arch = backend.device_arch(device)

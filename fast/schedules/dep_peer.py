@@ -47,7 +47,8 @@ from fast.schedules.dense import DenseFront
 from fast.schedules.dep import compiled_kernel, check_token_rows, kernel_params
 from fast.schedules.dep_program import DEP_STEPS, DepCall, DepRank, DepRankOutputs
 from fast.schedules.steps import run_steps
-from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
+from fast.backend import cuda_device
+from fast.schedules.symmetric import SymmetricBuffer, meet, pack, process_group
 from model.weights import LatentMoEWeights
 
 __all__ = ["DepPeerLayer", "DepPeerScratch", "symmetric_layout", "WAITS"]
@@ -164,9 +165,7 @@ class DepPeerLayer:
                             f"{type(weights).__name__}")
         if not timeout_s > 0:
             raise ValueError(f"DepPeerLayer: timeout_s must be positive, got {timeout_s!r}")
-        ok, why = backend.device_supported()
-        if not ok:
-            raise RuntimeError(f"DepPeerLayer: the fast kernels cannot run here: {why}")
+        backend.require_supported("DepPeerLayer")
         c = weights.config
         if scratch is None:
             scratch = DepPeerScratch(c, max_tokens=max_tokens, group=group, device=device)

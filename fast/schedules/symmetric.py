@@ -7,7 +7,6 @@ nothing here creates or reads a multicast object.
 * :func:`pack`: the byte layout of a buffer's fields, each on a 256-byte boundary;
 * :func:`process_group`: the process group, this rank and the rank count (refused before
   ``torch.distributed`` is initialised);
-* :func:`cuda_device`: the CUDA device a rank runs on;
 * :class:`SymmetricBuffer`: one rank's buffer, allocated, zeroed and rendezvoused over
   the group (collective), its fields as views and the peers' addresses of a field;
 * :func:`meet`: the device's work done, then a barrier of the group.
@@ -22,7 +21,7 @@ import math
 
 import torch
 
-__all__ = ["ALIGN", "pack", "process_group", "cuda_device", "SymmetricBuffer", "meet"]
+__all__ = ["ALIGN", "pack", "process_group", "SymmetricBuffer", "meet"]
 
 #: Every field of a symmetric buffer starts on this many bytes.
 ALIGN = 256
@@ -50,17 +49,6 @@ def process_group(who: str, group=None) -> tuple:
                            "torchrun and call init_process_group('nccl'))")
     group = group if group is not None else dist.group.WORLD
     return group, dist.get_rank(group), dist.get_world_size(group)
-
-
-def cuda_device(who: str, device=None) -> torch.device:
-    """``device`` (default ``"cuda"``) as a ``torch.device`` with its index (the current
-    device when it has none); a ValueError unless it is a CUDA device."""
-    device = torch.device(device if device is not None else "cuda")
-    if device.type != "cuda":
-        raise ValueError(f"{who}: device must be a CUDA device, got {device}")
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
 
 
 class SymmetricBuffer:

@@ -334,14 +334,8 @@ class WideLayer(WideStageCalls):
         max_rows = check_rows_and_timeout("WideLayer", c, max_rows, timeout_s)
         check_batch_invariant("WideLayer", c, ranks, batch_invariant, invariant_mma,
                               invariant_serial_from, invariant_overlap)
-        device = torch.device(device)
-        if device.type != "cuda":
-            raise ValueError(f"WideLayer: device must be a CUDA device, got {device}")
-        if device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        ok, why = backend.device_supported()
-        if not ok:
-            raise RuntimeError(f"WideLayer: the fast kernels cannot run here: {why}")
+        device = backend.cuda_device("WideLayer", device)
+        backend.require_supported("WideLayer")
         self.config, self.ranks, self.max_rows, self.device = c, ranks, max_rows, device
         self.timeout_s = float(timeout_s)
         self.arch = backend.device_arch(device)

@@ -89,7 +89,8 @@ from fast.schedules.wide_gemms import build_fast_gemms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, WIDE_STEPS,
                                          WideCall, WideRank, WideRankOutputs, WideStageCalls,
                                          as_int32, rank_gemm_bf16_into)
-from fast.schedules.symmetric import SymmetricBuffer, cuda_device, meet, pack, process_group
+from fast.backend import cuda_device
+from fast.schedules.symmetric import SymmetricBuffer, meet, pack, process_group
 from model.weights import LatentMoEWeights
 
 __all__ = ["WidePeerLayer", "symmetric_layout", "WAITS"]
@@ -172,9 +173,7 @@ class WidePeerLayer(WideStageCalls):
         check_batch_invariant("WidePeerLayer", c, n, batch_invariant, invariant_mma,
                               invariant_serial_from, invariant_overlap)
         device = cuda_device("WidePeerLayer", device)
-        ok, why = backend.device_supported()
-        if not ok:
-            raise RuntimeError(f"WidePeerLayer: the fast kernels cannot run here: {why}")
+        backend.require_supported("WidePeerLayer")
         mma = resolve_mma("WidePeerLayer", invariant_mma, backend.device_arch(device))
         check_overlap("WidePeerLayer", invariant_overlap, mma)
         seen = [None] * n
