@@ -105,21 +105,20 @@ def changed_kernels(recorded: list[str], current: list[str],
     has: ``"<family>:<set> <kind> (<Class>)"``, with `` (not recorded with the run)`` or
     `` (no longer compiled)`` where one side lacks it; sorted. A recorded set the current
     tree no longer compiles at all (a removed tactic's kernels) is left out."""
-    old, new = parse(recorded), parse(current)
+    from tools.sass_digest import compare_digests
+
+    new = parse(current)
     patterns = [p for group in groups for p in DEPENDS.get(tuple(group), ())]
     compiled_sets = {key.split()[1] for key in new}
+    why = {"changed": "", "new": " (not recorded with the run)", "gone": " (no longer compiled)"}
     changed = []
-    for key in sorted(set(old) | set(new)):
+    for key, what in sorted(compare_digests(parse(recorded), new).items()):
         _arch, where, kind, cls = key.split()
         if not any(fnmatch.fnmatchcase(f"{where} {kind}", p) for p in patterns):
             continue
-        if key not in new and where not in compiled_sets:
+        if what == "gone" and where not in compiled_sets:
             # a whole set the tree no longer compiles (a removed tactic): no figure drawn
             # now comes from it; a default that changed shows as a new or changed kernel
             continue
-        if old.get(key) == new.get(key):
-            continue
-        why = (" (not recorded with the run)" if key not in old else
-               " (no longer compiled)" if key not in new else "")
-        changed.append(f"{where} {kind} ({cls}){why}")
+        changed.append(f"{where} {kind} ({cls}){why[what]}")
     return changed

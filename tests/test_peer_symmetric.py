@@ -168,12 +168,13 @@ def test_dep_peer_scratch_tables_equal_the_old_code(fake_symm, monkeypatch, tmp_
     symmetric buffer, and its dispatch, combine and arrival tables equal the old code's."""
     import torch.distributed as dist
 
+    from fast import backend
     from fast.schedules import dep_peer
 
     c, max_tokens = CONFIGS["small"], 5
     fake = fake_symm(1, 0)
     met = []
-    monkeypatch.setattr(dep_peer, "cuda_device", lambda who, device: torch.device("cpu"))
+    monkeypatch.setattr(backend, "cuda_device", lambda who, device: torch.device("cpu"))
     monkeypatch.setattr(dep_peer, "meet", lambda group, device: met.append((group, device)))
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
                             world_size=1)

@@ -312,7 +312,6 @@ def peer_world(monkeypatch, module, rank, ranks):
 
     group = SimpleNamespace(size=ranks)
     monkeypatch.setattr(module, "process_group", lambda who, g=None: (group, rank, ranks))
-    monkeypatch.setattr(module, "cuda_device", lambda who, device=None: DEVICE)
     monkeypatch.setattr(module, "SymmetricBuffer", Symmetric)
     monkeypatch.setattr(module, "meet", lambda group, device: None)
     monkeypatch.setattr(dist, "all_gather_object",

@@ -57,3 +57,19 @@ def test_digest_is_stable_and_sees_a_changed_kernel():
     assert len(first) == 1 and " PlanKernel " in first[0]
     other = digest("sm_90a", "experts", "dep16-two-w4-strict", "plan")
     assert first[0].split()[4] != other[0].split()[4]
+
+
+def test_compare_digests_names_changed_gone_and_new_kernels():
+    from tools.sass_digest import compare_digests, parse_lines
+
+    old = parse_lines(["sm_90a stage:real mx Q aaaa 10", "sm_90a stage:real norm N bbbb 20",
+                       "sm_90a dep:dep16 combine C cccc 30"])
+    new = parse_lines(["sm_90a stage:real mx Q aaaa 10", "sm_90a stage:real norm N eeee 20",
+                       "sm_90a dep:dep16 wait W ffff 4"])
+    assert compare_digests(old, new) == {"sm_90a stage:real norm N": "changed",
+                                         "sm_90a dep:dep16 combine C": "gone",
+                                         "sm_90a dep:dep16 wait W": "new"}
+    assert compare_digests(old, old) == {}
+    # the size is part of the digest
+    assert compare_digests(old, parse_lines(["sm_90a stage:real mx Q aaaa 11"]))[
+        "sm_90a stage:real mx Q"] == "changed"

@@ -153,6 +153,14 @@ def parse_lines(lines) -> dict[str, tuple[str, str]]:
     return out
 
 
+def compare_digests(old: dict[str, tuple[str, str]],
+                    new: dict[str, tuple[str, str]]) -> dict[str, str]:
+    """The kernels whose digest differs between two :func:`parse_lines` results, each
+    ``"changed"``, ``"gone"`` (only in ``old``) or ``"new"`` (only in ``new``)."""
+    return {key: "new" if key not in old else "gone" if key not in new else "changed"
+            for key in set(old) | set(new) if old.get(key) != new.get(key)}
+
+
 def kinds(arch: str, family: str, name: str) -> list[tuple[str, str, str, str]]:
     """(arch, family, name, kernel kind) of every kernel of one set."""
     return [(arch, family, name, kind) for kind in compile_set([arch, family, name, "?"]).split()]

@@ -34,6 +34,7 @@ __all__ = [
     "assert_bitwise_equal",
     "assert_within_bound",
     "assert_within_ulp",
+    "raw_bits",
     "ulp_distance",
 ]
 
@@ -148,8 +149,9 @@ def _check_names(t: torch.Tensor, index_names: tuple[str, ...] | None) -> None:
         )
 
 
-def _raw_bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of `t` as a signed/unsigned integer tensor of the same width."""
+def raw_bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of `t` as a signed/unsigned integer tensor of the same width (bool as
+    uint8), so NaN payloads and -0 compare as bits."""
     if t.is_complex():
         raise TypeError(f"complex dtype {t.dtype} is not supported")
     if t.dtype == torch.bool:
@@ -218,7 +220,7 @@ def _raise_mismatches(result: CompareResult, actual: torch.Tensor, expected: tor
     coords = _flat_coords(first, actual.shape)
     sel_a = actual.reshape(-1)[first].cpu()
     sel_e = expected.to(actual.device).reshape(-1)[first].cpu()
-    bits_a, bits_e = _raw_bits(sel_a).tolist(), _raw_bits(sel_e).tolist()
+    bits_a, bits_e = raw_bits(sel_a).tolist(), raw_bits(sel_e).tolist()
     rows, lines = [], []
     for i, coord in enumerate(coords):
         va, ve = _value(sel_a[i]), _value(sel_e[i])
@@ -250,7 +252,7 @@ def _ordinal(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     non-NaN value (infinities are one step beyond the largest finite value).
     """
     width, nan_min = _ULP_FORMATS[x.dtype]
-    bits = _raw_bits(x).to(torch.int64) & ((1 << width) - 1)
+    bits = raw_bits(x).to(torch.int64) & ((1 << width) - 1)
     sign = bits >> (width - 1)
     mag = bits & ((1 << (width - 1)) - 1)
     key = torch.where(sign == 1, -mag, mag)
@@ -321,7 +323,7 @@ def assert_bitwise_equal(
     _same_layout(actual, expected, what, "bitwise")
     _check_names(actual, index_names)
     expected = expected.to(actual.device)
-    ba, be = _raw_bits(actual), _raw_bits(expected)
+    ba, be = raw_bits(actual), raw_bits(expected)
     differ = (ba != be).reshape(-1)
     n = differ.numel()
     count = int(differ.sum().item())

@@ -22,6 +22,8 @@ from collections.abc import Mapping
 
 import torch
 
+from verify.compare import raw_bits
+
 __all__ = ["BAD_KINDS", "bad_row", "kept_rows", "check_others_unchanged"]
 
 #: The bad rows (:func:`bad_row`): every element NaN; one NaN in an ordinary row; one +Inf
@@ -67,13 +69,6 @@ def kept_rows(rows: int, bad: int | tuple[int, ...] | list[int], device=None) ->
     return keep
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """``t`` viewed as integers of its element width (bool as it is)."""
-    if t.dtype == torch.bool:
-        return t
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
 def check_others_unchanged(contract, clean: Mapping[str, torch.Tensor],
                            bad: Mapping[str, torch.Tensor], keep: torch.Tensor, what: str) -> int:
     """Every stage of ``clean`` (a run with an ordinary row) bitwise equal to the same stage
@@ -97,7 +92,7 @@ def check_others_unchanged(contract, clean: Mapping[str, torch.Tensor],
         mask = keep.to(want.device).repeat_interleave(want.shape[0] // n)
         # rows selected from integer views of the same width (float8 has no indexing
         # kernels everywhere); the comparison is of bytes either way
-        contract.bitwise(_bits(got)[mask.to(got.device)], _bits(want)[mask],
+        contract.bitwise(raw_bits(got)[mask.to(got.device)], raw_bits(want)[mask],
                          what=f"{what}: {name} of the other tokens")
         compared += int(mask.sum())
     return compared

@@ -52,6 +52,7 @@ from reference import emulation
 from reference.mx import quantize_mxfp8
 from reference.schedules.dep import POISON_CODE, POISON_SCALE, local_finalize, ordered_combine
 from verify import bounds, cases, isolation
+from verify.compare import raw_bits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.backends("fast")]
 
@@ -315,10 +316,6 @@ HOME_STAGES = ("logits", "weights", "ids", "front", "shared", "codes", "scales",
                "normed", "out")
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """The bits of ``t`` as integers of its width (NaN poison and -0 compare as bits)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
 
 def _snapshot(out) -> dict:
     """Clones of one rank's outputs (the layer's buffers are reused by the next call)."""
@@ -337,7 +334,7 @@ def check_batch_invariant(contract, layer, xs, batches) -> None:
         outs = layer([x[:t].contiguous() for x in xs])
         for r, o in enumerate(outs):
             for name in HOME_STAGES:
-                contract.bitwise(_raw(getattr(o, name)), _raw(want[r][name][:t]),
+                contract.bitwise(raw_bits(getattr(o, name)), raw_bits(want[r][name][:t]),
                                  what=f"rank {r} {name}: T={t} vs the same tokens at T={top}",
                                  index_names=ROWS)
             got_rows, want_rows = o.rows.view(n * t, k, -1), want[r]["rows"].view(n * top, k, -1)
@@ -346,15 +343,15 @@ def check_batch_invariant(contract, layer, xs, batches) -> None:
                 ids = o.recv_ids[mine]
                 contract.bitwise(ids, want[r]["recv_ids"][theirs],
                                  what=f"owner {r} ids received from {s}: T={t} vs T={top}")
-                contract.bitwise(_raw(o.recv_weights[mine]), _raw(want[r]["recv_weights"][theirs]),
+                contract.bitwise(raw_bits(o.recv_weights[mine]), raw_bits(want[r]["recv_weights"][theirs]),
                                  what=f"owner {r} weights received from {s}: T={t} vs T={top}")
                 local = (ids >= r * layer.per) & (ids < (r + 1) * layer.per)
-                contract.bitwise(_raw(got_rows[mine][local]), _raw(want_rows[theirs][local]),
+                contract.bitwise(raw_bits(got_rows[mine][local]), raw_bits(want_rows[theirs][local]),
                                  what=f"owner {r} expert rows of {s}'s local pairs: T={t} vs "
                                       f"T={top}", index_names=("pair", "column"))
                 sent = ids[:, 0] >= 0
-                contract.bitwise(_raw(o.partials[mine][sent]),
-                                 _raw(want[r]["partials"][theirs][sent]),
+                contract.bitwise(raw_bits(o.partials[mine][sent]),
+                                 raw_bits(want[r]["partials"][theirs][sent]),
                                  what=f"owner {r} partials of {s}'s rows: T={t} vs T={top}",
                                  index_names=ROWS)
 

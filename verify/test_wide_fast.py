@@ -46,6 +46,7 @@ from model.config import LatentMoEConfig
 from model.weights import LatentMoEWeights
 from reference.schedules.mailbox import SENTINEL_BF16, SENTINEL_F32
 from verify import cases, isolation
+from verify.compare import raw_bits
 from reference.schedules.groups import ordered_sum_bf16
 from verify.wide_fast_checks import ROWS, check_armed, check_wide_fast, published_words
 
@@ -441,10 +442,6 @@ TOKEN_STAGES = ("front", "logits", "latent", "weights", "ids", "codes", "scales"
                 "up_columns", "out")
 
 
-def _raw(t: torch.Tensor) -> torch.Tensor:
-    """The bits of ``t`` as integers of its width (NaN poison and -0 compare as bits)."""
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
 
 def _snapshot(out) -> dict:
     """Clones of one rank's token stages (the layer's buffers are reused by the next call)."""
@@ -477,7 +474,7 @@ def check_wide_batch_invariant(contract, layer, x, batches) -> None:
         for r, o in enumerate(outs):
             for name in TOKEN_STAGES:
                 rows = t * k if name == "rows" else t
-                contract.bitwise(_raw(getattr(o, name)), _raw(want[r][name][:rows]),
+                contract.bitwise(raw_bits(getattr(o, name)), raw_bits(want[r][name][:rows]),
                                  what=f"rank {r} {name}: T={t} vs the same tokens at T={top}",
                                  index_names=("pair", "column") if name == "rows" else ROWS)
 
@@ -488,10 +485,10 @@ def check_same_token_stages(contract, layer, other, x, rows, what: str) -> None:
     every rank bitwise equal."""
     for t in rows:
         xs = x[:t].contiguous()
-        want = [{n: _raw(getattr(o, n)).clone() for n in TOKEN_STAGES} for o in other(xs)]
+        want = [{n: raw_bits(getattr(o, n)).clone() for n in TOKEN_STAGES} for o in other(xs)]
         for r, o in enumerate(layer(xs)):
             for name in TOKEN_STAGES:
-                contract.bitwise(_raw(getattr(o, name)), want[r][name],
+                contract.bitwise(raw_bits(getattr(o, name)), want[r][name],
                                  what=f"rank {r} {name}: {what}, T={t}",
                                  index_names=("pair", "column") if name == "rows" else ROWS)
 
@@ -694,13 +691,13 @@ def test_wide_fast_all_reduce_orders_designed(backend, config_name, ranks, seed,
         layer.latent_stage(r, tokens, wait_shared=False)
     layer.check()
     routed = ordered_sum_bf16(parts)
-    assert int((_raw(routed) != _raw(ordered_sum_bf16(parts[::-1]))).sum()) >= routed.numel() // 2
+    assert int((raw_bits(routed) != raw_bits(ordered_sum_bf16(parts[::-1]))).sum()) >= routed.numel() // 2
     normed = emulation.rms_norm_tree(routed, layer.latent_norm.cpu(), c.rms_eps)
     for r, o in enumerate(outs):
-        contract.bitwise(_raw(o.routed.cpu()), _raw(routed),
+        contract.bitwise(raw_bits(o.routed.cpu()), raw_bits(routed),
                          what=f"rank {r} latent all-reduce of designed partials (rank order)",
                          index_names=ROWS)
-        contract.bitwise(_raw(o.normed.cpu()), _raw(normed),
+        contract.bitwise(raw_bits(o.normed.cpu()), raw_bits(normed),
                          what=f"rank {r} normed of the designed all-reduce", index_names=ROWS)
     hidden = cases.cancelling_rank_values(ranks, (tokens, c.hidden), seed + 1)
     for r, (o, part) in enumerate(zip(outs, hidden)):
@@ -710,13 +707,13 @@ def test_wide_fast_all_reduce_orders_designed(backend, config_name, ranks, seed,
         layer.hidden_stage(r, tokens)
     layer.check()
     out = ordered_sum_bf16(hidden)
-    assert int((_raw(out) != _raw(ordered_sum_bf16(hidden[::-1]))).sum()) >= out.numel() // 2
-    first = _raw(outs[0].out.cpu())
+    assert int((raw_bits(out) != raw_bits(ordered_sum_bf16(hidden[::-1]))).sum()) >= out.numel() // 2
+    first = raw_bits(outs[0].out.cpu())
     for r, o in enumerate(outs):
-        contract.bitwise(_raw(o.out.cpu()), _raw(out),
+        contract.bitwise(raw_bits(o.out.cpu()), raw_bits(out),
                          what=f"rank {r} hidden all-reduce of designed partials (rank order)",
                          index_names=ROWS)
-        contract.bitwise(_raw(o.out.cpu()), first, what=f"rank {r} out = rank 0's out",
+        contract.bitwise(raw_bits(o.out.cpu()), first, what=f"rank {r} out = rank 0's out",
                          index_names=ROWS)
 
 

@@ -242,9 +242,15 @@ def recorded_kernels(run: Run) -> dict[str, tuple[str, str]]:
     return {k: v for k, v in lines.items() if k.split()[0] == run.sass_arch}
 
 
+def _kernel_set(key: str) -> tuple[str, str]:
+    """(family, name) of a digest key ``"<arch> <family>:<set> <kind> <Class>"``."""
+    family, name = key.split()[1].split(":", 1)
+    return family, name
+
+
 def recorded_sets(run: Run) -> list[tuple[str, str]]:
     """The ``tools.sass_digest`` kernel sets (family, name) of ``run``'s recorded kernels."""
-    return sorted({tuple(key.split()[1].split(":", 1)) for key in recorded_kernels(run)})
+    return sorted({_kernel_set(key) for key in recorded_kernels(run)})
 
 
 def kernels_status(run: Run, current: list[str] | None, not_checked: str = "") -> str:
@@ -253,7 +259,7 @@ def kernels_status(run: Run, current: list[str] | None, not_checked: str = "") -
     code now. ``current``: this tree's digest lines of :func:`recorded_sets` for the run's
     architecture (``tools.sass_digest`` compiled on the CPU), None when they were not
     computed (``not_checked`` says why)."""
-    from tools.sass_digest import SETS, parse_lines
+    from tools.sass_digest import SETS, compare_digests, parse_lines
 
     old = recorded_kernels(run)
     where = f"the {run.machine} run at `{_short(run.commit)}`"
@@ -261,13 +267,14 @@ def kernels_status(run: Run, current: list[str] | None, not_checked: str = "") -
         return (f"**Machine code at this tree: not checked** ({not_checked}). The docs build "
                 f"compares the {len(old)} `{run.sass_arch}` kernels of {where} with this "
                 f"tree's when CuTe DSL can compile them.")
-    new = {k: v for k, v in parse_lines(current).items() if k.split()[0] == run.sass_arch}
-    recorded = set(recorded_sets(run))
-    new = {k: v for k, v in new.items() if tuple(k.split()[1].split(":", 1)) in recorded}
+    recorded = {_kernel_set(key) for key in old}
+    new = {k: v for k, v in parse_lines(current).items()
+           if k.split()[0] == run.sass_arch and _kernel_set(k) in recorded}
     name = lambda key: "`{1} {2}` ({3})".format(*key.split())  # noqa: E731
-    changed = sorted(name(k) + ("" if k in new else " (no longer compiled)")
-                     for k in old if old[k] != new.get(k))
-    added = sorted(name(k) for k in new if k not in old)
+    diff = compare_digests(old, new)
+    changed = sorted(name(k) + (" (no longer compiled)" if what == "gone" else "")
+                     for k, what in diff.items() if what != "new")
+    added = sorted(name(k) for k, what in diff.items() if what == "new")
     unrecorded = sorted(f"`{f}:{n}`" for f, n in SETS if (f, n) not in recorded)
     same = len(old) - len(changed)
     if changed:

@@ -47,7 +47,6 @@ from fast.schedules.dense import DenseFront
 from fast.schedules.dep import compiled_kernel, check_token_rows, kernel_params
 from fast.schedules.dep_program import DEP_STEPS, DepCall, DepRank, DepRankOutputs
 from fast.schedules.steps import run_steps
-from fast.backend import cuda_device
 from fast.schedules.symmetric import SymmetricBuffer, meet, pack, process_group
 from model.weights import LatentMoEWeights
 
@@ -101,7 +100,7 @@ class DepPeerScratch:
                              "(each rank owns E/N experts)")
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"DepPeerScratch: max_tokens must be a positive int, got {max_tokens!r}")
-        device = cuda_device("DepPeerScratch", device)
+        device = backend.cuda_device("DepPeerScratch", device)
         self.config, self.group, self.rank, self.ranks = config, group, rank, ranks
         self.max_tokens, self.device = max_tokens, device
         self.layout, size = symmetric_layout(config, ranks, max_tokens)

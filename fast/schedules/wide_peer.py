@@ -89,7 +89,6 @@ from fast.schedules.wide_gemms import build_fast_gemms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, WIDE_STEPS,
                                          WideCall, WideRank, WideRankOutputs, WideStageCalls,
                                          as_int32, rank_gemm_bf16_into)
-from fast.backend import cuda_device
 from fast.schedules.symmetric import SymmetricBuffer, meet, pack, process_group
 from model.weights import LatentMoEWeights
 
@@ -172,7 +171,7 @@ class WidePeerLayer(WideStageCalls):
         check_ranks(c, n)
         check_batch_invariant("WidePeerLayer", c, n, batch_invariant, invariant_mma,
                               invariant_serial_from, invariant_overlap)
-        device = cuda_device("WidePeerLayer", device)
+        device = backend.cuda_device("WidePeerLayer", device)
         backend.require_supported("WidePeerLayer")
         mma = resolve_mma("WidePeerLayer", invariant_mma, backend.device_arch(device))
         check_overlap("WidePeerLayer", invariant_overlap, mma)
