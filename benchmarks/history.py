@@ -97,7 +97,7 @@ CONFIRM_RUNS = 3
 OTHER_FILES = (NOISE_FILE, ACCEPTED_FILE, "README.md")
 #: The topics whose current result files (``<topic>[-<part>].<ext>``, overwritten by each new
 #: run of the topic) a machine directory may hold beside its runs.
-TOPICS = ("experts", "dep", "wide", "dense", "verify", "two-gpu", "sass-digest")
+TOPICS = ("experts", "dep", "wide", "dense", "verify", "two-gpu", "sass-digest", "fp8-wgmma-probe")
 CURRENT_NAME = re.compile(
     rf"^(?:{'|'.join(re.escape(t) for t in TOPICS)})(?:-[a-z0-9]+)?\.(?:json|md|log|txt)$")
 RUN_NAME = re.compile(
