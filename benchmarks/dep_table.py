@@ -39,7 +39,7 @@ import torch
 from benchmarks.provenance import run_header, tree_note
 from benchmarks.experts_table import device_time_us, l2_flush, parse_tactic, rendered
 from benchmarks.readbw import read_bandwidth_gbs
-from fast.gemm.mma_kind import INVARIANT_MMAS
+from fast.gemm.mma_kind import MMA_CHOICES
 
 STAGES = ("dense", "dispatch", "experts", "partial", "home", "rank")
 #: Timed apart as well, inside a stage above: the combine kernel alone (in "home").
@@ -173,12 +173,13 @@ def main(argv=None):
     ap.add_argument("--batch-invariant", action="store_true",
                     help="DepLayer(batch_invariant=True): every dense GEMM on fast.gemm, one K "
                          "split per GEMM at every T")
-    ap.add_argument("--invariant-mma", default="mma.sync", choices=INVARIANT_MMAS,
-                    help="the fast.gemm dense GEMMs' MMA (DepLayer(invariant_mma=...); wgmma: "
-                         "sm_90a's warpgroup MMA)")
-    ap.add_argument("--invariant-overlap", action="store_true",
-                    help="with --invariant-mma wgmma: each dense GEMM's MMAs in flight across a "
-                         "stage (DepLayer(invariant_overlap=True); the same bits)")
+    ap.add_argument("--invariant-mma", default="auto", choices=MMA_CHOICES,
+                    help="the fast.gemm dense GEMMs' MMA (DepLayer(invariant_mma=...); default "
+                         "auto: with --batch-invariant sm_90a's warpgroup MMA, wgmma)")
+    ap.add_argument("--invariant-overlap", action=argparse.BooleanOptionalAction, default=None,
+                    help="each dense GEMM's MMAs in flight across a stage "
+                         "(DepLayer(invariant_overlap=...); the same bits); default: on the "
+                         "warpgroup MMA")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
@@ -190,8 +191,7 @@ def main(argv=None):
     tokens_list = [int(t) for t in args.tokens.split(",")]
     flush = l2_flush()
     result = {**run_header(), "ranks": args.ranks,
-              "batch_invariant": args.batch_invariant, "invariant_mma": args.invariant_mma,
-              "invariant_overlap": args.invariant_overlap, "cases": []}
+              "batch_invariant": args.batch_invariant, "cases": []}
     result["read_gbs"] = read_bandwidth_gbs()
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     w = cases.device_weights("kimi_k3")
@@ -202,6 +202,9 @@ def main(argv=None):
                      invariant_mma=args.invariant_mma,
                      invariant_overlap=args.invariant_overlap)
     result["dense_gemm"] = layer.dense.gemm
+    # the kind and overlap the layer resolved its arguments to
+    result["invariant_mma"] = layer.dense.invariant_mma
+    result["invariant_overlap"] = layer.dense.invariant_overlap
     result["experts_tactic"] = args.experts_tactic or "default"
     per = layer.per
     dense_bytes = layer.dense.dense_bytes

@@ -652,6 +652,31 @@ def test_wide_gemms_auto_mma_resolves_per_architecture():
         gemm_launches(LatentMoEConfig.kimi_k3(), 8, [65], mma="auto")
 
 
+def test_dep_dense_mode_resolves_kind_and_overlap():
+    """``resolve_dense_mode`` (the DEP layers' ``invariant_mma`` / ``invariant_overlap``):
+    ``"auto"`` is the warpgroup MMA with MMAs in flight in the batch-invariant mode on
+    sm_90a, ``mma.sync`` without them elsewhere and outside the mode (the default backends'
+    measured kind); a named kind is itself; a bool overlap is itself, True refused on
+    ``mma.sync``; anything else refused by name."""
+    from fast.gemm.mma_kind import resolve_dense_mode
+
+    assert resolve_dense_mode("L", True, "auto", None, "sm_90a") == ("wgmma", True)
+    assert resolve_dense_mode("L", True, "auto", False, "sm_90a") == ("wgmma", False)
+    assert resolve_dense_mode("L", False, "auto", None, "sm_90a") == ("mma.sync", False)
+    assert resolve_dense_mode("L", True, "mma.sync", None, "sm_90a") == ("mma.sync", False)
+    assert resolve_dense_mode("L", False, "wgmma", None, "sm_90a") == ("wgmma", True)
+    for arch in ("sm_100a", "sm_103a"):
+        assert resolve_dense_mode("L", True, "auto", None, arch) == ("mma.sync", False)
+        with pytest.raises(ValueError, match="L: invariant_mma='wgmma' needs an sm_90a GPU"):
+            resolve_dense_mode("L", True, "wgmma", None, arch)
+    with pytest.raises(ValueError, match="L: invariant_overlap=True keeps warpgroup MMAs"):
+        resolve_dense_mode("L", True, "mma.sync", True, "sm_90a")
+    with pytest.raises(ValueError, match="L: invariant_overlap must be None or a bool"):
+        resolve_dense_mode("L", True, "auto", 1, "sm_90a")
+    with pytest.raises(ValueError, match="L: invariant_mma must be one of"):
+        resolve_dense_mode("L", True, "hmma", None, "sm_90a")
+
+
 @pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
 @pytest.mark.parametrize("arch,params", _chunked_shapes(),
                          ids=lambda v: v if isinstance(v, str) else "-".join(f"{k}{x}" for k, x in v.items()))

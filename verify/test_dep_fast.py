@@ -445,14 +445,18 @@ def test_dep_fast_overlap_same_bits(backend, mma, seed, contract):
     (each dense GEMM's warpgroup MMAs in flight across a stage, ``fast.gemm.Tactic.overlap``)
     on 4 virtual ranks: every stage of every rank bitwise the same layer's without it at
     T = 1, 9, 33 and 64 (home stages, received rows, local expert rows, partials of sent
-    rows), every dense GEMM running with it."""
+    rows), every dense GEMM running with it (the mode's default on the warpgroup MMA) and
+    none without it."""
     _skip_unless_mma_runs(mma)
     ranks, top = 4, 64
-    plain = _layer("small", ranks, top, "auto", batch_invariant=True, invariant_mma=mma)
+    plain = _layer("small", ranks, top, "auto", batch_invariant=True, invariant_mma=mma,
+                   invariant_overlap=False)
     flying = _layer("small", ranks, top, "auto", batch_invariant=True, invariant_mma=mma,
                     invariant_overlap=True)
     assert all(choice.tactic.overlap for t in (1, 33, top)
                for choice in flying.dense.plan(t).values())
+    assert not any(choice.tactic.overlap for t in (1, 33, top)
+                   for choice in plain.dense.plan(t).values())
     xs = cases.rank_rows(flying.config, ranks, top, seed, "cuda")
     for t in (1, 9, 33, top):
         batch = [x[:t].contiguous() for x in xs]

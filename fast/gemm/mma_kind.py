@@ -8,7 +8,8 @@ at every row count; the two kinds give other bits than each other.
 
 from __future__ import annotations
 
-__all__ = ["INVARIANT_MMAS", "MMA_CHOICES", "check_mma", "check_overlap", "resolve_mma"]
+__all__ = ["INVARIANT_MMAS", "MMA_CHOICES", "check_mma", "check_overlap", "resolve_mma",
+           "resolve_dense_mode"]
 
 #: The MMA kinds the batch-invariant mode runs its GEMMs on (module docstring).
 INVARIANT_MMAS = ("mma.sync", "wgmma")
@@ -51,3 +52,28 @@ def check_overlap(owner: str, overlap, mma: str, name: str = "invariant_overlap"
     if overlap and mma == "mma.sync":
         raise ValueError(f"{owner}: {name}=True keeps warpgroup MMAs in flight: it needs the "
                          f"warpgroup MMA ('wgmma', or 'auto' on sm_90a), not 'mma.sync'")
+
+
+def resolve_dense_mode(owner: str, batch_invariant: bool, mma, overlap, arch) -> tuple[str, bool]:
+    """The MMA kind and the MMAs-in-flight setting a DEP layer's dense GEMMs run with
+    (``fast.schedules.dense.DenseFront``'s ``invariant_mma`` and ``invariant_overlap``),
+    from the layer's ``invariant_mma=mma`` and ``invariant_overlap=overlap`` on a GPU of
+    ``arch``.
+
+    * ``mma``: a kind is itself (``"wgmma"`` refused off sm_90a); ``"auto"`` is
+      :func:`resolve_mma`'s choice with ``batch_invariant`` (``"wgmma"`` on sm_90a, where
+      the DEP16 rank measured the mode at most 2.6% above the default dense backends
+      against up to 8.4% on ``"mma.sync"``: ``docs/schedules/dep.md``), and
+      ``"mma.sync"`` without it (the kind the default dense backends' tactic table was
+      measured on).
+    * ``overlap``: a bool is itself (:func:`check_overlap`: refused with ``"mma.sync"``);
+      None is True exactly on ``"wgmma"`` (the same bits; the dense stage up to 2.5 us
+      shorter at T = 32 and 64).
+    """
+    check_mma(owner, mma, allow_auto=True)
+    if overlap is not None and not isinstance(overlap, bool):
+        raise ValueError(f"{owner}: invariant_overlap must be None or a bool, got {overlap!r}")
+    kind = resolve_mma(owner, mma, arch) if batch_invariant or mma != "auto" else "mma.sync"
+    flying = kind == "wgmma" if overlap is None else overlap
+    check_overlap(owner, flying, kind)
+    return kind, flying

@@ -51,6 +51,7 @@ from __future__ import annotations
 import torch
 
 from fast import backend
+from fast.gemm.mma_kind import resolve_dense_mode
 from fast.schedules.dense import DenseFront, DenseOutputs, check_hidden_rows
 from fast.schedules.dep_program import (DEP_STEPS, DepCall, DepRank, DepRankOutputs, combine,
                                         dense_part, dispatch, home, owner_finalize,
@@ -141,10 +142,16 @@ class DepLayer:
             (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
             the engine's defaults.
         invariant_mma: the MMA of the fast.gemm dense GEMMs (``DenseFront``'s):
-            ``"mma.sync"`` (default) or ``"wgmma"`` (sm_90a; other bits, the same at every
-            batch).
-        invariant_overlap: on ``"wgmma"``, each dense GEMM's MMAs in flight across a stage
-            (``DenseFront``'s; ``fast.gemm.Tactic.overlap``, the same bits). Default False.
+            ``"auto"`` (default: with ``batch_invariant``, ``"wgmma"`` on sm_90a and
+            ``"mma.sync"`` elsewhere; without it ``"mma.sync"``, the kind of the default
+            backends' tactic table), ``"mma.sync"`` or ``"wgmma"`` (sm_90a; other bits than
+            ``"mma.sync"``, the same at every batch); resolved by
+            ``fast.gemm.mma_kind.resolve_dense_mode``, the kind in use is
+            ``self.dense.invariant_mma``.
+        invariant_overlap: each dense GEMM's MMAs in flight across a stage
+            (``DenseFront``'s; ``fast.gemm.Tactic.overlap``, the same bits): None (default)
+            on the warpgroup MMA and off on ``"mma.sync"``, or a bool (True refused with
+            ``"mma.sync"``).
     """
 
     #: ``fast.schedules.graphs.BucketGraphs``' input: every virtual rank's tokens (a list).
@@ -153,7 +160,7 @@ class DepLayer:
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_tokens: int,
                  device: str | torch.device = "cuda", dense_gemm: str = "auto",
                  batch_invariant: bool = False, experts_tactic: dict | None = None,
-                 invariant_mma: str = "mma.sync", invariant_overlap: bool = False):
+                 invariant_mma: str = "auto", invariant_overlap: bool | None = None):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
@@ -170,9 +177,11 @@ class DepLayer:
         self.per = c.experts // ranks
         self.arch = backend.device_arch(device)
         on = dict(device=device)
+        mma, overlap = resolve_dense_mode("DepLayer", batch_invariant, invariant_mma,
+                                          invariant_overlap, self.arch)
         self.dense = DenseFront(weights, device, max_tokens=max_tokens, gemm=dense_gemm,
-                                batch_invariant=batch_invariant, invariant_mma=invariant_mma,
-                                invariant_overlap=invariant_overlap)
+                                batch_invariant=batch_invariant, invariant_mma=mma,
+                                invariant_overlap=overlap)
         rows = ranks * max_tokens
         self.engines = [
             experts_engine_for(self.arch, prepare_experts_for(self.arch, weights, device,

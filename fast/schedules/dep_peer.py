@@ -43,6 +43,7 @@ from __future__ import annotations
 import torch
 
 from fast import backend
+from fast.gemm.mma_kind import resolve_dense_mode
 from fast.schedules.dense import DenseFront
 from fast.schedules.dep import compiled_kernel, check_token_rows, kernel_params
 from fast.schedules.dep_program import DEP_STEPS, DepCall, DepRank, DepRankOutputs
@@ -141,9 +142,9 @@ class DepPeerLayer:
         experts_tactic: the experts engine's FC kernel settings for every call
             (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
             the engine's defaults.
-        invariant_mma: as ``DepLayer``'s (the MMA of the fast.gemm dense GEMMs); the same
-            on every rank.
-        invariant_overlap: as ``DepLayer``'s (a bool); the same on every rank.
+        invariant_mma: as ``DepLayer``'s (the MMA of the fast.gemm dense GEMMs, default
+            ``"auto"``); the same on every rank.
+        invariant_overlap: as ``DepLayer``'s (None or a bool); the same on every rank.
 
     Construction of a scratch is collective (every rank of the group must construct it).
     """
@@ -155,7 +156,7 @@ class DepPeerLayer:
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
                  scratch: DepPeerScratch | None = None, dense_gemm: str = "auto",
                  batch_invariant: bool = False, experts_tactic: dict | None = None,
-                 invariant_mma: str = "mma.sync", invariant_overlap: bool = False):
+                 invariant_mma: str = "auto", invariant_overlap: bool | None = None):
         from fast.experts import experts_engine_for, prepare_experts_for
         from fast.experts.engine import EngineScratch
 
@@ -182,9 +183,11 @@ class DepPeerLayer:
         self.timeout_s = float(timeout_s)
         self.per = c.experts // self.ranks
         self.arch = backend.device_arch(self.device)
+        mma, overlap = resolve_dense_mode("DepPeerLayer", batch_invariant, invariant_mma,
+                                          invariant_overlap, self.arch)
         self.dense = DenseFront(weights, self.device, max_tokens=self.max_tokens,
                                 gemm=dense_gemm, batch_invariant=batch_invariant,
-                                invariant_mma=invariant_mma, invariant_overlap=invariant_overlap)
+                                invariant_mma=mma, invariant_overlap=overlap)
         prepared = prepare_experts_for(self.arch, weights, self.device,
                                        experts=(self.rank * self.per, self.per))
         rows = self.ranks * self.max_tokens
