@@ -28,7 +28,7 @@ import json
 import os
 from pathlib import Path
 
-__all__ = ["sets", "DEPENDS", "SKIP_ENV", "parse", "current_digests", "record",
+__all__ = ["sets", "DEPENDS", "SKIP_ENV", "current_digests", "record",
            "recorded_digests", "changed_kernels"]
 
 #: Environment variable that, set to ``1``, keeps the docs build from compiling the
@@ -58,15 +58,6 @@ DEPENDS: dict[tuple[str, str], tuple[str, ...]] = {
     ("schedule", "dep"): ("dep:dep16 *", "experts:dep16-* *", "stage:real *"),
     ("schedule", "wide"): ("wide:tp8 *", "experts:tp8-* *", "stage:real *"),
 }
-
-
-def parse(lines) -> dict[str, tuple[str, str]]:
-    """``{"<arch> <family>:<set> <kind> <Class>": (sha1, bytes)}`` of digest lines (blank
-    lines ignored); raises ValueError on a line of another shape
-    (``tools.sass_digest.parse_lines``)."""
-    from tools.sass_digest import parse_lines
-
-    return parse_lines(lines)
 
 
 def current_digests(arch: str, jobs: int | None = None,
@@ -105,14 +96,14 @@ def changed_kernels(recorded: list[str], current: list[str],
     has: ``"<family>:<set> <kind> (<Class>)"``, with `` (not recorded with the run)`` or
     `` (no longer compiled)`` where one side lacks it; sorted. A recorded set the current
     tree no longer compiles at all (a removed tactic's kernels) is left out."""
-    from tools.sass_digest import compare_digests
+    from tools.sass_digest import compare_digests, parse_lines
 
-    new = parse(current)
+    new = parse_lines(current)
     patterns = [p for group in groups for p in DEPENDS.get(tuple(group), ())]
     compiled_sets = {key.split()[1] for key in new}
     why = {"changed": "", "new": " (not recorded with the run)", "gone": " (no longer compiled)"}
     changed = []
-    for key, what in sorted(compare_digests(parse(recorded), new).items()):
+    for key, what in sorted(compare_digests(parse_lines(recorded), new).items()):
         _arch, where, kind, cls = key.split()
         if not any(fnmatch.fnmatchcase(f"{where} {kind}", p) for p in patterns):
             continue

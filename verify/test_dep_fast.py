@@ -316,7 +316,6 @@ HOME_STAGES = ("logits", "weights", "ids", "front", "shared", "codes", "scales",
                "normed", "out")
 
 
-
 def _snapshot(out) -> dict:
     """Clones of one rank's outputs (the layer's buffers are reused by the next call)."""
     return {f.name: getattr(out, f.name).clone() for f in dataclasses.fields(out)}

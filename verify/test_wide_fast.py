@@ -442,7 +442,6 @@ TOKEN_STAGES = ("front", "logits", "latent", "weights", "ids", "codes", "scales"
                 "up_columns", "out")
 
 
-
 def _snapshot(out) -> dict:
     """Clones of one rank's token stages (the layer's buffers are reused by the next call)."""
     return {name: getattr(out, name).clone() for name in TOKEN_STAGES}
