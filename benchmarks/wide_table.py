@@ -200,7 +200,7 @@ def rank_arguments(ap, *, out: str, tokens: str, reps: int) -> None:
 
 def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant: bool = False,
                    invariant_mma: str = "auto", serial_from: int | None = None,
-                   overlap: bool = False):
+                   overlap: bool = False, chunk_windows: int = 8):
     """(layer, weights, run header, flush) of a GPU-node run: the real layer's weights
     (``verify.cases.device_weights``), its virtual TP ranks at the widest batch (with
     ``batch_invariant``: ``WideLayer(batch_invariant=True, invariant_mma=...)``), the run's
@@ -216,11 +216,13 @@ def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant
     layer = WideLayer(weights, ranks=ranks, max_rows=max(tokens_list),
                       experts_tactic=parse_tactic(experts_tactic),
                       batch_invariant=bool(batch_invariant), invariant_mma=invariant_mma,
-                      invariant_serial_from=serial_from, invariant_overlap=overlap)
+                      invariant_serial_from=serial_from, invariant_overlap=overlap,
+                      invariant_chunk_windows=chunk_windows)
     if batch_invariant:  # the kind the layer runs ("auto" resolved on this GPU)
         result["invariant_mma"] = layer.invariant_mma
         result["serial_from"] = serial_from
         result["invariant_overlap"] = overlap
+        result["invariant_chunk_windows"] = chunk_windows
     return layer, weights, result, flush
 
 
@@ -297,8 +299,9 @@ def render(result: dict) -> str:
             f"per GEMM at every row count, on {result.get('invariant_mma', 'mma.sync')}"
             + (f", serial splits from {result['serial_from']} rows"
                if result.get("serial_from") else "")
-            + (", MMAs in flight across stages" if result.get("invariant_overlap") else "") + ")"
-            if result.get("batch_invariant") else "GEMMs on cuBLAS (the default)")
+            + (", MMAs in flight across stages" if result.get("invariant_overlap") else "")
+            + (", 128-row token chunks" if result.get("invariant_chunk_windows") == 16 else "")
+            + ")" if result.get("batch_invariant") else "GEMMs on cuBLAS (the default)")
     lines = [f"Device {result['device']}, torch {result['torch']}{tree_note(result)}; "
              f"{result['ranks']} virtual TP ranks, rank 0 timed; read bandwidth {result['read_gbs']:.0f} GB/s (this "
              f"run); fraction = byte limit / time; {mode}.", "",
@@ -333,6 +336,9 @@ def main(argv=None):
     ap.add_argument("--invariant-overlap", action="store_true",
                     help="with --batch-invariant on the warpgroup MMA: each GEMM's MMAs in "
                          "flight across a stage (fast.gemm.Tactic.overlap; the same bits)")
+    ap.add_argument("--invariant-chunk-windows", type=int, default=8, choices=(8, 16),
+                    help="with --batch-invariant on the warpgroup MMA: 16 runs the GEMMs' calls "
+                         "of more than 64 rows in 128-row token chunks (the same bits)")
     ap.add_argument("--invariant-mma", default="auto", choices=MMA_CHOICES,
                     help="with --batch-invariant: the GEMMs' MMA (auto: the layer's default, "
                          "wgmma on sm_90a, else mma.sync; wgmma: sm_90a's warpgroup MMA)")
@@ -343,7 +349,8 @@ def main(argv=None):
     tokens_list = [int(t) for t in args.tokens.split(",")]
     layer, w, result, flush = measured_layer(args.ranks, tokens_list, args.experts_tactic,
                                              args.batch_invariant, args.invariant_mma,
-                                             args.serial_from, args.invariant_overlap)
+                                             args.serial_from, args.invariant_overlap,
+                                             args.invariant_chunk_windows)
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     c = w.config
     result["experts_tactic"] = args.experts_tactic or "default"

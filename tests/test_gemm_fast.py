@@ -967,3 +967,101 @@ def test_overlap_in_the_wide_layer_and_dense_gemm_rules():
         check_overlap("WidePeerLayer", 1, "wgmma")
     check_batch_invariant("WideLayer", cfg, 8, True, "auto", None, True)  # resolved later
     check_overlap("WideLayer", True, "wgmma")
+
+
+def test_wide_token_chunks():
+    """128-row token chunks (``Tactic.chunk_windows = 16``, warpgroup MMA only): the chunk
+    arithmetic at both widths (balanced chunks, fewer than 8 dead token slots per chunk),
+    the tactic's checks and label, the default tile (one m-tile per warp; 8 warps at one
+    CTA per multiprocessor for 128-row tiles), the same K split as the 64-row chunks at
+    every row count, and ``chunk_windows`` refused by name where it cannot run."""
+    import dataclasses
+
+    from fast.gemm.host import check_chunk_windows, choose_tactic, launch_for
+    from fast.schedules.wide_gemms import gemm_launches
+    from model.config import LatentMoEConfig
+
+    assert [lay.token_chunks(t, 16) for t in (1, 64, 65, 128, 129, 256, 257, 1000, 1024)] == \
+        [(1, 1), (1, 8), (1, 9), (1, 16), (2, 9), (2, 16), (3, 11), (8, 16), (8, 16)]
+    for t in range(1, lay.MAX_CALL_TOKENS + 1):
+        chunks, windows = lay.token_chunks(t, 16)
+        per = lay.WINDOW * windows
+        assert chunks == -(-t // 128) and 1 <= windows <= 16 and (chunks - 1) * per < t <= chunks * per
+        assert per * chunks - t < lay.WINDOW * chunks, t
+    for bad in (4, 32, True, 16.0):
+        with pytest.raises(ValueError, match="chunk_windows must be one of"):
+            lay.token_chunks(100, bad)
+    t = Tactic(warps=4, mtiles=1, splits=8, wgmma=True, chunk_windows=16)
+    assert t.label() == "r64w4s8,wgmma,cw16" and t.chunks(1024) == (8, 16) and t.serves(1024)
+    assert t.kernel_params(16, chunked=True)["windows"] == 16
+    assert dataclasses.replace(t, serial=True).serves(1024)  # 2 x 16 tiles: the serial bound
+    assert not Tactic(warps=4, mtiles=2, wgmma=True, chunk_windows=16).serves(1024)
+    with pytest.raises(ValueError, match="windows must be an int in"):
+        Tactic(warps=4, mtiles=1, wgmma=True).kernel_params(9)
+    with pytest.raises(ValueError, match="chunk_windows=16 .* needs wgmma=True"):
+        Tactic(chunk_windows=16)
+    with pytest.raises(ValueError, match="Tactic.chunk_windows must be one of"):
+        Tactic(wgmma=True, chunk_windows=12)
+    big = choose_tactic(1536, 7168, 1024, 132, 4, True, False, True, 16)
+    assert (big.warps, big.mtiles, big.occupancy, big.chunk_windows) == (8, 1, 1, 16)
+    small = choose_tactic(576, 7168, 1024, 132, 8, True, True, True, 16)
+    assert (small.tile_rows, small.serial, small.overlap) == (64, True, True)
+    assert launch_for(560, 7168, 1024, tactic=small).chunks == 8
+    cfg = LatentMoEConfig.kimi_k3()
+    rows = range(65, cfg.wide_rows + 1)
+    for name, per_t in gemm_launches(cfg, 8, rows, mma="wgmma", chunk_windows=16).items():
+        narrow = gemm_launches(cfg, 8, rows, mma="wgmma")[name]
+        assert {l.tactic.splits for l in per_t.values()} == {narrow[65].tactic.splits}, name
+        assert all(l.tactic.chunk_windows == 16 and l.chunks == -(-t // 128)
+                   for t, l in per_t.items()), name
+    check_chunk_windows("L", "chunk_windows", 16, True)
+    with pytest.raises(ValueError, match=r"L: chunk_windows=16 \(128-row token chunks\) needs the "
+                                         r"warpgroup MMA"):
+        check_chunk_windows("L", "chunk_windows", 16, False)
+    for bad in (0, 12, True, "16"):
+        with pytest.raises(ValueError, match=r"L: c must be one of \(8, 16\)"):
+            check_chunk_windows("L", "c", bad, True)
+    with pytest.raises(ValueError, match="gemm_launches: chunk_windows=16"):
+        gemm_launches(cfg, 8, [65], mma="mma.sync", chunk_windows=16)
+
+
+def _wide_chunk_shapes():
+    """Kernel parameters of the TP8 wide rank's GEMMs in 128-row token chunks (65..1024
+    rows, warpgroup MMA, cross-CTA and serial splits from 257 rows with the MMAs in flight)."""
+    from fast.schedules.wide_gemms import kernel_params
+    from model.config import LatentMoEConfig
+
+    cfg = LatentMoEConfig.kimi_k3()
+    params = []
+    for serial_from, overlap in ((None, False), (257, True)):
+        params += [p for p in kernel_params(cfg, 8, range(65, cfg.wide_rows + 1), mma="wgmma",
+                                            serial_from=serial_from, overlap=overlap,
+                                            chunk_windows=16) if p not in params]
+    return params
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+def test_wide_chunk_kernels_compile_and_fit_their_registers(tmp_path):
+    """Every 128-row-chunk kernel of the TP8 wide rank (9..16 windows, sm_90a: the
+    warpgroup MMA is Hopper's) compiles, and the largest of each tile and form (16 windows)
+    fits its registers at its occupancy without a stack frame."""
+    from fast.gemm.host import compile_kernel
+    from tools.ptx_dump import run_compile
+    from tools.sass_budget import kernel_attributes
+
+    params = _wide_chunk_shapes()
+    assert {p["windows"] for p in params} == set(range(9, 17))
+    for p in params:
+        assert compile_kernel("sm_90a", **p) is not None
+    script = ("import sys, ast\nfrom fast.gemm.host import compile_kernel\n"
+              "compile_kernel(sys.argv[1], **ast.literal_eval(sys.argv[2]))\n")
+    widest = [p for p in params if p["windows"] == 16]
+    assert {(p["warps"], bool(p.get("serial"))) for p in widest} >= {(4, False), (8, True)}
+    for i, p in enumerate(widest):
+        out = tmp_path / str(i)
+        out.mkdir()
+        run_compile(script, ["sm_90a", repr(p)], keep="cubin", dump_dir=out)
+        (cubin,) = sorted(out.rglob("*.cubin"))
+        attrs = kernel_attributes(cubin.read_bytes())
+        limit = min(255, 65536 // (p["occupancy"] * 32 * p["warps"]))
+        assert attrs["frame"] == 0 and attrs["registers"] <= limit, (p, attrs)

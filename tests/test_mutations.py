@@ -329,10 +329,10 @@ MUTATIONS = [
     _one("fast GEMM: a GEMM's K split follows the batch bucket (doubled at T = 25..64)",
          "fast/gemm/host.py",
          "        return choose_tactic(self.rows, self.k, tokens, self.sms, self.splits, self.wgmma,\n"
-         "                             serial, self.overlap)",
+         "                             serial, self.overlap,",
          "        return choose_tactic(self.rows, self.k, tokens, self.sms,\n"
          "                             self.splits * (2 if 24 < tokens <= 64 else 1), self.wgmma,\n"
-         "                             serial, self.overlap)",
+         "                             serial, self.overlap,",
          ["verify/test_gemm_fast.py::test_gemm_fast_default_batch_invariant"], needs_gpu=True),
     # DenseGemm(wgmma=True): the MMA kind, like the K split, fixes a token's bits
     _one("fast GEMM: the wide mode's MMA kind follows the token chunks (mma.sync up to 128 "
@@ -345,6 +345,13 @@ MUTATIONS = [
          "                      overlap=overlap)",
          ["verify/test_gemm_fast.py::test_gemm_fast_wide_rows[fast-front-wgmma]"],
          needs_gpu=True),
+    # DenseGemm(chunk_windows=16): the chunk width may move no bit, so never the K split
+    _one("fast GEMM: 128-row token chunks halve the K split",
+         "fast/gemm/host.py",
+         "        return Tactic(warps=rows // 16, mtiles=1, splits=splits, wgmma=True, serial=serial,",
+         "        return Tactic(warps=rows // 16, mtiles=1, splits=max(1, splits // 2), wgmma=True,\n"
+         "                      serial=serial,",
+         ["verify/test_gemm_fast.py::test_gemm_fast_wide_chunks[fast-front]"], needs_gpu=True),
     # DepLayer(invariant_mma="wgmma"): its one-chunk calls take choose_tactic's rule too
     _one("fast GEMM: the DEP dense GEMMs' MMA kind follows the batch (mma.sync up to 24 "
          "tokens, wgmma above)",

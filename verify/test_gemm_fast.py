@@ -624,6 +624,44 @@ def test_gemm_fast_wide_serial_splits(backend, gemm, mma, contract):
                          index_names=ROWS)
 
 
+@pytest.mark.parametrize("gemm", ("front", "shared_gate_up", "shared_down", "up"))
+def test_gemm_fast_wide_chunks(backend, gemm, contract):
+    """128-row token chunks on one TP8 wide GEMM on the warpgroup MMA
+    (``DenseGemm(chunk_windows=16)``: one ``m64n(8 windows)k16`` up to ``m64n128k16`` per
+    m-tile, half the chunks): at every row count of ``WIDE_ROWS`` and 1024, in the cross-CTA
+    and the serial form with the MMAs in flight, bitwise the first rows of the 64-row-chunk
+    1024-row call (the same K split: an output's bits may not depend on the chunk width,
+    the window count of its chunk or the instruction's N), nothing stored past the output."""
+    import dataclasses
+
+    from fast.backend import gpu_arch
+    from fast.gemm import DenseGemm
+
+    if gpu_arch() != "sm_90a":
+        pytest.skip(f"wgmma is an sm_90a instruction; this GPU is {gpu_arch()}")
+    eng, x, addend, out_dtype = wide_case(gemm, "wgmma")
+    full, _ = run_wide(gemm, WIDE_TOP, mma="wgmma")
+    wide = DenseGemm(eng.weight, max_tokens=WIDE_TOP, splits=eng.splits, wgmma=True,
+                     chunk_windows=16)
+    nan = torch.full((256,), float("nan"), dtype=out_dtype, device=DEVICE)
+    for tokens in WIDE_ROWS + (WIDE_TOP,):
+        plain = wide.launch(tokens).tactic
+        assert plain.splits == eng.splits and plain.chunk_windows == 16 and plain.wgmma
+        for tactic in (plain, dataclasses.replace(plain, serial=True, overlap=True)):
+            buf = torch.full((tokens * eng.n + 256,), float("nan"), dtype=out_dtype,
+                             device=DEVICE)
+            out = buf[:tokens * eng.n].view(tokens, eng.n)
+            wide(x[:tokens].contiguous(), out_dtype=out_dtype, out=out, tactic=tactic,
+                 addend=None if addend is None else addend[:tokens].contiguous())
+            launch = wide.launch(tokens, tactic)
+            what = f"wide {gemm} {tactic.label()} T={tokens} ({launch.chunks} chunks of {launch.windows} windows)"
+            contract.bitwise(_bits(out), _bits(full[:tokens]),
+                             what=f"{what}: vs the first rows of the 64-row-chunk T={WIDE_TOP}",
+                             index_names=ROWS)
+            contract.bitwise(_bits(buf[tokens * eng.n:]), _bits(nan),
+                             what=f"{what}: nothing stored past the output")
+
+
 def _check_wide_split_order(contract, gemm: str, mma: str = "mma.sync") -> None:
     """``test_gemm_fast_split_order_designed``'s operands on a wide GEMM's shape at 257 rows
     (5 token chunks, each reducing its own splits' partials): token ``t`` picks one k per

@@ -27,6 +27,7 @@ one GPU: each stage of every rank against the reference stage on *that rank's ow
 | batch invariance (``batch_invariant=True``) | the four GEMMs on fast.gemm pass the stage contracts (``mma_matmul_bound`` at their K split, bitwise = the same GEMM alone); each token's every stage output on every rank (front, logits, latent, ids, weights, plan rows, expert rows, partial, routed, normed, shared gate/up, SiTU, shared, up columns, out) at row counts on both sides of every tactic and token-chunk edge bitwise = the same token in the largest batch; TP 2, 4 (small), 8, 16 (small, S = I = 1024) and TP8 at the real widths (65 to 1023 rows against 1024) |
 | serial splits (``invariant_serial_from``) | every stage of every rank bitwise the cross-CTA split layer's at 65..256 rows, and batch invariant across the switch |
 | MMAs in flight (``invariant_overlap``) | every stage of every rank bitwise the same layer's without it at 65..256 rows (with serial splits from 129), and batch invariant |
+| 128-row token chunks (``invariant_chunk_windows=16``) | every stage of every rank bitwise the same layer's in 64-row chunks at 65..256 rows (serial splits from 129, MMAs in flight), and batch invariant |
 | another process | the same batch-invariant layer, weights and rows in a second process: the same bits |
 | 1000 graph replays | on changing inputs, every 50th (and the last) bitwise equal to an eager call |
 | designed all-reduce orders | every rank's partials (latent) and hidden partials (shared, up columns) replaced by values of a wide dynamic range, at 4, 8 and 16 ranks, where the FP32 sum's order decides its bits: every rank's routed, normed and out bitwise = the rank-order sum (``ordered_sum_bf16``) and every other rank's; the reversed order differs on many elements (the inputs do expose the order) |
@@ -596,6 +597,31 @@ def test_wide_fast_overlap_same_bits(backend, mma, seed, contract):
     check_same_token_stages(contract, flying, plain, x, (65, 128, 129, 200, top),
                             "MMAs in flight vs not")
     check_wide_batch_invariant(contract, flying, x, (65, 128, 129, 200, top - 1))
+
+
+@pytest.mark.config("small")
+@pytest.mark.parametrize("mma", ("wgmma",))
+def test_wide_fast_wide_chunks_same_bits(backend, mma, seed, contract):
+    """``invariant_chunk_windows=16`` (each GEMM's calls of more than 64 rows in 128-row
+    token chunks, ``fast.gemm.Tactic.chunk_windows``), with serial splits from 129 rows and
+    the MMAs in flight: every stage of every rank bitwise the same layer's in 64-row chunks
+    at 65, 128, 129, 200 and 256 rows (an output's chain does not depend on its chunk), every
+    GEMM launch in 128-row chunks, and batch invariant across those row counts."""
+    _skip_unless_mma_runs(mma)
+    ranks, top = 4, 256
+    narrow = _layer("small", ranks, top, batch_invariant=True, invariant_mma=mma,
+                    invariant_serial_from=129, invariant_overlap=True)
+    wide = _layer("small", ranks, top, batch_invariant=True, invariant_mma=mma,
+                  invariant_serial_from=129, invariant_overlap=True, invariant_chunk_windows=16)
+    for r in wide.local_ranks:
+        for t in (65, 129, top):
+            assert all(p.tactic.chunk_windows == 16 and p.chunks == -(-t // 128)
+                       for p in wide.gemm_plan(r, t).values())
+            assert all(p.tactic.chunk_windows == 8 for p in narrow.gemm_plan(r, t).values())
+    x = _inputs(wide.config, top, seed)
+    check_same_token_stages(contract, wide, narrow, x, (65, 128, 129, 200, top),
+                            "128-row vs 64-row token chunks")
+    check_wide_batch_invariant(contract, wide, x, (65, 128, 129, 200, top - 1))
 
 
 @pytest.mark.config("small")

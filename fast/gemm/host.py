@@ -18,12 +18,12 @@ import torch
 from fast import backend
 from fast.device.compile import compiled, frozen
 from fast.gemm.mma_kind import check_overlap
-from fast.gemm.layout import (MAX_CALL_TOKENS, MAX_TOKENS, MAX_WINDOWS, Tactic,
+from fast.gemm.layout import (CHUNK_WINDOWS, MAX_CALL_TOKENS, MAX_TOKENS, MAX_WINDOWS, Tactic,
                               chunk_workspace_bytes, padded_rows, token_chunks)
 
 __all__ = ["DenseGemm", "choose_tactic", "splits_of", "splits_for_rows", "CANDIDATES",
-           "DEFAULT_TACTICS", "WGMMA_TILES", "PDL_MAX_TOKENS", "check_serial_from", "compile_kernel", "kernel_shapes", "Launch",
-           "launch_for"]
+           "DEFAULT_TACTICS", "WGMMA_TILES", "PDL_MAX_TOKENS", "check_serial_from",
+           "check_chunk_windows", "compile_kernel", "kernel_shapes", "Launch", "launch_for"]
 
 _R64, _R128 = dict(warps=2, mtiles=2), dict(warps=4, mtiles=2)
 _R128M4, _R256M4 = dict(warps=2, mtiles=4), dict(warps=4, mtiles=4, occupancy=1)
@@ -106,7 +106,7 @@ PDL_MAX_TOKENS = 16
 
 def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
                   splits: int | None = None, wgmma: bool = False, serial: bool = False,
-                  overlap: bool = False) -> Tactic:
+                  overlap: bool = False, chunk_windows: int = MAX_WINDOWS) -> Tactic:
     """The default tactic of an ``[N, K]`` weight (``N`` its padded rows,
     ``layout.padded_rows``) at ``tokens`` rows, with ``splits`` K splits (default
     ``splits_of(N, K, sms)``), on ``mma.sync`` or (``wgmma``) on the warpgroup MMA.
@@ -123,16 +123,25 @@ def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
     ``serial``: the same tactic with its splits run one after another in each CTA
     (``Tactic.serial``: the same bits), its tile chosen for ``tiles x chunks`` CTAs.
     ``overlap`` (with ``wgmma`` only; ``Tactic`` refuses it otherwise): each stage's MMAs
-    left in flight (``Tactic.overlap``: the same bits)."""
+    left in flight (``Tactic.overlap``: the same bits). ``chunk_windows`` 16 (with
+    ``wgmma`` only; ``Tactic`` refuses it otherwise): token chunks of up to 128 rows
+    (``Tactic.chunk_windows``: the same bits), one m-tile per warp (a chunk's 16 windows
+    fill the registers), so 4 warps for 64-row tiles and 8 for 128-row ones (at one CTA per
+    multiprocessor: 8 such warps take more than 128 registers each)."""
     if tokens <= MAX_TOKENS and not wgmma and not serial and not overlap:
         one = _one_chunk_tactic(n, k, tokens, sms)
         if splits is None or splits == one.splits:
             return one
     if splits is None:
         splits = splits_of(n, k, sms)
-    chunks = token_chunks(tokens)[0]
+    chunks = token_chunks(tokens, chunk_windows)[0]
     ctas_per_tile = chunks * (1 if serial else splits)
     rows = 128 if n % 128 == 0 and n // 128 * ctas_per_tile >= sms else 64
+    if wgmma and chunk_windows > MAX_WINDOWS:
+        # 8 warps of 16 windows need more than 128 registers: one CTA per multiprocessor
+        return Tactic(warps=rows // 16, mtiles=1, splits=splits, wgmma=True, serial=serial,
+                      overlap=overlap, chunk_windows=chunk_windows,
+                      occupancy=1 if rows == 128 else None)
     if wgmma:
         return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial,
                       overlap=overlap)
@@ -187,7 +196,7 @@ def launch_for(n: int, k: int, tokens: int, *, splits: int | None = None,
     if k % (tactic.splits * tactic.stage_k):
         raise ValueError(f"K={k} is not a multiple of splits * stage_k = "
                          f"{tactic.splits} * {tactic.stage_k} ({tactic})")
-    chunks, windows = token_chunks(tokens)
+    chunks, windows = tactic.chunks(tokens)
     if not tactic.serves(tokens):
         raise ValueError(f"tactic {tactic.label()} does not serve {tokens} tokens "
                          f"({tactic.tiles_per_warp(windows)} accumulator tiles per warp at "
@@ -201,7 +210,7 @@ def kernel_shapes(tactics) -> list[dict]:
     """The distinct compile-time kernel parameters of ``tactics`` at every window count."""
     seen = []
     for t in tactics:
-        for windows in range(1, MAX_WINDOWS + 1):
+        for windows in range(1, t.chunk_windows + 1):
             if t.tiles_per_warp(windows) > t.max_tiles():
                 continue
             params = t.kernel_params(windows)
@@ -229,6 +238,18 @@ def check_serial_from(owner: str, name: str, value) -> None:
     ``invariant_serial_from``) that is not None or a positive int."""
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise ValueError(f"{owner}: {name} must be None or a positive int (rows), got {value!r}")
+
+
+def check_chunk_windows(owner: str, name: str, value, wgmma: bool) -> None:
+    """Refuse, naming ``owner`` and the argument ``name``, a token-chunk width
+    (``DenseGemm(chunk_windows=...)`` and the wide layers' ``invariant_chunk_windows``)
+    that is not one of ``layout.CHUNK_WINDOWS``, or wide (16) without the warpgroup MMA
+    (``wgmma``: whether the GEMMs run it)."""
+    if type(value) is not int or value not in CHUNK_WINDOWS:
+        raise ValueError(f"{owner}: {name} must be one of {CHUNK_WINDOWS}, got {value!r}")
+    if value > MAX_WINDOWS and not wgmma:
+        raise ValueError(f"{owner}: {name}={value} (128-row token chunks) needs the warpgroup "
+                         f"MMA (wgmma); mma.sync's kernels take at most {MAX_WINDOWS} windows")
 
 
 _BF16, _F32 = torch.bfloat16, torch.float32
@@ -275,6 +296,10 @@ class DenseGemm:
             no workspace traffic); None (default): never. Never changes a bit.
         overlap: with ``wgmma``, every default tactic leaves each stage's MMAs in flight
             (``Tactic.overlap``); never changes a bit.
+        chunk_windows: the most windows of a token chunk of calls of more than 64 rows
+            (``layout.CHUNK_WINDOWS``): 8 (default; 64-row chunks) or, with ``wgmma``, 16
+            (128-row chunks, ``Tactic.chunk_windows``: each weight tile streamed half as
+            often). Never changes a bit.
 
     Raises (before anything is allocated on the device): TypeError for a weight that is not
     a tensor; ValueError naming the argument for a bad dtype, shape, ``max_tokens``,
@@ -286,7 +311,8 @@ class DenseGemm:
 
     def __init__(self, weight: torch.Tensor, *, max_tokens: int = MAX_TOKENS, tactics=None,
                  pdl: bool | None = None, splits: int | None = None, wgmma: bool = False,
-                 serial_from: int | None = None, overlap: bool = False):
+                 serial_from: int | None = None, overlap: bool = False,
+                 chunk_windows: int = MAX_WINDOWS):
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"DenseGemm: weight must be a torch.Tensor, got {type(weight).__name__}")
         if weight.dtype != _BF16 or weight.dim() != 2:
@@ -310,6 +336,7 @@ class DenseGemm:
             raise ValueError(f"DenseGemm: wgmma must be a bool, got {wgmma!r}")
         check_overlap("DenseGemm", overlap, "wgmma" if wgmma else "mma.sync", name="overlap")
         check_serial_from("DenseGemm", "serial_from", serial_from)
+        check_chunk_windows("DenseGemm", "chunk_windows", chunk_windows, wgmma)
         if weight.device.type != "cuda":
             raise ValueError(f"DenseGemm: weight must be on a CUDA device, got {weight.device}")
         if not weight.is_contiguous() or weight.data_ptr() % 16:
@@ -337,6 +364,8 @@ class DenseGemm:
         self.serial_from = serial_from
         #: every default wgmma tactic leaves each stage's MMAs in flight
         self.overlap = overlap
+        #: the most windows of a token chunk of calls of more than 64 rows
+        self.chunk_windows = chunk_windows
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         #: the K splits of every default tactic: the one summation order of this GEMM
         self.splits = splits_of(self.rows, k, self.sms) if splits is None else splits
@@ -346,8 +375,9 @@ class DenseGemm:
         for t in tactics:
             self._check_tactic(t)
         #: the most (token chunks x windows) of a call: the workspace's windows
-        self._window_slots = max(c * w for c, w in (token_chunks(t)
-                                                    for t in range(1, max_tokens + 1)))
+        self._window_slots = max(c * w for cw in {MAX_WINDOWS, chunk_windows}
+                                 for c, w in (token_chunks(t, cw)
+                                              for t in range(1, max_tokens + 1)))
         self.workspace = torch.empty(max(self._ws_bytes(t) for t in tactics) // 4 + 4,
                                      dtype=_F32, device=self.device)
         # one counter per tile of the smallest tile (16 rows) and token chunk
@@ -357,10 +387,12 @@ class DenseGemm:
 
     def tactic(self, tokens: int) -> Tactic:
         """The default tactic at ``tokens`` rows (``choose_tactic`` with :attr:`splits`,
-        :attr:`wgmma`, serial splits from :attr:`serial_from` rows and :attr:`overlap`)."""
+        :attr:`wgmma`, serial splits from :attr:`serial_from` rows, :attr:`overlap` and,
+        above 64 rows, :attr:`chunk_windows`)."""
         serial = self.serial_from is not None and tokens >= self.serial_from
         return choose_tactic(self.rows, self.k, tokens, self.sms, self.splits, self.wgmma,
-                             serial, self.overlap)
+                             serial, self.overlap,
+                             self.chunk_windows if tokens > MAX_TOKENS else MAX_WINDOWS)
 
     def launch(self, tokens: int, tactic: Tactic | None = None) -> Launch:
         """What a call of ``tokens`` rows launches (``launch_for``; default tactic
@@ -454,7 +486,7 @@ class DenseGemm:
         self._check_tactic(tactic)
         if not tactic.serves(t):
             raise ValueError(f"DenseGemm: tactic {tactic.label()} does not serve {t} tokens "
-                             f"({tactic.tiles_per_warp(token_chunks(t)[1])} accumulator tiles "
+                             f"({tactic.tiles_per_warp(tactic.chunks(t)[1])} accumulator tiles "
                              f"per warp > {tactic.max_tiles()})")
         launch = self.launch(t, tactic)
         if self._ws_bytes(tactic) > self.workspace.numel() * 4:

@@ -145,9 +145,14 @@ class SplitKGemmKernel:
     only after a ``wait_group 0`` (after the loop, and before each serial split's fold).
     The MMAs and their order are the same: the same bits as the kernel without it.
 
+    **Wide chunks** (``wgmma`` kernels of 9..16 windows, ``Tactic.chunk_windows = 16``): the
+    code above at a larger compile-time window count, one ``m64n(8 windows)k16`` per m-tile
+    and 16 k up to ``m64n128k16``; the windows' accumulators are laid out per window as at 8
+    windows, so the epilogue, the workspace and the folds are unchanged.
+
     Constraints (checked by the host, ``fast.gemm.DenseGemm``): ``N % tile_rows == 0``,
     ``K % (splits * stage_k) == 0``, ``8 (windows - 1) < T <= 8 windows`` (chunked: per
-    chunk, as ``layout.token_chunks`` cuts them), at most ``layout.MAX_ACCUMULATORS``
+    chunk, as ``layout.token_chunks`` cuts them; at most 16 windows on ``wgmma``, else 8), at most ``layout.MAX_ACCUMULATORS``
     (m-tile, window) tiles per warp, contiguous 16-byte aligned operands.
 
     Run: ``python -m pytest verify/test_gemm_fast.py -k fast`` (on an SM90/SM100 GPU).
@@ -156,9 +161,10 @@ class SplitKGemmKernel:
     def __init__(self, *, warps: int = 4, mtiles: int = 2, windows: int = 1, ring: int = 4,
                  stage_k: int = 64, occupancy: int = 2, wgmma: bool = False,
                  chunked: bool = False, serial: bool = False, overlap: bool = False):
-        if warps not in (1, 2, 4, 8) or mtiles not in (1, 2, 4) or not 1 <= windows <= lay.MAX_WINDOWS:
+        top = lay.MAX_WIDE_WINDOWS if wgmma else lay.MAX_WINDOWS  # wide chunks: wgmma only
+        if warps not in (1, 2, 4, 8) or mtiles not in (1, 2, 4) or not 1 <= windows <= top:
             raise ValueError(f"SplitKGemmKernel: warps {warps}, mtiles {mtiles}, windows "
-                             f"{windows} not supported")
+                             f"{windows} not supported (at most {top} windows)")
         if stage_k not in (64, 128) or not 2 <= ring <= 12:
             raise ValueError(f"SplitKGemmKernel: stage_k {stage_k} / ring {ring} not supported")
         if wgmma and warps not in (4, 8):

@@ -54,7 +54,8 @@ __all__ = [
     "WINDOW", "MAX_TOKENS", "MAX_WINDOWS", "SUB_K", "PIECE", "BLOCK",
     "a_source", "a_offset", "b_offset", "b_read_offset", "mma_operands", "c_map", "ws_offset",
     "a_offset_wgmma", "b_offset_wgmma", "wgmma_descriptors", "swizzled_chunk", "ROW_BYTES", "ATOM_BYTES",
-    "windows_for", "Tactic", "SMEM_PER_SM", "MAX_ACCUMULATORS", "MAX_ACCUMULATORS_SERIAL",
+    "windows_for", "Tactic", "MAX_WIDE_WINDOWS", "CHUNK_WINDOWS", "SMEM_PER_SM",
+    "MAX_ACCUMULATORS", "MAX_ACCUMULATORS_SERIAL",
     "slot_bytes", "ring_for",
     "MAX_CHUNKS", "MAX_CALL_TOKENS", "ROW_QUANTUM", "token_chunks", "padded_rows",
     "chunk_workspace_bytes", "chunk_first_row", "chunk_workspace_offset", "chunk_counter",
@@ -65,6 +66,13 @@ WINDOW = 8
 #: The most tokens one call serves (8 windows; the DEP front's ``front_max``).
 MAX_WINDOWS = 8
 MAX_TOKENS = WINDOW * MAX_WINDOWS
+#: The most windows of one token chunk of a ``wgmma`` kernel with wide chunks
+#: (``Tactic.chunk_windows``): 128 tokens, one ``m64n128k16`` per m-tile and 16 k, the
+#: accumulators of one window in each thread's 4 registers as ``mma.sync``'s.
+MAX_WIDE_WINDOWS = 16
+#: The token-chunk widths a tactic may have (``Tactic.chunk_windows``): 8 windows (64 rows;
+#: every kind) or 16 (128 rows; ``wgmma`` only).
+CHUNK_WINDOWS = (MAX_WINDOWS, MAX_WIDE_WINDOWS)
 #: k of one sub-chunk (two MMA steps of 16).
 SUB_K = 32
 #: Bytes of one ``cp.async`` / one lane's shared load.
@@ -196,17 +204,21 @@ def windows_for(tokens: int) -> int:
     return -(-tokens // WINDOW)
 
 
-def token_chunks(tokens: int) -> tuple[int, int]:
-    """``(chunks, windows)`` of a call of ``tokens`` rows: ``chunks = ceil(tokens / 64)``
-    token chunks (at most ``MAX_TOKENS`` each: 8 windows), every one of ``windows =
-    ceil(ceil(tokens / chunks) / 8)`` windows, chunk ``c`` holding rows ``[8 windows c,
-    min(tokens, 8 windows (c + 1)))``. Up to 64 tokens: one chunk of ``windows_for(tokens)``
-    windows (the single-chunk launch). ``windows`` is a compile-time constant of the kernel,
-    so the main loop has no branch on the row count; balancing the chunks keeps the
-    zero-filled token slots below 8 per chunk (65 rows: 2 chunks of 5 windows)."""
+def token_chunks(tokens: int, chunk_windows: int = MAX_WINDOWS) -> tuple[int, int]:
+    """``(chunks, windows)`` of a call of ``tokens`` rows cut into chunks of at most
+    ``chunk_windows`` windows (``CHUNK_WINDOWS``: 8, the default, or 16 for a ``wgmma``
+    tactic's wide chunks): ``chunks = ceil(tokens / (8 chunk_windows))`` token chunks, every
+    one of ``windows = ceil(ceil(tokens / chunks) / 8)`` windows, chunk ``c`` holding rows
+    ``[8 windows c, min(tokens, 8 windows (c + 1)))``. Up to ``8 chunk_windows`` tokens:
+    one chunk of ``windows_for``-many windows (up to 64 tokens the single-chunk launch).
+    ``windows`` is a compile-time constant of the kernel, so the main loop has no branch on
+    the row count; balancing the chunks keeps the zero-filled token slots below 8 per chunk
+    (65 rows: 2 chunks of 5 windows, or one of 9 in wide chunks)."""
     if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= MAX_CALL_TOKENS:
         raise ValueError(f"tokens must be an int in [1, {MAX_CALL_TOKENS}], got {tokens!r}")
-    chunks = -(-tokens // MAX_TOKENS)
+    if type(chunk_windows) is not int or chunk_windows not in CHUNK_WINDOWS:
+        raise ValueError(f"chunk_windows must be one of {CHUNK_WINDOWS}, got {chunk_windows!r}")
+    chunks = -(-tokens // (WINDOW * chunk_windows))
     windows = -(-(-(-tokens // chunks)) // WINDOW)
     return chunks, windows
 
@@ -285,6 +297,11 @@ class Tactic:
             copies are waited for and issued (``fast.gemm.kernel``'s "Overlap"; the copies
             run one stage less ahead, so the ring needs at least 3 stages): the same MMAs in
             the same order, so the same bits as without it.
+        chunk_windows: the most windows of one token chunk (``CHUNK_WINDOWS``): 8 (64
+            rows, the default) or, with ``wgmma``, 16 (128 rows: one ``m64n128k16`` per
+            m-tile and 16 k, so a call of many rows has half the chunks and each weight tile
+            is streamed half as often). Each output is the same MMA chain whatever chunk or
+            window count its token lands in, so the same bits at either width.
     """
 
     warps: int = 4
@@ -296,6 +313,7 @@ class Tactic:
     wgmma: bool = False
     serial: bool = False
     overlap: bool = False
+    chunk_windows: int = MAX_WINDOWS
 
     def __post_init__(self):
         for name in ("warps", "mtiles", "splits"):
@@ -319,6 +337,13 @@ class Tactic:
                 raise ValueError(f"Tactic.{name} must be a bool, got {getattr(self, name)!r}")
         if self.overlap and not self.wgmma:
             raise ValueError("Tactic.overlap keeps warpgroup MMAs in flight: it needs wgmma=True")
+        if type(self.chunk_windows) is not int or self.chunk_windows not in CHUNK_WINDOWS:
+            raise ValueError(f"Tactic.chunk_windows must be one of {CHUNK_WINDOWS}, got "
+                             f"{self.chunk_windows!r}")
+        if self.chunk_windows > MAX_WINDOWS and not self.wgmma:
+            raise ValueError(f"Tactic.chunk_windows={self.chunk_windows} (wide token chunks) "
+                             f"needs wgmma=True (mma.sync's kernels take at most "
+                             f"{MAX_WINDOWS} windows)")
 
     def tiles_per_warp(self, windows: int) -> int:
         """Accumulator tiles (16 x 8 FP32 each) a warp holds at ``windows`` windows: one
@@ -335,17 +360,26 @@ class Tactic:
     def tile_rows(self) -> int:
         return 16 * self.warps * self.mtiles
 
+    def chunks(self, tokens: int) -> tuple[int, int]:
+        """``(chunks, windows)`` of a call of ``tokens`` rows under this tactic
+        (``token_chunks`` at :attr:`chunk_windows`)."""
+        return token_chunks(tokens, self.chunk_windows)
+
     def serves(self, tokens: int) -> bool:
         """Whether the tactic runs a call of ``tokens`` rows: its warp's accumulators
-        (``mtiles`` times the windows of a token chunk, ``token_chunks``) fit
+        (``mtiles`` times the windows of a token chunk, :meth:`chunks`) fit
         ``MAX_ACCUMULATORS``."""
-        return self.tiles_per_warp(token_chunks(tokens)[1]) <= self.max_tiles()
+        return self.tiles_per_warp(self.chunks(tokens)[1]) <= self.max_tiles()
 
     def kernel_params(self, windows: int, chunked: bool = False) -> dict:
         """The compile-time parameters of the kernel this tactic runs at ``windows`` windows
         per token chunk; ``chunked``: the kernel of token chunks and padded rows (the grid's
         second dimension, an output width below the padded rows; the module docstring),
         which a call of more than ``MAX_TOKENS`` rows or of a padded weight launches."""
+        if isinstance(windows, bool) or not isinstance(windows, int) \
+                or not 1 <= windows <= self.chunk_windows:
+            raise ValueError(f"Tactic {self.label()}: windows must be an int in [1, "
+                             f"{self.chunk_windows}] (its chunk_windows), got {windows!r}")
         if self.tiles_per_warp(windows) > self.max_tiles():
             per_window = self.tiles_per_warp(1)
             raise ValueError(f"Tactic {self.label()}: {self.tiles_per_warp(windows)} accumulator "
@@ -379,4 +413,5 @@ class Tactic:
         extra += ",wgmma" if self.wgmma else ""
         extra += ",serial" if self.serial else ""
         extra += ",overlap" if self.overlap else ""
+        extra += f",cw{self.chunk_windows}" if self.chunk_windows != MAX_WINDOWS else ""
         return f"r{self.tile_rows}w{self.warps}s{self.splits}{extra}"

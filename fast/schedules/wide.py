@@ -99,7 +99,7 @@ import torch
 from fast import backend
 from fast.schedules.dense import check_hidden_rows
 from fast.schedules.steps import run_steps
-from fast.gemm.host import check_serial_from
+from fast.gemm.host import check_chunk_windows, check_serial_from
 from fast.gemm.mma_kind import check_mma, check_overlap, resolve_mma
 from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
@@ -262,10 +262,12 @@ def check_rows_and_timeout(owner: str, config: LatentMoEConfig, max_rows, timeou
 
 def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
                           batch_invariant, invariant_mma="auto",
-                          invariant_serial_from=None, invariant_overlap=False) -> None:
+                          invariant_serial_from=None, invariant_overlap=False,
+                          invariant_chunk_windows=8) -> None:
     """A wide layer's ``batch_invariant`` (a bool), its ``invariant_mma``
     (``fast.gemm.mma_kind.MMA_CHOICES``), its ``invariant_serial_from`` (None or a positive int),
-    its ``invariant_overlap`` (a bool, not with ``"mma.sync"``) and, when True, whether the
+    its ``invariant_overlap`` (a bool, not with ``"mma.sync"``), its
+    ``invariant_chunk_windows`` (8, or 16 not with ``"mma.sync"``) and, when True, whether the
     rank's four GEMMs fit ``fast.gemm`` at ``ranks`` ranks
     (``wide_gemms.check_fast_gemm_shapes``); refused by name before any device work."""
     if not isinstance(batch_invariant, bool):
@@ -273,6 +275,8 @@ def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
     check_mma(owner, invariant_mma, allow_auto=True)
     check_serial_from(owner, "invariant_serial_from", invariant_serial_from)
     check_overlap(owner, invariant_overlap, invariant_mma)
+    check_chunk_windows(owner, "invariant_chunk_windows", invariant_chunk_windows,
+                        invariant_mma != "mma.sync")
     if batch_invariant:
         check_fast_gemm_shapes(owner, config, ranks)
 
@@ -318,13 +322,18 @@ class WideLayer(WideStageCalls):
         invariant_overlap: with ``batch_invariant=True`` on the warpgroup MMA, each GEMM's
             MMAs stay in flight across a stage (``fast.gemm.Tactic.overlap``; the same
             bits); refused with ``"mma.sync"``. Default False.
+        invariant_chunk_windows: with ``batch_invariant=True``, the windows of 8 rows in one
+            token chunk of those GEMMs' calls of more than 64 rows: 8 (default; 64-row
+            chunks) or, on the warpgroup MMA, 16 (128-row chunks, ``fast.gemm.Tactic.
+            chunk_windows``: each weight tile streamed half as often; the same bits);
+            refused with ``"mma.sync"``.
     """
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_rows: int | None = None,
                  device: str | torch.device = "cuda", timeout_s: float = 10.0,
                  experts_tactic: dict | None = None, batch_invariant: bool = False,
                  invariant_mma: str = "auto", invariant_serial_from: int | None = None,
-                 invariant_overlap: bool = False):
+                 invariant_overlap: bool = False, invariant_chunk_windows: int = 8):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
@@ -333,7 +342,7 @@ class WideLayer(WideStageCalls):
         check_ranks(c, ranks)
         max_rows = check_rows_and_timeout("WideLayer", c, max_rows, timeout_s)
         check_batch_invariant("WideLayer", c, ranks, batch_invariant, invariant_mma,
-                              invariant_serial_from, invariant_overlap)
+                              invariant_serial_from, invariant_overlap, invariant_chunk_windows)
         device = backend.cuda_device("WideLayer", device)
         backend.require_supported("WideLayer")
         self.config, self.ranks, self.max_rows, self.device = c, ranks, max_rows, device
@@ -342,6 +351,8 @@ class WideLayer(WideStageCalls):
         #: the MMA kind of the batch-invariant GEMMs (``invariant_mma`` resolved on this GPU)
         self.invariant_mma = resolve_mma("WideLayer", invariant_mma, self.arch)
         check_overlap("WideLayer", invariant_overlap, self.invariant_mma)
+        check_chunk_windows("WideLayer", "invariant_chunk_windows", invariant_chunk_windows,
+                            self.invariant_mma == "wgmma")
         #: the batch-invariant wgmma GEMMs leave each stage's MMAs in flight
         self.invariant_overlap = invariant_overlap
         n, on = ranks, dict(device=device)
@@ -371,7 +382,7 @@ class WideLayer(WideStageCalls):
                                   "shared_gate_up": self.shared_gate_up[r],
                                   "shared_down": self.shared_down[r], "up": self.up[r]},
                     c, n, max_rows, self.invariant_mma, invariant_serial_from,
-                    invariant_overlap)
+                    invariant_overlap, invariant_chunk_windows)
                 # the front GEMM's weight may be a view of its zero-padded copy: one copy
                 self.front_weights[r] = self.fast_gemms[r]["front"].weight
         self.bias = slice_to_device(weights.bias)

@@ -90,30 +90,39 @@ def gemm_splits(config: LatentMoEConfig, ranks: int, sms: int = 132) -> dict[str
 
 def gemm_launches(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
                   mma: str = "mma.sync", serial_from: int | None = None,
-                  overlap: bool = False) -> dict:
+                  overlap: bool = False, chunk_windows: int = 8) -> dict:
     """``{gemm: {T: fast.gemm.Launch}}``: what each GEMM launches at each row count ``T`` of
     ``rows`` (an iterable of ints), at its one K split, on ``mma`` (``fast.gemm.mma_kind.INVARIANT_MMAS``),
     with serial splits from ``serial_from`` rows (``fast.gemm.DenseGemm``'s; None: never)
-    and, on ``"wgmma"``, ``overlap`` (``fast.gemm.Tactic.overlap``) (pure Python: the CPU
-    tests check the chunk arithmetic and compile these kernels)."""
-    from fast.gemm.host import launch_for
+    and, on ``"wgmma"``, ``overlap`` (``fast.gemm.Tactic.overlap``) and token chunks of
+    ``chunk_windows`` windows (``DenseGemm``'s; 16 only on ``"wgmma"``) (pure Python: the
+    CPU tests check the chunk arithmetic and compile these kernels)."""
+    from fast.gemm.host import check_chunk_windows, choose_tactic, launch_for
+    from fast.gemm.layout import MAX_TOKENS, padded_rows
 
     check_mma("gemm_launches", mma)
+    check_chunk_windows("gemm_launches", "chunk_windows", chunk_windows, mma == "wgmma")
     splits = gemm_splits(config, ranks, sms)
-    return {name: {t: launch_for(n, k, t, splits=splits[name], sms=sms, wgmma=mma == "wgmma",
-                                 serial=serial_from is not None and t >= serial_from,
-                                 overlap=overlap)
-                   for t in rows}
+
+    def launch(n, k, t, s):
+        tactic = choose_tactic(padded_rows(n), k, t, sms, s, mma == "wgmma",
+                               serial_from is not None and t >= serial_from, overlap,
+                               chunk_windows if t > MAX_TOKENS else 8)
+        return launch_for(n, k, t, tactic=tactic, sms=sms)
+
+    return {name: {t: launch(n, k, t, splits[name]) for t in rows}
             for name, (n, k) in gemm_shapes(config, ranks).items()}
 
 
 def kernel_params(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
                   mma: str = "mma.sync", serial_from: int | None = None,
-                  overlap: bool = False) -> list[dict]:
+                  overlap: bool = False, chunk_windows: int = 8) -> list[dict]:
     """The distinct ``fast.gemm`` kernel parameters a rank compiles for the row counts
-    ``rows`` on ``mma`` with ``serial_from`` and ``overlap`` (:func:`gemm_launches`)."""
+    ``rows`` on ``mma`` with ``serial_from``, ``overlap`` and ``chunk_windows``
+    (:func:`gemm_launches`)."""
     seen = []
-    for per_t in gemm_launches(config, ranks, rows, sms, mma, serial_from, overlap).values():
+    for per_t in gemm_launches(config, ranks, rows, sms, mma, serial_from, overlap,
+                               chunk_windows).values():
         for launch in per_t.values():
             if launch.params not in seen:
                 seen.append(launch.params)
@@ -122,12 +131,14 @@ def kernel_params(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
 
 def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: int,
                      max_rows: int, mma: str = "mma.sync",
-                     serial_from: int | None = None, overlap: bool = False) -> dict:
+                     serial_from: int | None = None, overlap: bool = False,
+                     chunk_windows: int = 8) -> dict:
     """One ``fast.gemm.DenseGemm`` per GEMM of one rank (``weights``: name -> its BF16
     weight on the device, ``WIDE_GEMMS``), each with its K split (:func:`gemm_splits` on
     this GPU), on ``mma`` (``fast.gemm.mma_kind.INVARIANT_MMAS``; ``"wgmma"`` needs an sm_90a device), with
     serial splits from ``serial_from`` rows (None: never; the same bits), on ``"wgmma"``
-    with ``overlap`` (each stage's MMAs in flight; the same bits) and buffers for up
+    with ``overlap`` (each stage's MMAs in flight; the same bits) and token chunks of
+    ``chunk_windows`` windows (16: 128-row chunks, ``"wgmma"`` only; the same bits), buffers for up
     to ``max_rows`` rows, and every kernel a call of
     ``front_max + 1 .. max_rows`` rows launches compiled now (none at call time, none
     inside a graph capture). The ``front`` GEMM's weight is padded to a multiple of 64
@@ -145,7 +156,8 @@ def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = gemm_splits(config, ranks, sms)
     gemms = {name: DenseGemm(weights[name], max_tokens=max_rows, splits=splits[name],
-                             wgmma=mma == "wgmma", serial_from=serial_from, overlap=overlap)
+                             wgmma=mma == "wgmma", serial_from=serial_from, overlap=overlap,
+                             chunk_windows=chunk_windows)
              for name in WIDE_GEMMS}
     for gemm in gemms.values():
         gemm.compile_for(range(config.front_max + 1, max_rows + 1))

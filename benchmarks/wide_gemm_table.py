@@ -1,0 +1,179 @@
+"""The wide (S2) rank's four dense GEMMs at 65..1024 rows: cuBLAS against ``fast.gemm`` in
+the batch-invariant mode's forms, each GEMM alone, in one run (GPU node, sm_90a).
+
+    python3 -m benchmarks.wide_gemm_table --out wide-gemms.json
+    python3 -m benchmarks.wide_gemm_table --render wide-gemms.json   # the markdown table
+
+GEMMs of one TP rank of ``--ranks`` (``fast.schedules.wide_gemms``: front FP32 out, shared
+gate/up and shared down BF16, up BF16 with a BF16 addend), each at its one K split
+(``wide_gemms.gemm_splits``), random BF16 weights and inputs. Contestants at each row count:
+
+* ``cublas``: what the default mode runs (``torch.mm`` / ``torch.addmm`` with FP32
+  reduction, ``fast.stock``);
+* ``fast.gemm`` on the warpgroup MMA (``DenseGemm(wgmma=True)``'s default tile at that row
+  count, ``fast.gemm.host.choose_tactic``) in each form: 64-row token chunks (``cw8``) or
+  128-row ones (``cw16``, ``Tactic.chunk_windows``), cross-CTA or serial splits, with and
+  without the MMAs in flight. Every form's output is compared bit for bit with the plain
+  ``cw8`` form's (the same ``splits``, so the same bits are owed): a timing never comes
+  from a form that computes something else.
+
+Each contestant is captured in a CUDA graph and timed by CUDA events around one replay, the
+L2 flushed by a 256 MiB streaming read before each (``benchmarks.dense_table``'s method),
+median of ``--reps``. The byte limit: weight, input, output and addend bytes at the read
+bandwidth measured in the same run (``benchmarks.readbw``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from benchmarks.experts_table import rendered
+from benchmarks.provenance import run_header, tree_note
+
+FLUSH_BYTES = 256 << 20
+DEFAULT_ROWS = "65,128,256,512,1024"
+#: (label, chunk_windows, serial, overlap) of the timed fast.gemm forms
+FORMS = (("cw8", 8, False, False), ("cw8,overlap", 8, False, True),
+         ("cw8,serial,overlap", 8, True, True), ("cw16", 16, False, False),
+         ("cw16,overlap", 16, False, True), ("cw16,serial,overlap", 16, True, True))
+
+
+def _inputs(shapes: dict, rows: int, seed: int) -> dict:
+    """Per GEMM: (weight [N, K], input [T, K], addend or None, out dtype)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+
+    out = {}
+    for name, (n, k) in shapes.items():
+        w = rand(n, k, scale=k ** -0.5)
+        addend = rand(rows, n) if name == "up" else None
+        out[name] = (w, rand(rows, k), addend,
+                     torch.float32 if name == "front" else torch.bfloat16)
+    return out
+
+
+def _bytes(weight, a, addend, out_dtype) -> int:
+    t, n = a.shape[0], weight.shape[0]
+    return (weight.numel() * 2 + a.numel() * 2 + t * n * (4 if out_dtype == torch.float32 else 2)
+            + (0 if addend is None else addend.numel() * 2))
+
+
+def _cublas(weight, a, addend, out_dtype):
+    from fast import stock
+
+    if out_dtype == torch.float32:
+        return lambda: stock.mm_fp32_out(a, weight)
+    if addend is not None:
+        return lambda: stock.addmm_bf16(addend, a, weight)
+    return lambda: stock.mm_bf16(a, weight)
+
+
+def render(result: dict) -> str:
+    """Markdown: per row count and GEMM, the byte limit, cuBLAS and every form (us and the
+    fraction of the limit), the fastest form against cuBLAS, and whether every form gave the
+    plain form's bits."""
+    forms = [f[0] for f in FORMS]
+    lines = [f"Device {result['device']}, torch {result['torch']}{tree_note(result)}; "
+             f"{result['ranks']} TP ranks, one rank's GEMMs, K splits {result['splits']}; "
+             f"read bandwidth {result['read_gbs']:.0f} GB/s (this run); fraction = byte limit "
+             "/ time; medians of graph replays after an L2 flush by a 256 MiB read.", "",
+             "| rows | GEMM | limit us | cuBLAS us (frac) | " + " | ".join(forms)
+             + " | best / cuBLAS | bits |",
+             "|---|---|---|---|" + "---|" * len(forms) + "---|---|"]
+    for row in result["rows"]:
+        for g, c in row["gemms"].items():
+            med, lim = c["median_us"], c["limit_us"]
+            cells = [f"{med[f]:.1f} ({lim / med[f]:.2f})" if f in med else "-" for f in forms]
+            best = min((f for f in forms if f in med), key=med.get)
+            same = c["same_bits"]
+            lines.append(f"| {row['rows']} | {g} | {lim:.1f} | {med['cublas']:.1f} "
+                         f"({lim / med['cublas']:.2f}) | " + " | ".join(cells)
+                         + f" | {best} {med[best] / med['cublas']:.2f}x | "
+                         f"{sum(same.values())}/{len(same)} |")
+    lines += ["", "| rows | four GEMMs: cuBLAS us | plain cw8 us | best form per GEMM us |",
+              "|---|---|---|---|"]
+    for row in result["rows"]:
+        meds = [c["median_us"] for c in row["gemms"].values()]
+        best = sum(min(m[f[0]] for f in FORMS if f[0] in m) for m in meds)
+        lines.append(f"| {row['rows']} | {sum(m['cublas'] for m in meds):.1f} | "
+                     f"{sum(m['cw8'] for m in meds):.1f} | {best:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--render", help="print the markdown tables of a result JSON and exit")
+    ap.add_argument("--out", default="wide_gemm_table.json")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--ranks", type=int, default=8)
+    ap.add_argument("--rows", default=DEFAULT_ROWS)
+    args = ap.parse_args(argv)
+    if rendered(args, render):
+        return
+
+    from benchmarks import readbw
+    from benchmarks.experts_table import device_time_us
+    from fast.gemm import DenseGemm
+    from fast.gemm.host import choose_tactic
+    from fast.schedules.wide_gemms import gemm_shapes, gemm_splits
+    from model.config import LatentMoEConfig
+
+    cfg = LatentMoEConfig.kimi_k3()
+    rows_list = [int(v) for v in args.rows.split(",")]
+    shapes = gemm_shapes(cfg, args.ranks)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = gemm_splits(cfg, args.ranks, sms)
+    flush_buf = torch.randint(0, 255, (FLUSH_BYTES,), dtype=torch.uint8, device="cuda")
+    flush_out = torch.zeros(readbw.CTAS, dtype=torch.int32, device="cuda")
+    flush = lambda: readbw.read(flush_buf, flush_out)  # noqa: E731
+    result = {**run_header(), "ranks": args.ranks, "splits": splits, "rows": []}
+    result["read_gbs"] = readbw.read_bandwidth_gbs()
+    print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
+    top = max(rows_list)
+    for rows in rows_list:
+        data = _inputs(shapes, rows, 1000 + rows)
+        row = {"rows": rows, "gemms": {}}
+        for g, (weight, a, addend, out_dtype) in data.items():
+            eng = DenseGemm(weight, max_tokens=top, splits=splits[g], wgmma=True,
+                            chunk_windows=16)
+            nbytes = _bytes(weight, a, addend, out_dtype)
+            case = {"bytes": nbytes, "limit_us": nbytes / (result["read_gbs"] * 1e9) * 1e6,
+                    "tactics": {}, "times": {}, "same_bits": {}}
+            case["times"]["cublas"] = device_time_us(_cublas(weight, a, addend, out_dtype),
+                                                     reps=args.reps, flush=flush)
+            outs = {}
+            for label, cw, serial, overlap in FORMS:
+                t = choose_tactic(eng.rows, eng.k, rows, sms, splits[g], True, serial, overlap,
+                                  cw if rows > 64 else 8)
+                case["tactics"][label] = t.label()
+                out = torch.empty(rows, weight.shape[0], dtype=out_dtype, device="cuda")
+                case["times"][label] = device_time_us(
+                    lambda: eng(a, out_dtype=out_dtype, addend=addend, out=out, tactic=t),
+                    reps=args.reps, flush=flush)
+                outs[label] = eng(a, out_dtype=out_dtype, addend=addend, tactic=t).clone()
+            ref = outs["cw8"].view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)
+            for label, o in outs.items():
+                got = o.view(ref.dtype)
+                case["same_bits"][label] = bool(torch.equal(got, ref))
+            case["median_us"] = {k: statistics.median(v) for k, v in case["times"].items()}
+            med = case["median_us"]
+            print(f"rows {rows:4d} {g:14s} limit {case['limit_us']:6.1f} cublas "
+                  f"{med['cublas']:6.1f} | " + " | ".join(
+                      f"{lab} {case['tactics'][lab]} {med[lab]:6.1f}" for lab, *_ in FORMS)
+                  + f" | same bits {sum(case['same_bits'].values())}/{len(FORMS)}", flush=True)
+            row["gemms"][g] = case
+            del eng
+        result["rows"].append(row)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    print(render(result), end="")
+
+
+if __name__ == "__main__":
+    main()
