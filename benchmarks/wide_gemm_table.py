@@ -13,7 +13,9 @@ gate/up and shared down BF16, up BF16 with a BF16 addend), each at its one K spl
 * ``fast.gemm`` on the warpgroup MMA (``DenseGemm(wgmma=True)``'s default tile at that row
   count, ``fast.gemm.host.choose_tactic``) in each form: 64-row token chunks (``cw8``) or
   128-row ones (``cw16``, ``Tactic.chunk_windows``), cross-CTA or serial splits, with and
-  without the MMAs in flight. Every form's output is compared bit for bit with the plain
+  without the MMAs in flight; with ``--stage-k 64,128`` each also with 128-k ring stages
+  (``Tactic.stage_k``: half the stages and barriers per K; one CTA per multiprocessor
+  where two do not fit a ring of 3). Every form's output is compared bit for bit with the plain
   ``cw8`` form's (the same ``splits``, so the same bits are owed): a timing never comes
   from a form that computes something else.
 
@@ -26,6 +28,7 @@ bandwidth measured in the same run (``benchmarks.readbw``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 
@@ -74,11 +77,36 @@ def _cublas(weight, a, addend, out_dtype):
     return lambda: stock.mm_bf16(a, weight)
 
 
+def form_labels(result: dict) -> list[str]:
+    """The fast.gemm forms a result timed, in table order (``FORMS``, then their 128-k
+    versions where the run had them)."""
+    labels = [f[0] for f in FORMS]
+    return labels + [f"{lab},k{k}" for k in result.get("stage_ks", [64]) if k != 64
+                     for lab in labels]
+
+
+def _with_stage(tactic, stage_k: int, n: int, k: int, rows: int):
+    """``tactic`` with ``stage_k``-wide ring stages, at one CTA per multiprocessor where
+    its own occupancy leaves no ring of 3 (None where neither fits)."""
+    from fast.gemm.host import launch_for
+
+    if stage_k == tactic.stage_k:
+        return tactic
+    for occupancy in (tactic.occupancy, 1):
+        t = dataclasses.replace(tactic, stage_k=stage_k, occupancy=occupancy)
+        try:
+            launch_for(n, k, rows, tactic=t)
+            return t
+        except ValueError:
+            continue
+    return None
+
+
 def render(result: dict) -> str:
     """Markdown: per row count and GEMM, the byte limit, cuBLAS and every form (us and the
     fraction of the limit), the fastest form against cuBLAS, and whether every form gave the
     plain form's bits."""
-    forms = [f[0] for f in FORMS]
+    forms = form_labels(result)
     lines = [f"Device {result['device']}, torch {result['torch']}{tree_note(result)}; "
              f"{result['ranks']} TP ranks, one rank's GEMMs, K splits {result['splits']}; "
              f"read bandwidth {result['read_gbs']:.0f} GB/s (this run); fraction = byte limit "
@@ -100,7 +128,7 @@ def render(result: dict) -> str:
               "|---|---|---|---|"]
     for row in result["rows"]:
         meds = [c["median_us"] for c in row["gemms"].values()]
-        best = sum(min(m[f[0]] for f in FORMS if f[0] in m) for m in meds)
+        best = sum(min(m[f] for f in form_labels(result) if f in m) for m in meds)
         lines.append(f"| {row['rows']} | {sum(m['cublas'] for m in meds):.1f} | "
                      f"{sum(m['cw8'] for m in meds):.1f} | {best:.1f} |")
     return "\n".join(lines) + "\n"
@@ -113,6 +141,8 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--ranks", type=int, default=8)
     ap.add_argument("--rows", default=DEFAULT_ROWS)
+    ap.add_argument("--stage-k", default="64",
+                    help="ring stage widths to time each form at (64, 128; e.g. 64,128)")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
@@ -126,13 +156,17 @@ def main(argv=None):
 
     cfg = LatentMoEConfig.kimi_k3()
     rows_list = [int(v) for v in args.rows.split(",")]
+    stage_ks = [int(v) for v in args.stage_k.split(",")]
+    if not set(stage_ks) <= {64, 128} or 64 not in stage_ks:
+        ap.error(f"--stage-k takes 64 and optionally 128, got {args.stage_k!r}")
     shapes = gemm_shapes(cfg, args.ranks)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = gemm_splits(cfg, args.ranks, sms)
     flush_buf = torch.randint(0, 255, (FLUSH_BYTES,), dtype=torch.uint8, device="cuda")
     flush_out = torch.zeros(readbw.CTAS, dtype=torch.int32, device="cuda")
     flush = lambda: readbw.read(flush_buf, flush_out)  # noqa: E731
-    result = {**run_header(), "ranks": args.ranks, "splits": splits, "rows": []}
+    result = {**run_header(), "ranks": args.ranks, "splits": splits, "stage_ks": stage_ks,
+              "rows": []}
     result["read_gbs"] = readbw.read_bandwidth_gbs()
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     top = max(rows_list)
@@ -148,9 +182,15 @@ def main(argv=None):
             case["times"]["cublas"] = device_time_us(_cublas(weight, a, addend, out_dtype),
                                                      reps=args.reps, flush=flush)
             outs = {}
-            for label, cw, serial, overlap in FORMS:
-                t = choose_tactic(eng.rows, eng.k, rows, sms, splits[g], True, serial, overlap,
-                                  cw if rows > 64 else 8)
+            timed = []
+            for stage_k in stage_ks:
+                for label, cw, serial, overlap in FORMS:
+                    t = choose_tactic(eng.rows, eng.k, rows, sms, splits[g], True, serial,
+                                      overlap, cw if rows > 64 else 8)
+                    t = _with_stage(t, stage_k, weight.shape[0], eng.k, rows)
+                    if t is not None:
+                        timed.append((label if stage_k == 64 else f"{label},k{stage_k}", t))
+            for label, t in timed:
                 case["tactics"][label] = t.label()
                 out = torch.empty(rows, weight.shape[0], dtype=out_dtype, device="cuda")
                 case["times"][label] = device_time_us(
@@ -165,8 +205,8 @@ def main(argv=None):
             med = case["median_us"]
             print(f"rows {rows:4d} {g:14s} limit {case['limit_us']:6.1f} cublas "
                   f"{med['cublas']:6.1f} | " + " | ".join(
-                      f"{lab} {case['tactics'][lab]} {med[lab]:6.1f}" for lab, *_ in FORMS)
-                  + f" | same bits {sum(case['same_bits'].values())}/{len(FORMS)}", flush=True)
+                      f"{lab} {case['tactics'][lab]} {med[lab]:6.1f}" for lab, _ in timed)
+                  + f" | same bits {sum(case['same_bits'].values())}/{len(timed)}", flush=True)
             row["gemms"][g] = case
             del eng
         result["rows"].append(row)
