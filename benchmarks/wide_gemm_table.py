@@ -102,6 +102,30 @@ def _with_stage(tactic, stage_k: int, n: int, k: int, rows: int):
     return None
 
 
+def form_of(tactic_label: str) -> dict:
+    """A timed form's ``invariant_forms`` entry (``fast.gemm.host.FORM_KEYS``) from its
+    tactic label (``Tactic.label``): chunk width, serial splits, MMAs in flight, stage
+    width; the tile and occupancy are the default rule's for that form."""
+    parts = tactic_label.split(",")
+    return {"chunk_windows": 16 if "cw16" in parts else 8, "serial": "serial" in parts,
+            "overlap": "overlap" in parts, "stage_k": 128 if "stage_k128" in parts else 64}
+
+
+def best_forms(result: dict) -> dict:
+    """``{gemm: {rows_from: form}}`` for ``WideLayer(invariant_forms=...)``: per GEMM the
+    fastest form of each timed row count, from the row count after the previous timed one
+    (the first from 65: the wide layer's smallest call)."""
+    rows = sorted(result["rows"], key=lambda r: r["rows"])
+    out: dict = {}
+    for i, row in enumerate(rows):
+        start = 65 if i == 0 else rows[i - 1]["rows"] + 1
+        for gemm, case in row["gemms"].items():
+            med = {k: v for k, v in case["median_us"].items() if k in case["tactics"]}
+            best = min(med, key=med.get)
+            out.setdefault(gemm, {})[start] = form_of(case["tactics"][best])
+    return out
+
+
 def render(result: dict) -> str:
     """Markdown: per row count and GEMM, the byte limit, cuBLAS and every form (us and the
     fraction of the limit), the fastest form against cuBLAS, and whether every form gave the

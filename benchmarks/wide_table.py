@@ -198,9 +198,24 @@ def rank_arguments(ap, *, out: str, tokens: str, reps: int) -> None:
                          "(ExpertsEngine tactic; default the engine's)")
 
 
+def load_forms(path: str | None) -> dict | None:
+    """``--invariant-forms``: None, a JSON file of ``{gemm: {rows_from: form}}`` (its row
+    keys strings in JSON), or a ``benchmarks.wide_gemm_table`` result (its best form per
+    GEMM and row count, ``wide_gemm_table.best_forms``)."""
+    if path is None:
+        return None
+    with open(path) as f:
+        data = json.load(f)
+    if "rows" in data and "ranks" in data:
+        from benchmarks.wide_gemm_table import best_forms
+
+        return best_forms(data)
+    return {gemm: {int(r): form for r, form in table.items()} for gemm, table in data.items()}
+
+
 def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant: bool = False,
                    invariant_mma: str = "auto", serial_from: int | None = None,
-                   overlap: bool = False, chunk_windows: int = 8):
+                   overlap: bool = False, chunk_windows: int = 8, forms: dict | None = None):
     """(layer, weights, run header, flush) of a GPU-node run: the real layer's weights
     (``verify.cases.device_weights``), its virtual TP ranks at the widest batch (with
     ``batch_invariant``: ``WideLayer(batch_invariant=True, invariant_mma=...)``), the run's
@@ -217,12 +232,13 @@ def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant
                       experts_tactic=parse_tactic(experts_tactic),
                       batch_invariant=bool(batch_invariant), invariant_mma=invariant_mma,
                       invariant_serial_from=serial_from, invariant_overlap=overlap,
-                      invariant_chunk_windows=chunk_windows)
+                      invariant_chunk_windows=chunk_windows, invariant_forms=forms)
     if batch_invariant:  # the kind the layer runs ("auto" resolved on this GPU)
         result["invariant_mma"] = layer.invariant_mma
         result["serial_from"] = serial_from
         result["invariant_overlap"] = overlap
         result["invariant_chunk_windows"] = chunk_windows
+        result["invariant_forms"] = forms
     return layer, weights, result, flush
 
 
@@ -339,6 +355,11 @@ def main(argv=None):
     ap.add_argument("--invariant-chunk-windows", type=int, default=8, choices=(8, 16),
                     help="with --batch-invariant on the warpgroup MMA: 16 runs the GEMMs' calls "
                          "of more than 64 rows in 128-row token chunks (the same bits)")
+    ap.add_argument("--invariant-forms", default=None,
+                    help="with --batch-invariant: a JSON file of per-GEMM forms ({gemm: "
+                         "{rows_from: form}}, WideLayer(invariant_forms=...)) or a "
+                         "benchmarks.wide_gemm_table result, whose best form per GEMM and row "
+                         "count is taken (wide_gemm_table.best_forms)")
     ap.add_argument("--invariant-mma", default="auto", choices=MMA_CHOICES,
                     help="with --batch-invariant: the GEMMs' MMA (auto: the layer's default, "
                          "wgmma on sm_90a, else mma.sync; wgmma: sm_90a's warpgroup MMA)")
@@ -350,7 +371,8 @@ def main(argv=None):
     layer, w, result, flush = measured_layer(args.ranks, tokens_list, args.experts_tactic,
                                              args.batch_invariant, args.invariant_mma,
                                              args.serial_from, args.invariant_overlap,
-                                             args.invariant_chunk_windows)
+                                             args.invariant_chunk_windows,
+                                             load_forms(args.invariant_forms))
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     c = w.config
     result["experts_tactic"] = args.experts_tactic or "default"

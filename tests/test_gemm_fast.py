@@ -1065,3 +1065,55 @@ def test_wide_chunk_kernels_compile_and_fit_their_registers(tmp_path):
         attrs = kernel_attributes(cubin.read_bytes())
         limit = min(255, 65536 // (p["occupancy"] * 32 * p["warps"]))
         assert attrs["frame"] == 0 and attrs["registers"] <= limit, (p, attrs)
+
+
+def test_forms_override_the_default_tactic_per_row_count():
+    """``DenseGemm(forms=...)`` / the wide layers' ``invariant_forms``: per row count a form
+    (chunk width, serial splits, MMAs in flight, stage width) overrides the object's
+    settings from its ``rows_from`` to the next key; the K split and the MMA kind are never
+    a form's (the same bits); 128-k stages fall back to one CTA per multiprocessor where a
+    ring of 3 does not fit; bad tables refused by name."""
+    from fast.gemm.host import check_forms, default_tactic, form_at
+    from fast.schedules.wide import check_batch_invariant
+    from fast.schedules.wide_gemms import gemm_launches, gemm_splits
+    from model.config import LatentMoEConfig
+
+    forms = {129: {"serial": True}, 513: {"chunk_windows": 16, "stage_k": 128}}
+    assert form_at(forms, 128) == {} and form_at(forms, 129) == {"serial": True}
+    assert form_at(forms, 1024) == {"chunk_windows": 16, "stage_k": 128} and form_at(None, 9) == {}
+    plain = default_tactic(576, 7168, 1024, 132, 8, True, None, True, 8, None)
+    formed = default_tactic(576, 7168, 1024, 132, 8, True, None, True, 8, forms)
+    assert (formed.splits, formed.wgmma, formed.overlap) == (plain.splits, True, True)
+    assert (formed.chunk_windows, formed.stage_k, formed.serial) == (16, 128, False)
+    assert default_tactic(576, 7168, 200, 132, 8, True, None, False, 8, forms).serial
+    assert formed.kernel_params(16)["ring"] >= 3
+    cfg = LatentMoEConfig.kimi_k3()
+    gemm_forms = {"front": forms, "up": {65: {"serial": True, "overlap": False}}}
+    splits = gemm_splits(cfg, 8)
+    launches = gemm_launches(cfg, 8, range(65, 1025, 37), mma="wgmma", overlap=True,
+                             forms=gemm_forms)
+    for name, per_t in launches.items():
+        assert {(l.tactic.splits, l.tactic.wgmma) for l in per_t.values()} == {(splits[name], True)}
+    assert all(l.tactic.serial and not l.tactic.overlap for l in launches["up"].values())
+    assert all(l.tactic.overlap for l in launches["shared_down"].values())
+    for bad, match in (
+            ([1], r"forms must be None or a dict"),
+            ({0: {}}, r"forms's keys must be positive ints"),
+            ({65: {"splits": 2}}, r"forms\[65\] must be a dict with keys among"),
+            ({65: {"serial": 1}}, r"forms\[65\]\['serial'\] must be a bool"),
+            ({65: {"stage_k": 96}}, r"forms\[65\]\['stage_k'\] must be 64 or 128"),
+            ({65: {"chunk_windows": 12}}, r"forms\[65\]\['chunk_windows'\] must be one of")):
+        with pytest.raises(ValueError, match="L: " + match):
+            check_forms("L", "forms", bad, True)
+    with pytest.raises(ValueError, match=r"L: f\[65\]\['overlap'\]=True keeps warpgroup MMAs"):
+        check_forms("L", "f", {65: {"overlap": True}}, False)
+    with pytest.raises(ValueError, match=r"stage_k'\]=128 does not divide the 8 splits of K=3584"):
+        check_forms("L", "f", {65: {"stage_k": 128}}, True, 3584, 8)
+    with pytest.raises(ValueError, match=r"WideLayer: invariant_forms must be None or a dict keyed"):
+        check_batch_invariant("WideLayer", cfg, 8, True, "auto", None, False, 8, {"router": {}})
+    with pytest.raises(ValueError, match=r"WideLayer: invariant_forms\['up'\]\[65\]\['stage_k'\]=128"):
+        check_batch_invariant("WideLayer", cfg, 8, True, "auto", None, False, 8,
+                              {"up": {65: {"stage_k": 128}}})
+    with pytest.raises(ValueError, match=r"invariant_forms\['front'\]\[65\]\['overlap'\]=True"):
+        check_batch_invariant("WideLayer", cfg, 8, True, "mma.sync", None, False, 8,
+                              {"front": {65: {"overlap": True}}})

@@ -328,49 +328,39 @@ MUTATIONS = [
     # choose_tactic keeps the object's split).
     _one("fast GEMM: a GEMM's K split follows the batch bucket (doubled at T = 25..64)",
          "fast/gemm/host.py",
-         "        return choose_tactic(self.rows, self.k, tokens, self.sms, self.splits, self.wgmma,\n"
-         "                             serial, self.overlap,",
-         "        return choose_tactic(self.rows, self.k, tokens, self.sms,\n"
-         "                             self.splits * (2 if 24 < tokens <= 64 else 1), self.wgmma,\n"
-         "                             serial, self.overlap,",
+         "        return default_tactic(self.rows, self.k, tokens, self.sms, self.splits, self.wgmma,",
+         "        return default_tactic(self.rows, self.k, tokens, self.sms,\n"
+         "                              self.splits * (2 if 24 < tokens <= 64 else 1), self.wgmma,",
          ["verify/test_gemm_fast.py::test_gemm_fast_default_batch_invariant"], needs_gpu=True),
     # DenseGemm(wgmma=True): the MMA kind, like the K split, fixes a token's bits
     _one("fast GEMM: the wide mode's MMA kind follows the token chunks (mma.sync up to 128 "
          "rows, wgmma above)",
          "fast/gemm/host.py",
-         "    if wgmma:\n        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial,\n"
-         "                      overlap=overlap)",
-         "    if wgmma and chunks > 2:\n"
-         "        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial,\n"
-         "                      overlap=overlap)",
+         "    elif wgmma:\n        tactic = Tactic(warps=4, mtiles=rows // 64,",
+         "    elif wgmma and chunks > 2:\n        tactic = Tactic(warps=4, mtiles=rows // 64,",
          ["verify/test_gemm_fast.py::test_gemm_fast_wide_rows[fast-front-wgmma]"],
          needs_gpu=True),
     # DenseGemm(chunk_windows=16): the chunk width may move no bit, so never the K split
     _one("fast GEMM: 128-row token chunks halve the K split",
          "fast/gemm/host.py",
-         "        return Tactic(warps=rows // 16, mtiles=1, splits=splits, wgmma=True, serial=serial,",
-         "        return Tactic(warps=rows // 16, mtiles=1, splits=max(1, splits // 2), wgmma=True,\n"
-         "                      serial=serial,",
+         "        tactic = Tactic(warps=rows // 16, mtiles=1, splits=splits, wgmma=True, serial=serial,",
+         "        tactic = Tactic(warps=rows // 16, mtiles=1, splits=max(1, splits // 2), wgmma=True,\n"
+         "                        serial=serial,",
          ["verify/test_gemm_fast.py::test_gemm_fast_wide_chunks[fast-front]"], needs_gpu=True),
     # DepLayer(invariant_mma="wgmma"): its one-chunk calls take choose_tactic's rule too
     _one("fast GEMM: the DEP dense GEMMs' MMA kind follows the batch (mma.sync up to 24 "
          "tokens, wgmma above)",
          "fast/gemm/host.py",
-         "    if wgmma:\n        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial,\n"
-         "                      overlap=overlap)",
-         "    if wgmma and tokens > 24:\n"
-         "        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial,\n"
-         "                      overlap=overlap)",
+         "    elif wgmma:\n        tactic = Tactic(warps=4, mtiles=rows // 64,",
+         "    elif wgmma and tokens > 24:\n        tactic = Tactic(warps=4, mtiles=rows // 64,",
          ["verify/test_dep_fast.py::test_dep_fast_batch_invariant[fast-4-wgmma]"],
          needs_gpu=True),
     _one("fast GEMM: the wide layer's K split follows the token chunks (halved above 128 rows)",
          "fast/gemm/host.py",
-         "    return Tactic(warps=rows // 32, mtiles=2, splits=splits, serial=serial, overlap=overlap)\n\n\n"
-         "def _one_chunk_tactic(",
-         "    return Tactic(warps=rows // 32, mtiles=2,\n"
-         "                  splits=splits // 2 if chunks > 2 and splits > 1 else splits,\n"
-         "                  serial=serial, overlap=overlap)\n\n\n"
-         "def _one_chunk_tactic(",
+         "        tactic = Tactic(warps=rows // 32, mtiles=2, splits=splits, serial=serial,\n",
+         "        tactic = Tactic(warps=rows // 32, mtiles=2,\n"
+         "                        splits=splits // 2 if chunks > 2 and splits > 1 else splits,\n"
+         "                        serial=serial,\n",
          ["verify/test_wide_fast.py::test_wide_fast_batch_invariant"], needs_gpu=True,
          expect="vs the same tokens at T="),
     # Tactic.serial: the splits in one CTA must fold exactly where a split CTA's chain ends

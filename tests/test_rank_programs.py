@@ -446,11 +446,11 @@ def test_wide_batch_invariant_ranks_run_one_program(stand_ins, monkeypatch):
     built = []
 
     def build(owner, gemm_weights, config, ranks, max_rows, mma, serial_from, overlap,
-              chunk_windows):
+              chunk_windows, forms):
         # invariant_mma="auto" on the stand-ins' sm_90a: the warpgroup MMA, on both layers;
         # no serial splits or MMAs in flight unless asked for
         assert set(gemm_weights) == set(WIDE_GEMMS) and ranks == RANKS and mma == "wgmma"
-        assert serial_from is None and overlap is False and chunk_windows == 8
+        assert serial_from is None and overlap is False and chunk_windows == 8 and forms is None
         shapes = {n: tuple(t.shape) for n, t in gemm_weights.items()}
         assert shapes == gemm_shapes(config, ranks)  # the table the compile set is built from
         built.append((owner, shapes))

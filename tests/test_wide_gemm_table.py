@@ -44,3 +44,27 @@ def test_forms_with_128_k_stages():
                 (t.splits, t.chunk_windows, t.serial, t.overlap)
             launch_for(n, k, 1024, tactic=wide)  # fits shared memory and its ring
             assert table._with_stage(t, 64, n, k, 1024) is t
+
+
+def test_best_forms_become_a_layer_table():
+    """``best_forms``: per GEMM the fastest timed form of each row count, from the row
+    after the previous timed one; a table the wide layers accept (``check_gemm_forms``) and
+    whose launches keep each GEMM's K split and MMA kind."""
+    from fast.schedules.wide_gemms import check_gemm_forms, gemm_launches, gemm_splits
+    from model.config import LatentMoEConfig
+
+    result = json.loads(RESULT.read_text())
+    forms = table.best_forms(result)
+    assert set(forms) == {"front", "shared_gate_up", "shared_down", "up"}
+    assert all(sorted(t) == [65, 513] for t in forms.values())
+    front_1024 = result["rows"][-1]["gemms"]["front"]
+    fastest = min(front_1024["tactics"], key=front_1024["median_us"].get)
+    assert forms["front"][513] == table.form_of(front_1024["tactics"][fastest])
+    assert table.form_of("r64w4s8,stage_k128,occupancy1,wgmma,serial,overlap,cw16") == \
+        {"chunk_windows": 16, "serial": True, "overlap": True, "stage_k": 128}
+    cfg = LatentMoEConfig.kimi_k3()
+    check_gemm_forms("L", cfg, 8, forms, "wgmma")
+    splits = gemm_splits(cfg, 8)
+    for name, per_t in gemm_launches(cfg, 8, (65, 512, 513, 1024), mma="wgmma",
+                                     forms=forms).items():
+        assert {(l.tactic.splits, l.tactic.wgmma) for l in per_t.values()} == {(splits[name], True)}

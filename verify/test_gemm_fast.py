@@ -629,13 +629,15 @@ def test_gemm_fast_wide_chunks(backend, gemm, contract):
     """128-row token chunks on one TP8 wide GEMM on the warpgroup MMA
     (``DenseGemm(chunk_windows=16)``: one ``m64n(8 windows)k16`` up to ``m64n128k16`` per
     m-tile, half the chunks): at every row count of ``WIDE_ROWS`` and 1024, in the cross-CTA
-    and the serial form with the MMAs in flight, bitwise the first rows of the 64-row-chunk
+    and the serial form with the MMAs in flight (and, where a K split is whole 128-k stages,
+    the serial form in 128-k stages: ``stage_k`` of a ``forms`` entry), bitwise the first rows of the 64-row-chunk
     1024-row call (the same K split: an output's bits may not depend on the chunk width,
     the window count of its chunk or the instruction's N), nothing stored past the output."""
     import dataclasses
 
     from fast.backend import gpu_arch
     from fast.gemm import DenseGemm
+    from fast.gemm.host import default_tactic
 
     if gpu_arch() != "sm_90a":
         pytest.skip(f"wgmma is an sm_90a instruction; this GPU is {gpu_arch()}")
@@ -647,7 +649,12 @@ def test_gemm_fast_wide_chunks(backend, gemm, contract):
     for tokens in WIDE_ROWS + (WIDE_TOP,):
         plain = wide.launch(tokens).tactic
         assert plain.splits == eng.splits and plain.chunk_windows == 16 and plain.wgmma
-        for tactic in (plain, dataclasses.replace(plain, serial=True, overlap=True)):
+        forms = [plain, dataclasses.replace(plain, serial=True, overlap=True)]
+        if (eng.k // eng.splits) % 128 == 0:  # 128-k stages where a split is whole stages
+            forms.append(default_tactic(eng.rows, eng.k, tokens, eng.sms, eng.splits, True,
+                                        forms={1: {"chunk_windows": 16, "serial": True,
+                                                   "overlap": True, "stage_k": 128}}))
+        for tactic in forms:
             buf = torch.full((tokens * eng.n + 256,), float("nan"), dtype=out_dtype,
                              device=DEVICE)
             out = buf[:tokens * eng.n].view(tokens, eng.n)

@@ -27,6 +27,7 @@ one GPU: each stage of every rank against the reference stage on *that rank's ow
 | batch invariance (``batch_invariant=True``) | the four GEMMs on fast.gemm pass the stage contracts (``mma_matmul_bound`` at their K split, bitwise = the same GEMM alone); each token's every stage output on every rank (front, logits, latent, ids, weights, plan rows, expert rows, partial, routed, normed, shared gate/up, SiTU, shared, up columns, out) at row counts on both sides of every tactic and token-chunk edge bitwise = the same token in the largest batch; TP 2, 4 (small), 8, 16 (small, S = I = 1024) and TP8 at the real widths (65 to 1023 rows against 1024) |
 | serial splits (``invariant_serial_from``) | every stage of every rank bitwise the cross-CTA split layer's at 65..256 rows, and batch invariant across the switch |
 | MMAs in flight (``invariant_overlap``) | every stage of every rank bitwise the same layer's without it at 65..256 rows (with serial splits from 129), and batch invariant |
+| per-GEMM forms (``invariant_forms``) | every stage of every rank bitwise the same layer's without them at 65..256 rows, and batch invariant across the forms' edges |
 | 128-row token chunks (``invariant_chunk_windows=16``) | every stage of every rank bitwise the same layer's in 64-row chunks at 65..256 rows (serial splits from 129, MMAs in flight), and batch invariant |
 | another process | the same batch-invariant layer, weights and rows in a second process: the same bits |
 | 1000 graph replays | on changing inputs, every 50th (and the last) bitwise equal to an eager call |
@@ -622,6 +623,36 @@ def test_wide_fast_wide_chunks_same_bits(backend, mma, seed, contract):
     check_same_token_stages(contract, wide, narrow, x, (65, 128, 129, 200, top),
                             "128-row vs 64-row token chunks")
     check_wide_batch_invariant(contract, wide, x, (65, 128, 129, 200, top - 1))
+
+
+@pytest.mark.config("small")
+@pytest.mark.parametrize("mma", ("wgmma",))
+def test_wide_fast_forms_same_bits(backend, mma, seed, contract):
+    """``invariant_forms`` (per GEMM and row count the default tactic's form: chunk width,
+    serial splits, MMAs in flight): every stage of every rank bitwise the same layer's
+    without forms at 65, 128, 129, 200 and 256 rows (a form is never the K split or the MMA
+    kind), every launch in the form its table gives, and batch invariant across the forms'
+    edges."""
+    _skip_unless_mma_runs(mma)
+    ranks, top = 4, 256
+    forms = {"front": {129: {"chunk_windows": 16, "serial": True}},
+             "shared_gate_up": {65: {"chunk_windows": 16, "overlap": True}},
+             "shared_down": {200: {"serial": True}},
+             "up": {65: {"serial": True}, 129: {"serial": False, "chunk_windows": 16}}}
+    plain = _layer("small", ranks, top, batch_invariant=True, invariant_mma=mma)
+    formed = _layer("small", ranks, top, batch_invariant=True, invariant_mma=mma,
+                    invariant_forms=forms)
+    for r in formed.local_ranks:
+        front, up = formed.gemm_plan(r, 128)["front"], formed.gemm_plan(r, 128)["up"]
+        assert not front.tactic.serial and front.tactic.chunk_windows == 8 and up.tactic.serial
+        plan = formed.gemm_plan(r, 200)
+        assert plan["front"].tactic.serial and plan["front"].tactic.chunk_windows == 16
+        assert plan["shared_gate_up"].tactic.overlap and plan["shared_down"].tactic.serial
+        assert not plan["up"].tactic.serial and plan["up"].tactic.chunk_windows == 16
+    x = _inputs(formed.config, top, seed)
+    check_same_token_stages(contract, formed, plain, x, (65, 128, 129, 200, top),
+                            "per-GEMM forms vs none")
+    check_wide_batch_invariant(contract, formed, x, (65, 128, 129, 199, 200, top - 1))
 
 
 @pytest.mark.config("small")

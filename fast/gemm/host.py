@@ -11,6 +11,7 @@ Each ``DenseGemm`` has one K split (``DenseGemm.splits``) that every default tac
 
 from __future__ import annotations
 
+import dataclasses
 import typing
 
 import torch
@@ -23,7 +24,8 @@ from fast.gemm.layout import (CHUNK_WINDOWS, MAX_CALL_TOKENS, MAX_TOKENS, MAX_WI
 
 __all__ = ["DenseGemm", "choose_tactic", "splits_of", "splits_for_rows", "CANDIDATES",
            "DEFAULT_TACTICS", "WGMMA_TILES", "PDL_MAX_TOKENS", "check_serial_from",
-           "check_chunk_windows", "compile_kernel", "kernel_shapes", "Launch", "launch_for"]
+           "check_chunk_windows", "check_forms", "form_at", "FORM_KEYS", "default_tactic", "compile_kernel",
+           "kernel_shapes", "Launch", "launch_for"]
 
 _R64, _R128 = dict(warps=2, mtiles=2), dict(warps=4, mtiles=2)
 _R128M4, _R256M4 = dict(warps=2, mtiles=4), dict(warps=4, mtiles=4, occupancy=1)
@@ -106,7 +108,8 @@ PDL_MAX_TOKENS = 16
 
 def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
                   splits: int | None = None, wgmma: bool = False, serial: bool = False,
-                  overlap: bool = False, chunk_windows: int = MAX_WINDOWS) -> Tactic:
+                  overlap: bool = False, chunk_windows: int = MAX_WINDOWS,
+                  stage_k: int = 64) -> Tactic:
     """The default tactic of an ``[N, K]`` weight (``N`` its padded rows,
     ``layout.padded_rows``) at ``tokens`` rows, with ``splits`` K splits (default
     ``splits_of(N, K, sms)``), on ``mma.sync`` or (``wgmma``) on the warpgroup MMA.
@@ -127,8 +130,11 @@ def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
     ``wgmma`` only; ``Tactic`` refuses it otherwise): token chunks of up to 128 rows
     (``Tactic.chunk_windows``: the same bits), one m-tile per warp (a chunk's 16 windows
     fill the registers), so 4 warps for 64-row tiles and 8 for 128-row ones (at one CTA per
-    multiprocessor: 8 such warps take more than 128 registers each)."""
-    if tokens <= MAX_TOKENS and not wgmma and not serial and not overlap:
+    multiprocessor: 8 such warps take more than 128 registers each). ``stage_k`` 128 (not
+    with the measured table): 128-k ring stages (half the stages and barriers per K; the
+    same bits), at one CTA per multiprocessor where the tile's own occupancy leaves no ring
+    of 3 stages."""
+    if tokens <= MAX_TOKENS and not wgmma and not serial and not overlap and stage_k == 64:
         one = _one_chunk_tactic(n, k, tokens, sms)
         if splits is None or splits == one.splits:
             return one
@@ -139,13 +145,29 @@ def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
     rows = 128 if n % 128 == 0 and n // 128 * ctas_per_tile >= sms else 64
     if wgmma and chunk_windows > MAX_WINDOWS:
         # 8 warps of 16 windows need more than 128 registers: one CTA per multiprocessor
-        return Tactic(warps=rows // 16, mtiles=1, splits=splits, wgmma=True, serial=serial,
-                      overlap=overlap, chunk_windows=chunk_windows,
-                      occupancy=1 if rows == 128 else None)
-    if wgmma:
-        return Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial,
-                      overlap=overlap)
-    return Tactic(warps=rows // 32, mtiles=2, splits=splits, serial=serial, overlap=overlap)
+        tactic = Tactic(warps=rows // 16, mtiles=1, splits=splits, wgmma=True, serial=serial,
+                        overlap=overlap, chunk_windows=chunk_windows,
+                        occupancy=1 if rows == 128 else None)
+    elif wgmma:
+        tactic = Tactic(warps=4, mtiles=rows // 64, splits=splits, wgmma=True, serial=serial,
+                        overlap=overlap)
+    else:
+        tactic = Tactic(warps=rows // 32, mtiles=2, splits=splits, serial=serial,
+                        overlap=overlap)
+    return tactic if stage_k == tactic.stage_k else _with_stage_k(tactic, stage_k, tokens)
+
+
+def _with_stage_k(tactic: Tactic, stage_k: int, tokens: int) -> Tactic:
+    """``tactic`` with ``stage_k``-wide stages: at its own occupancy where a ring of 3
+    stages fits, else at one CTA per multiprocessor."""
+    wide = dataclasses.replace(tactic, stage_k=stage_k)
+    windows = wide.chunks(tokens)[1]
+    try:
+        if wide.kernel_params(windows)["ring"] >= 3:
+            return wide
+    except ValueError:
+        pass
+    return dataclasses.replace(wide, occupancy=1)
 
 
 def _one_chunk_tactic(n: int, k: int, tokens: int, sms: int) -> Tactic:
@@ -252,6 +274,72 @@ def check_chunk_windows(owner: str, name: str, value, wgmma: bool) -> None:
                          f"MMA (wgmma); mma.sync's kernels take at most {MAX_WINDOWS} windows")
 
 
+#: What a form of ``DenseGemm(forms=...)`` may set: the default tactic's token-chunk
+#: width, serial splits, MMAs in flight and ring-stage width (none of them moves a bit).
+FORM_KEYS = ("chunk_windows", "serial", "overlap", "stage_k")
+
+
+def check_forms(owner: str, name: str, forms, wgmma: bool, k: int | None = None,
+                splits: int | None = None) -> None:
+    """Refuse, naming ``owner`` and the argument ``name``, a table of forms (``{rows_from:
+    {key: value}}``, ``FORM_KEYS``) that is not None or such a dict: ``rows_from`` a
+    positive int, ``chunk_windows`` as ``check_chunk_windows``, ``serial`` a bool,
+    ``overlap`` a bool and only on the warpgroup MMA (``wgmma``), ``stage_k`` 64 or 128
+    and, where ``k`` and ``splits`` are given, dividing each split into whole stages."""
+    if forms is None:
+        return
+    if not isinstance(forms, dict):
+        raise ValueError(f"{owner}: {name} must be None or a dict {{rows_from: form}}, got "
+                         f"{type(forms).__name__}")
+    for rows_from, form in forms.items():
+        where = f"{name}[{rows_from!r}]"
+        if type(rows_from) is not int or rows_from < 1:
+            raise ValueError(f"{owner}: {name}'s keys must be positive ints (the rows a form "
+                             f"applies from), got {rows_from!r}")
+        if not isinstance(form, dict) or not set(form) <= set(FORM_KEYS):
+            raise ValueError(f"{owner}: {where} must be a dict with keys among {FORM_KEYS}, "
+                             f"got {form!r}")
+        if "chunk_windows" in form:
+            check_chunk_windows(owner, f"{where}['chunk_windows']", form["chunk_windows"], wgmma)
+        for flag in ("serial", "overlap"):
+            if flag in form and not isinstance(form[flag], bool):
+                raise ValueError(f"{owner}: {where}['{flag}'] must be a bool, got "
+                                 f"{form[flag]!r}")
+        if form.get("overlap") and not wgmma:
+            raise ValueError(f"{owner}: {where}['overlap']=True keeps warpgroup MMAs in flight: "
+                             f"it needs the warpgroup MMA (wgmma)")
+        if "stage_k" in form:
+            stage_k = form["stage_k"]
+            if type(stage_k) is not int or stage_k not in (64, 128):
+                raise ValueError(f"{owner}: {where}['stage_k'] must be 64 or 128, got "
+                                 f"{stage_k!r}")
+            if k is not None and splits is not None and k % (splits * stage_k):
+                raise ValueError(f"{owner}: {where}['stage_k']={stage_k} does not divide the "
+                                 f"{splits} splits of K={k} into whole stages")
+
+
+def form_at(forms: dict | None, tokens: int) -> dict:
+    """The form of ``forms`` (:func:`check_forms`) a call of ``tokens`` rows takes: the one
+    of the largest ``rows_from <= tokens``, else none (``{}``)."""
+    keys = [r for r in (forms or {}) if r <= tokens]
+    return dict(forms[max(keys)]) if keys else {}
+
+
+def default_tactic(n: int, k: int, tokens: int, sms: int, splits: int, wgmma: bool,
+                   serial_from: int | None = None, overlap: bool = False,
+                   chunk_windows: int = MAX_WINDOWS, forms: dict | None = None) -> Tactic:
+    """A ``DenseGemm``'s default tactic at ``tokens`` rows from its settings (pure Python;
+    ``n`` its padded rows): ``choose_tactic`` at its ``splits`` and MMA kind, serial splits
+    from ``serial_from`` rows, ``overlap``, ``chunk_windows`` above 64 rows, each overridden
+    by the call's form of ``forms`` (:func:`form_at`)."""
+    form = form_at(forms, tokens)
+    serial = form.get("serial", serial_from is not None and tokens >= serial_from)
+    windows = form.get("chunk_windows", chunk_windows)
+    return choose_tactic(n, k, tokens, sms, splits, wgmma, serial, form.get("overlap", overlap),
+                         windows if tokens > MAX_TOKENS else MAX_WINDOWS,
+                         form.get("stage_k", 64))
+
+
 _BF16, _F32 = torch.bfloat16, torch.float32
 
 
@@ -300,6 +388,12 @@ class DenseGemm:
             (``layout.CHUNK_WINDOWS``): 8 (default; 64-row chunks) or, with ``wgmma``, 16
             (128-row chunks, ``Tactic.chunk_windows``: each weight tile streamed half as
             often). Never changes a bit.
+        forms: per row count, the default tactic's form: ``{rows_from: {key: value}}``
+            with keys among ``FORM_KEYS`` (``chunk_windows``, ``serial``, ``overlap``,
+            ``stage_k``), each overriding the arguments above for calls of at least
+            ``rows_from`` rows up to the next key (:func:`form_at`; ``chunk_windows``
+            still only above 64 rows). None (default): no overrides. Never changes a bit
+            (the K split and the MMA kind are not a form's).
 
     Raises (before anything is allocated on the device): TypeError for a weight that is not
     a tensor; ValueError naming the argument for a bad dtype, shape, ``max_tokens``,
@@ -312,7 +406,7 @@ class DenseGemm:
     def __init__(self, weight: torch.Tensor, *, max_tokens: int = MAX_TOKENS, tactics=None,
                  pdl: bool | None = None, splits: int | None = None, wgmma: bool = False,
                  serial_from: int | None = None, overlap: bool = False,
-                 chunk_windows: int = MAX_WINDOWS):
+                 chunk_windows: int = MAX_WINDOWS, forms: dict | None = None):
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"DenseGemm: weight must be a torch.Tensor, got {type(weight).__name__}")
         if weight.dtype != _BF16 or weight.dim() != 2:
@@ -337,6 +431,7 @@ class DenseGemm:
         check_overlap("DenseGemm", overlap, "wgmma" if wgmma else "mma.sync", name="overlap")
         check_serial_from("DenseGemm", "serial_from", serial_from)
         check_chunk_windows("DenseGemm", "chunk_windows", chunk_windows, wgmma)
+        check_forms("DenseGemm", "forms", forms, wgmma)
         if weight.device.type != "cuda":
             raise ValueError(f"DenseGemm: weight must be on a CUDA device, got {weight.device}")
         if not weight.is_contiguous() or weight.data_ptr() % 16:
@@ -366,16 +461,19 @@ class DenseGemm:
         self.overlap = overlap
         #: the most windows of a token chunk of calls of more than 64 rows
         self.chunk_windows = chunk_windows
+        #: per row count, the default tactic's form ({rows_from: {key: value}}; None: none)
+        self.forms = None if forms is None else {r: dict(f) for r, f in forms.items()}
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         #: the K splits of every default tactic: the one summation order of this GEMM
         self.splits = splits_of(self.rows, k, self.sms) if splits is None else splits
+        check_forms("DenseGemm", "forms", forms, wgmma, k, self.splits)
         if tactics is None:
             tactics = {self.tactic(t) for t in range(1, max_tokens + 1)}
         tactics = list(tactics)
         for t in tactics:
             self._check_tactic(t)
         #: the most (token chunks x windows) of a call: the workspace's windows
-        self._window_slots = max(c * w for cw in {MAX_WINDOWS, chunk_windows}
+        self._window_slots = max(c * w for cw in CHUNK_WINDOWS  # either width (forms)
                                  for c, w in (token_chunks(t, cw)
                                               for t in range(1, max_tokens + 1)))
         self.workspace = torch.empty(max(self._ws_bytes(t) for t in tactics) // 4 + 4,
@@ -388,11 +486,10 @@ class DenseGemm:
     def tactic(self, tokens: int) -> Tactic:
         """The default tactic at ``tokens`` rows (``choose_tactic`` with :attr:`splits`,
         :attr:`wgmma`, serial splits from :attr:`serial_from` rows, :attr:`overlap` and,
-        above 64 rows, :attr:`chunk_windows`)."""
-        serial = self.serial_from is not None and tokens >= self.serial_from
-        return choose_tactic(self.rows, self.k, tokens, self.sms, self.splits, self.wgmma,
-                             serial, self.overlap,
-                             self.chunk_windows if tokens > MAX_TOKENS else MAX_WINDOWS)
+        above 64 rows, :attr:`chunk_windows`; each overridden by the call's form of
+        :attr:`forms`, ``form_at``)."""
+        return default_tactic(self.rows, self.k, tokens, self.sms, self.splits, self.wgmma,
+                              self.serial_from, self.overlap, self.chunk_windows, self.forms)
 
     def launch(self, tokens: int, tactic: Tactic | None = None) -> Launch:
         """What a call of ``tokens`` rows launches (``launch_for``; default tactic

@@ -101,7 +101,7 @@ from fast.schedules.dense import check_hidden_rows
 from fast.schedules.steps import run_steps
 from fast.gemm.host import check_chunk_windows, check_serial_from
 from fast.gemm.mma_kind import check_mma, check_overlap, resolve_mma
-from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes
+from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes, check_gemm_forms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
                                          SHARED_PLACEMENTS, WIDE_STEPS, WideCall, WideRank,
                                          WideRankOutputs, WideStageCalls, as_int32)
@@ -263,11 +263,12 @@ def check_rows_and_timeout(owner: str, config: LatentMoEConfig, max_rows, timeou
 def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
                           batch_invariant, invariant_mma="auto",
                           invariant_serial_from=None, invariant_overlap=False,
-                          invariant_chunk_windows=8) -> None:
+                          invariant_chunk_windows=8, invariant_forms=None) -> None:
     """A wide layer's ``batch_invariant`` (a bool), its ``invariant_mma``
     (``fast.gemm.mma_kind.MMA_CHOICES``), its ``invariant_serial_from`` (None or a positive int),
     its ``invariant_overlap`` (a bool, not with ``"mma.sync"``), its
-    ``invariant_chunk_windows`` (8, or 16 not with ``"mma.sync"``) and, when True, whether the
+    ``invariant_chunk_windows`` (8, or 16 not with ``"mma.sync"``), its ``invariant_forms``
+    (``wide_gemms.check_gemm_forms``) and, when True, whether the
     rank's four GEMMs fit ``fast.gemm`` at ``ranks`` ranks
     (``wide_gemms.check_fast_gemm_shapes``); refused by name before any device work."""
     if not isinstance(batch_invariant, bool):
@@ -277,6 +278,8 @@ def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
     check_overlap(owner, invariant_overlap, invariant_mma)
     check_chunk_windows(owner, "invariant_chunk_windows", invariant_chunk_windows,
                         invariant_mma != "mma.sync")
+    check_gemm_forms(owner, config, ranks, invariant_forms,
+                     "mma.sync" if invariant_mma == "mma.sync" else "wgmma")
     if batch_invariant:
         check_fast_gemm_shapes(owner, config, ranks)
 
@@ -327,13 +330,20 @@ class WideLayer(WideStageCalls):
             chunks) or, on the warpgroup MMA, 16 (128-row chunks, ``fast.gemm.Tactic.
             chunk_windows``: each weight tile streamed half as often; the same bits);
             refused with ``"mma.sync"``.
+        invariant_forms: with ``batch_invariant=True``, per GEMM and row count the form of
+            its default tactic, overriding the three arguments above: ``{gemm: {rows_from:
+            {key: value}}}``, ``gemm`` among ``wide_gemms.WIDE_GEMMS``, keys among
+            ``fast.gemm.host.FORM_KEYS`` (``chunk_windows``, ``serial``, ``overlap``,
+            ``stage_k``; ``fast.gemm.DenseGemm``'s ``forms``). None (default): none. The
+            K split and the MMA kind are not a form's: the same bits.
     """
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_rows: int | None = None,
                  device: str | torch.device = "cuda", timeout_s: float = 10.0,
                  experts_tactic: dict | None = None, batch_invariant: bool = False,
                  invariant_mma: str = "auto", invariant_serial_from: int | None = None,
-                 invariant_overlap: bool = False, invariant_chunk_windows: int = 8):
+                 invariant_overlap: bool = False, invariant_chunk_windows: int = 8,
+                 invariant_forms: dict | None = None):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
@@ -342,7 +352,8 @@ class WideLayer(WideStageCalls):
         check_ranks(c, ranks)
         max_rows = check_rows_and_timeout("WideLayer", c, max_rows, timeout_s)
         check_batch_invariant("WideLayer", c, ranks, batch_invariant, invariant_mma,
-                              invariant_serial_from, invariant_overlap, invariant_chunk_windows)
+                              invariant_serial_from, invariant_overlap, invariant_chunk_windows,
+                              invariant_forms)
         device = backend.cuda_device("WideLayer", device)
         backend.require_supported("WideLayer")
         self.config, self.ranks, self.max_rows, self.device = c, ranks, max_rows, device
@@ -353,6 +364,7 @@ class WideLayer(WideStageCalls):
         check_overlap("WideLayer", invariant_overlap, self.invariant_mma)
         check_chunk_windows("WideLayer", "invariant_chunk_windows", invariant_chunk_windows,
                             self.invariant_mma == "wgmma")
+        check_gemm_forms("WideLayer", c, ranks, invariant_forms, self.invariant_mma)
         #: the batch-invariant wgmma GEMMs leave each stage's MMAs in flight
         self.invariant_overlap = invariant_overlap
         n, on = ranks, dict(device=device)
@@ -382,7 +394,7 @@ class WideLayer(WideStageCalls):
                                   "shared_gate_up": self.shared_gate_up[r],
                                   "shared_down": self.shared_down[r], "up": self.up[r]},
                     c, n, max_rows, self.invariant_mma, invariant_serial_from,
-                    invariant_overlap, invariant_chunk_windows)
+                    invariant_overlap, invariant_chunk_windows, invariant_forms)
                 # the front GEMM's weight may be a view of its zero-padded copy: one copy
                 self.front_weights[r] = self.fast_gemms[r]["front"].weight
         self.bias = slice_to_device(weights.bias)

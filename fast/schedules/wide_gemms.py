@@ -52,8 +52,8 @@ from __future__ import annotations
 from fast.gemm.mma_kind import check_mma
 from model.config import LatentMoEConfig
 
-__all__ = ["WIDE_GEMMS", "gemm_shapes", "check_fast_gemm_shapes", "gemm_splits",
-           "gemm_launches", "kernel_params", "build_fast_gemms"]
+__all__ = ["WIDE_GEMMS", "gemm_shapes", "check_fast_gemm_shapes", "check_gemm_forms",
+           "gemm_splits", "gemm_launches", "kernel_params", "build_fast_gemms"]
 
 #: The wide rank's dense GEMMs, by name (the table of the module docstring).
 WIDE_GEMMS = ("front", "shared_gate_up", "shared_down", "up")
@@ -88,41 +88,63 @@ def gemm_splits(config: LatentMoEConfig, ranks: int, sms: int = 132) -> dict[str
             for name, (n, k) in gemm_shapes(config, ranks).items()}
 
 
+def check_gemm_forms(owner: str, config: LatentMoEConfig, ranks: int, forms, mma: str,
+                     sms: int = 132) -> None:
+    """Refuse by name a wide rank's per-GEMM forms (``invariant_forms``: None or ``{gemm:
+    {rows_from: form}}``, gemm among ``WIDE_GEMMS``, each table as
+    ``fast.gemm.host.check_forms`` at that GEMM's K and K split on ``mma``)."""
+    from fast.gemm.host import check_forms
+
+    if forms is None:
+        return
+    if not isinstance(forms, dict) or not set(forms) <= set(WIDE_GEMMS):
+        raise ValueError(f"{owner}: invariant_forms must be None or a dict keyed by GEMM names "
+                         f"among {WIDE_GEMMS}, got {forms!r}")
+    splits = gemm_splits(config, ranks, sms)
+    for name, table in forms.items():
+        check_forms(owner, f"invariant_forms[{name!r}]", table, mma == "wgmma",
+                    gemm_shapes(config, ranks)[name][1], splits[name])
+
+
 def gemm_launches(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
                   mma: str = "mma.sync", serial_from: int | None = None,
-                  overlap: bool = False, chunk_windows: int = 8) -> dict:
+                  overlap: bool = False, chunk_windows: int = 8,
+                  forms: dict | None = None) -> dict:
     """``{gemm: {T: fast.gemm.Launch}}``: what each GEMM launches at each row count ``T`` of
     ``rows`` (an iterable of ints), at its one K split, on ``mma`` (``fast.gemm.mma_kind.INVARIANT_MMAS``),
     with serial splits from ``serial_from`` rows (``fast.gemm.DenseGemm``'s; None: never)
     and, on ``"wgmma"``, ``overlap`` (``fast.gemm.Tactic.overlap``) and token chunks of
-    ``chunk_windows`` windows (``DenseGemm``'s; 16 only on ``"wgmma"``) (pure Python: the
-    CPU tests check the chunk arithmetic and compile these kernels)."""
-    from fast.gemm.host import check_chunk_windows, choose_tactic, launch_for
-    from fast.gemm.layout import MAX_TOKENS, padded_rows
+    ``chunk_windows`` windows (``DenseGemm``'s; 16 only on ``"wgmma"``), each GEMM's calls
+    overridden by its table of ``forms`` (``{gemm: {rows_from: form}}``,
+    :func:`check_gemm_forms`) (pure Python: the CPU tests check the chunk arithmetic and
+    compile these kernels)."""
+    from fast.gemm.host import check_chunk_windows, default_tactic, launch_for
+    from fast.gemm.layout import padded_rows
 
     check_mma("gemm_launches", mma)
     check_chunk_windows("gemm_launches", "chunk_windows", chunk_windows, mma == "wgmma")
+    check_gemm_forms("gemm_launches", config, ranks, forms, mma, sms)
     splits = gemm_splits(config, ranks, sms)
 
-    def launch(n, k, t, s):
-        tactic = choose_tactic(padded_rows(n), k, t, sms, s, mma == "wgmma",
-                               serial_from is not None and t >= serial_from, overlap,
-                               chunk_windows if t > MAX_TOKENS else 8)
+    def launch(name, n, k, t):
+        tactic = default_tactic(padded_rows(n), k, t, sms, splits[name], mma == "wgmma",
+                                serial_from, overlap, chunk_windows, (forms or {}).get(name))
         return launch_for(n, k, t, tactic=tactic, sms=sms)
 
-    return {name: {t: launch(n, k, t, splits[name]) for t in rows}
+    return {name: {t: launch(name, n, k, t) for t in rows}
             for name, (n, k) in gemm_shapes(config, ranks).items()}
 
 
 def kernel_params(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
                   mma: str = "mma.sync", serial_from: int | None = None,
-                  overlap: bool = False, chunk_windows: int = 8) -> list[dict]:
+                  overlap: bool = False, chunk_windows: int = 8,
+                  forms: dict | None = None) -> list[dict]:
     """The distinct ``fast.gemm`` kernel parameters a rank compiles for the row counts
-    ``rows`` on ``mma`` with ``serial_from``, ``overlap`` and ``chunk_windows``
+    ``rows`` on ``mma`` with ``serial_from``, ``overlap``, ``chunk_windows`` and ``forms``
     (:func:`gemm_launches`)."""
     seen = []
     for per_t in gemm_launches(config, ranks, rows, sms, mma, serial_from, overlap,
-                               chunk_windows).values():
+                               chunk_windows, forms).values():
         for launch in per_t.values():
             if launch.params not in seen:
                 seen.append(launch.params)
@@ -132,13 +154,14 @@ def kernel_params(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
 def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: int,
                      max_rows: int, mma: str = "mma.sync",
                      serial_from: int | None = None, overlap: bool = False,
-                     chunk_windows: int = 8) -> dict:
+                     chunk_windows: int = 8, forms: dict | None = None) -> dict:
     """One ``fast.gemm.DenseGemm`` per GEMM of one rank (``weights``: name -> its BF16
     weight on the device, ``WIDE_GEMMS``), each with its K split (:func:`gemm_splits` on
     this GPU), on ``mma`` (``fast.gemm.mma_kind.INVARIANT_MMAS``; ``"wgmma"`` needs an sm_90a device), with
     serial splits from ``serial_from`` rows (None: never; the same bits), on ``"wgmma"``
     with ``overlap`` (each stage's MMAs in flight; the same bits) and token chunks of
-    ``chunk_windows`` windows (16: 128-row chunks, ``"wgmma"`` only; the same bits), buffers for up
+    ``chunk_windows`` windows (16: 128-row chunks, ``"wgmma"`` only; the same bits), each
+    GEMM's per-row-count forms of ``forms`` (:func:`check_gemm_forms`; the same bits), buffers for up
     to ``max_rows`` rows, and every kernel a call of
     ``front_max + 1 .. max_rows`` rows launches compiled now (none at call time, none
     inside a graph capture). The ``front`` GEMM's weight is padded to a multiple of 64
@@ -149,6 +172,7 @@ def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: 
 
     check_fast_gemm_shapes(owner, config, ranks)
     check_mma(owner, mma)
+    check_gemm_forms(owner, config, ranks, forms, mma)
     if set(weights) != set(WIDE_GEMMS):
         raise ValueError(f"{owner}: the fast GEMMs need the weights {WIDE_GEMMS}, got "
                          f"{sorted(weights)}")
@@ -157,7 +181,7 @@ def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: 
     splits = gemm_splits(config, ranks, sms)
     gemms = {name: DenseGemm(weights[name], max_tokens=max_rows, splits=splits[name],
                              wgmma=mma == "wgmma", serial_from=serial_from, overlap=overlap,
-                             chunk_windows=chunk_windows)
+                             chunk_windows=chunk_windows, forms=(forms or {}).get(name))
              for name in WIDE_GEMMS}
     for gemm in gemms.values():
         gemm.compile_for(range(config.front_max + 1, max_rows + 1))

@@ -86,7 +86,7 @@ from fast.schedules.wide import (compiled_kernel, check_batch_invariant, check_l
                                  kernel_params, mailbox_timeout)
 from fast.gemm.host import check_chunk_windows
 from fast.gemm.mma_kind import check_overlap, resolve_mma
-from fast.schedules.wide_gemms import build_fast_gemms
+from fast.schedules.wide_gemms import build_fast_gemms, check_gemm_forms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, WIDE_STEPS,
                                          WideCall, WideRank, WideRankOutputs, WideStageCalls,
                                          as_int32, rank_gemm_bf16_into)
@@ -148,6 +148,7 @@ class WidePeerLayer(WideStageCalls):
         invariant_serial_from: as ``WideLayer``'s (None or rows); the same on every rank.
         invariant_overlap: as ``WideLayer``'s (a bool); the same on every rank.
         invariant_chunk_windows: as ``WideLayer``'s (8 or 16); the same on every rank.
+        invariant_forms: as ``WideLayer``'s (None or per-GEMM forms); the same on every rank.
 
     Construction is collective over ``group`` (the symmetric buffer's rendezvous), and so
     is the first call of each ``T`` (:meth:`_prepare`).
@@ -157,7 +158,8 @@ class WidePeerLayer(WideStageCalls):
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
                  experts_tactic: dict | None = None, batch_invariant: bool = False,
                  invariant_mma: str = "auto", invariant_serial_from: int | None = None,
-                 invariant_overlap: bool = False, invariant_chunk_windows: int = 8):
+                 invariant_overlap: bool = False, invariant_chunk_windows: int = 8,
+                 invariant_forms: dict | None = None):
         import torch.distributed as dist
 
         from fast.experts import experts_engine_for, prepare_experts_for
@@ -172,25 +174,29 @@ class WidePeerLayer(WideStageCalls):
         group, rank, n = process_group("WidePeerLayer", group)
         check_ranks(c, n)
         check_batch_invariant("WidePeerLayer", c, n, batch_invariant, invariant_mma,
-                              invariant_serial_from, invariant_overlap, invariant_chunk_windows)
+                              invariant_serial_from, invariant_overlap, invariant_chunk_windows,
+                              invariant_forms)
         device = backend.cuda_device("WidePeerLayer", device)
         backend.require_supported("WidePeerLayer")
         mma = resolve_mma("WidePeerLayer", invariant_mma, backend.device_arch(device))
         check_overlap("WidePeerLayer", invariant_overlap, mma)
         check_chunk_windows("WidePeerLayer", "invariant_chunk_windows", invariant_chunk_windows,
                             mma == "wgmma")
+        check_gemm_forms("WidePeerLayer", c, n, invariant_forms, mma)
         seen = [None] * n
         dist.all_gather_object(seen, (max_rows, c, batch_invariant, mma, invariant_serial_from,
-                                      invariant_overlap, invariant_chunk_windows), group=group)
+                                      invariant_overlap, invariant_chunk_windows, invariant_forms),
+                               group=group)
         if any(s != seen[0] for s in seen):
             raise ValueError("WidePeerLayer: every rank must build the layer with the same "
                              f"config, max_rows, batch_invariant, invariant_mma, "
-                             f"invariant_serial_from, invariant_overlap and "
-                             f"invariant_chunk_windows; got max_rows "
+                             f"invariant_serial_from, invariant_overlap, "
+                             f"invariant_chunk_windows and invariant_forms; got max_rows "
                              f"{[s[0] for s in seen]}, batch_invariant {[s[2] for s in seen]}, "
                              f"invariant_mma {[s[3] for s in seen]}, invariant_serial_from "
                              f"{[s[4] for s in seen]}, invariant_overlap {[s[5] for s in seen]}, "
-                             f"invariant_chunk_windows {[s[6] for s in seen]}")
+                             f"invariant_chunk_windows {[s[6] for s in seen]}, invariant_forms "
+                             f"{[s[7] for s in seen]}")
         self.config, self.group, self.rank, self.ranks = c, group, rank, n
         self.max_rows, self.device, self.timeout_s = max_rows, device, float(timeout_s)
         self.arch = backend.device_arch(device)
@@ -221,7 +227,7 @@ class WidePeerLayer(WideStageCalls):
                                   "shared_gate_up": self.shared_gate_up[r],
                                   "shared_down": self.shared_down[r], "up": self.up[r]},
                 c, n, max_rows, self.invariant_mma, invariant_serial_from, invariant_overlap,
-                invariant_chunk_windows)
+                invariant_chunk_windows, invariant_forms)
             # the front GEMM's weight may be a view of its zero-padded copy: one copy
             self.front_weights[r] = self.fast_gemms["front"].weight
         self.bias = to_device(weights.bias)
