@@ -598,22 +598,30 @@ def test_serial_kernels_fit_their_registers(tmp_path):
     chunks, both MMA kinds, 64- and 128-row tiles, sm_90a) fit their registers at two CTAs
     per multiprocessor without a stack frame (spilled accumulators would stream through
     local memory every MMA step)."""
+    params = [p for arch, p in _chunked_shapes()
+              if arch == "sm_90a" and p.get("serial") and p["windows"] == 8]
+    assert {(bool(p.get("wgmma")), 16 * p["warps"] * p["mtiles"]) for p in params} >= \
+        {(False, 128), (True, 128)}
+    for p, attrs in zip(params, _sm90a_attributes(params, tmp_path)):
+        assert attrs["frame"] == 0 and attrs["registers"] <= 65536 // (2 * 32 * p["warps"]), (p, attrs)
+
+
+def _sm90a_attributes(params: list[dict], tmp_path) -> list[dict]:
+    """Per kernel parameters, the registers and stack frame of that kernel compiled for
+    sm_90a (its cubin in a subprocess, ``tools.sass_budget.kernel_attributes``)."""
     from tools.ptx_dump import run_compile
     from tools.sass_budget import kernel_attributes
 
     script = ("import sys, ast\nfrom fast.gemm.host import compile_kernel\n"
               "compile_kernel(sys.argv[1], **ast.literal_eval(sys.argv[2]))\n")
-    params = [p for arch, p in _chunked_shapes()
-              if arch == "sm_90a" and p.get("serial") and p["windows"] == 8]
-    assert {(bool(p.get("wgmma")), 16 * p["warps"] * p["mtiles"]) for p in params} >= \
-        {(False, 128), (True, 128)}
+    out = []
     for i, p in enumerate(params):
-        out = tmp_path / str(i)
-        out.mkdir()
-        run_compile(script, ["sm_90a", repr(p)], keep="cubin", dump_dir=out)
-        (cubin,) = sorted(out.rglob("*.cubin"))
-        attrs = kernel_attributes(cubin.read_bytes())
-        assert attrs["frame"] == 0 and attrs["registers"] <= 65536 // (2 * 32 * p["warps"]), (p, attrs)
+        where = tmp_path / f"k{i}"
+        where.mkdir()
+        run_compile(script, ["sm_90a", repr(p)], keep="cubin", dump_dir=where)
+        (cubin,) = sorted(where.rglob("*.cubin"))
+        out.append(kernel_attributes(cubin.read_bytes()))
+    return out
 
 
 def test_wide_layer_refuses_a_bad_serial_from_by_name():
@@ -1046,23 +1054,14 @@ def test_wide_chunk_kernels_compile_and_fit_their_registers(tmp_path):
     warpgroup MMA is Hopper's) compiles, and the largest of each tile and form (16 windows)
     fits its registers at its occupancy without a stack frame."""
     from fast.gemm.host import compile_kernel
-    from tools.ptx_dump import run_compile
-    from tools.sass_budget import kernel_attributes
 
     params = _wide_chunk_shapes()
     assert {p["windows"] for p in params} == set(range(9, 17))
     for p in params:
         assert compile_kernel("sm_90a", **p) is not None
-    script = ("import sys, ast\nfrom fast.gemm.host import compile_kernel\n"
-              "compile_kernel(sys.argv[1], **ast.literal_eval(sys.argv[2]))\n")
     widest = [p for p in params if p["windows"] == 16]
     assert {(p["warps"], bool(p.get("serial"))) for p in widest} >= {(4, False), (8, True)}
-    for i, p in enumerate(widest):
-        out = tmp_path / str(i)
-        out.mkdir()
-        run_compile(script, ["sm_90a", repr(p)], keep="cubin", dump_dir=out)
-        (cubin,) = sorted(out.rglob("*.cubin"))
-        attrs = kernel_attributes(cubin.read_bytes())
+    for p, attrs in zip(widest, _sm90a_attributes(widest, tmp_path)):
         limit = min(255, 65536 // (p["occupancy"] * 32 * p["warps"]))
         assert attrs["frame"] == 0 and attrs["registers"] <= limit, (p, attrs)
 

@@ -594,10 +594,20 @@ def test_wide_fast_overlap_same_bits(backend, mma, seed, contract):
         for t in (65, 129, top):
             assert all(p.tactic.overlap for p in flying.gemm_plan(r, t).values())
             assert not any(p.tactic.overlap for p in plain.gemm_plan(r, t).values())
-    x = _inputs(flying.config, top, seed)
-    check_same_token_stages(contract, flying, plain, x, (65, 128, 129, 200, top),
-                            "MMAs in flight vs not")
-    check_wide_batch_invariant(contract, flying, x, (65, 128, 129, 200, top - 1))
+    _check_same_bits_and_invariant(contract, flying, plain, seed, "MMAs in flight vs not")
+
+
+def _check_same_bits_and_invariant(contract, layer, base, seed: int, what: str,
+                                   edges=(200,)) -> None:
+    """A launch-only variant of a small 256-row layer (``layer`` against ``base``, which
+    differ in how their GEMMs launch, never in a K split or MMA kind): every stage of every
+    rank bitwise ``base``'s at 65, 128, 129, 200 and 256 rows, and ``layer`` batch invariant
+    across 65..255 rows with its ``edges``."""
+    top = layer.max_rows
+    x = _inputs(layer.config, top, seed)
+    check_same_token_stages(contract, layer, base, x, (65, 128, 129, 200, top), what)
+    check_wide_batch_invariant(contract, layer, x,
+                               tuple(sorted({65, 128, 129, 200, top - 1, *edges})))
 
 
 @pytest.mark.config("small")
@@ -619,10 +629,7 @@ def test_wide_fast_wide_chunks_same_bits(backend, mma, seed, contract):
             assert all(p.tactic.chunk_windows == 16 and p.chunks == -(-t // 128)
                        for p in wide.gemm_plan(r, t).values())
             assert all(p.tactic.chunk_windows == 8 for p in narrow.gemm_plan(r, t).values())
-    x = _inputs(wide.config, top, seed)
-    check_same_token_stages(contract, wide, narrow, x, (65, 128, 129, 200, top),
-                            "128-row vs 64-row token chunks")
-    check_wide_batch_invariant(contract, wide, x, (65, 128, 129, 200, top - 1))
+    _check_same_bits_and_invariant(contract, wide, narrow, seed, "128-row vs 64-row token chunks")
 
 
 @pytest.mark.config("small")
@@ -649,10 +656,8 @@ def test_wide_fast_forms_same_bits(backend, mma, seed, contract):
         assert plan["front"].tactic.serial and plan["front"].tactic.chunk_windows == 16
         assert plan["shared_gate_up"].tactic.overlap and plan["shared_down"].tactic.serial
         assert not plan["up"].tactic.serial and plan["up"].tactic.chunk_windows == 16
-    x = _inputs(formed.config, top, seed)
-    check_same_token_stages(contract, formed, plain, x, (65, 128, 129, 200, top),
-                            "per-GEMM forms vs none")
-    check_wide_batch_invariant(contract, formed, x, (65, 128, 129, 199, 200, top - 1))
+    _check_same_bits_and_invariant(contract, formed, plain, seed, "per-GEMM forms vs none",
+                                   edges=(199, 200))
 
 
 @pytest.mark.config("small")
