@@ -28,7 +28,6 @@ bandwidth measured in the same run (``benchmarks.readbw``).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 
@@ -37,7 +36,6 @@ import torch
 from benchmarks.experts_table import rendered
 from benchmarks.provenance import run_header, tree_note
 
-FLUSH_BYTES = 256 << 20
 DEFAULT_ROWS = "65,128,256,512,1024"
 #: (label, chunk_windows, serial, overlap) of the timed fast.gemm forms
 FORMS = (("cw8", 8, False, False), ("cw8,overlap", 8, False, True),
@@ -77,38 +75,18 @@ def _cublas(weight, a, addend, out_dtype):
     return lambda: stock.mm_bf16(a, weight)
 
 
+def form_table(result: dict) -> dict[str, dict]:
+    """``{label: form}`` of the fast.gemm forms a result timed, in table order (``FORMS``,
+    then their versions at the run's other stage widths): each form as
+    ``DenseGemm(forms=...)`` takes it (``fast.gemm.host.FORM_KEYS``)."""
+    return {(label if stage_k == 64 else f"{label},k{stage_k}"):
+            {"chunk_windows": cw, "serial": serial, "overlap": overlap, "stage_k": stage_k}
+            for stage_k in result.get("stage_ks", [64]) for label, cw, serial, overlap in FORMS}
+
+
 def form_labels(result: dict) -> list[str]:
-    """The fast.gemm forms a result timed, in table order (``FORMS``, then their 128-k
-    versions where the run had them)."""
-    labels = [f[0] for f in FORMS]
-    return labels + [f"{lab},k{k}" for k in result.get("stage_ks", [64]) if k != 64
-                     for lab in labels]
-
-
-def _with_stage(tactic, stage_k: int, n: int, k: int, rows: int):
-    """``tactic`` with ``stage_k``-wide ring stages, at one CTA per multiprocessor where
-    its own occupancy leaves no ring of 3 (None where neither fits)."""
-    from fast.gemm.host import launch_for
-
-    if stage_k == tactic.stage_k:
-        return tactic
-    for occupancy in (tactic.occupancy, 1):
-        t = dataclasses.replace(tactic, stage_k=stage_k, occupancy=occupancy)
-        try:
-            launch_for(n, k, rows, tactic=t)
-            return t
-        except ValueError:
-            continue
-    return None
-
-
-def form_of(tactic_label: str) -> dict:
-    """A timed form's ``invariant_forms`` entry (``fast.gemm.host.FORM_KEYS``) from its
-    tactic label (``Tactic.label``): chunk width, serial splits, MMAs in flight, stage
-    width; the tile and occupancy are the default rule's for that form."""
-    parts = tactic_label.split(",")
-    return {"chunk_windows": 16 if "cw16" in parts else 8, "serial": "serial" in parts,
-            "overlap": "overlap" in parts, "stage_k": 128 if "stage_k128" in parts else 64}
+    """The labels of :func:`form_table`, in table order."""
+    return list(form_table(result))
 
 
 def best_forms(result: dict) -> dict:
@@ -116,13 +94,14 @@ def best_forms(result: dict) -> dict:
     fastest form of each timed row count, from the row count after the previous timed one
     (the first from 65: the wide layer's smallest call)."""
     rows = sorted(result["rows"], key=lambda r: r["rows"])
+    forms = form_table(result)
     out: dict = {}
     for i, row in enumerate(rows):
         start = 65 if i == 0 else rows[i - 1]["rows"] + 1
         for gemm, case in row["gemms"].items():
             med = {k: v for k, v in case["median_us"].items() if k in case["tactics"]}
             best = min(med, key=med.get)
-            out.setdefault(gemm, {})[start] = form_of(case["tactics"][best])
+            out.setdefault(gemm, {})[start] = forms[best]
     return out
 
 
@@ -172,9 +151,9 @@ def main(argv=None):
         return
 
     from benchmarks import readbw
-    from benchmarks.experts_table import device_time_us
+    from benchmarks.experts_table import device_time_us, l2_flush
     from fast.gemm import DenseGemm
-    from fast.gemm.host import choose_tactic
+    from fast.gemm.host import default_tactic
     from fast.schedules.wide_gemms import gemm_shapes, gemm_splits
     from model.config import LatentMoEConfig
 
@@ -186,9 +165,7 @@ def main(argv=None):
     shapes = gemm_shapes(cfg, args.ranks)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = gemm_splits(cfg, args.ranks, sms)
-    flush_buf = torch.randint(0, 255, (FLUSH_BYTES,), dtype=torch.uint8, device="cuda")
-    flush_out = torch.zeros(readbw.CTAS, dtype=torch.int32, device="cuda")
-    flush = lambda: readbw.read(flush_buf, flush_out)  # noqa: E731
+    flush = l2_flush()
     result = {**run_header(), "ranks": args.ranks, "splits": splits, "stage_ks": stage_ks,
               "rows": []}
     result["read_gbs"] = readbw.read_bandwidth_gbs()
@@ -206,14 +183,10 @@ def main(argv=None):
             case["times"]["cublas"] = device_time_us(_cublas(weight, a, addend, out_dtype),
                                                      reps=args.reps, flush=flush)
             outs = {}
-            timed = []
-            for stage_k in stage_ks:
-                for label, cw, serial, overlap in FORMS:
-                    t = choose_tactic(eng.rows, eng.k, rows, sms, splits[g], True, serial,
-                                      overlap, cw if rows > 64 else 8)
-                    t = _with_stage(t, stage_k, weight.shape[0], eng.k, rows)
-                    if t is not None:
-                        timed.append((label if stage_k == 64 else f"{label},k{stage_k}", t))
+            timed = [(label, default_tactic(eng.rows, eng.k, rows, sms, splits[g], True,
+                                            forms={1: form}))
+                     for label, form in form_table(result).items()
+                     if eng.k % (splits[g] * form["stage_k"]) == 0]  # whole stages per split
             for label, t in timed:
                 case["tactics"][label] = t.label()
                 out = torch.empty(rows, weight.shape[0], dtype=out_dtype, device="cuda")

@@ -1006,9 +1006,9 @@ def test_wide_token_chunks():
     assert not Tactic(warps=4, mtiles=2, wgmma=True, chunk_windows=16).serves(1024)
     with pytest.raises(ValueError, match="windows must be an int in"):
         Tactic(warps=4, mtiles=1, wgmma=True).kernel_params(9)
-    with pytest.raises(ValueError, match="chunk_windows=16 .* needs wgmma=True"):
+    with pytest.raises(ValueError, match=r"Tactic: chunk_windows=16 \(128-row token chunks\) needs the warpgroup MMA"):
         Tactic(chunk_windows=16)
-    with pytest.raises(ValueError, match="Tactic.chunk_windows must be one of"):
+    with pytest.raises(ValueError, match=r"Tactic: chunk_windows must be one of \(8, 16\)"):
         Tactic(wgmma=True, chunk_windows=12)
     big = choose_tactic(1536, 7168, 1024, 132, 4, True, False, True, 16)
     assert (big.warps, big.mtiles, big.occupancy, big.chunk_windows) == (8, 1, 1, 16)
@@ -1072,7 +1072,7 @@ def test_forms_override_the_default_tactic_per_row_count():
     settings from its ``rows_from`` to the next key; the K split and the MMA kind are never
     a form's (the same bits); 128-k stages fall back to one CTA per multiprocessor where a
     ring of 3 does not fit; bad tables refused by name."""
-    from fast.gemm.host import check_forms, default_tactic, form_at
+    from fast.gemm.host import check_form_stages, check_forms, default_tactic, form_at
     from fast.schedules.wide import check_batch_invariant
     from fast.schedules.wide_gemms import gemm_launches, gemm_splits
     from model.config import LatentMoEConfig
@@ -1107,7 +1107,7 @@ def test_forms_override_the_default_tactic_per_row_count():
     with pytest.raises(ValueError, match=r"L: f\[65\]\['overlap'\]=True keeps warpgroup MMAs"):
         check_forms("L", "f", {65: {"overlap": True}}, False)
     with pytest.raises(ValueError, match=r"stage_k'\]=128 does not divide the 8 splits of K=3584"):
-        check_forms("L", "f", {65: {"stage_k": 128}}, True, 3584, 8)
+        check_form_stages("L", "f", {65: {"stage_k": 128}}, 3584, 8)
     with pytest.raises(ValueError, match=r"WideLayer: invariant_forms must be None or a dict keyed"):
         check_batch_invariant("WideLayer", cfg, 8, True, "auto", None, False, 8, {"router": {}})
     with pytest.raises(ValueError, match=r"WideLayer: invariant_forms\['up'\]\[65\]\['stage_k'\]=128"):

@@ -23,27 +23,26 @@ def test_committed_result_renders_to_its_markdown():
 
 
 def test_forms_with_128_k_stages():
-    """``--stage-k 64,128``: every form also at 128-k stages, at the form's own occupancy
-    where a ring of 3 fits and one CTA per multiprocessor where it does not, none where a K
-    split is not whole 128-k stages (the up GEMM's 448); the K split,
-    the chunk width and the form (serial, overlap) kept, so the same bits are owed."""
-    from fast.gemm.host import choose_tactic, launch_for
+    """``--stage-k 64,128``: every form also at 128-k stages (``form_table``), each the
+    ``DenseGemm(forms=...)`` entry the run times; its default tactic keeps the K split, the
+    chunk width and the form (serial, overlap), runs 128-k stages at the form's occupancy
+    where a ring of 3 fits and one CTA per multiprocessor where it does not, and launches;
+    a GEMM whose K split is not whole 128-k stages (the up GEMM's 448) is not timed in them."""
+    from fast.gemm.host import default_tactic, launch_for
 
-    assert table.form_labels({"stage_ks": [64, 128]})[len(table.FORMS):] == \
-        [f"{f[0]},k128" for f in table.FORMS]
+    forms = table.form_table({"stage_ks": [64, 128]})
+    assert list(forms)[len(table.FORMS):] == [f"{f[0]},k128" for f in table.FORMS]
     assert table.form_labels({}) == [f[0] for f in table.FORMS]
     for n, k, splits in ((560, 7168, 8), (1536, 7168, 4), (7168, 768, 1), (896, 3584, 8)):
-        for _, cw, serial, overlap in table.FORMS:
-            t = choose_tactic(-(-n // 64) * 64, k, 1024, 132, splits, True, serial, overlap, cw)
-            wide = table._with_stage(t, 128, n, k, 1024)
-            if (k // splits) % 128:  # a split is not whole 128-k stages: not timed
-                assert wide is None, (n, k, t)
+        for label, form in forms.items():
+            if k % (splits * form["stage_k"]):
+                assert (n, form["stage_k"]) == (896, 128), (n, k, label)
                 continue
-            assert wide is not None and wide.stage_k == 128, (n, k, t)
-            assert (wide.splits, wide.chunk_windows, wide.serial, wide.overlap) == \
-                (t.splits, t.chunk_windows, t.serial, t.overlap)
-            launch_for(n, k, 1024, tactic=wide)  # fits shared memory and its ring
-            assert table._with_stage(t, 64, n, k, 1024) is t
+            t = default_tactic(-(-n // 64) * 64, k, 1024, 132, splits, True, forms={1: form})
+            assert (t.splits, t.chunk_windows, t.serial, t.overlap, t.stage_k) == \
+                (splits, form["chunk_windows"], form["serial"], form["overlap"],
+                 form["stage_k"]), (n, k, label)
+            launch_for(n, k, 1024, tactic=t)  # fits shared memory and its ring
 
 
 def test_best_forms_become_a_layer_table():
@@ -59,8 +58,8 @@ def test_best_forms_become_a_layer_table():
     assert all(sorted(t) == [65, 513] for t in forms.values())
     front_1024 = result["rows"][-1]["gemms"]["front"]
     fastest = min(front_1024["tactics"], key=front_1024["median_us"].get)
-    assert forms["front"][513] == table.form_of(front_1024["tactics"][fastest])
-    assert table.form_of("r64w4s8,stage_k128,occupancy1,wgmma,serial,overlap,cw16") == \
+    assert forms["front"][513] == table.form_table(result)[fastest]
+    assert table.form_table(result)["cw16,serial,overlap,k128"] == \
         {"chunk_windows": 16, "serial": True, "overlap": True, "stage_k": 128}
     cfg = LatentMoEConfig.kimi_k3()
     check_gemm_forms("L", cfg, 8, forms, "wgmma")

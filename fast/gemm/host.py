@@ -19,13 +19,14 @@ import torch
 from fast import backend
 from fast.device.compile import compiled, frozen
 from fast.gemm.mma_kind import check_overlap
-from fast.gemm.layout import (CHUNK_WINDOWS, MAX_CALL_TOKENS, MAX_TOKENS, MAX_WINDOWS, Tactic,
-                              chunk_workspace_bytes, padded_rows, token_chunks)
+from fast.gemm.layout import (MAX_CALL_TOKENS, MAX_TOKENS, MAX_WINDOWS, Tactic,
+                              check_chunk_windows, chunk_workspace_bytes, padded_rows,
+                              token_chunks, CHUNK_WINDOWS)
 
 __all__ = ["DenseGemm", "choose_tactic", "splits_of", "splits_for_rows", "CANDIDATES",
            "DEFAULT_TACTICS", "WGMMA_TILES", "PDL_MAX_TOKENS", "check_serial_from",
-           "check_chunk_windows", "check_forms", "form_at", "FORM_KEYS", "default_tactic", "compile_kernel",
-           "kernel_shapes", "Launch", "launch_for"]
+           "check_chunk_windows", "check_forms", "check_form_stages", "form_at", "FORM_KEYS",
+           "default_tactic", "compile_kernel", "kernel_shapes", "Launch", "launch_for"]
 
 _R64, _R128 = dict(warps=2, mtiles=2), dict(warps=4, mtiles=2)
 _R128M4, _R256M4 = dict(warps=2, mtiles=4), dict(warps=4, mtiles=4, occupancy=1)
@@ -262,30 +263,17 @@ def check_serial_from(owner: str, name: str, value) -> None:
         raise ValueError(f"{owner}: {name} must be None or a positive int (rows), got {value!r}")
 
 
-def check_chunk_windows(owner: str, name: str, value, wgmma: bool) -> None:
-    """Refuse, naming ``owner`` and the argument ``name``, a token-chunk width
-    (``DenseGemm(chunk_windows=...)`` and the wide layers' ``invariant_chunk_windows``)
-    that is not one of ``layout.CHUNK_WINDOWS``, or wide (16) without the warpgroup MMA
-    (``wgmma``: whether the GEMMs run it)."""
-    if type(value) is not int or value not in CHUNK_WINDOWS:
-        raise ValueError(f"{owner}: {name} must be one of {CHUNK_WINDOWS}, got {value!r}")
-    if value > MAX_WINDOWS and not wgmma:
-        raise ValueError(f"{owner}: {name}={value} (128-row token chunks) needs the warpgroup "
-                         f"MMA (wgmma); mma.sync's kernels take at most {MAX_WINDOWS} windows")
-
-
 #: What a form of ``DenseGemm(forms=...)`` may set: the default tactic's token-chunk
 #: width, serial splits, MMAs in flight and ring-stage width (none of them moves a bit).
 FORM_KEYS = ("chunk_windows", "serial", "overlap", "stage_k")
 
 
-def check_forms(owner: str, name: str, forms, wgmma: bool, k: int | None = None,
-                splits: int | None = None) -> None:
+def check_forms(owner: str, name: str, forms, wgmma: bool) -> None:
     """Refuse, naming ``owner`` and the argument ``name``, a table of forms (``{rows_from:
     {key: value}}``, ``FORM_KEYS``) that is not None or such a dict: ``rows_from`` a
     positive int, ``chunk_windows`` as ``check_chunk_windows``, ``serial`` a bool,
-    ``overlap`` a bool and only on the warpgroup MMA (``wgmma``), ``stage_k`` 64 or 128
-    and, where ``k`` and ``splits`` are given, dividing each split into whole stages."""
+    ``overlap`` as ``fast.gemm.mma_kind.check_overlap`` on the kind ``wgmma`` says,
+    ``stage_k`` 64 or 128 (:func:`check_form_stages`: whole stages per K split)."""
     if forms is None:
         return
     if not isinstance(forms, dict):
@@ -301,21 +289,26 @@ def check_forms(owner: str, name: str, forms, wgmma: bool, k: int | None = None,
                              f"got {form!r}")
         if "chunk_windows" in form:
             check_chunk_windows(owner, f"{where}['chunk_windows']", form["chunk_windows"], wgmma)
-        for flag in ("serial", "overlap"):
-            if flag in form and not isinstance(form[flag], bool):
-                raise ValueError(f"{owner}: {where}['{flag}'] must be a bool, got "
-                                 f"{form[flag]!r}")
-        if form.get("overlap") and not wgmma:
-            raise ValueError(f"{owner}: {where}['overlap']=True keeps warpgroup MMAs in flight: "
-                             f"it needs the warpgroup MMA (wgmma)")
-        if "stage_k" in form:
-            stage_k = form["stage_k"]
-            if type(stage_k) is not int or stage_k not in (64, 128):
-                raise ValueError(f"{owner}: {where}['stage_k'] must be 64 or 128, got "
-                                 f"{stage_k!r}")
-            if k is not None and splits is not None and k % (splits * stage_k):
-                raise ValueError(f"{owner}: {where}['stage_k']={stage_k} does not divide the "
-                                 f"{splits} splits of K={k} into whole stages")
+        if "serial" in form and not isinstance(form["serial"], bool):
+            raise ValueError(f"{owner}: {where}['serial'] must be a bool, got {form['serial']!r}")
+        if "overlap" in form:
+            check_overlap(owner, form["overlap"], "wgmma" if wgmma else "mma.sync",
+                          name=f"{where}['overlap']")
+        if "stage_k" in form and (type(form["stage_k"]) is not int
+                                  or form["stage_k"] not in (64, 128)):
+            raise ValueError(f"{owner}: {where}['stage_k'] must be 64 or 128, got "
+                             f"{form['stage_k']!r}")
+
+
+def check_form_stages(owner: str, name: str, forms, k: int, splits: int) -> None:
+    """Refuse, naming ``owner`` and ``name``, a form of ``forms`` (checked by
+    :func:`check_forms`) whose ``stage_k`` does not cut each of ``splits`` K splits of ``k``
+    into whole stages."""
+    for rows_from, form in (forms or {}).items():
+        stage_k = form.get("stage_k", 64)
+        if k % (splits * stage_k):
+            raise ValueError(f"{owner}: {name}[{rows_from!r}]['stage_k']={stage_k} does not "
+                             f"divide the {splits} splits of K={k} into whole stages")
 
 
 def form_at(forms: dict | None, tokens: int) -> dict:
@@ -466,7 +459,7 @@ class DenseGemm:
         self.sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         #: the K splits of every default tactic: the one summation order of this GEMM
         self.splits = splits_of(self.rows, k, self.sms) if splits is None else splits
-        check_forms("DenseGemm", "forms", forms, wgmma, k, self.splits)
+        check_form_stages("DenseGemm", "forms", forms, k, self.splits)
         if tactics is None:
             tactics = {self.tactic(t) for t in range(1, max_tokens + 1)}
         tactics = list(tactics)

@@ -54,7 +54,8 @@ __all__ = [
     "WINDOW", "MAX_TOKENS", "MAX_WINDOWS", "SUB_K", "PIECE", "BLOCK",
     "a_source", "a_offset", "b_offset", "b_read_offset", "mma_operands", "c_map", "ws_offset",
     "a_offset_wgmma", "b_offset_wgmma", "wgmma_descriptors", "swizzled_chunk", "ROW_BYTES", "ATOM_BYTES",
-    "windows_for", "Tactic", "MAX_WIDE_WINDOWS", "CHUNK_WINDOWS", "SMEM_PER_SM",
+    "windows_for", "Tactic", "MAX_WIDE_WINDOWS", "CHUNK_WINDOWS", "check_chunk_windows",
+    "SMEM_PER_SM",
     "MAX_ACCUMULATORS", "MAX_ACCUMULATORS_SERIAL",
     "slot_bytes", "ring_for",
     "MAX_CHUNKS", "MAX_CALL_TOKENS", "ROW_QUANTUM", "token_chunks", "padded_rows",
@@ -268,6 +269,18 @@ def ring_for(tile_rows: int, windows: int, stage_k: int, occupancy: int) -> int:
     return max(2, min(8, budget // slot_bytes(tile_rows, windows, stage_k)))
 
 
+def check_chunk_windows(owner: str, name: str, value, wgmma: bool) -> None:
+    """Refuse, naming ``owner`` and the argument ``name``, a token-chunk width
+    (``Tactic.chunk_windows``, ``DenseGemm(chunk_windows=...)``, the wide layers'
+    ``invariant_chunk_windows``) that is not one of ``CHUNK_WINDOWS``, or wide (16) without the warpgroup MMA
+    (``wgmma``: whether the GEMMs run it)."""
+    if type(value) is not int or value not in CHUNK_WINDOWS:
+        raise ValueError(f"{owner}: {name} must be one of {CHUNK_WINDOWS}, got {value!r}")
+    if value > MAX_WINDOWS and not wgmma:
+        raise ValueError(f"{owner}: {name}={value} (128-row token chunks) needs the warpgroup "
+                         f"MMA (wgmma); mma.sync's kernels take at most {MAX_WINDOWS} windows")
+
+
 @dataclasses.dataclass(frozen=True)
 class Tactic:
     """How one GEMM call is cut up. ``splits`` is the only field that changes bits (it
@@ -337,13 +350,7 @@ class Tactic:
                 raise ValueError(f"Tactic.{name} must be a bool, got {getattr(self, name)!r}")
         if self.overlap and not self.wgmma:
             raise ValueError("Tactic.overlap keeps warpgroup MMAs in flight: it needs wgmma=True")
-        if type(self.chunk_windows) is not int or self.chunk_windows not in CHUNK_WINDOWS:
-            raise ValueError(f"Tactic.chunk_windows must be one of {CHUNK_WINDOWS}, got "
-                             f"{self.chunk_windows!r}")
-        if self.chunk_windows > MAX_WINDOWS and not self.wgmma:
-            raise ValueError(f"Tactic.chunk_windows={self.chunk_windows} (wide token chunks) "
-                             f"needs wgmma=True (mma.sync's kernels take at most "
-                             f"{MAX_WINDOWS} windows)")
+        check_chunk_windows("Tactic", "chunk_windows", self.chunk_windows, self.wgmma)
 
     def tiles_per_warp(self, windows: int) -> int:
         """Accumulator tiles (16 x 8 FP32 each) a warp holds at ``windows`` windows: one

@@ -92,8 +92,9 @@ def check_gemm_forms(owner: str, config: LatentMoEConfig, ranks: int, forms, mma
                      sms: int = 132) -> None:
     """Refuse by name a wide rank's per-GEMM forms (``invariant_forms``: None or ``{gemm:
     {rows_from: form}}``, gemm among ``WIDE_GEMMS``, each table as
-    ``fast.gemm.host.check_forms`` at that GEMM's K and K split on ``mma``)."""
-    from fast.gemm.host import check_forms
+    ``fast.gemm.host.check_forms`` on ``mma`` and ``check_form_stages`` at that GEMM's K and
+    K split)."""
+    from fast.gemm.host import check_form_stages, check_forms
 
     if forms is None:
         return
@@ -102,8 +103,9 @@ def check_gemm_forms(owner: str, config: LatentMoEConfig, ranks: int, forms, mma
                          f"among {WIDE_GEMMS}, got {forms!r}")
     splits = gemm_splits(config, ranks, sms)
     for name, table in forms.items():
-        check_forms(owner, f"invariant_forms[{name!r}]", table, mma == "wgmma",
-                    gemm_shapes(config, ranks)[name][1], splits[name])
+        where = f"invariant_forms[{name!r}]"
+        check_forms(owner, where, table, mma == "wgmma")
+        check_form_stages(owner, where, table, gemm_shapes(config, ranks)[name][1], splits[name])
 
 
 def gemm_launches(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
