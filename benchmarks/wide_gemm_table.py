@@ -10,8 +10,8 @@ gate/up and shared down BF16, up BF16 with a BF16 addend), each at its one K spl
 
 * ``cublas``: what the default mode runs (``torch.mm`` / ``torch.addmm`` with FP32
   reduction, ``fast.stock``);
-* ``fast.gemm`` on the warpgroup MMA (``DenseGemm(wgmma=True)``'s default tile at that row
-  count, ``fast.gemm.host.choose_tactic``) in each form: 64-row token chunks (``cw8``) or
+* ``fast.gemm`` on the warpgroup MMA in each form (``form_table``: the ``DenseGemm(forms=...)``
+  entry, its tactic ``fast.gemm.host.default_tactic``'s at that row count): 64-row token chunks (``cw8``) or
   128-row ones (``cw16``, ``Tactic.chunk_windows``), cross-CTA or serial splits, with and
   without the MMAs in flight; with ``--stage-k 64,128`` each also with 128-k ring stages
   (``Tactic.stage_k``: half the stages and barriers per K; one CTA per multiprocessor

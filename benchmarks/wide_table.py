@@ -317,6 +317,8 @@ def render(result: dict) -> str:
                if result.get("serial_from") else "")
             + (", MMAs in flight across stages" if result.get("invariant_overlap") else "")
             + (", 128-row token chunks" if result.get("invariant_chunk_windows") == 16 else "")
+            + (", per-GEMM forms (invariant_forms in the JSON)"
+               if result.get("invariant_forms") else "")
             + ")" if result.get("batch_invariant") else "GEMMs on cuBLAS (the default)")
     lines = [f"Device {result['device']}, torch {result['torch']}{tree_note(result)}; "
              f"{result['ranks']} virtual TP ranks, rank 0 timed; read bandwidth {result['read_gbs']:.0f} GB/s (this "
