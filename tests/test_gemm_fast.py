@@ -1116,3 +1116,105 @@ def test_forms_override_the_default_tactic_per_row_count():
     with pytest.raises(ValueError, match=r"invariant_forms\['front'\]\[65\]\['overlap'\]=True"):
         check_batch_invariant("WideLayer", cfg, 8, True, "mma.sync", None, False, 8,
                               {"front": {65: {"overlap": True}}})
+
+
+# --- Tactic.producer: a warpgroup that only copies ------------------------------------------
+
+def test_producer_tactic_checks():
+    """``producer`` needs ``wgmma`` and one CTA per multiprocessor (its default occupancy);
+    its label and kernel parameters say so, the other kernels' parameters are unchanged,
+    and forms take it as a bool on the warpgroup MMA only."""
+    from fast.gemm.host import check_forms, default_tactic
+    from fast.gemm.kernel import SplitKGemmKernel
+
+    with pytest.raises(ValueError, match="Tactic.producer feeds warpgroup MMAs at one CTA per "
+                                         "multiprocessor: it needs wgmma=True"):
+        Tactic(warps=4, mtiles=2, producer=True)
+    with pytest.raises(ValueError, match="occupancy None or 1, got wgmma=True, occupancy=2"):
+        Tactic(warps=4, mtiles=2, wgmma=True, producer=True, occupancy=2)
+    with pytest.raises(ValueError, match="Tactic.producer must be a bool"):
+        Tactic(warps=4, mtiles=2, wgmma=True, producer=1)
+    t = Tactic(warps=4, mtiles=2, wgmma=True, producer=True)
+    params = t.kernel_params(8)
+    assert t.label() == "r128w4s1,wgmma,producer"
+    assert params["producer"] is True and params["occupancy"] == 1
+    assert "producer" not in Tactic(warps=4, mtiles=2, wgmma=True).kernel_params(8)
+    with pytest.raises(ValueError, match="it needs wgmma and occupancy 1"):
+        SplitKGemmKernel(warps=4, mtiles=2, windows=1, ring=4, occupancy=1, producer=True)
+    k4 = SplitKGemmKernel(**params)
+    k8 = SplitKGemmKernel(**Tactic(warps=8, mtiles=1, wgmma=True, producer=True,
+                                   chunk_windows=16).kernel_params(16))
+    assert (k4.threads, k4.mma_threads, k4.mma_registers) == (256, 128, 0)  # 255 each: no rebalance
+    assert (k8.threads, k8.mma_threads) == (384, 256)
+    assert k8.mma_registers * 256 + k8.producer_registers * 128 <= 65536 < 384 * 232
+    for bad, match in (({65: {"producer": 1}}, r"\['producer'\] must be a bool"),):
+        with pytest.raises(ValueError, match=match):
+            check_forms("L", "f", bad, True)
+    with pytest.raises(ValueError, match=r"True only on the warpgroup MMA"):
+        check_forms("L", "f", {65: {"producer": True}}, False)
+    check_forms("L", "f", {65: {"producer": False}}, False)
+    d = default_tactic(1536, 7168, 300, 132, 4, True, forms={257: {"producer": True}})
+    assert d.producer and d.splits == 4 and d.occupancy == 1
+    assert not default_tactic(1536, 7168, 256, 132, 4, True,
+                              forms={257: {"producer": True}}).producer
+
+
+@pytest.mark.parametrize("shape", [(4, 2, 64, 8), (8, 1, 64, 16), (4, 1, 128, 16), (8, 1, 128, 5)])
+def test_producer_copies_are_the_mma_warps_copies(shape):
+    """The producer warpgroup's copies of a stage (thread ``ptid``: warp ``pw = ptid // 32``
+    copies the weight pieces of lane ``ptid % 32`` of MMA warps ``pw, pw + 4``, and the
+    token pieces ``ptid + 128 i``) are exactly the copies the MMA warps make without it:
+    the same (slot offset, source) pairs, each once, so the slot holds the same bytes."""
+    from fast.gemm.kernel import PRODUCER_THREADS
+
+    warps, mtiles, stage_k, windows = shape
+    subs, pieces = stage_k // lay.SUB_K, stage_k // 8
+    tile_rows = 16 * warps * mtiles
+    a_bytes = tile_rows * stage_k * 2
+    granules = lay.WINDOW * windows * pieces
+
+    def weight(wp, m, half, lane, sub):
+        row, kk = lay.a_source(wp, m, half, lane, mtiles)
+        return lay.a_offset_wgmma(wp, m, sub, half, lane, mtiles, subs, tile_rows), (row, kk + 32 * sub)
+
+    def token(gid):
+        return lay.b_offset_wgmma(gid // pieces, gid % pieces, subs, a_bytes, windows), gid
+
+    own = sorted(weight(wp, m, half, lane, sub) for wp, m, half, lane, sub in itertools.product(
+        range(warps), range(mtiles), range(2), range(32), range(subs)))
+    produced = sorted(weight(ptid // 32 + 4 * j, m, half, ptid % 32, sub)
+                      for ptid, j, m, half, sub in itertools.product(
+                          range(PRODUCER_THREADS), range(warps // 4), range(mtiles), range(2),
+                          range(subs)))
+    assert produced == own and len({at for at, _ in own}) == len(own)
+    copies = -(-granules // PRODUCER_THREADS)
+    tokens = sorted(token(ptid + PRODUCER_THREADS * i) for ptid in range(PRODUCER_THREADS)
+                    for i in range(copies) if ptid + PRODUCER_THREADS * i < granules)
+    assert tokens == sorted(token(g) for g in range(granules))
+    offsets = sorted([at for at, _ in own] + [at for at, _ in tokens])
+    assert offsets == list(range(0, lay.slot_bytes(tile_rows, windows, stage_k), 16))
+
+
+#: Producer kernels of the TP8 wide GEMMs' forms (``default_tactic`` with ``producer`` in its
+#: form): both warp counts, both chunk widths at their widest, serial splits with the MMAs in
+#: flight, 128-k stages, and the kernel without chunks.
+PRODUCER_KERNELS = [
+    dict(warps=4, mtiles=2, windows=8, ring=4, stage_k=64, occupancy=1, wgmma=True, producer=True),
+    dict(warps=4, mtiles=1, windows=16, ring=8, stage_k=64, occupancy=1, wgmma=True, chunked=True,
+         serial=True, overlap=True, producer=True),
+    dict(warps=8, mtiles=1, windows=16, ring=7, stage_k=64, occupancy=1, wgmma=True, chunked=True,
+         producer=True),
+    dict(warps=8, mtiles=1, windows=16, ring=7, stage_k=64, occupancy=1, wgmma=True, chunked=True,
+         serial=True, overlap=True, producer=True),
+    dict(warps=4, mtiles=1, windows=16, ring=4, stage_k=128, occupancy=1, wgmma=True, chunked=True,
+         serial=True, overlap=True, producer=True),
+]
+
+
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+def test_producer_kernels_compile_without_a_stack_frame(tmp_path):
+    """Each producer kernel compiles for sm_90a with no stack frame (no spills): where 8 MMA
+    warps leave less than ``REBALANCE_BELOW`` registers per thread, ``setmaxnreg`` gives
+    the producer ``PRODUCER_REGISTERS`` and the MMA warps the rest."""
+    for p, attrs in zip(PRODUCER_KERNELS, _sm90a_attributes(PRODUCER_KERNELS, tmp_path)):
+        assert attrs["frame"] == 0, (p, attrs)

@@ -55,15 +55,41 @@ def test_best_forms_become_a_layer_table():
     result = json.loads(RESULT.read_text())
     forms = table.best_forms(result)
     assert set(forms) == {"front", "shared_gate_up", "shared_down", "up"}
-    assert all(sorted(t) == [65, 513] for t in forms.values())
+    starts = [65] + [row["rows"] + 1 for row in result["rows"][:-1]]
+    assert all(sorted(t) == starts for t in forms.values())
     front_1024 = result["rows"][-1]["gemms"]["front"]
     fastest = min(front_1024["tactics"], key=front_1024["median_us"].get)
-    assert forms["front"][513] == table.form_table(result)[fastest]
+    assert forms["front"][starts[-1]] == table.form_table(result)[fastest]
     assert table.form_table(result)["cw16,serial,overlap,k128"] == \
         {"chunk_windows": 16, "serial": True, "overlap": True, "stage_k": 128}
     cfg = LatentMoEConfig.kimi_k3()
     check_gemm_forms("L", cfg, 8, forms, "wgmma")
     splits = gemm_splits(cfg, 8)
-    for name, per_t in gemm_launches(cfg, 8, (65, 512, 513, 1024), mma="wgmma",
+    for name, per_t in gemm_launches(cfg, 8, (65, 512, starts[-1], 1024), mma="wgmma",
                                      forms=forms).items():
         assert {(l.tactic.splits, l.tactic.wgmma) for l in per_t.values()} == {(splits[name], True)}
+
+
+def test_forms_with_a_producer_warpgroup():
+    """``--producer``: every form also with a producer warpgroup (``form_table``, after the
+    other stage widths), each the ``DenseGemm(forms=...)`` entry the run times; its default
+    tactic keeps the K split, the chunk width and the form, runs at one CTA per
+    multiprocessor, and launches."""
+    from fast.gemm.host import default_tactic, launch_for
+
+    forms = table.form_table({"stage_ks": [64, 128], "producer": True})
+    plain = table.form_table({"stage_ks": [64, 128]})
+    assert list(forms)[:len(plain)] == list(plain)
+    assert list(forms)[len(plain):] == [f"{label},producer" for label in plain]
+    for label in plain:
+        assert forms[f"{label},producer"] == {**plain[label], "producer": True}
+    for n, k, splits in ((560, 7168, 8), (1536, 7168, 4), (7168, 768, 1), (896, 3584, 8)):
+        for label, form in forms.items():
+            if not form.get("producer") or k % (splits * form["stage_k"]):
+                continue
+            for tokens in (8, 1024):
+                t = default_tactic(-(-n // 64) * 64, k, tokens, 132, splits, True, forms={1: form})
+                assert t.producer and t.kernel_params(t.chunks(tokens)[1])["occupancy"] == 1
+                assert (t.splits, t.serial, t.overlap, t.stage_k) == \
+                    (splits, form["serial"], form["overlap"], form["stage_k"]), (n, k, label)
+                launch_for(n, k, tokens, tactic=t)
