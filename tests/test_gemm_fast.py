@@ -602,11 +602,11 @@ def test_serial_kernels_fit_their_registers(tmp_path):
               if arch == "sm_90a" and p.get("serial") and p["windows"] == 8]
     assert {(bool(p.get("wgmma")), 16 * p["warps"] * p["mtiles"]) for p in params} >= \
         {(False, 128), (True, 128)}
-    for p, attrs in zip(params, _sm90a_attributes(params, tmp_path)):
+    for p, attrs in zip(params, sm90a_attributes(params, tmp_path)):
         assert attrs["frame"] == 0 and attrs["registers"] <= 65536 // (2 * 32 * p["warps"]), (p, attrs)
 
 
-def _sm90a_attributes(params: list[dict], tmp_path) -> list[dict]:
+def sm90a_attributes(params: list[dict], tmp_path) -> list[dict]:
     """Per kernel parameters, the registers and stack frame of that kernel compiled for
     sm_90a (its cubin in a subprocess, ``tools.sass_budget.kernel_attributes``)."""
     from tools.ptx_dump import run_compile
@@ -1061,7 +1061,7 @@ def test_wide_chunk_kernels_compile_and_fit_their_registers(tmp_path):
         assert compile_kernel("sm_90a", **p) is not None
     widest = [p for p in params if p["windows"] == 16]
     assert {(p["warps"], bool(p.get("serial"))) for p in widest} >= {(4, False), (8, True)}
-    for p, attrs in zip(widest, _sm90a_attributes(widest, tmp_path)):
+    for p, attrs in zip(widest, sm90a_attributes(widest, tmp_path)):
         limit = min(255, 65536 // (p["occupancy"] * 32 * p["warps"]))
         assert attrs["frame"] == 0 and attrs["registers"] <= limit, (p, attrs)
 
@@ -1197,7 +1197,8 @@ def test_producer_copies_are_the_mma_warps_copies(shape):
 
 #: Producer kernels of the TP8 wide GEMMs' forms (``default_tactic`` with ``producer`` in its
 #: form): both warp counts, both chunk widths at their widest, serial splits with the MMAs in
-#: flight, 128-k stages, and the kernel without chunks.
+#: flight, 128-k stages, and the kernel without chunks; and the DEP front's 256-row tile at
+#: its widest (``benchmarks.dense_table --producer``).
 PRODUCER_KERNELS = [
     dict(warps=4, mtiles=2, windows=8, ring=4, stage_k=64, occupancy=1, wgmma=True, producer=True),
     dict(warps=4, mtiles=1, windows=16, ring=8, stage_k=64, occupancy=1, wgmma=True, chunked=True,
@@ -1208,6 +1209,7 @@ PRODUCER_KERNELS = [
          serial=True, overlap=True, producer=True),
     dict(warps=4, mtiles=1, windows=16, ring=4, stage_k=128, occupancy=1, wgmma=True, chunked=True,
          serial=True, overlap=True, producer=True),
+    dict(warps=4, mtiles=4, windows=5, ring=6, stage_k=64, occupancy=1, wgmma=True, producer=True),
 ]
 
 
@@ -1216,5 +1218,30 @@ def test_producer_kernels_compile_without_a_stack_frame(tmp_path):
     """Each producer kernel compiles for sm_90a with no stack frame (no spills): where 8 MMA
     warps leave less than ``REBALANCE_BELOW`` registers per thread, ``setmaxnreg`` gives
     the producer ``PRODUCER_REGISTERS`` and the MMA warps the rest."""
-    for p, attrs in zip(PRODUCER_KERNELS, _sm90a_attributes(PRODUCER_KERNELS, tmp_path)):
+    for p, attrs in zip(PRODUCER_KERNELS, sm90a_attributes(PRODUCER_KERNELS, tmp_path)):
         assert attrs["frame"] == 0, (p, attrs)
+
+
+def test_producer_versions_of_the_dense_candidates_launch():
+    """``benchmarks.dense_table --wgmma --producer`` times each 4- or 8-warp candidate of the
+    DEP dense GEMMs with a producer warpgroup at one CTA per multiprocessor: each such
+    tactic keeps its K split and ring, and launches (fits shared memory, serves the
+    tokens) at every T of S1."""
+    import dataclasses
+
+    from fast.gemm.host import CANDIDATES, launch_for
+
+    seen = 0
+    for (n, k), cands in CANDIDATES.items():
+        for t in cands:
+            if t.warps not in (4, 8):
+                continue
+            p = dataclasses.replace(t, wgmma=True, producer=True, occupancy=None)
+            for tokens in (1, 8, 33, 64):
+                if not p.serves(tokens):
+                    continue
+                launch = launch_for(n, k, tokens, tactic=p)
+                assert launch.params["producer"] and launch.params["occupancy"] == 1
+                assert launch.tactic.splits == t.splits
+                seen += 1
+    assert seen >= 24  # 7 such candidates, most serving all four T

@@ -93,3 +93,38 @@ def test_forms_with_a_producer_warpgroup():
                 assert (t.splits, t.serial, t.overlap, t.stage_k) == \
                     (splits, form["serial"], form["overlap"], form["stage_k"]), (n, k, label)
                 launch_for(n, k, tokens, tactic=t)
+
+
+def test_best_forms_kernels_compile(tmp_path):
+    """Every kernel the committed result's ``best_forms`` makes a TP8 wide rank launch at 65..1024
+    rows (``WideLayer(invariant_forms=...)``: 128-k stages, serial splits, 128-row chunks
+    among them) compiles for sm_90a (the warpgroup MMA is Hopper's), and the widest of each
+    tile and form fits its registers without a stack frame: CI compiles what a forms table
+    can ask for, not only the layer's default kernels."""
+    import pytest
+
+    from fast import backend
+
+    if backend.cute_import_error() is not None:
+        pytest.skip(f"CuTe DSL not importable: {backend.cute_import_error()}")
+    from fast.gemm.host import compile_kernel
+    from fast.schedules.wide_gemms import gemm_launches
+    from model.config import LatentMoEConfig
+    from tests.test_gemm_fast import sm90a_attributes
+
+    cfg = LatentMoEConfig.kimi_k3()
+    forms = table.best_forms(json.loads(RESULT.read_text()))
+    params = []
+    for per_t in gemm_launches(cfg, 8, range(65, cfg.wide_rows + 1), mma="wgmma",
+                               forms=forms).values():
+        params += [l.params for l in per_t.values() if l.params not in params]
+    assert any(p["stage_k"] == 128 for p in params) and any(p.get("serial") for p in params)
+    for p in params:
+        assert compile_kernel("sm_90a", **p) is not None
+    widest = {}
+    for p in params:
+        key = (p["warps"], p["mtiles"], p["stage_k"], bool(p.get("serial")), bool(p.get("overlap")))
+        if p["windows"] >= widest.get(key, {"windows": 0})["windows"]:
+            widest[key] = p
+    for p, attrs in zip(widest.values(), sm90a_attributes(list(widest.values()), tmp_path)):
+        assert attrs["frame"] == 0, (p, attrs)
