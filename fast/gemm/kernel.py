@@ -323,32 +323,8 @@ class SplitKGemmKernel:
         # this thread's token pieces: byte offset from x + k0 (-1: zero-fill, -2: none) and
         # slot offset
         xbase = x + Int64(k0) * 2
-        src = cute.make_rmem_tensor((self.copies,), Int32)
-        dst = cute.make_rmem_tensor((self.copies,), Int32)
-        for i in cutlass.range_constexpr(self.copies):
-            gid = tid + threads * i
-            token = gid // self.pieces
-            piece = gid % self.pieces
-            if cutlass.const_expr(self.wgmma):
-                dst[i] = lay.b_offset_wgmma(token, piece, SUBS, self.a_bytes, W)
-            else:
-                dst[i] = lay.b_offset(token, piece, SUBS, self.a_bytes)
-            off = Int32(-2)
-            if gid < self.granules:
-                off = Int32(-1)
-                if token < tokens:
-                    off = (token * k + piece * 8) * 2
-            src[i] = off
-
-        acc = cute.make_rmem_tensor((MT * W * 4,), Float32)
-        for i in cutlass.range_constexpr(MT * W * 4):
-            acc[i] = Float32(0.0)
-        total = acc  # the running sum, its own registers with serial splits only
-        if cutlass.const_expr(self.serial):
-            # the running sum of the splits folded so far (written at the first fold)
-            total = cute.make_rmem_tensor((MT * W * 4,), Float32)
-            for i in cutlass.range_constexpr(MT * W * 4):
-                total[i] = Float32(0.0)
+        src, dst = self._token_pieces(tid, threads, self.copies, tokens, k)
+        acc, total = self._accumulators()
 
         # 2. main loop. Prologue: the weights of the first ring - 1 stages (one group), then
         # (programmatic dependent launch) wait for the previous grid of the stream, whose
@@ -392,6 +368,47 @@ class SplitKGemmKernel:
         # (serial splits: the running sum is the reduced result)
         self._finish(acc, total, out, addend, ws, counters, n, tokens, splits, flags, width,
                      tile, split, tiles, tid, warp, lane, flag)
+
+    @cute.jit
+    def _token_pieces(self, thread, threads: int, copies: int, tokens: Int32, k: Int32):
+        """``(src, dst)`` of the token pieces ``thread + threads i`` (``i < copies``) of one of
+        ``threads`` copying threads: each piece's byte offset from the split's first k of
+        ``x`` (-1: past ``T``, zero-filled; -2: past the stage's pieces, not copied) and its
+        slot offset (``layout.b_offset_wgmma`` / ``b_offset``)."""
+        SUBS: cutlass.Constexpr = self.subs
+        src = cute.make_rmem_tensor((copies,), Int32)
+        dst = cute.make_rmem_tensor((copies,), Int32)
+        for i in cutlass.range_constexpr(copies):
+            gid = thread + threads * i
+            token = gid // self.pieces
+            piece = gid % self.pieces
+            if cutlass.const_expr(self.wgmma):
+                dst[i] = lay.b_offset_wgmma(token, piece, SUBS, self.a_bytes, self.windows)
+            else:
+                dst[i] = lay.b_offset(token, piece, SUBS, self.a_bytes)
+            off = Int32(-2)
+            if gid < self.granules:
+                off = Int32(-1)
+                if token < tokens:
+                    off = (token * k + piece * 8) * 2
+            src[i] = off
+        return src, dst
+
+    @cute.jit
+    def _accumulators(self):
+        """``(acc, total)``: the FP32 accumulators of this warp's (m-tile, window) tiles,
+        zero, and the running sum of serial splits (its own zeroed registers with
+        ``serial``, else ``acc`` itself)."""
+        n = self.mtiles * self.windows * 4
+        acc = cute.make_rmem_tensor((n,), Float32)
+        for i in cutlass.range_constexpr(n):
+            acc[i] = Float32(0.0)
+        total = acc
+        if cutlass.const_expr(self.serial):
+            total = cute.make_rmem_tensor((n,), Float32)
+            for i in cutlass.range_constexpr(n):
+                total[i] = Float32(0.0)
+        return acc, total
 
     @cute.jit
     def _fold(self, acc, total, s, per_split):
@@ -523,14 +540,7 @@ class SplitKGemmKernel:
             # addend or out, which only the MMA warps touch (after the loop)
             cute.arch.griddepcontrol_wait()
             cute.arch.griddepcontrol_launch_dependents()
-            acc = cute.make_rmem_tensor((MT * W * 4,), Float32)
-            for i in cutlass.range_constexpr(MT * W * 4):
-                acc[i] = Float32(0.0)
-            total = acc  # the running sum, its own registers with serial splits only
-            if cutlass.const_expr(self.serial):
-                total = cute.make_rmem_tensor((MT * W * 4,), Float32)
-                for i in cutlass.range_constexpr(MT * W * 4):
-                    total[i] = Float32(0.0)
+            acc, total = self._accumulators()
             for s in cutlass.range(stages, unroll=1):
                 slot = s % RING
                 self._wait(bars + 8 * slot, (s // RING) % 2)
@@ -586,19 +596,7 @@ class SplitKGemmKernel:
         # this thread's token pieces: byte offset from x + k0 (-1: zero-fill, -2: none),
         # slot offset
         xbase = x + Int64(k0) * 2
-        src = cute.make_rmem_tensor((COPIES,), Int32)
-        dst = cute.make_rmem_tensor((COPIES,), Int32)
-        for i in cutlass.range_constexpr(COPIES):
-            gid = ptid + PRODUCER_THREADS * i
-            token = gid // self.pieces
-            piece = gid % self.pieces
-            dst[i] = lay.b_offset_wgmma(token, piece, SUBS, self.a_bytes, W)
-            off = Int32(-2)
-            if gid < self.granules:
-                off = Int32(-1)
-                if token < tokens:
-                    off = (token * k + piece * 8) * 2
-            src[i] = off
+        src, dst = self._token_pieces(ptid, PRODUCER_THREADS, COPIES, tokens, k)
         for st in cutlass.range_constexpr(RING):
             if st < stages:
                 self._produce_a(asrc, ring + st * SLOT, st, pw, lane)
