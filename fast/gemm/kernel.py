@@ -269,7 +269,6 @@ class SplitKGemmKernel:
         warp = tid // 32
         MT: cutlass.Constexpr = self.mtiles
         W: cutlass.Constexpr = self.windows
-        SUBS: cutlass.Constexpr = self.subs
         RING: cutlass.Constexpr = self.ring
         TILE: cutlass.Constexpr = self.tile_rows
         SLOT: cutlass.Constexpr = self.slot_bytes
@@ -516,8 +515,6 @@ class SplitKGemmKernel:
         ones) and ``empty[i]`` at ``bars + 8 (ring + i)`` (one arrival per MMA warp); warps
         ``warps ..`` produce, the others compute stage ``s`` from slot ``s % ring`` once phase
         ``s // ring`` of ``full`` has completed."""
-        MT: cutlass.Constexpr = self.mtiles
-        W: cutlass.Constexpr = self.windows
         RING: cutlass.Constexpr = self.ring
         SLOT: cutlass.Constexpr = self.slot_bytes
         WARPS: cutlass.Constexpr = self.warps
@@ -576,8 +573,6 @@ class SplitKGemmKernel:
         ahead of the MMA warps; the weights of the first ``ring`` stages before the wait for
         the previous grid, the tokens after it."""
         MT: cutlass.Constexpr = self.mtiles
-        W: cutlass.Constexpr = self.windows
-        SUBS: cutlass.Constexpr = self.subs
         RING: cutlass.Constexpr = self.ring
         SLOT: cutlass.Constexpr = self.slot_bytes
         TILE: cutlass.Constexpr = self.tile_rows
