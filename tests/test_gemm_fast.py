@@ -1222,6 +1222,39 @@ def test_producer_kernels_compile_without_a_stack_frame(tmp_path):
         assert attrs["frame"] == 0, (p, attrs)
 
 
+@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
+@pytest.mark.parametrize("warps,mtiles,windows", [(8, 1, 16), (4, 2, 8)])
+def test_producer_kernel_ptx_has_its_structure(tmp_path, warps, mtiles, windows):
+    """In the PTX of a producer kernel: one barrier of the whole CTA (after the mbarriers'
+    initialization), the others named barrier 1 of the MMA threads only; one
+    ``cp.async.mbarrier.arrive.noinc`` per prologue stage plus the loop's; the proxy fence
+    before the MMAs; bounded waits that trap; ``setmaxnreg`` (the producer's 80 registers,
+    the MMA warps' share of the rest) only where 8 MMA warps leave less than 232 per thread."""
+    import re
+
+    from fast.gemm.kernel import PRODUCER_REGISTERS, SplitKGemmKernel
+    from tools.ptx_dump import run_compile
+
+    params = Tactic(warps=warps, mtiles=mtiles, wgmma=True, producer=True,
+                    chunk_windows=max(8, windows)).kernel_params(windows, chunked=True)
+    run_compile(_PTX, [repr(params)], keep="ptx", dump_dir=tmp_path)
+    (ptx,) = sorted(tmp_path.rglob("*SplitKGemmKernel*.ptx"))
+    text = ptx.read_text()
+    kernel = SplitKGemmKernel(**params)
+    barriers = re.findall(r"bar\.sync\s+([^;]*);", text)
+    assert barriers.count("0") == 1
+    assert set(barriers) == {"0", f"1, {kernel.mma_threads}"}
+    assert text.count("cp.async.mbarrier.arrive.noinc") == params["ring"] + 1
+    assert "fence.proxy.async.shared::cta" in text and "trap;" in text
+    assert "mbarrier.try_wait.parity" in text and "wgmma.mma_async" in text
+    regs = re.findall(r"setmaxnreg\.(dec|inc)\.sync\.aligned\.u32\s+(\d+);", text)
+    if warps == 8:
+        assert regs == [("dec", str(PRODUCER_REGISTERS)), ("inc", str(kernel.mma_registers))]
+        assert kernel.mma_registers == 216
+    else:
+        assert regs == [] and kernel.mma_registers == 0
+
+
 def test_producer_versions_of_the_dense_candidates_launch():
     """``benchmarks.dense_table --wgmma --producer`` times each 4- or 8-warp candidate of the
     DEP dense GEMMs with a producer warpgroup at one CTA per multiprocessor: each such
