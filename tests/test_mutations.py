@@ -350,8 +350,8 @@ MUTATIONS = [
     # Tactic.producer: the producer warpgroup must copy every MMA warp's weight rows
     _one("fast GEMM: the producer warpgroup copies MMA warps 0..3's weight rows for warps 4..7",
          "fast/gemm/kernel.py",
-         "                    row, kk = lay.a_source(pw + 4 * j, mt, half, lane, MT)",
-         "                    row, kk = lay.a_source(pw, mt, half, lane, MT)",
+         "        asrc = [self._weight_sources(w, tile, k0, row_bytes, pw + 4 * j, lane)",
+         "        asrc = [self._weight_sources(w, tile, k0, row_bytes, pw, lane)",
          ["verify/test_gemm_fast.py::test_gemm_fast_producer_same_bits[fast-shared_down]"],
          needs_gpu=True),
     # DepLayer(invariant_mma="wgmma"): its one-chunk calls take choose_tactic's rule too

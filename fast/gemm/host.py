@@ -267,7 +267,8 @@ def check_serial_from(owner: str, name: str, value) -> None:
 
 
 #: What a form of ``DenseGemm(forms=...)`` may set: the default tactic's token-chunk
-#: width, serial splits, MMAs in flight and ring-stage width (none of them moves a bit).
+#: width, serial splits, MMAs in flight, ring-stage width and producer warpgroup (none of
+#: them moves a bit).
 FORM_KEYS = ("chunk_windows", "serial", "overlap", "stage_k", "producer")
 
 
@@ -392,7 +393,7 @@ class DenseGemm:
             often). Never changes a bit.
         forms: per row count, the default tactic's form: ``{rows_from: {key: value}}``
             with keys among ``FORM_KEYS`` (``chunk_windows``, ``serial``, ``overlap``,
-            ``stage_k``), each overriding the arguments above for calls of at least
+            ``stage_k``, ``producer``), each overriding the arguments above for calls of at least
             ``rows_from`` rows up to the next key (:func:`form_at`; ``chunk_windows``
             still only above 64 rows). None (default): no overrides. Never changes a bit
             (the K split and the MMA kind are not a form's).

@@ -267,7 +267,6 @@ class SplitKGemmKernel:
         tid = cute.arch.thread_idx()[0]
         lane = tid % 32
         warp = tid // 32
-        MT: cutlass.Constexpr = self.mtiles
         W: cutlass.Constexpr = self.windows
         RING: cutlass.Constexpr = self.ring
         TILE: cutlass.Constexpr = self.tile_rows
@@ -313,12 +312,7 @@ class SplitKGemmKernel:
             return
 
         # 1. this lane's weight pieces (stage 0, sub-chunk 0), per (m-tile, half)
-        abase = w + Int64(tile * TILE) * row_bytes + Int64(k0) * 2
-        asrc = []
-        for mt in cutlass.range_constexpr(MT):
-            for half in cutlass.range_constexpr(2):
-                row, kk = lay.a_source(warp, mt, half, lane, MT)
-                asrc.append(abase + Int64(row) * row_bytes + kk * 2)
+        asrc = self._weight_sources(w, tile, k0, row_bytes, warp, lane)
         # this thread's token pieces: byte offset from x + k0 (-1: zero-fill, -2: none) and
         # slot offset
         xbase = x + Int64(k0) * 2
@@ -367,6 +361,20 @@ class SplitKGemmKernel:
         # (serial splits: the running sum is the reduced result)
         self._finish(acc, total, out, addend, ws, counters, n, tokens, splits, flags, width,
                      tile, split, tiles, tid, warp, lane, flag)
+
+    @cute.jit
+    def _weight_sources(self, w: Int64, tile, k0, row_bytes, warp, lane):
+        """Per (m-tile, half), the global address of the 16 bytes lane ``lane`` of MMA warp
+        ``warp`` copies at stage 0, sub-chunk 0 of the split starting at ``k0``
+        (``layout.a_source``)."""
+        MT: cutlass.Constexpr = self.mtiles
+        abase = w + Int64(tile * self.tile_rows) * row_bytes + Int64(k0) * 2
+        asrc = []
+        for mt in cutlass.range_constexpr(MT):
+            for half in cutlass.range_constexpr(2):
+                row, kk = lay.a_source(warp, mt, half, lane, MT)
+                asrc.append(abase + Int64(row) * row_bytes + kk * 2)
+        return asrc
 
     @cute.jit
     def _token_pieces(self, thread, threads: int, copies: int, tokens: Int32, k: Int32):
@@ -572,22 +580,15 @@ class SplitKGemmKernel:
         """Producer thread ``ptid`` (0..127): its copies of every stage, ``ring`` stages
         ahead of the MMA warps; the weights of the first ``ring`` stages before the wait for
         the previous grid, the tokens after it."""
-        MT: cutlass.Constexpr = self.mtiles
         RING: cutlass.Constexpr = self.ring
         SLOT: cutlass.Constexpr = self.slot_bytes
-        TILE: cutlass.Constexpr = self.tile_rows
         COPIES: cutlass.Constexpr = self.producer_copies
         pw = ptid // 32
         lane = ptid % 32
-        # the pieces of lane ``lane`` of MMA warps pw, pw + 4 (stage 0, sub-chunk 0), per
-        # (m-tile, half): what those lanes copy in the kernel without a producer
-        abase = w + Int64(tile * TILE) * row_bytes + Int64(k0) * 2
-        asrc = []
-        for j in cutlass.range_constexpr(self.warps // 4):
-            for mt in cutlass.range_constexpr(MT):
-                for half in cutlass.range_constexpr(2):
-                    row, kk = lay.a_source(pw + 4 * j, mt, half, lane, MT)
-                    asrc.append(abase + Int64(row) * row_bytes + kk * 2)
+        # the pieces of lane ``lane`` of MMA warps pw, pw + 4: what those lanes copy in the
+        # kernel without a producer
+        asrc = [self._weight_sources(w, tile, k0, row_bytes, pw + 4 * j, lane)
+                for j in range(self.warps // 4)]
         # this thread's token pieces: byte offset from x + k0 (-1: zero-fill, -2: none),
         # slot offset
         xbase = x + Int64(k0) * 2
@@ -599,13 +600,13 @@ class SplitKGemmKernel:
         cute.arch.griddepcontrol_launch_dependents()
         for st in cutlass.range_constexpr(RING):
             if st < stages:
-                self._produce_b(xbase, src, dst, ring + st * SLOT, st)
+                self._issue_b(xbase, src, dst, ring + st * SLOT, st, COPIES, PRODUCER_THREADS)
                 p.cp_async_arrive_noinc(bars + 8 * st)
         for s in cutlass.range(RING, stages, unroll=1):
             slot = s % RING
             # every MMA warp is done with stage s - ring (phase s // ring - 1 of empty)
             self._wait(bars + 8 * (RING + slot), (s // RING + 1) % 2)
-            self._produce_b(xbase, src, dst, ring + slot * SLOT, s)
+            self._issue_b(xbase, src, dst, ring + slot * SLOT, s, COPIES, PRODUCER_THREADS)
             self._produce_a(asrc, ring + slot * SLOT, s, pw, lane)
             p.cp_async_arrive_noinc(bars + 8 * slot)
         p.cp_async_wait_all()
@@ -613,34 +614,9 @@ class SplitKGemmKernel:
     @cute.jit
     def _produce_a(self, asrc, slot, stage, pw, lane):
         """The weight pieces of stage ``stage`` that lane ``lane`` of MMA warps ``pw, pw +
-        4`` copies without a producer, each to the same slot offset."""
-        MT: cutlass.Constexpr = self.mtiles
-        SUBS: cutlass.Constexpr = self.subs
-        offset = Int64(stage) * (self.stage_k * 2)
+        4`` copies without a producer (``_issue_a`` of each), to the same slot offsets."""
         for j in cutlass.range_constexpr(self.warps // 4):
-            for mt in cutlass.range_constexpr(MT):
-                for half in cutlass.range_constexpr(2):
-                    for sub in cutlass.range_constexpr(SUBS):
-                        at = lay.a_offset_wgmma(pw + 4 * j, mt, sub, half, lane, MT, SUBS,
-                                                self.tile_rows)
-                        p.cp_async_16(slot + at, asrc[(j * MT + mt) * 2 + half] + offset
-                                      + sub * (lay.SUB_K * 2), True)
-
-    @cute.jit
-    def _produce_b(self, xbase, src, dst, slot, stage):
-        """This producer thread's token pieces of stage ``stage`` (zero-filled past ``T``)."""
-        offset = Int64(stage) * (self.stage_k * 2)
-        for i in cutlass.range_constexpr(self.producer_copies):
-            if cutlass.const_expr((i + 1) * PRODUCER_THREADS <= self.granules):
-                p.cp_async_16(slot + dst[i], xbase + Int64(cutlass.max(src[i], Int32(0))) + offset,
-                              src[i] >= 0)
-            else:
-                if src[i] >= -1:
-                    p.cp_async_16(slot + dst[i],
-                                  xbase + Int64(cutlass.max(src[i], Int32(0))) + offset,
-                                  src[i] >= 0)
-
-    # -- pieces -----------------------------------------------------------------------
+            self._issue_a(asrc[j], slot, stage, pw + 4 * j, lane)
 
     @cute.jit
     def _issue(self, asrc, xbase, src, dst, slot, stage, warp, lane):
@@ -649,11 +625,15 @@ class SplitKGemmKernel:
         self._issue_a(asrc, slot, stage, warp, lane)
 
     @cute.jit
-    def _issue_b(self, xbase, src, dst, slot, stage):
-        """This thread's token pieces of stage ``stage``."""
+    def _issue_b(self, xbase, src, dst, slot, stage, copies: int = 0, threads: int = 0):
+        """This thread's token pieces of stage ``stage`` (``_token_pieces``: ``copies`` per
+        thread of ``threads`` copying threads; default this kernel's own, ``copies`` /
+        ``threads``; the producer warpgroup's are ``producer_copies`` / 128)."""
+        copies = copies or self.copies
+        threads = threads or self.threads
         offset = Int64(stage) * (self.stage_k * 2)
-        for i in cutlass.range_constexpr(self.copies):
-            if cutlass.const_expr((i + 1) * self.threads <= self.granules):
+        for i in cutlass.range_constexpr(copies):
+            if cutlass.const_expr((i + 1) * threads <= self.granules):
                 p.cp_async_16(slot + dst[i], xbase + Int64(cutlass.max(src[i], Int32(0))) + offset,
                               src[i] >= 0)
             else:
