@@ -3,7 +3,6 @@ one run (GPU node).
 
     python3 -m benchmarks.dense_table --out dense.json
     python3 -m benchmarks.dense_table --render dense.json      # the markdown tables
-    python3 -m benchmarks.dense_table --wgmma --overlap --producer   # also the warpgroup-MMA forms
 
 GEMMs (Kimi-K3 latent MoE, ``reference.schedules.dep`` at ``T <= front_max``):
 
@@ -182,17 +181,11 @@ def main(argv=None):
                     help="with --wgmma: also time each wgmma version with one stage's MMAs in "
                          "flight (Tactic.overlap; labels end in ',wgmma,overlap') and check it "
                          "gives the wgmma version's bits")
-    ap.add_argument("--producer", action="store_true",
-                    help="with --wgmma: also time each wgmma version with a producer warpgroup "
-                         "(Tactic.producer, one CTA per multiprocessor; labels end in "
-                         "',wgmma,producer') and check it gives the wgmma version's bits")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
     if args.overlap and not args.wgmma:
         ap.error("--overlap times the wgmma versions' overlap form: pass --wgmma too")
-    if args.producer and not args.wgmma:
-        ap.error("--producer times the wgmma versions' producer form: pass --wgmma too")
 
     from benchmarks.experts_table import device_time_us
     from benchmarks.readbw import read_bandwidth_gbs
@@ -224,9 +217,6 @@ def main(argv=None):
         if args.overlap:
             cands += [dataclasses.replace(t, wgmma=True, overlap=True) for t in CANDIDATES[shape]
                       if t.warps in (4, 8)]
-        if args.producer:  # one CTA per multiprocessor, whatever the candidate's occupancy
-            cands += [dataclasses.replace(t, wgmma=True, producer=True, occupancy=None)
-                      for t in CANDIDATES[shape] if t.warps in (4, 8)]
         return cands
 
     engines = {g: DenseGemm(probe[g][0], tactics=timed(tuple(probe[g][0].shape))) for g in gemms}
@@ -251,38 +241,27 @@ def main(argv=None):
             bits = lambda o: o.view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)  # noqa: E731
             if args.wgmma:  # does warpgroup MMA give mma.sync's bits at the same splits?
                 case["wgmma_same_bits"], case["overlap_same_bits"] = {}, {}
-                case["producer_same_bits"] = {}
                 for t in timed(tuple(weight.shape)):
-                    if t.wgmma and t.serves(tokens):  # overlap, producer: against the plain wgmma form
-                        if t.producer:
-                            plain = dataclasses.replace(t, producer=False)
-                            key = "producer_same_bits"
-                        elif t.overlap:
-                            plain, key = dataclasses.replace(t, overlap=False), "overlap_same_bits"
-                        else:
-                            plain, key = dataclasses.replace(t, wgmma=False), "wgmma_same_bits"
+                    if t.wgmma and t.serves(tokens):  # overlap: against the plain wgmma form
+                        plain = dataclasses.replace(t, overlap=False) if t.overlap else \
+                            dataclasses.replace(t, wgmma=False)
                         got = [eng(a, out_dtype=out_dtype, addend=addend, tactic=v).clone()
                                for v in (t, plain)]
+                        key = "overlap_same_bits" if t.overlap else "wgmma_same_bits"
                         case[key][t.label()] = bool(torch.equal(bits(got[0]), bits(got[1])))
             case["median_us"] = {k: statistics.median(v) for k, v in case["times"].items()}
             med = case["median_us"]
             tact = {k: v for k, v in med.items() if k.startswith("r") and ",wgmma" not in k}
             best = min(tact, key=tact.get)
-            wg = {k: v for k, v in med.items()
-                  if ",wgmma" in k and ",overlap" not in k and ",producer" not in k}
+            wg = {k: v for k, v in med.items() if ",wgmma" in k and ",overlap" not in k}
             ov = {k: v for k, v in med.items() if ",overlap" in k}
-            pr = {k: v for k, v in med.items() if ",producer" in k}
             same, ov_same = case.get("wgmma_same_bits", {}), case.get("overlap_same_bits", {})
-            pr_same = case.get("producer_same_bits", {})
             wg_best = (f" | wgmma best {min(wg, key=wg.get)} {min(wg.values()):6.1f} "
                        f"({limit / min(wg.values()):.2f}), bits = mma.sync: "
                        f"{sum(same.values())}/{len(same)}") if wg else ""
             wg_best += (f" | overlap best {min(ov, key=ov.get)} {min(ov.values()):6.1f} "
                         f"({limit / min(ov.values()):.2f}), bits = wgmma: "
                         f"{sum(ov_same.values())}/{len(ov_same)}") if ov else ""
-            wg_best += (f" | producer best {min(pr, key=pr.get)} {min(pr.values()):6.1f} "
-                        f"({limit / min(pr.values()):.2f}), bits = wgmma: "
-                        f"{sum(pr_same.values())}/{len(pr_same)}") if pr else ""
             print(f"T {tokens:3d} {g:11s} limit {limit:6.1f}us | cublas {med['cublas']:6.1f} "
                   f"({limit / med['cublas']:.2f}) | default {case['default']} {med['default']:6.1f} "
                   f"({limit / med['default']:.2f}) | best {best} {tact[best]:6.1f} "

@@ -15,8 +15,7 @@ gate/up and shared down BF16, up BF16 with a BF16 addend), each at its one K spl
   128-row ones (``cw16``, ``Tactic.chunk_windows``), cross-CTA or serial splits, with and
   without the MMAs in flight; with ``--stage-k 64,128`` each also with 128-k ring stages
   (``Tactic.stage_k``: half the stages and barriers per K; one CTA per multiprocessor
-  where two do not fit a ring of 3); with ``--producer`` each also with a producer warpgroup
-  (``Tactic.producer``: the MMA warps only compute, one CTA per multiprocessor). Every form's output is compared bit for bit with the plain
+  where two do not fit a ring of 3). Every form's output is compared bit for bit with the plain
   ``cw8`` form's (the same ``splits``, so the same bits are owed): a timing never comes
   from a form that computes something else.
 
@@ -78,13 +77,10 @@ def _cublas(weight, a, addend, out_dtype):
 
 def form_table(result: dict) -> dict[str, dict]:
     """``{label: form}`` of the fast.gemm forms a result timed, in table order (``FORMS``,
-    then their versions at the run's other stage widths, then, where the run had
-    ``--producer``, all of them with a producer warpgroup): each form as
+    then their versions at the run's other stage widths): each form as
     ``DenseGemm(forms=...)`` takes it (``fast.gemm.host.FORM_KEYS``)."""
-    return {(label + ("" if stage_k == 64 else f",k{stage_k}") + (",producer" if producer else "")):
-            {"chunk_windows": cw, "serial": serial, "overlap": overlap, "stage_k": stage_k,
-             **({"producer": True} if producer else {})}
-            for producer in ([False, True] if result.get("producer") else [False])
+    return {(label if stage_k == 64 else f"{label},k{stage_k}"):
+            {"chunk_windows": cw, "serial": serial, "overlap": overlap, "stage_k": stage_k}
             for stage_k in result.get("stage_ks", [64]) for label, cw, serial, overlap in FORMS}
 
 
@@ -150,8 +146,6 @@ def main(argv=None):
     ap.add_argument("--rows", default=DEFAULT_ROWS)
     ap.add_argument("--stage-k", default="64",
                     help="ring stage widths to time each form at (64, 128; e.g. 64,128)")
-    ap.add_argument("--producer", action="store_true",
-                    help="also time every form with a producer warpgroup (Tactic.producer)")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
@@ -173,7 +167,7 @@ def main(argv=None):
     splits = gemm_splits(cfg, args.ranks, sms)
     flush = l2_flush()
     result = {**run_header(), "ranks": args.ranks, "splits": splits, "stage_ks": stage_ks,
-              "producer": args.producer, "rows": []}
+              "rows": []}
     result["read_gbs"] = readbw.read_bandwidth_gbs()
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     top = max(rows_list)

@@ -70,31 +70,6 @@ def test_best_forms_become_a_layer_table():
         assert {(l.tactic.splits, l.tactic.wgmma) for l in per_t.values()} == {(splits[name], True)}
 
 
-def test_forms_with_a_producer_warpgroup():
-    """``--producer``: every form also with a producer warpgroup (``form_table``, after the
-    other stage widths), each the ``DenseGemm(forms=...)`` entry the run times; its default
-    tactic keeps the K split, the chunk width and the form, runs at one CTA per
-    multiprocessor, and launches."""
-    from fast.gemm.host import default_tactic, launch_for
-
-    forms = table.form_table({"stage_ks": [64, 128], "producer": True})
-    plain = table.form_table({"stage_ks": [64, 128]})
-    assert list(forms)[:len(plain)] == list(plain)
-    assert list(forms)[len(plain):] == [f"{label},producer" for label in plain]
-    for label in plain:
-        assert forms[f"{label},producer"] == {**plain[label], "producer": True}
-    for n, k, splits in ((560, 7168, 8), (1536, 7168, 4), (7168, 768, 1), (896, 3584, 8)):
-        for label, form in forms.items():
-            if not form.get("producer") or k % (splits * form["stage_k"]):
-                continue
-            for tokens in (8, 1024):
-                t = default_tactic(-(-n // 64) * 64, k, tokens, 132, splits, True, forms={1: form})
-                assert t.producer and t.kernel_params(t.chunks(tokens)[1])["occupancy"] == 1
-                assert (t.splits, t.serial, t.overlap, t.stage_k) == \
-                    (splits, form["serial"], form["overlap"], form["stage_k"]), (n, k, label)
-                launch_for(n, k, tokens, tactic=t)
-
-
 def test_best_forms_kernels_compile(tmp_path):
     """Every kernel the committed result's ``best_forms`` makes a TP8 wide rank launch at 65..1024
     rows (``WideLayer(invariant_forms=...)``: 128-k stages, serial splits, 128-row chunks

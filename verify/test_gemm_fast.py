@@ -44,11 +44,6 @@ split run in one CTA (``fast.gemm.Tactic.serial``) give bitwise the cross-CTA fo
 at 65, 129, 257 and 1024 rows, store nothing past the output, and a ``DenseGemm`` that
 switches to them from 129 rows (``serial_from``) is bitwise the first rows of the
 cross-CTA 1024-row call at every row count of ``WIDE_ROWS``.
-**Producer warpgroup** (``test_gemm_fast_producer_same_bits``): the same four GEMMs with a
-warpgroup that only copies (``fast.gemm.Tactic.producer``) give, at 1..1024 rows in 64- and
-128-row chunks, cross-CTA and serial splits (and 128-k stages where a split is whole
-stages), bitwise the first rows of the plain 64-row-chunk 1024-row call, the same bits at a
-second launch, and store nothing past the output.
 
 Inputs per GEMM come from one seed per GEMM (``verify.seeds.seed_of`` of the GEMM's id), so
 the float64 reference of the largest batch is computed once and every smaller batch is a
@@ -672,63 +667,6 @@ def test_gemm_fast_wide_chunks(backend, gemm, contract):
                              index_names=ROWS)
             contract.bitwise(_bits(buf[tokens * eng.n:]), _bits(nan),
                              what=f"{what}: nothing stored past the output")
-
-
-#: Row counts of the producer-warpgroup contract: S1's sizes (one token chunk, the kernel
-#: without chunks where the weight needs no padding rows) and S2's edges.
-PRODUCER_ROWS = (1, 8, 17, 64) + WIDE_ROWS
-
-
-@pytest.mark.parametrize("gemm", ("front", "shared_gate_up", "shared_down", "up"))
-def test_gemm_fast_producer_same_bits(backend, gemm, contract):
-    """The producer warpgroup (``Tactic.producer``: one more warpgroup that only copies,
-    feeding the MMA warps through mbarrier-guarded ring slots, one CTA per multiprocessor)
-    on one TP8 wide GEMM on the warpgroup MMA: at every row count of ``PRODUCER_ROWS`` and
-    1024, in 64- and 128-row chunks, cross-CTA and serial splits with the MMAs in flight
-    (and, where a K split is whole 128-k stages, 128-k stages), bitwise the first rows of
-    the plain 64-row-chunk 1024-row call (the same K split, the same MMAs in the same order:
-    the bits may not depend on who copies), nothing stored past the output; and twice in a
-    row the same bits (the ring's phases start over at every launch)."""
-    import dataclasses
-
-    from fast.backend import gpu_arch
-    from fast.gemm import DenseGemm
-    from fast.gemm.host import default_tactic
-
-    if gpu_arch() != "sm_90a":
-        pytest.skip(f"wgmma is an sm_90a instruction; this GPU is {gpu_arch()}")
-    eng, x, addend, out_dtype = wide_case(gemm, "wgmma")
-    full, _ = run_wide(gemm, WIDE_TOP, mma="wgmma")
-    gemm_fast = DenseGemm(eng.weight, max_tokens=WIDE_TOP, splits=eng.splits, wgmma=True)
-    nan = torch.full((256,), float("nan"), dtype=out_dtype, device=DEVICE)
-    for tokens in PRODUCER_ROWS + (WIDE_TOP,):
-        shapes = [{"chunk_windows": 8}, {"chunk_windows": 8, "serial": True, "overlap": True}]
-        if tokens > 64:
-            shapes += [{"chunk_windows": 16}, {"chunk_windows": 16, "serial": True, "overlap": True}]
-        if (eng.k // eng.splits) % 128 == 0:
-            shapes.append({"chunk_windows": 16 if tokens > 64 else 8, "serial": True,
-                           "overlap": True, "stage_k": 128})
-        for form in shapes:
-            tactic = default_tactic(eng.rows, eng.k, tokens, eng.sms, eng.splits, True,
-                                    forms={1: {**form, "producer": True}})
-            assert tactic.producer and tactic.splits == eng.splits
-            plain = dataclasses.replace(tactic, producer=False, occupancy=None)
-            got = []
-            for _ in range(2):
-                buf = torch.full((tokens * eng.n + 256,), float("nan"), dtype=out_dtype,
-                                 device=DEVICE)
-                out = buf[:tokens * eng.n].view(tokens, eng.n)
-                gemm_fast(x[:tokens].contiguous(), out_dtype=out_dtype, out=out, tactic=tactic,
-                          addend=None if addend is None else addend[:tokens].contiguous())
-                got.append(buf)
-            what = f"wide {gemm} {tactic.label()} T={tokens} (plain form {plain.label()})"
-            contract.bitwise(_bits(got[0][:tokens * eng.n].view(tokens, eng.n)),
-                             _bits(full[:tokens]),
-                             what=f"{what}: vs the first rows of the 64-row-chunk T={WIDE_TOP}",
-                             index_names=ROWS)
-            contract.bitwise(_bits(got[0][tokens * eng.n:]), _bits(nan),
-                             what=f"{what}: nothing stored past the output")
-            contract.bitwise(_bits(got[1]), _bits(got[0]), what=f"{what}: the second launch")
 
 
 def _check_wide_split_order(contract, gemm: str, mma: str = "mma.sync") -> None:

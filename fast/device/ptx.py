@@ -27,7 +27,7 @@ __all__ = [
     "fence_acq_rel_gpu",
     "red_release_gpu_add", "pinned_i32", "lds_u32", "load_v4", "store_v4",
     "mbarrier_init", "mbarrier_init_fence", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
-    "mbarrier_try_wait", "cp_async_bulk", "cp_async_arrive_noinc", "cp_async_wait_all", "trap",
+    "mbarrier_try_wait", "cp_async_bulk", "cp_async_arrive_noinc", "cp_async_wait_all",
 ]
 
 
@@ -293,12 +293,6 @@ def cp_async_arrive_noinc(mbarrier):
     ``cp.async`` this thread issued before it has completed (``noinc``: counted against the
     arrivals the barrier was initialized with)."""
     _asm("cp.async.mbarrier.arrive.noinc.shared.b64 [{$r0}];", [], [Int32(mbarrier)])
-
-
-def trap():
-    """``trap``: abort the kernel (the launch fails with an error the host sees at its next
-    synchronization); what a bounded wait does when its bound passes."""
-    _asm("trap;", [], [])
 
 
 def cp_async_wait_all():

@@ -110,7 +110,7 @@ PDL_MAX_TOKENS = 16
 def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
                   splits: int | None = None, wgmma: bool = False, serial: bool = False,
                   overlap: bool = False, chunk_windows: int = MAX_WINDOWS,
-                  stage_k: int = 64, producer: bool = False) -> Tactic:
+                  stage_k: int = 64) -> Tactic:
     """The default tactic of an ``[N, K]`` weight (``N`` its padded rows,
     ``layout.padded_rows``) at ``tokens`` rows, with ``splits`` K splits (default
     ``splits_of(N, K, sms)``), on ``mma.sync`` or (``wgmma``) on the warpgroup MMA.
@@ -134,8 +134,7 @@ def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
     multiprocessor: 8 such warps take more than 128 registers each). ``stage_k`` 128 (not
     with the measured table): 128-k ring stages (half the stages and barriers per K; the
     same bits), at one CTA per multiprocessor where the tile's own occupancy leaves no ring
-    of 3 stages. ``producer`` (with ``wgmma`` only): the same tile with a producer
-    warpgroup, at one CTA per multiprocessor (``Tactic.producer``: the same bits)."""
+    of 3 stages."""
     if tokens <= MAX_TOKENS and not wgmma and not serial and not overlap and stage_k == 64:
         one = _one_chunk_tactic(n, k, tokens, sms)
         if splits is None or splits == one.splits:
@@ -156,8 +155,6 @@ def choose_tactic(n: int, k: int, tokens: int, sms: int = 132,
     else:
         tactic = Tactic(warps=rows // 32, mtiles=2, splits=splits, serial=serial,
                         overlap=overlap)
-    if producer:
-        tactic = dataclasses.replace(tactic, producer=True, occupancy=1)
     return tactic if stage_k == tactic.stage_k else _with_stage_k(tactic, stage_k, tokens)
 
 
@@ -267,9 +264,8 @@ def check_serial_from(owner: str, name: str, value) -> None:
 
 
 #: What a form of ``DenseGemm(forms=...)`` may set: the default tactic's token-chunk
-#: width, serial splits, MMAs in flight, ring-stage width and producer warpgroup (none of
-#: them moves a bit).
-FORM_KEYS = ("chunk_windows", "serial", "overlap", "stage_k", "producer")
+#: width, serial splits, MMAs in flight and ring-stage width (none of them moves a bit).
+FORM_KEYS = ("chunk_windows", "serial", "overlap", "stage_k")
 
 
 def check_forms(owner: str, name: str, forms, wgmma: bool) -> None:
@@ -277,8 +273,7 @@ def check_forms(owner: str, name: str, forms, wgmma: bool) -> None:
     {key: value}}``, ``FORM_KEYS``) that is not None or such a dict: ``rows_from`` a
     positive int, ``chunk_windows`` as ``check_chunk_windows``, ``serial`` a bool,
     ``overlap`` as ``fast.gemm.mma_kind.check_overlap`` on the kind ``wgmma`` says,
-    ``stage_k`` 64 or 128 (:func:`check_form_stages`: whole stages per K split),
-    ``producer`` a bool, True only with ``wgmma``."""
+    ``stage_k`` 64 or 128 (:func:`check_form_stages`: whole stages per K split)."""
     if forms is None:
         return
     if not isinstance(forms, dict):
@@ -299,11 +294,6 @@ def check_forms(owner: str, name: str, forms, wgmma: bool) -> None:
         if "overlap" in form:
             check_overlap(owner, form["overlap"], "wgmma" if wgmma else "mma.sync",
                           name=f"{where}['overlap']")
-        if "producer" in form and (not isinstance(form["producer"], bool)
-                                   or (form["producer"] and not wgmma)):
-            raise ValueError(f"{owner}: {where}['producer'] must be a bool, and True only on "
-                             f"the warpgroup MMA (wgmma), got {form['producer']!r} with "
-                             f"wgmma={wgmma}")
         if "stage_k" in form and (type(form["stage_k"]) is not int
                                   or form["stage_k"] not in (64, 128)):
             raise ValueError(f"{owner}: {where}['stage_k'] must be 64 or 128, got "
@@ -340,7 +330,7 @@ def default_tactic(n: int, k: int, tokens: int, sms: int, splits: int, wgmma: bo
     windows = form.get("chunk_windows", chunk_windows)
     return choose_tactic(n, k, tokens, sms, splits, wgmma, serial, form.get("overlap", overlap),
                          windows if tokens > MAX_TOKENS else MAX_WINDOWS,
-                         form.get("stage_k", 64), form.get("producer", False))
+                         form.get("stage_k", 64))
 
 
 _BF16, _F32 = torch.bfloat16, torch.float32
@@ -393,7 +383,7 @@ class DenseGemm:
             often). Never changes a bit.
         forms: per row count, the default tactic's form: ``{rows_from: {key: value}}``
             with keys among ``FORM_KEYS`` (``chunk_windows``, ``serial``, ``overlap``,
-            ``stage_k``, ``producer``), each overriding the arguments above for calls of at least
+            ``stage_k``), each overriding the arguments above for calls of at least
             ``rows_from`` rows up to the next key (:func:`form_at`; ``chunk_windows``
             still only above 64 rows). None (default): no overrides. Never changes a bit
             (the K split and the MMA kind are not a form's).

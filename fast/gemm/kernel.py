@@ -24,15 +24,6 @@ __all__ = ["SplitKGemmKernel", "FLAG_F32_OUT", "FLAG_ADD_BF16", "FLAG_ADD_F32",
 
 #: ``flags`` bits of a launch: FP32 output (else BF16), a BF16 or an FP32 addend.
 FLAG_F32_OUT, FLAG_ADD_BF16, FLAG_ADD_F32 = 1, 2, 4
-#: The producer warpgroup of a ``producer`` kernel (``setmaxnreg`` works on whole
-#: warpgroups): its threads, the most registers an MMA thread takes, and the launch share
-#: per thread below which the registers are rebalanced.
-PRODUCER_THREADS, MAX_REGISTERS, REBALANCE_BELOW = 128, 240, 232
-#: The registers a producer thread keeps where the MMA warps take more (``setmaxnreg``,
-#: only where the launch's share per thread is below ``REBALANCE_BELOW``: 8 MMA warps at
-#: one CTA per multiprocessor): the fewest with no stack frame in the 16-window kernels,
-#: whose producer threads hold 8 token pieces' addresses per stage (compiled for sm_90a).
-PRODUCER_REGISTERS = 80
 
 
 def _asm(code, outs, ins):
@@ -159,25 +150,6 @@ class SplitKGemmKernel:
     and 16 k up to ``m64n128k16``; the windows' accumulators are laid out per window as at 8
     windows, so the epilogue, the workspace and the folds are unchanged.
 
-    **Producer warpgroup** (``producer``, a compile-time parameter of the ``wgmma``
-    kernels; those without it keep their code). The CTA gets one more warpgroup, after the
-    ``warps`` MMA warps, that does nothing but copy: its warp ``pw`` copies the weight
-    pieces MMA warps ``pw, pw + 4`` copy in the kernel without it, each to the slot offset
-    ``layout.a_offset_wgmma`` gives it, its 128 threads share the token pieces; then each
-    thread's ``cp.async.mbarrier.arrive.noinc`` on the slot's *full* barrier (128
-    arrivals, each once that thread's copies have landed). It keeps
-    ``PRODUCER_REGISTERS`` registers and the MMA warps take the rest (``setmaxnreg``).
-    Before refilling a slot it waits on the slot's *empty* barrier, on which each MMA warp
-    arrives once the MMAs that read the slot have completed (with ``overlap``: the previous
-    stage's, after ``wait_group 1``). The MMA warps wait on *full*, fence the generic-proxy
-    copies for the warpgroup MMA's reads (``fence.proxy.async``), and issue the stage; no
-    barrier of the whole CTA in the loop, no copy instruction in the MMA warps. The slot
-    holds the same bytes at the same offsets and the MMA warps issue the same MMAs in the
-    same order, so the bits are those of the kernel without it; the split fold and the
-    epilogue are the MMA warps' alone (their barriers name ``mma_threads`` threads). Every
-    barrier wait is bounded (``layout.WAIT_POLLS`` polls of ``mbarrier.try_wait``) and traps
-    past it: a launch error, never a hang.
-
     Constraints (checked by the host, ``fast.gemm.DenseGemm``): ``N % tile_rows == 0``,
     ``K % (splits * stage_k) == 0``, ``8 (windows - 1) < T <= 8 windows`` (chunked: per
     chunk, as ``layout.token_chunks`` cuts them; at most 16 windows on ``wgmma``, else 8), at most ``layout.MAX_ACCUMULATORS``
@@ -188,8 +160,7 @@ class SplitKGemmKernel:
 
     def __init__(self, *, warps: int = 4, mtiles: int = 2, windows: int = 1, ring: int = 4,
                  stage_k: int = 64, occupancy: int = 2, wgmma: bool = False,
-                 chunked: bool = False, serial: bool = False, overlap: bool = False,
-                 producer: bool = False):
+                 chunked: bool = False, serial: bool = False, overlap: bool = False):
         top = lay.MAX_WIDE_WINDOWS if wgmma else lay.MAX_WINDOWS  # wide chunks: wgmma only
         if warps not in (1, 2, 4, 8) or mtiles not in (1, 2, 4) or not 1 <= windows <= top:
             raise ValueError(f"SplitKGemmKernel: warps {warps}, mtiles {mtiles}, windows "
@@ -201,13 +172,6 @@ class SplitKGemmKernel:
         if overlap and (not wgmma or ring < 3):
             raise ValueError(f"SplitKGemmKernel: overlap needs wgmma and a ring of at least 3 "
                              f"stages, got wgmma={wgmma}, ring={ring}")
-        if producer and (not wgmma or occupancy != 1):
-            raise ValueError(f"SplitKGemmKernel: producer feeds warpgroup MMAs at one CTA per "
-                             f"multiprocessor: it needs wgmma and occupancy 1, got wgmma="
-                             f"{wgmma}, occupancy={occupancy}")
-        #: one more warp that only copies, feeding the MMA warps through mbarriers (class
-        #: docstring, "Producer warp")
-        self.producer = bool(producer)
         #: warpgroup MMA with both operands in the slot (``layout.a_offset_wgmma``)
         self.wgmma = bool(wgmma)
         #: token chunks on the grid's second dimension and padded rows (class docstring)
@@ -221,18 +185,7 @@ class SplitKGemmKernel:
         self.ahead = ring - 2 if self.overlap else ring - 1
         self.warps, self.mtiles, self.windows = warps, mtiles, windows
         self.ring, self.stage_k, self.occupancy = ring, stage_k, occupancy
-        #: the threads that compute (and, without ``producer``, also copy)
-        self.mma_threads = 32 * warps
-        self.threads = 32 * warps + (PRODUCER_THREADS if self.producer else 0)
-        #: with ``producer``: the registers each producer thread keeps and each MMA thread
-        #: takes (``setmaxnreg``), out of the CTA's share of the register file
-        self.producer_registers = PRODUCER_REGISTERS
-        #: 0: no ``setmaxnreg`` (the launch's own share is enough, ``REBALANCE_BELOW``)
-        self.mma_registers = 0
-        if 65536 // occupancy // self.threads < REBALANCE_BELOW:
-            self.mma_registers = min(MAX_REGISTERS, (65536 // occupancy - PRODUCER_THREADS
-                                                     * self.producer_registers)
-                                     // self.mma_threads // 8 * 8)
+        self.threads = 32 * warps
         self.tile_rows = 16 * warps * mtiles
         self.subs = stage_k // lay.SUB_K
         self.pieces = stage_k // 8  # 16-byte pieces of one row per stage
@@ -241,8 +194,6 @@ class SplitKGemmKernel:
         self.smem_bytes = ring * self.slot_bytes
         self.granules = lay.WINDOW * windows * self.pieces  # token pieces per stage
         self.copies = -(-self.granules // self.threads)
-        #: token pieces per producer thread per stage (the producer warps copy them all)
-        self.producer_copies = -(-self.granules // PRODUCER_THREADS)
 
     @classmethod
     def compile_args(cls, **params):
@@ -267,7 +218,9 @@ class SplitKGemmKernel:
         tid = cute.arch.thread_idx()[0]
         lane = tid % 32
         warp = tid // 32
+        MT: cutlass.Constexpr = self.mtiles
         W: cutlass.Constexpr = self.windows
+        SUBS: cutlass.Constexpr = self.subs
         RING: cutlass.Constexpr = self.ring
         TILE: cutlass.Constexpr = self.tile_rows
         SLOT: cutlass.Constexpr = self.slot_bytes
@@ -305,19 +258,42 @@ class SplitKGemmKernel:
             k0 = Int32(0)
             stages = k // self.stage_k
         row_bytes = Int64(k) * 2
-        if cutlass.const_expr(self.producer):
-            self._specialized(w, x, out, addend, ws, counters, n, k, tokens, splits, flags,
-                              width, ring, flag, tile, split, tiles, k0, stages, per_split,
-                              row_bytes, tid, warp, lane)
-            return
 
         # 1. this lane's weight pieces (stage 0, sub-chunk 0), per (m-tile, half)
-        asrc = self._weight_sources(w, tile, k0, row_bytes, warp, lane)
+        abase = w + Int64(tile * TILE) * row_bytes + Int64(k0) * 2
+        asrc = []
+        for mt in cutlass.range_constexpr(MT):
+            for half in cutlass.range_constexpr(2):
+                row, kk = lay.a_source(warp, mt, half, lane, MT)
+                asrc.append(abase + Int64(row) * row_bytes + kk * 2)
         # this thread's token pieces: byte offset from x + k0 (-1: zero-fill, -2: none) and
         # slot offset
         xbase = x + Int64(k0) * 2
-        src, dst = self._token_pieces(tid, threads, self.copies, tokens, k)
-        acc, total = self._accumulators()
+        src = cute.make_rmem_tensor((self.copies,), Int32)
+        dst = cute.make_rmem_tensor((self.copies,), Int32)
+        for i in cutlass.range_constexpr(self.copies):
+            gid = tid + threads * i
+            token = gid // self.pieces
+            piece = gid % self.pieces
+            if cutlass.const_expr(self.wgmma):
+                dst[i] = lay.b_offset_wgmma(token, piece, SUBS, self.a_bytes, W)
+            else:
+                dst[i] = lay.b_offset(token, piece, SUBS, self.a_bytes)
+            off = Int32(-2)
+            if gid < self.granules:
+                off = Int32(-1)
+                if token < tokens:
+                    off = (token * k + piece * 8) * 2
+            src[i] = off
+
+        acc = cute.make_rmem_tensor((MT * W * 4,), Float32)
+        for i in cutlass.range_constexpr(MT * W * 4):
+            acc[i] = Float32(0.0)
+        if cutlass.const_expr(self.serial):
+            # the running sum of the splits folded so far (written at the first fold)
+            total = cute.make_rmem_tensor((MT * W * 4,), Float32)
+            for i in cutlass.range_constexpr(MT * W * 4):
+                total[i] = Float32(0.0)
 
         # 2. main loop. Prologue: the weights of the first ring - 1 stages (one group), then
         # (programmatic dependent launch) wait for the previous grid of the stream, whose
@@ -352,96 +328,23 @@ class SplitKGemmKernel:
             else:
                 self._compute(acc, ring + (s % RING) * SLOT, warp, lane)
             if cutlass.const_expr(self.serial):
-                self._fold(acc, total, s, per_split)
+                if (s + 1) % per_split == 0:
+                    if cutlass.const_expr(self.overlap):
+                        self._settle_wgmma(acc)  # the split's last MMAs, before the fold
+                    # split (s + 1) / per_split - 1 is complete (its wgmma waited for in
+                    # _compute_wgmma): fold it in split order, the reduction's
+                    # ``acc = p_0; acc = acc + p_s`` (split 0 starts the sum: -0 stays -0),
+                    # and start the next split's chain from zero
+                    first = s + 1 == per_split
+                    for i in cutlass.range_constexpr(MT * W * 4):
+                        total[i] = cutlass.select_(first, acc[i], h.fadd(total[i], acc[i]))
+                        acc[i] = Float32(0.0)
         cute.arch.cp_async_wait_group(0)
         if cutlass.const_expr(self.overlap):
             self._settle_wgmma(acc)  # the last stage's MMAs (a no-op wait after a fold)
 
         # 3. split-K: partials to the workspace, the last CTA of the tile reduces in order
         # (serial splits: the running sum is the reduced result)
-        self._finish(acc, total, out, addend, ws, counters, n, tokens, splits, flags, width,
-                     tile, split, tiles, tid, warp, lane, flag)
-
-    @cute.jit
-    def _weight_sources(self, w: Int64, tile, k0, row_bytes, warp, lane):
-        """Per (m-tile, half), the global address of the 16 bytes lane ``lane`` of MMA warp
-        ``warp`` copies at stage 0, sub-chunk 0 of the split starting at ``k0``
-        (``layout.a_source``)."""
-        MT: cutlass.Constexpr = self.mtiles
-        abase = w + Int64(tile * self.tile_rows) * row_bytes + Int64(k0) * 2
-        asrc = []
-        for mt in cutlass.range_constexpr(MT):
-            for half in cutlass.range_constexpr(2):
-                row, kk = lay.a_source(warp, mt, half, lane, MT)
-                asrc.append(abase + Int64(row) * row_bytes + kk * 2)
-        return asrc
-
-    @cute.jit
-    def _token_pieces(self, thread, threads: int, copies: int, tokens: Int32, k: Int32):
-        """``(src, dst)`` of the token pieces ``thread + threads i`` (``i < copies``) of one of
-        ``threads`` copying threads: each piece's byte offset from the split's first k of
-        ``x`` (-1: past ``T``, zero-filled; -2: past the stage's pieces, not copied) and its
-        slot offset (``layout.b_offset_wgmma`` / ``b_offset``)."""
-        SUBS: cutlass.Constexpr = self.subs
-        src = cute.make_rmem_tensor((copies,), Int32)
-        dst = cute.make_rmem_tensor((copies,), Int32)
-        for i in cutlass.range_constexpr(copies):
-            gid = thread + threads * i
-            token = gid // self.pieces
-            piece = gid % self.pieces
-            if cutlass.const_expr(self.wgmma):
-                dst[i] = lay.b_offset_wgmma(token, piece, SUBS, self.a_bytes, self.windows)
-            else:
-                dst[i] = lay.b_offset(token, piece, SUBS, self.a_bytes)
-            off = Int32(-2)
-            if gid < self.granules:
-                off = Int32(-1)
-                if token < tokens:
-                    off = (token * k + piece * 8) * 2
-            src[i] = off
-        return src, dst
-
-    @cute.jit
-    def _accumulators(self):
-        """``(acc, total)``: the FP32 accumulators of this warp's (m-tile, window) tiles,
-        zero, and the running sum of serial splits (its own zeroed registers with
-        ``serial``, else ``acc`` itself)."""
-        n = self.mtiles * self.windows * 4
-        acc = cute.make_rmem_tensor((n,), Float32)
-        for i in cutlass.range_constexpr(n):
-            acc[i] = Float32(0.0)
-        total = acc
-        if cutlass.const_expr(self.serial):
-            total = cute.make_rmem_tensor((n,), Float32)
-            for i in cutlass.range_constexpr(n):
-                total[i] = Float32(0.0)
-        return acc, total
-
-    @cute.jit
-    def _fold(self, acc, total, s, per_split):
-        """Serial splits, after stage ``s``: where it ends split ``(s + 1) / per_split - 1``
-        (its MMAs waited for: in ``_compute_wgmma``, or here with ``overlap``), fold the
-        split into the running sum in split order, the reduction's ``acc = p_0; acc = acc +
-        p_s`` (split 0 starts the sum: -0 stays -0), and start the next split's chain from
-        zero."""
-        if (s + 1) % per_split == 0:
-            if cutlass.const_expr(self.overlap):
-                self._settle_wgmma(acc)  # the split's last MMAs, before the fold
-            first = s + 1 == per_split
-            for i in cutlass.range_constexpr(self.mtiles * self.windows * 4):
-                total[i] = cutlass.select_(first, acc[i], h.fadd(total[i], acc[i]))
-                acc[i] = Float32(0.0)
-
-    @cute.jit
-    def _finish(self, acc, total, out: Int64, addend: Int64, ws: Int64, counters: Int64,
-                n: Int32, tokens: Int32, splits: Int32, flags: Int32, width: Int32, tile,
-                split, tiles, tid, warp, lane, flag):
-        """Step 3 of the class docstring, by the MMA warps: the epilogue on ``total`` (serial
-        splits: the running sum), on ``acc`` (one split), or the split's partials to the
-        workspace and, in the CTA that finishes the tile last, the reduction in split order
-        and the epilogue."""
-        MT: cutlass.Constexpr = self.mtiles
-        W: cutlass.Constexpr = self.windows
         if cutlass.const_expr(self.serial):
             if cutlass.const_expr(self.chunked):
                 self._epilogue(total, out, addend, width, tokens, flags, tile, warp, lane,
@@ -456,7 +359,7 @@ class SplitKGemmKernel:
                                                 self.warps, MT, W),
                              [h.bits(acc[at + i]) for i in range(4)])
             fence_gpu()
-            self._sync_mma()
+            cute.arch.sync_threads()
             if tid == 0:
                 fence_gpu()
                 old = p.atomic_add(counters + Int64(tile) * 4, 1)
@@ -465,7 +368,7 @@ class SplitKGemmKernel:
                     last = Int32(1)
                     p.stg_i32(counters + Int64(tile) * 4, 0)
                 p.sts_i32(flag, last)
-            self._sync_mma()
+            cute.arch.sync_threads()
             if p.lds_i32(flag) != 0:
                 fence_gpu()
                 for sp in cutlass.range(splits, unroll=1):
@@ -492,131 +395,7 @@ class SplitKGemmKernel:
             else:
                 self._epilogue(acc, out, addend, n, tokens, flags, tile, warp, lane)
 
-    @cute.jit
-    def _sync_mma(self):
-        """A barrier of the MMA warps: the whole CTA, or with ``producer`` named barrier 1
-        over the ``mma_threads`` (the producer warp is not there)."""
-        if cutlass.const_expr(self.producer):
-            cute.arch.barrier(barrier_id=1, number_of_threads=self.mma_threads)
-        else:
-            cute.arch.sync_threads()
-
-    @cute.jit
-    def _wait(self, barrier, parity):
-        """Wait for the phase of ``parity`` of the mbarrier at ``barrier``: at most
-        ``layout.WAIT_POLLS`` polls, then ``trap``."""
-        done = p.mbarrier_try_wait(barrier, parity)
-        polls = Int32(0)
-        while (done == 0) & (polls < lay.WAIT_POLLS):
-            done = p.mbarrier_try_wait(barrier, parity)
-            polls = polls + 1
-        if done == 0:
-            p.trap()
-
-    @cute.jit
-    def _specialized(self, w: Int64, x: Int64, out: Int64, addend: Int64, ws: Int64,
-                     counters: Int64, n: Int32, k: Int32, tokens: Int32, splits: Int32,
-                     flags: Int32, width: Int32, ring, flag, tile, split, tiles, k0, stages,
-                     per_split, row_bytes, tid, warp, lane):
-        """The kernel with a producer warpgroup (class docstring, "Producer warpgroup"):
-        barriers ``full[i]`` at ``bars + 8 i`` (128 arrivals, the producer threads' ``noinc``
-        ones) and ``empty[i]`` at ``bars + 8 (ring + i)`` (one arrival per MMA warp); warps
-        ``warps ..`` produce, the others compute stage ``s`` from slot ``s % ring`` once phase
-        ``s // ring`` of ``full`` has completed."""
-        RING: cutlass.Constexpr = self.ring
-        SLOT: cutlass.Constexpr = self.slot_bytes
-        WARPS: cutlass.Constexpr = self.warps
-        bars = cute.arch.alloc_smem(Int64, 2 * RING, alignment=8).toint()
-        if tid == 0:
-            for i in cutlass.range_constexpr(RING):
-                p.mbarrier_init(bars + 8 * i, PRODUCER_THREADS)
-                p.mbarrier_init(bars + 8 * (RING + i), WARPS)
-            p.mbarrier_init_fence()
-        cute.arch.sync_threads()
-        if warp >= WARPS:
-            if cutlass.const_expr(self.mma_registers > 0):
-                cute.arch.setmaxregister_decrease(self.producer_registers)
-            self._produce(w, x, k, tokens, tile, k0, stages, row_bytes, ring, bars,
-                          tid - self.mma_threads)
-        else:
-            if cutlass.const_expr(self.mma_registers > 0):
-                cute.arch.setmaxregister_increase(self.mma_registers)
-            # programmatic dependent launch: the previous grid of the stream may write the
-            # addend or out, which only the MMA warps touch (after the loop)
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
-            acc, total = self._accumulators()
-            for s in cutlass.range(stages, unroll=1):
-                slot = s % RING
-                self._wait(bars + 8 * slot, (s // RING) % 2)
-                # the producer's cp.async writes (generic proxy) before the MMAs' reads
-                cute.arch.fence_view_async_shared()
-                self._compute_wgmma(acc, ring + slot * SLOT, warp)
-                # the slot whose MMAs have completed goes back to the producer: this stage's,
-                # or with overlap the previous one's (wait_group 1 above)
-                if cutlass.const_expr(self.overlap):
-                    if s > 0:
-                        self._release(bars + 8 * (RING + (s - 1) % RING), lane)
-                else:
-                    self._release(bars + 8 * (RING + slot), lane)
-                if cutlass.const_expr(self.serial):
-                    self._fold(acc, total, s, per_split)
-            if cutlass.const_expr(self.overlap):
-                self._settle_wgmma(acc)
-            self._finish(acc, total, out, addend, ws, counters, n, tokens, splits, flags,
-                         width, tile, split, tiles, tid, warp, lane, flag)
-
-    @cute.jit
-    def _release(self, empty, lane):
-        """This warp is done with a slot: one arrival on its ``empty`` barrier, by lane 0
-        after the whole warp has got there."""
-        cute.arch.sync_warp()
-        if lane == 0:
-            p.mbarrier_arrive(empty)
-
-    @cute.jit
-    def _produce(self, w: Int64, x: Int64, k: Int32, tokens: Int32, tile, k0, stages,
-                 row_bytes, ring, bars, ptid):
-        """Producer thread ``ptid`` (0..127): its copies of every stage, ``ring`` stages
-        ahead of the MMA warps; the weights of the first ``ring`` stages before the wait for
-        the previous grid, the tokens after it."""
-        RING: cutlass.Constexpr = self.ring
-        SLOT: cutlass.Constexpr = self.slot_bytes
-        COPIES: cutlass.Constexpr = self.producer_copies
-        pw = ptid // 32
-        lane = ptid % 32
-        # the pieces of lane ``lane`` of MMA warps pw, pw + 4: what those lanes copy in the
-        # kernel without a producer
-        asrc = [self._weight_sources(w, tile, k0, row_bytes, pw + 4 * j, lane)
-                for j in range(self.warps // 4)]
-        # this thread's token pieces: byte offset from x + k0 (-1: zero-fill, -2: none),
-        # slot offset
-        xbase = x + Int64(k0) * 2
-        src, dst = self._token_pieces(ptid, PRODUCER_THREADS, COPIES, tokens, k)
-        for st in cutlass.range_constexpr(RING):
-            if st < stages:
-                self._produce_a(asrc, ring + st * SLOT, st, pw, lane)
-        cute.arch.griddepcontrol_wait()
-        cute.arch.griddepcontrol_launch_dependents()
-        for st in cutlass.range_constexpr(RING):
-            if st < stages:
-                self._issue_b(xbase, src, dst, ring + st * SLOT, st, COPIES, PRODUCER_THREADS)
-                p.cp_async_arrive_noinc(bars + 8 * st)
-        for s in cutlass.range(RING, stages, unroll=1):
-            slot = s % RING
-            # every MMA warp is done with stage s - ring (phase s // ring - 1 of empty)
-            self._wait(bars + 8 * (RING + slot), (s // RING + 1) % 2)
-            self._issue_b(xbase, src, dst, ring + slot * SLOT, s, COPIES, PRODUCER_THREADS)
-            self._produce_a(asrc, ring + slot * SLOT, s, pw, lane)
-            p.cp_async_arrive_noinc(bars + 8 * slot)
-        p.cp_async_wait_all()
-
-    @cute.jit
-    def _produce_a(self, asrc, slot, stage, pw, lane):
-        """The weight pieces of stage ``stage`` that lane ``lane`` of MMA warps ``pw, pw +
-        4`` copies without a producer (``_issue_a`` of each), to the same slot offsets."""
-        for j in cutlass.range_constexpr(self.warps // 4):
-            self._issue_a(asrc[j], slot, stage, pw + 4 * j, lane)
+    # -- pieces -----------------------------------------------------------------------
 
     @cute.jit
     def _issue(self, asrc, xbase, src, dst, slot, stage, warp, lane):
@@ -625,15 +404,11 @@ class SplitKGemmKernel:
         self._issue_a(asrc, slot, stage, warp, lane)
 
     @cute.jit
-    def _issue_b(self, xbase, src, dst, slot, stage, copies: int = 0, threads: int = 0):
-        """This thread's token pieces of stage ``stage`` (``_token_pieces``: ``copies`` per
-        thread of ``threads`` copying threads; default this kernel's own, ``copies`` /
-        ``threads``; the producer warpgroup's are ``producer_copies`` / 128)."""
-        copies = copies or self.copies
-        threads = threads or self.threads
+    def _issue_b(self, xbase, src, dst, slot, stage):
+        """This thread's token pieces of stage ``stage``."""
         offset = Int64(stage) * (self.stage_k * 2)
-        for i in cutlass.range_constexpr(copies):
-            if cutlass.const_expr((i + 1) * threads <= self.granules):
+        for i in cutlass.range_constexpr(self.copies):
+            if cutlass.const_expr((i + 1) * self.threads <= self.granules):
                 p.cp_async_16(slot + dst[i], xbase + Int64(cutlass.max(src[i], Int32(0))) + offset,
                               src[i] >= 0)
             else:

@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 
 __all__ = [
-    "WINDOW", "MAX_TOKENS", "MAX_WINDOWS", "SUB_K", "PIECE", "BLOCK", "WAIT_POLLS",
+    "WINDOW", "MAX_TOKENS", "MAX_WINDOWS", "SUB_K", "PIECE", "BLOCK",
     "a_source", "a_offset", "b_offset", "b_read_offset", "mma_operands", "c_map", "ws_offset",
     "a_offset_wgmma", "b_offset_wgmma", "wgmma_descriptors", "swizzled_chunk", "ROW_BYTES", "ATOM_BYTES",
     "windows_for", "Tactic", "MAX_WIDE_WINDOWS", "CHUNK_WINDOWS", "check_chunk_windows",
@@ -74,9 +74,6 @@ MAX_WIDE_WINDOWS = 16
 #: The token-chunk widths a tactic may have (``Tactic.chunk_windows``): 8 windows (64 rows;
 #: every kind) or 16 (128 rows; ``wgmma`` only).
 CHUNK_WINDOWS = (MAX_WINDOWS, MAX_WIDE_WINDOWS)
-#: How many ``mbarrier.try_wait`` polls a wait of the producer-warp kernel makes before it
-#: traps (each poll may suspend the thread for a while; far beyond any stage's copies).
-WAIT_POLLS = 1 << 22
 #: k of one sub-chunk (two MMA steps of 16).
 SUB_K = 32
 #: Bytes of one ``cp.async`` / one lane's shared load.
@@ -296,8 +293,7 @@ class Tactic:
         splits: K splits (CTAs per tile); ``K % (splits * stage_k) == 0``.
         stage_k: k per ring stage (64 or 128).
         occupancy: CTAs per multiprocessor the kernel is built for (launch bounds and
-            the ring's share of shared memory); default 2 for tiles up to 128 rows, else 1
-            (1 with ``producer``).
+            the ring's share of shared memory); default 2 for tiles up to 128 rows, else 1.
         ring: stages in the ``cp.async`` ring; default ``ring_for(...)``.
         wgmma: warpgroup MMA (sm_90a; warps 4 or 8) with both operands read from the
             ring slot by descriptor (``a_offset_wgmma``, ``b_offset_wgmma``), one
@@ -319,10 +315,6 @@ class Tactic:
             m-tile and 16 k, so a call of many rows has half the chunks and each weight tile
             is streamed half as often). Each output is the same MMA chain whatever chunk or
             window count its token lands in, so the same bits at either width.
-        producer: with ``wgmma``, one more warpgroup that only copies, feeding the MMA warps
-            through mbarriers (``fast.gemm.kernel``'s "Producer warpgroup"), at one CTA per
-            multiprocessor: the same bytes in the same slots and the same MMAs in the same
-            order, so the same bits as without it.
     """
 
     warps: int = 4
@@ -335,7 +327,6 @@ class Tactic:
     serial: bool = False
     overlap: bool = False
     chunk_windows: int = MAX_WINDOWS
-    producer: bool = False
 
     def __post_init__(self):
         for name in ("warps", "mtiles", "splits"):
@@ -354,16 +345,12 @@ class Tactic:
         if self.wgmma and self.warps not in (4, 8):
             raise ValueError(f"Tactic.wgmma needs whole warpgroups (warps 4 or 8), got "
                              f"warps={self.warps}")
-        for name in ("wgmma", "serial", "overlap", "producer"):
+        for name in ("wgmma", "serial", "overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"Tactic.{name} must be a bool, got {getattr(self, name)!r}")
         if self.overlap and not self.wgmma:
             raise ValueError("Tactic.overlap keeps warpgroup MMAs in flight: it needs wgmma=True")
         check_chunk_windows("Tactic", "chunk_windows", self.chunk_windows, self.wgmma)
-        if self.producer and (not self.wgmma or self.occupancy not in (None, 1)):
-            raise ValueError(f"Tactic.producer feeds warpgroup MMAs at one CTA per "
-                             f"multiprocessor: it needs wgmma=True and occupancy None or 1, "
-                             f"got wgmma={self.wgmma}, occupancy={self.occupancy}")
 
     def tiles_per_warp(self, windows: int) -> int:
         """Accumulator tiles (16 x 8 FP32 each) a warp holds at ``windows`` windows: one
@@ -406,7 +393,7 @@ class Tactic:
                              f"tiles per warp at {windows} windows exceed {self.max_tiles()} "
                              f"(registers); it serves up to "
                              f"{8 * (self.max_tiles() // per_window)} tokens per chunk")
-        occ = self.occupancy or (2 if self.tile_rows <= 128 and not self.producer else 1)
+        occ = self.occupancy or (2 if self.tile_rows <= 128 else 1)
         ring = self.ring or ring_for(self.tile_rows, windows, self.stage_k, occ)
         if occ * (ring * slot_bytes(self.tile_rows, windows, self.stage_k) + 2048) > SMEM_PER_SM:
             raise ValueError(f"Tactic {self}: {ring} ring stages of "
@@ -425,8 +412,6 @@ class Tactic:
             params["serial"] = True
         if self.overlap:  # likewise
             params["overlap"] = True
-        if self.producer:  # likewise
-            params["producer"] = True
         return params
 
     def label(self) -> str:
@@ -436,5 +421,4 @@ class Tactic:
         extra += ",serial" if self.serial else ""
         extra += ",overlap" if self.overlap else ""
         extra += f",cw{self.chunk_windows}" if self.chunk_windows != MAX_WINDOWS else ""
-        extra += ",producer" if self.producer else ""
         return f"r{self.tile_rows}w{self.warps}s{self.splits}{extra}"

@@ -334,7 +334,7 @@ class WideLayer(WideStageCalls):
             its default tactic, overriding the three arguments above: ``{gemm: {rows_from:
             {key: value}}}``, ``gemm`` among ``wide_gemms.WIDE_GEMMS``, keys among
             ``fast.gemm.host.FORM_KEYS`` (``chunk_windows``, ``serial``, ``overlap``,
-            ``stage_k``, ``producer``; ``fast.gemm.DenseGemm``'s ``forms``). None (default): none. The
+            ``stage_k``; ``fast.gemm.DenseGemm``'s ``forms``). None (default): none. The
             K split and the MMA kind are not a form's: the same bits.
     """
 
