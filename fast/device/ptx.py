@@ -26,8 +26,6 @@ __all__ = [
     "smem_matrix_descriptor", "smem_matrix_descriptor_sw128", "smem_descriptor_offset", "wgmma_bf16", "wgmma_bf16_ss", "wgmma_e4m3_ss", "wgmma_settle", "ld_relaxed_gpu",
     "fence_acq_rel_gpu",
     "red_release_gpu_add", "pinned_i32", "lds_u32", "load_v4", "store_v4",
-    "mbarrier_init", "mbarrier_init_fence", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
-    "mbarrier_try_wait", "cp_async_bulk", "cp_async_arrive_noinc", "cp_async_wait_all",
 ]
 
 
@@ -236,68 +234,6 @@ def sts_i32(smem_address, value):
 
 def lds_i32(smem_address):
     return _asm("ld.shared.s32 {$w0}, [{$r0}];", [Int32], [Int32(smem_address)])
-
-
-# --- mbarriers and bulk copies (sm_90 and later) -------------------------------------
-# A shared-memory mbarrier (8 bytes, 8-byte aligned) counts arrivals and transaction
-# bytes per phase; a phase completes when its expected arrivals have arrived and its
-# transaction count is back to 0, and its parity (0, 1, 0, ...) is what a waiter names.
-
-
-def mbarrier_init(smem_address, count: int):
-    """``mbarrier.init.shared.b64``: the barrier at ``smem_address`` expects ``count``
-    arrivals per phase, in phase 0."""
-    _asm("mbarrier.init.shared.b64 [{$r0}], {$r1};", [], [Int32(smem_address), Int32(count)])
-
-
-def mbarrier_init_fence():
-    """``fence.mbarrier_init.release.cluster``: the initializations above visible to the
-    other threads' (and the copy engines') barrier operations after the next CTA barrier."""
-    _asm("fence.mbarrier_init.release.cluster;", [], [])
-
-
-def mbarrier_arrive(smem_address):
-    """``mbarrier.arrive.shared.b64`` (release at CTA scope: this thread's earlier shared
-    and global writes are visible to a thread that sees the phase complete)."""
-    _asm("mbarrier.arrive.shared.b64 _, [{$r0}];", [], [Int32(smem_address)])
-
-
-def mbarrier_arrive_expect_tx(smem_address, tx_bytes):
-    """``mbarrier.arrive.expect_tx.shared.b64``: add ``tx_bytes`` to the phase's expected
-    transaction bytes (the bulk copies that complete on it), then arrive."""
-    _asm("mbarrier.arrive.expect_tx.shared.b64 _, [{$r0}], {$r1};", [],
-         [Int32(smem_address), Int32(tx_bytes)])
-
-
-def mbarrier_try_wait(smem_address, parity):
-    """``mbarrier.try_wait.parity.shared.b64``: 1 once the phase of ``parity`` (0 or 1) of
-    the barrier has completed, 0 if it has not within the instruction's own time limit
-    (the thread may be suspended meanwhile); the caller polls, with a bound."""
-    return _asm("{ .reg .pred p; mbarrier.try_wait.parity.shared.b64 p, [{$r0}], {$r1}; "
-                "selp.b32 {$w0}, 1, 0, p; }", [Int32], [Int32(smem_address), Int32(parity)])
-
-
-def cp_async_bulk(smem_address, global_address, size, mbarrier):
-    """``cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes``: ``size``
-    bytes (a multiple of 16; both addresses 16-byte aligned) from global to this CTA's
-    shared memory by the copy engine, counted as ``size`` transaction bytes on completion
-    at ``mbarrier``. Its writes are made by the async proxy, so they are visible to the
-    tensor cores and, once the barrier's phase is seen complete, to every thread."""
-    _asm("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes "
-         "[{$r0}], [{$r1}], {$r2}, [{$r3}];", [],
-         [Int32(smem_address), Int64(global_address), Int32(size), Int32(mbarrier)])
-
-
-def cp_async_arrive_noinc(mbarrier):
-    """``cp.async.mbarrier.arrive.noinc.shared.b64``: an arrival on ``mbarrier`` once every
-    ``cp.async`` this thread issued before it has completed (``noinc``: counted against the
-    arrivals the barrier was initialized with)."""
-    _asm("cp.async.mbarrier.arrive.noinc.shared.b64 [{$r0}];", [], [Int32(mbarrier)])
-
-
-def cp_async_wait_all():
-    """``cp.async.wait_all``: every ``cp.async`` of this thread complete."""
-    _asm("cp.async.wait_all;", [], [])
 
 
 # --- arithmetic ---------------------------------------------------------------------
