@@ -18,9 +18,9 @@ from cutlass._mlir import ir
 from cutlass._mlir.dialects import vector
 
 __all__ = [
-    "ldg_stream_v4", "ldg_u32", "ldg_u16", "ldg_u8", "ldg_i32", "ldg_v2", "ldg_u64",
+    "ldg_stream_v4", "ldg_u32", "ldg_u8", "ldg_i32", "ldg_v2", "ldg_u64",
     "stg_u16", "stg_u8", "stg_f32", "stg_i32", "stg_u32", "stg_v4", "atomic_cas", "ld_acquire_sys",
-    "cp_async_16", "cp_async_4", "cp_async_4z", "lds_u16", "lds_u8", "lds_v4", "sts_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
+    "cp_async_16", "cp_async_4", "cp_async_4z", "lds_u16", "lds_v4", "sts_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
     "mma_bf16", "rotr", "prmt", "mul_bf16x2", "atomic_add", "atomic_max", "shfl_xor", "shfl_up",
     "e4m3x2_to_f32", "f32x2_to_e4m3x2", "f32_to_bf16_bits",
     "smem_matrix_descriptor", "smem_matrix_descriptor_sw128", "smem_descriptor_offset", "wgmma_bf16", "wgmma_bf16_ss", "wgmma_e4m3_ss", "wgmma_settle", "ld_relaxed_gpu",
@@ -83,12 +83,6 @@ def red_release_gpu_add(address, value):
     stores before a barrier)."""
     _asm("fence.acq_rel.gpu; red.relaxed.gpu.global.add.s32 [{$r0}], {$r1};", [],
          [Int64(address), Int32(value)])
-
-
-def ldg_u16(address):
-    """A zero-extended 16-bit global load (``ld.global.nc.u16``)."""
-    return _asm("{ .reg .b16 t; ld.global.nc.u16 t, [{$r0}]; cvt.u32.u16 {$w0}, t; }",
-                [Uint32], [Int64(address)])
 
 
 def ldg_u8(address):
@@ -202,11 +196,6 @@ def lds_u32(smem_address):
 
 def lds_u16(smem_address):
     return _asm("{ .reg .b16 t; ld.shared.u16 t, [{$r0}]; cvt.u32.u16 {$w0}, t; }", [Uint32],
-                [Int32(smem_address)])
-
-
-def lds_u8(smem_address):
-    return _asm("{ .reg .b16 t; ld.shared.u8 t, [{$r0}]; cvt.u32.u16 {$w0}, t; }", [Uint32],
                 [Int32(smem_address)])
 
 
