@@ -39,7 +39,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -48,7 +47,7 @@ import torch
 from verify import cpu_math
 from verify import backends as backend_registry
 from verify.recorder import Recorder
-from verify.report import (Report, format_table, format_totals, merge_reports, report_payload,
+from verify.report import (Report, commit_under_test, format_table, format_totals, merge_reports, report_payload,
                            write_report)
 from verify.seeds import seed_of
 
@@ -234,25 +233,10 @@ def pytest_runtest_makereport(item, call):
     return result
 
 
-def _commit() -> str:
-    """The repository's commit (``-dirty`` with uncommitted changes), ``-`` without git."""
-    root = VERIFY_DIR.parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
-                              capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "-"
-    if head.returncode:
-        return "-"
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-
-
 def _environment() -> dict:
     capability = _cuda_capability()
     return {
-        "commit": _commit(),
+        "commit": commit_under_test(VERIFY_DIR.parent),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if capability else "cpu",

@@ -18,6 +18,10 @@ from the command line::
 It refuses parts of another commit, device or software version, and exits 1 when a row
 failed (2 when the parts cannot be joined).
 
+A report names the commit it tested (:func:`commit_under_test`): a copy of the tree made by
+``git archive`` for a GPU node carries a ``COMMIT`` file, which wins over the git of any
+checkout the copy sits in.
+
 A row's columns:
 
 * ``cases`` / ``passed`` / ``failed`` / ``skipped`` — test cases of that row and their
@@ -38,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -229,6 +234,29 @@ def _backend_line(name: str, about: dict) -> str:
     if about.get("load_error"):
         return f"* {about['load_error']}"
     return f"* `{name}` {about['version']} ({about['source']})"
+
+
+def commit_under_test(root: Path) -> str:
+    """The commit of the tree under test at ``root``: the first word of ``root/COMMIT``
+    where the tree is a copy that carries one (a ``git archive`` copy sent to a GPU node,
+    which git would otherwise describe by whatever checkout surrounds it; the benchmarks
+    read the same file), else git's HEAD (12 digits, ``-dirty`` when a tracked file
+    differs), else ``-``."""
+    marker = root / "COMMIT"
+    if marker.is_file():
+        words = marker.read_text().split()
+        if words:
+            return words[0]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
+                              capture_output=True, text=True, timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "-"
+    if head.returncode:
+        return "-"
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def report_payload(report: Report, environment: dict) -> dict:
