@@ -1,7 +1,7 @@
 """The "verified where" page, generated from the committed verification reports.
 
 For every contract file ``verify/test_*.py`` and every machine (the CPU of CI, one H200,
-two H200s, a Blackwell GPU) the page says what the last committed run on that machine did
+one H100, two H200s, a Blackwell GPU) the page says what the last committed run on that machine did
 with that file's contracts (cases passed, failed, skipped) and which run it was: its
 commit, date and report. A run's commit is usually behind HEAD; the page says by how many
 commits, so "not verified at HEAD" is visible.
@@ -11,9 +11,10 @@ Inputs, all committed (:data:`RUNS`):
 * a merged ``verify.report`` JSON (``rows``: contract, backend, config, status and case
   counts) or a report of the same row shape (``two-gpu.json``);
 * the run's metadata: ``commit``, ``date``, ``log`` (and ``what``) from a ``<stem>-run.json``
-  beside the report when there is one (``verify.json``'s own ``environment.commit`` names
-  the commit the device's copy was made from, not the tree that ran:
-  ``benchmarks/results/h200/verify-notes.md``), else the report's own top-level keys.
+  beside the report when there is one, else the report's own top-level keys. The
+  ``-run.json`` is what names the tree for runs made before the reports read a copy's
+  ``COMMIT`` file (``verify.report.commit_under_test``): their ``environment.commit`` is
+  whatever the git around the copy said (``benchmarks/results/h200/verify-notes.md``).
 
 A report's rows are mapped to contract files by the contract name each test records
 (``verify.conftest.row_key``: the ``contract`` marker's argument, else the test function's
@@ -48,7 +49,7 @@ PAGE = ROOT / "docs" / "verified.md"
 RESULTS = "benchmarks/results"
 
 #: The machines of the page's columns, in order.
-MACHINES = ("CPU (CI)", "one H200", "two H200s", "Blackwell")
+MACHINES = ("CPU (CI)", "one H200", "one H100", "two H200s", "Blackwell")
 
 #: machine -> the committed report of its last run (relative to the root), or None where
 #: no report is committed. The CPU's report is a run of what CI runs (``make test``'s
@@ -56,6 +57,7 @@ MACHINES = ("CPU (CI)", "one H200", "two H200s", "Blackwell")
 RUNS: dict[str, str | None] = {
     "CPU (CI)": f"{RESULTS}/cpu-2core-amd-epyc/verify.json",
     "one H200": f"{RESULTS}/h200/verify.json",
+    "one H100": f"{RESULTS}/h100/verify.json",
     "two H200s": f"{RESULTS}/h200/two-gpu.json",
     "Blackwell": None,
 }
