@@ -46,6 +46,8 @@ import subprocess
 from collections.abc import Iterable
 from pathlib import Path
 
+from benchmarks.provenance import copy_commit
+
 
 @dataclasses.dataclass
 class Row:
@@ -238,15 +240,12 @@ def _backend_line(name: str, about: dict) -> str:
 
 def commit_under_test(root: Path) -> str:
     """The commit of the tree under test at ``root``: the first word of ``root/COMMIT``
-    where the tree is a copy that carries one (a ``git archive`` copy sent to a GPU node,
-    which git would otherwise describe by whatever checkout surrounds it; the benchmarks
-    read the same file), else git's HEAD (12 digits, ``-dirty`` when a tracked file
-    differs), else ``-``."""
-    marker = root / "COMMIT"
-    if marker.is_file():
-        words = marker.read_text().split()
-        if words:
-            return words[0]
+    where the tree is a copy that carries one (:func:`benchmarks.provenance.copy_commit`,
+    the rule the benchmarks follow), else git's HEAD (12 digits, ``-dirty`` when a tracked
+    file differs), else ``-``."""
+    copied = copy_commit(root)
+    if copied:
+        return copied
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
                               capture_output=True, text=True, timeout=10)
