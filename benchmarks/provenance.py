@@ -14,7 +14,7 @@ import platform
 import subprocess
 from pathlib import Path
 
-__all__ = ["ROOT", "git_head", "copy_commit", "tree_commit", "run_header", "tree_note"]
+__all__ = ["ROOT", "git_head", "tree_commit", "run_header", "tree_note"]
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,15 +30,6 @@ def git_head(root: Path = ROOT) -> tuple[str, bool]:
     return sha, bool(status.strip())
 
 
-def copy_commit(root: Path) -> str | None:
-    """The first word of ``root/COMMIT``, the marker a ``git archive`` copy of the tree
-    carries to a GPU node (where git would describe whatever checkout surrounds the copy);
-    None without one. ``verify.report.commit_under_test`` reads it too."""
-    marker = root / "COMMIT"
-    words = marker.read_text().split() if marker.is_file() else []
-    return words[0] if words else None
-
-
 def tree_commit(root: Path = ROOT) -> str:
     """The measured tree's commit: ``$BENCH_COMMIT`` (``<sha>[-dirty]``), else the first
     word of ``root/COMMIT``, else :func:`git_head` (``-dirty`` when a tracked file
@@ -46,9 +37,11 @@ def tree_commit(root: Path = ROOT) -> str:
     given = os.environ.get("BENCH_COMMIT")
     if given:
         return given
-    copied = copy_commit(root)
-    if copied:
-        return copied
+    marker = root / "COMMIT"
+    if marker.is_file():
+        words = marker.read_text().split()
+        if words:
+            return words[0]
     try:
         sha, dirty = git_head(root)
     except (OSError, subprocess.CalledProcessError):

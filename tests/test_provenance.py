@@ -29,3 +29,20 @@ def test_tree_commit_of_this_checkout(monkeypatch):
 def test_tree_note():
     assert provenance.tree_note({"commit": "7c8c4e5"}) == ", tree 7c8c4e5"
     assert provenance.tree_note({}) == ""
+
+
+def test_a_copy_inside_a_checkout_names_its_own_commit(tmp_path, monkeypatch):
+    """A ``git archive`` copy sent to a GPU node sits inside the node's checkout; its
+    ``COMMIT`` file, not the surrounding git, names it (a verification report once named
+    the node checkout's older, dirty HEAD; ``verify/conftest.py`` reads ``tree_commit``)."""
+    monkeypatch.delenv("BENCH_COMMIT", raising=False)
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    subprocess.run([*git, "commit", "-q", "--allow-empty", "-m", "outer"], check=True)
+    outer = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True,
+                           text=True).stdout.strip()
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    assert provenance.tree_commit(copy) == outer  # without the marker git answers for it
+    (copy / "COMMIT").write_text("6b38a72\n")
+    assert provenance.tree_commit(copy) == "6b38a72"

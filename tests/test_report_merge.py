@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from verify.report import Report, Row, merge_reports, commit_under_test, write_report
+from verify.report import Report, Row, merge_reports, write_report
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {"commit": "abc123", "python": "3.12.3", "torch": "2.11.0", "device": "NVIDIA H200",
@@ -157,25 +157,3 @@ def test_parts_of_a_real_run_merge_to_the_whole_run(tmp_path):
     want = [Row.from_dict(r) for r in whole["rows"]]
     assert merged.sorted_rows() == want
     assert any(r.figures for r in want) and any(r.skip_reasons for r in want)
-
-
-def test_commit_under_test_prefers_the_copy_marker(tmp_path):
-    """A ``git archive`` copy inside another checkout names its own commit, not the
-    surrounding checkout's (a GPU run once reported the node checkout's older, dirty HEAD
-    for a copy of a newer commit); without git or a marker it says ``-``."""
-    assert commit_under_test(tmp_path) == "-"
-    copy = tmp_path / "copy"
-    copy.mkdir()
-    (copy / "COMMIT").write_text("6b38a72\n")
-    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
-    assert commit_under_test(copy) == "6b38a72"
-    (copy / "COMMIT").write_text("")
-    assert commit_under_test(copy) in ("-", "-dirty")  # git without a commit: rev-parse fails
-
-
-def test_commit_under_test_of_this_checkout():
-    head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT,
-                          capture_output=True, text=True).stdout.strip()
-    if not head or (ROOT / "COMMIT").is_file():  # a copied tree: its marker decides
-        return
-    assert commit_under_test(ROOT).removesuffix("-dirty") == head

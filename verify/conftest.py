@@ -44,10 +44,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.provenance import tree_commit
 from verify import cpu_math
 from verify import backends as backend_registry
 from verify.recorder import Recorder
-from verify.report import (Report, commit_under_test, format_table, format_totals, merge_reports, report_payload,
+from verify.report import (Report, format_table, format_totals, merge_reports, report_payload,
                            write_report)
 from verify.seeds import seed_of
 
@@ -236,7 +237,7 @@ def pytest_runtest_makereport(item, call):
 def _environment() -> dict:
     capability = _cuda_capability()
     return {
-        "commit": commit_under_test(VERIFY_DIR.parent),
+        "commit": tree_commit(VERIFY_DIR.parent),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "device": torch.cuda.get_device_name() if capability else "cpu",

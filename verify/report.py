@@ -18,9 +18,9 @@ from the command line::
 It refuses parts of another commit, device or software version, and exits 1 when a row
 failed (2 when the parts cannot be joined).
 
-A report names the commit it tested (:func:`commit_under_test`): a copy of the tree made by
-``git archive`` for a GPU node carries a ``COMMIT`` file, which wins over the git of any
-checkout the copy sits in.
+A report names the commit it tested as the benchmarks name theirs
+(``benchmarks.provenance.tree_commit``): a copy of the tree made by ``git archive`` for a
+GPU node carries a ``COMMIT`` file, which wins over the git of any checkout the copy sits in.
 
 A row's columns:
 
@@ -42,11 +42,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import subprocess
 from collections.abc import Iterable
 from pathlib import Path
-
-from benchmarks.provenance import copy_commit
 
 
 @dataclasses.dataclass
@@ -236,26 +233,6 @@ def _backend_line(name: str, about: dict) -> str:
     if about.get("load_error"):
         return f"* {about['load_error']}"
     return f"* `{name}` {about['version']} ({about['source']})"
-
-
-def commit_under_test(root: Path) -> str:
-    """The commit of the tree under test at ``root``: the first word of ``root/COMMIT``
-    where the tree is a copy that carries one (:func:`benchmarks.provenance.copy_commit`,
-    the rule the benchmarks follow), else git's HEAD (12 digits, ``-dirty`` when a tracked
-    file differs), else ``-``."""
-    copied = copy_commit(root)
-    if copied:
-        return copied
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root,
-                              capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=root, capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return "-"
-    if head.returncode:
-        return "-"
-    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def report_payload(report: Report, environment: dict) -> dict:

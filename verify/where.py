@@ -13,7 +13,7 @@ Inputs, all committed (:data:`RUNS`):
 * the run's metadata: ``commit``, ``date``, ``log`` (and ``what``) from a ``<stem>-run.json``
   beside the report when there is one, else the report's own top-level keys. The
   ``-run.json`` is what names the tree for runs made before the reports read a copy's
-  ``COMMIT`` file (``verify.report.commit_under_test``): their ``environment.commit`` is
+  ``COMMIT`` file (``benchmarks.provenance.tree_commit``): their ``environment.commit`` is
   whatever the git around the copy said (``benchmarks/results/h200/verify-notes.md``).
 
 A report's rows are mapped to contract files by the contract name each test records
