@@ -45,7 +45,7 @@ import pytest
 import torch
 
 from benchmarks.provenance import tree_commit
-from verify import cpu_math
+from verify import caches, cpu_math
 from verify import backends as backend_registry
 from verify.recorder import Recorder
 from verify.report import (Report, format_table, format_totals, merge_reports, report_payload,
@@ -168,6 +168,15 @@ def pytest_runtest_setup(item):
                                   int(os.environ.get("WORLD_SIZE", "1")))
     if reason:
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def release_caches_at_module_end(request):
+    """Each test module's cached layers dropped when the module ends
+    (:func:`verify.caches.release_module_caches`), so one process running every
+    real-dimension module holds one module's layers at a time."""
+    yield
+    caches.release_module_caches(request.module)
 
 
 @pytest.fixture(scope="session")

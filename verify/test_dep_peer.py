@@ -31,6 +31,9 @@ ROWS = ("token", "column")
 #: Kept alive to the end of the session: a layer whose peers timed out is not used again,
 #: and its symmetric buffer is not freed while a peer may still write into it.
 _RETIRED = []
+#: The layers of ``_layers`` hold symmetric buffers that a peer process may still write into
+#: after this process has left the module: kept to the end of the session (verify.caches).
+KEEP_CACHES_AT_MODULE_END = True
 
 
 @functools.cache
