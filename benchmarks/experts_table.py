@@ -489,6 +489,29 @@ def best_of(median_us: dict, prefix: str) -> tuple[str | None, float | None]:
     return k, v
 
 
+#: The contestant families of a case (``median_us`` keys start with one of these); the
+#: engine and its ``engine_<tactic>`` variants are not peers.
+PEER_FAMILIES = ("triton", "grouped_mm", "marlin", "trtllm", "fi90")
+
+
+def best_peer(median_us: dict) -> tuple[str | None, float | None]:
+    """The fastest peer of a case over every family, layout and configuration
+    (:data:`PEER_FAMILIES`): ``(name, median us)``, or ``(None, None)`` if none ran."""
+    runs = [(v, k) for k, v in median_us.items() if k.startswith(PEER_FAMILIES)]
+    if not runs:
+        return None, None
+    v, k = min(runs)
+    return k, v
+
+
+def peer_label(name: str) -> str:
+    """A contestant's family with its layout and configuration: ``fi90_w4a8`` ->
+    ``fi90 owner w4a8``, ``grouped_mm`` -> ``grouped_mm``."""
+    family = next(f for f in PEER_FAMILIES if name.startswith(f))
+    tag = config_tag(name, family)
+    return f"{family} {tag}" if tag else family
+
+
 def config_tag(name: str | None, prefix: str) -> str:
     """A contestant's layout and configuration from its name: ``triton_w4`` -> ``owner w4``,
     ``marlin_compact_bm16`` -> ``compact bm16`` (names without a layout are the owner
@@ -569,7 +592,9 @@ def render(result: dict) -> str:
     the trtllm-gen MoE, or FlashInfer's SM90 MoE ``fi90``), its best layout and
     configuration (named) and the engine's speed-up over it in two more columns each, and
     each peer's layout and
-    configuration (``result["peers"]``) under the table, and ``<peer>: not run: <reason>``
+    configuration (``result["peers"]``) under the table; the last two columns name the best
+    peer of the case (the fastest of every family, layout and configuration,
+    :func:`best_peer`) and the engine's speed-up over it; and ``<peer>: not run: <reason>``
     for each peer the run could not time (``result["<peer>_error"]``); then, where the run measured
     ``--tactics`` variants, a second table of each variant's time and its ratio to the
     default's."""
@@ -588,9 +613,10 @@ def render(result: dict) -> str:
              "| mode | size | skew | touched |" + (" read GB/s |" if parts else "")
              + " limit us | engine us (frac) | triton best us (frac) "
              "| grouped_mm us (frac) | engine / triton |"
-             + "".join(f" {p} best us (frac) | engine / {p} |" for p in extra),
+             + "".join(f" {p} best us (frac) | engine / {p} |" for p in extra)
+             + " best peer | engine / best peer |",
              "|---|---|---|---|" + ("---|" if parts else "") + "---|---|---|---|---|"
-             + "---|---|" * len(extra)]
+             + "---|---|" * len(extra) + "---|---|"]
     for c in result["cases"]:
         med, lim = c["median_us"], c["limit_us"]
         tri_name, tri = best_of(med, "triton")
@@ -604,6 +630,8 @@ def render(result: dict) -> str:
         for p in extra:
             name, best = best_of(med, p)
             line += (f" {cell(best)}{tag(name, p)} | {best / med['engine']:.2f}x |" if best else " - | - |")
+        name, best = best_peer(med)
+        line += f" {peer_label(name)} | {best / med['engine']:.2f}x |" if best else " - | - |"
         lines.append(line)
     for name, desc in result.get("peers", {}).items():
         lines.append(f"\n{name}: " + "; ".join(f"{k} {v}" for k, v in desc.items()))

@@ -41,7 +41,8 @@ Steps (``--only`` runs one; each reads what the earlier ones left in ``--workdir
    17, its 16 launcher units and the Humming ``MoeGemmRunner`` unit, about 20 minutes more);
 5. ``stubs``: every symbol the objects reference but nobody defines (the runners and
    launchers of the data types not built, reached only through dispatch code the MXFP4 paths
-   never take) defined as a function that prints which library this is and aborts
+   never take) defined as a jump to a thrower: calling one raises a C++ ``std::runtime_error``
+   naming this library, which reaches Python as a ``RuntimeError``
    (:func:`classify_undefined`, :func:`stubs_assembly`), and a link-time ``libcuda.so`` stub
    (the pip wheels ship none; the driver's own ``libcuda.so.1`` is used at run time);
 6. ``link``: ``ninja`` links ``fused_moe_90.so`` (``DT_NEEDED``: ``libcudart.so.13``, the C
@@ -54,7 +55,7 @@ What is dropped and why it is never selected: of the launchers FlashInfer genera
 kept data-type pair, those with an M tile of 128 or more and the Pingpong mainloop
 (FlashInfer's SM90 candidate list, ``get_candidate_configs_sm90``, uses the cooperative
 mainloop for those; the small-K W4A8 launchers are kept whatever their tile). Every other
-data type's runner is a stub that aborts: the library serves ``cutlass_fused_moe`` for
+data type's runner is a stub that throws: the library serves ``cutlass_fused_moe`` for
 ``bfloat16`` activations and ``uint8`` MXFP4 weights with ``use_w4_group_scaling=True``
 (and, with ``--with-w4a8``, ``use_wfp4afp8_humming=True``), nothing else.
 
@@ -377,16 +378,18 @@ def classify_undefined(undefined: set[str], defined: set[str], provided: set[str
 
 
 def stubs_assembly(symbols: list[str], kinds: tuple[str, ...]) -> str:
-    """x86_64 assembly defining each of ``symbols`` as a function that writes one line to
-    stderr (``fused_moe_90 (reduced build: ...): called a kernel or runner that was not
-    compiled into this library``) and calls ``abort``."""
+    """x86_64 assembly defining each of ``symbols`` as a jump to libstdc++'s
+    ``std::__throw_runtime_error`` with the message ``fused_moe_90 (reduced build: ...):
+    called a kernel or runner that was not compiled into this library``: a C++ exception,
+    which FlashInfer's FFI boundary turns into a Python ``RuntimeError`` (its autotuner then
+    skips that tactic) instead of ending the process. The stubs only jump (no frame of their
+    own), so the thrower unwinds straight into the caller."""
     message = (f"{MODULE} (reduced build: {' + '.join(kinds)}): called a kernel or runner that was "
-               "not compiled into this library\\n")
+               "not compiled into this library")
     out = ["\t.section .rodata", ".Lmsg:", f'\t.asciz "{message}"', "\t.text", ".Lfail:",
-           "\tleaq .Lmsg(%rip), %rdi", "\tmovq stderr@GOTPCREL(%rip), %rsi", "\tmovq (%rsi), %rsi",
-           "\tcall fputs@PLT", "\tcall abort@PLT"]
+           "\tleaq .Lmsg(%rip), %rdi", "\tjmp _ZSt21__throw_runtime_errorPKc@PLT"]
     for s in symbols:
-        out += [f"\t.globl {s}", f"\t.type {s}, @function", f"{s}:", "\tsubq $8, %rsp", "\tjmp .Lfail"]
+        out += [f"\t.globl {s}", f"\t.type {s}, @function", f"{s}:", "\tjmp .Lfail"]
     out.append('\t.section .note.GNU-stack,"",@progbits')
     return "\n".join(out) + "\n"
 
