@@ -51,11 +51,13 @@ Steps (``--only`` runs one; each reads what the earlier ones left in ``--workdir
 7. ``install``: copy it to ``<dest>/fused_moe_90/fused_moe_90.so`` and write the manifest
    (:func:`write_manifest`).
 
-What is dropped and why it is never selected: of the launchers FlashInfer generates for a
-kept data-type pair, those with an M tile of 128 or more and the Pingpong mainloop
-(FlashInfer's SM90 candidate list, ``get_candidate_configs_sm90``, uses the cooperative
-mainloop for those; the small-K W4A8 launchers are kept whatever their tile). Every other
-data type's runner is a stub that throws: the library serves ``cutlass_fused_moe`` for
+What is dropped: of the launchers FlashInfer generates for a kept data-type pair, those
+with an M tile of 128 or more and the Pingpong mainloop (FlashInfer's SM90 candidate list,
+``get_candidate_configs_sm90``, uses the cooperative mainloop for those; the small-K W4A8
+launchers are kept whatever their tile). The runner's heuristic never selects one, but
+FlashInfer's tuner does reach a left-out path while tuning W4A8 (on an H100: stubs that
+aborted ended the process at the first W4A8 tuning), which is why a stub raises: the tuner
+skips that tactic. Every other data type's runner is a stub that throws: the library serves ``cutlass_fused_moe`` for
 ``bfloat16`` activations and ``uint8`` MXFP4 weights with ``use_w4_group_scaling=True``
 (and, with ``--with-w4a8``, ``use_wfp4afp8_humming=True``), nothing else.
 
