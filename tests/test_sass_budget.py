@@ -7,8 +7,8 @@ from __future__ import annotations
 import struct
 
 import pytest
-from tools.sass_budget import (KINDS, budget, kernel_attributes, loop_budgets, loops, ncu_regions,
-                         nvdisasm, parse)
+from tools.sass_budget import (KINDS, budget, gemm_budget, kernel_attributes, loop_budgets, loops,
+                               ncu_regions, nvdisasm, parse, parse_params)
 
 from fast import backend
 
@@ -153,3 +153,45 @@ def test_the_engines_main_loops_hold_their_mmas_and_wgmma_is_not_serialized():
         # serializes the MMAs waits after every one (4 per group)
         assert b.mma_waits <= b.units + 1, f"{b.mma_waits} waits for {b.units} groups"
         assert b.per_unit("decode") == max(b.per_unit(k) for k in KINDS)
+
+
+def test_a_loop_of_one_block_is_that_block_alone():
+    """The dense GEMM's main loop is one basic block that branches back to its own label;
+    the prologue before it (which falls into the label) is not part of it."""
+    listing = """
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0020*/              @!P0 BRA `(.L_x_0) ;
+        /*0030*/                   LDGSTS.E.BYPASS.128 [R4], desc[UR4][R6.64] ;
+.L_x_1:
+        /*0040*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0050*/                   LDS.128 R8, [R5] ;
+        /*0060*/                   HMMA.16816.F32.BF16 R12, R16, R20, R12 ;
+        /*0070*/               @P2 BRA `(.L_x_1) ;
+.L_x_0:
+        /*0080*/                   EXIT ;
+"""
+    instructions, labels = parse(listing)
+    (body,) = loops(instructions, labels)
+    assert [instructions[i].opcode for i in body] == ["BAR", "LDS", "HMMA", "BRA"]
+
+
+def test_parse_params_reads_a_gemm_kernels_shape():
+    assert parse_params("warps=2, mtiles=2,wgmma=1,stage_k=128") == {
+        "warps": 2, "mtiles": 2, "wgmma": True, "stage_k": 128}
+    with pytest.raises(ValueError, match="not key=value"):
+        parse_params("warps")
+
+
+@needs_cute
+@needs_nvdisasm
+def test_the_dense_gemms_main_loop_holds_one_mma_per_chunk_and_window():
+    """fast.gemm's DenseFront default (2 warps x 2 m-tiles, 64-k stages): its main loop is
+    one block, found as such, with one ``mma.m16n8k16`` per 512 B of BF16 weights and live
+    window; the 4-window kernel four."""
+    shape = dict(warps=2, mtiles=2, ring=8, stage_k=64, occupancy=2)
+    for windows in (1, 4):
+        attrs, (loop,) = gemm_budget("sm_90a", dict(shape, windows=windows))
+        assert loop.live == windows and loop.units == 8
+        assert loop.per_unit("mma") == windows and loop.per_unit("copy") >= 1
+        assert attrs["registers"] <= 255

@@ -6,6 +6,7 @@ stack frame.
     python tools/sass_budget.py                       # DEP16 FC1/FC2, 4 windows, mma.sync
     python tools/sass_budget.py --geometry tp8 --windows 2 --tactic walk=4
     python tools/sass_budget.py --tactic wgmma=1 --kernels fc1
+    python tools/sass_budget.py --gemm warps=2,mtiles=2,windows=1,ring=8,stage_k=64   # one fast.gemm kernel
 
 The kernels are compiled for ``--arch`` by ``sass_digest``'s compile (the DSL's cubin dump)
 and disassembled by ``nvdisasm`` (the ``nvidia-cuda-nvdisasm`` wheel of the dev extra, or
@@ -37,7 +38,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file (python tools/sass_budget.py): the repository first
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tools.ptx_dump import elf_sections  # noqa: E402
+from tools.ptx_dump import elf_sections, run_compile  # noqa: E402
 from tools.sass_digest import compile_set  # noqa: E402
 
 #: instruction kinds, by opcode (the first word, modifiers dropped)
@@ -165,8 +166,8 @@ def loops(instructions: list[Instruction], labels: dict[str, int]) -> list[list[
                 dom[n], changed = new, True
     found = []
     for tail, head in edges:
-        if dom[tail] >> head & 1:
-            body, todo = {head, tail}, [tail]
+        if dom[tail] >> head & 1:  # a loop of one block (tail == head) has nothing to walk
+            body, todo = {head, tail}, [tail] if tail != head else []
             while todo:
                 for p in preds[todo.pop()]:
                     if p not in body:
@@ -199,26 +200,26 @@ class LoopBudget:
 
 
 def main_loops(instructions: list[Instruction], labels: dict[str, int],
-               units: int) -> list[tuple[list[int], int]]:
+               units: int, mma_per_chunk: int = 4) -> list[tuple[list[int], int]]:
     """(instruction indices, live windows) of every main loop: the innermost loops with
     MMA instructions, whose iteration streams ``units`` 512-byte chunks per warp; the live
-    windows are ``N / 8`` of a ``wgmma m64nNk16``, or an ``mma.sync`` loop's MMAs over 4 per
-    chunk and window."""
+    windows are ``N / 8`` of a ``wgmma m64nNk16``, or an ``mma.sync`` loop's MMAs over
+    ``mma_per_chunk`` per chunk and window (4 for 16 x 64 MXFP4 codes, 1 for 16 x 16 BF16)."""
     found = []
     for indices in loops(instructions, labels):
         mma = [instructions[i] for i in indices if instructions[i].opcode in KINDS["mma"]]
         if mma:
             wide = re.search(r"HGMMA\.64x(\d+)x16", mma[0].text)
-            found.append((indices, int(wide.group(1)) // 8 if wide else len(mma) // (4 * units)))
+            found.append((indices, int(wide.group(1)) // 8 if wide else len(mma) // (mma_per_chunk * units)))
     return found
 
 
-def loop_budgets(sass: str, units: int) -> list[LoopBudget]:
+def loop_budgets(sass: str, units: int, mma_per_chunk: int = 4) -> list[LoopBudget]:
     """The main loops of a listing whose loop iteration streams ``units`` 512-byte chunks
     per warp (:func:`main_loops`), by live windows."""
     instructions, labels = parse(sass)
     budgets = []
-    for indices, live in main_loops(instructions, labels, units):
+    for indices, live in main_loops(instructions, labels, units, mma_per_chunk):
         body = [instructions[i] for i in indices]
         counts: dict[str, int] = {}
         for i in body:
@@ -273,6 +274,46 @@ def budget(arch: str, geometry: str, windows: int, tactic: str,
                                   text=True, check=True).stdout
             out.append((name, kernel_attributes(cubin.read_bytes()),
                         loop_budgets(sass, units[name])))
+    return out
+
+
+_GEMM_COMPILE = """
+import ast, sys
+from fast.gemm.host import compile_kernel
+compile_kernel(sys.argv[1], **ast.literal_eval(sys.argv[2]))
+"""
+
+
+def gemm_budget(arch: str, params: dict) -> tuple[dict, list[LoopBudget]]:
+    """The main loop of one ``fast.gemm`` kernel (``SplitKGemmKernel(**params)``, e.g. a
+    ``Tactic.kernel_params``): (kernel attributes, loop budgets) per 512 B of BF16 weights,
+    one warp's m-tile over 16 k (16 rows x 16 k), of which a loop iteration (one stage)
+    streams ``mtiles x stage_k / 16`` per warp, with one ``mma.m16n8k16`` (or one warp's
+    share of a ``wgmma m64nNk16``) per chunk and window."""
+    from fast.gemm.kernel import SplitKGemmKernel
+
+    k = SplitKGemmKernel(**params)
+    units = k.mtiles * k.stage_k // 16
+    with tempfile.TemporaryDirectory() as tmp:
+        run_compile(_GEMM_COMPILE, [arch, repr(params)], keep="cubin", dump_dir=Path(tmp))
+        cubins = sorted(Path(tmp).rglob("*.cubin"))
+        if len(cubins) != 1:
+            raise RuntimeError(f"gemm {params}: expected one cubin, the compile dumped {len(cubins)}")
+        sass = subprocess.run([nvdisasm(), "-c", str(cubins[0])], capture_output=True, text=True,
+                              check=True).stdout
+        return kernel_attributes(cubins[0].read_bytes()), loop_budgets(sass, units, mma_per_chunk=1)
+
+
+def parse_params(text: str) -> dict:
+    """``'warps=2,mtiles=2,wgmma=1'`` -> ``{'warps': 2, 'mtiles': 2, 'wgmma': True}``
+    (``wgmma``, ``chunked``, ``serial`` and ``overlap`` as booleans)."""
+    flags = {"wgmma", "chunked", "serial", "overlap"}
+    out = {}
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        key, _, value = item.partition("=")
+        if not value:
+            raise ValueError(f"parse_params: {item!r} is not key=value")
+        out[key] = bool(int(value)) if key in flags else int(value)
     return out
 
 
@@ -362,6 +403,10 @@ def main(argv=None) -> int:
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--tactic", default="", help="e.g. 'wgmma=1' or 'warps=8,mtiles=2'")
     ap.add_argument("--kernels", default="fc1,fc2")
+    ap.add_argument("--gemm", metavar="PARAMS",
+                    help="instead: one fast.gemm kernel's main loop, e.g. "
+                         "'warps=2,mtiles=2,windows=1,ring=8,stage_k=64,occupancy=2' (per 512 B of "
+                         "BF16 weights)")
     ap.add_argument("--ncu-csv", type=Path,
                     help="instead: the dynamic budget from Nsight Compute's SASS source page")
     ap.add_argument("--units", type=float,
@@ -369,6 +414,11 @@ def main(argv=None) -> int:
     ap.add_argument("--loop-units", type=int, default=4,
                     help="with --ncu-csv: 512-byte chunks per warp and main-loop iteration")
     args = ap.parse_args(argv)
+    if args.gemm:
+        attrs, budgets = gemm_budget(args.arch, parse_params(args.gemm))
+        print(render(f"{args.arch} fast.gemm {args.gemm} (per 512 B of BF16 weights)",
+                     [("gemm", attrs, budgets)]), end="")
+        return 0
     if args.ncu_csv:
         if not args.units:
             ap.error("--ncu-csv needs --units (the kernel's 512-byte weight chunks)")
