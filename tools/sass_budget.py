@@ -1,6 +1,7 @@
-"""The instruction budget of the experts engine's main loops, read from the machine code
-(CPU only, no GPU): each loop copy's warp instructions per 512 bytes of weights (one
-warp's m-tile chunk: 16 rows x 64 k of MXFP4), by kind, with the kernel's registers and
+"""The instruction budget of the experts engine's main loops (and, with ``--gemm``, of one
+``fast.gemm`` kernel's), read from the machine code (CPU only, no GPU): each loop copy's
+warp instructions per 512 bytes of weights (one warp's m-tile chunk: 16 rows x 64 k of
+MXFP4; for ``fast.gemm`` 16 rows x 16 k of BF16), by kind, with the kernel's registers and
 stack frame.
 
     python tools/sass_budget.py                       # DEP16 FC1/FC2, 4 windows, mma.sync
