@@ -479,9 +479,11 @@ class GroupedMM:
         return out
 
 
-def best_of(median_us: dict, prefix: str) -> tuple[str | None, float | None]:
+def best_of(median_us: dict, prefix: str | tuple[str, ...]) -> tuple[str | None, float | None]:
     """The fastest of a case's contestants named ``prefix...`` (one per configuration, e.g.
-    ``marlin_bm16``): ``(name, median us)``, or ``(None, None)`` if there is none."""
+    ``marlin_bm16``; a tuple of prefixes: the fastest of those families, e.g.
+    :data:`PEER_FAMILIES` for the best peer): ``(name, median us)``, or ``(None, None)`` if
+    there is none."""
     runs = [(v, k) for k, v in median_us.items() if k.startswith(prefix)]
     if not runs:
         return None, None
@@ -492,16 +494,6 @@ def best_of(median_us: dict, prefix: str) -> tuple[str | None, float | None]:
 #: The contestant families of a case (``median_us`` keys start with one of these); the
 #: engine and its ``engine_<tactic>`` variants are not peers.
 PEER_FAMILIES = ("triton", "grouped_mm", "marlin", "trtllm", "fi90")
-
-
-def best_peer(median_us: dict) -> tuple[str | None, float | None]:
-    """The fastest peer of a case over every family, layout and configuration
-    (:data:`PEER_FAMILIES`): ``(name, median us)``, or ``(None, None)`` if none ran."""
-    runs = [(v, k) for k, v in median_us.items() if k.startswith(PEER_FAMILIES)]
-    if not runs:
-        return None, None
-    v, k = min(runs)
-    return k, v
 
 
 def peer_label(name: str) -> str:
@@ -594,7 +586,7 @@ def render(result: dict) -> str:
     each peer's layout and
     configuration (``result["peers"]``) under the table; the last two columns name the best
     peer of the case (the fastest of every family, layout and configuration,
-    :func:`best_peer`) and the engine's speed-up over it; and ``<peer>: not run: <reason>``
+    ``best_of(..., PEER_FAMILIES)``) and the engine's speed-up over it; and ``<peer>: not run: <reason>``
     for each peer the run could not time (``result["<peer>_error"]``); then, where the run measured
     ``--tactics`` variants, a second table of each variant's time and its ratio to the
     default's."""
@@ -630,7 +622,7 @@ def render(result: dict) -> str:
         for p in extra:
             name, best = best_of(med, p)
             line += (f" {cell(best)}{tag(name, p)} | {best / med['engine']:.2f}x |" if best else " - | - |")
-        name, best = best_peer(med)
+        name, best = best_of(med, PEER_FAMILIES)
         line += f" {peer_label(name)} | {best / med['engine']:.2f}x |" if best else " - | - |"
         lines.append(line)
     for name, desc in result.get("peers", {}).items():

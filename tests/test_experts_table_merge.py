@@ -94,10 +94,10 @@ def test_the_best_peer_is_the_fastest_of_every_family_layout_and_configuration()
     c = case("dep16", 64, 0.0, 4500.0, 400.0)
     c["median_us"].update({"triton_compact_w8": 500.0, "marlin_compact_bm32": 700.0, "fi90_w4a8": 440.0,
                            "fi90_compact_w4a16": 450.0, "grouped_mm": 900.0, "engine_windows=4": 300.0})
-    assert table.best_peer(c["median_us"]) == ("fi90_w4a8", 440.0)  # never an engine variant
+    assert table.best_of(c["median_us"], table.PEER_FAMILIES) == ("fi90_w4a8", 440.0)  # no engine variant
     assert table.peer_label("fi90_w4a8") == "fi90 owner w4a8"
     assert table.peer_label("marlin_compact_bm32") == "marlin compact bm32"
     assert table.peer_label("grouped_mm") == "grouped_mm"
     row = next(line for line in table.render(run(4500.0, [c])).splitlines() if line.startswith("| dep16"))
     assert row.endswith("| fi90 owner w4a8 | 1.10x |")
-    assert table.best_peer({"engine": 1.0}) == (None, None)
+    assert table.best_of({"engine": 1.0}, table.PEER_FAMILIES) == (None, None)

@@ -8,7 +8,7 @@ import struct
 
 import pytest
 from tools.sass_budget import (KINDS, budget, gemm_budget, kernel_attributes, loop_budgets, loops,
-                               ncu_regions, nvdisasm, parse, parse_params)
+                               ncu_regions, nvdisasm, parse)
 
 from fast import backend
 
@@ -174,13 +174,6 @@ def test_a_loop_of_one_block_is_that_block_alone():
     instructions, labels = parse(listing)
     (body,) = loops(instructions, labels)
     assert [instructions[i].opcode for i in body] == ["BAR", "LDS", "HMMA", "BRA"]
-
-
-def test_parse_params_reads_a_gemm_kernels_shape():
-    assert parse_params("warps=2, mtiles=2,wgmma=1,stage_k=128") == {
-        "warps": 2, "mtiles": 2, "wgmma": True, "stage_k": 128}
-    with pytest.raises(ValueError, match="not key=value"):
-        parse_params("warps")
 
 
 @needs_cute

@@ -235,14 +235,26 @@ def _spec(geometry: str, windows: int, tactic: dict) -> dict:
     return {"budget": (geometry, windows, False, True, tactic)}
 
 
+def one_cubin(directory: Path, what: str) -> Path:
+    """The one cubin a compile dumped into ``directory`` (``what`` names it in the error)."""
+    cubins = sorted(directory.rglob("*.cubin"))
+    if len(cubins) != 1:
+        raise RuntimeError(f"{what}: expected one cubin, the compile dumped {len(cubins)}")
+    return cubins[0]
+
+
+def disassembled(cubin: Path) -> tuple[dict, str]:
+    """(kernel attributes, ``nvdisasm`` listing) of a cubin."""
+    sass = subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True, text=True,
+                          check=True).stdout
+    return kernel_attributes(cubin.read_bytes()), sass
+
+
 def compile_cubin(arch: str, geometry: str, windows: int, tactic: dict, kernel: str,
                   directory: Path) -> Path:
     """Compile one engine kernel into ``directory`` (``sass_digest``'s compile); its cubin."""
     compile_set([arch, "experts", "budget", kernel], directory, _spec(geometry, windows, tactic))
-    cubins = sorted(directory.rglob("*.cubin"))
-    if len(cubins) != 1:
-        raise RuntimeError(f"{kernel}: expected one cubin, the compile dumped {len(cubins)}")
-    return cubins[0]
+    return one_cubin(directory, kernel)
 
 
 def kernel_units(arch: str, geometry: str, windows: int, tactic: dict) -> dict[str, int]:
@@ -270,11 +282,8 @@ def budget(arch: str, geometry: str, windows: int, tactic: str,
     out = []
     for name in kernels:
         with tempfile.TemporaryDirectory() as tmp:
-            cubin = compile_cubin(arch, geometry, windows, tactic, name, Path(tmp))
-            sass = subprocess.run([nvdisasm(), "-c", str(cubin)], capture_output=True,
-                                  text=True, check=True).stdout
-            out.append((name, kernel_attributes(cubin.read_bytes()),
-                        loop_budgets(sass, units[name])))
+            attrs, sass = disassembled(compile_cubin(arch, geometry, windows, tactic, name, Path(tmp)))
+            out.append((name, attrs, loop_budgets(sass, units[name])))
     return out
 
 
@@ -287,7 +296,7 @@ compile_kernel(sys.argv[1], **ast.literal_eval(sys.argv[2]))
 
 def gemm_budget(arch: str, params: dict) -> tuple[dict, list[LoopBudget]]:
     """The main loop of one ``fast.gemm`` kernel (``SplitKGemmKernel(**params)``, e.g. a
-    ``Tactic.kernel_params``): (kernel attributes, loop budgets) per 512 B of BF16 weights,
+    ``Tactic.kernel_params``; flags such as ``wgmma`` may be given as 0/1): (kernel attributes, loop budgets) per 512 B of BF16 weights,
     one warp's m-tile over 16 k (16 rows x 16 k), of which a loop iteration (one stage)
     streams ``mtiles x stage_k / 16`` per warp, with one ``mma.m16n8k16`` (or one warp's
     share of a ``wgmma m64nNk16``) per chunk and window."""
@@ -297,25 +306,8 @@ def gemm_budget(arch: str, params: dict) -> tuple[dict, list[LoopBudget]]:
     units = k.mtiles * k.stage_k // 16
     with tempfile.TemporaryDirectory() as tmp:
         run_compile(_GEMM_COMPILE, [arch, repr(params)], keep="cubin", dump_dir=Path(tmp))
-        cubins = sorted(Path(tmp).rglob("*.cubin"))
-        if len(cubins) != 1:
-            raise RuntimeError(f"gemm {params}: expected one cubin, the compile dumped {len(cubins)}")
-        sass = subprocess.run([nvdisasm(), "-c", str(cubins[0])], capture_output=True, text=True,
-                              check=True).stdout
-        return kernel_attributes(cubins[0].read_bytes()), loop_budgets(sass, units, mma_per_chunk=1)
-
-
-def parse_params(text: str) -> dict:
-    """``'warps=2,mtiles=2,wgmma=1'`` -> ``{'warps': 2, 'mtiles': 2, 'wgmma': True}``
-    (``wgmma``, ``chunked``, ``serial`` and ``overlap`` as booleans)."""
-    flags = {"wgmma", "chunked", "serial", "overlap"}
-    out = {}
-    for item in filter(None, (t.strip() for t in text.split(","))):
-        key, _, value = item.partition("=")
-        if not value:
-            raise ValueError(f"parse_params: {item!r} is not key=value")
-        out[key] = bool(int(value)) if key in flags else int(value)
-    return out
+        attrs, sass = disassembled(one_cubin(Path(tmp), f"gemm {params}"))
+    return attrs, loop_budgets(sass, units, mma_per_chunk=1)
 
 
 def ncu_listing(path: Path) -> tuple[str, list[dict[str, str]]]:
@@ -416,7 +408,9 @@ def main(argv=None) -> int:
                     help="with --ncu-csv: 512-byte chunks per warp and main-loop iteration")
     args = ap.parse_args(argv)
     if args.gemm:
-        attrs, budgets = gemm_budget(args.arch, parse_params(args.gemm))
+        from benchmarks.experts_table import parse_tactic  # 'key=int,...', as --tactic
+
+        attrs, budgets = gemm_budget(args.arch, parse_tactic(args.gemm))
         print(render(f"{args.arch} fast.gemm {args.gemm} (per 512 B of BF16 weights)",
                      [("gemm", attrs, budgets)]), end="")
         return 0
