@@ -29,3 +29,18 @@ def test_parts_split_by_marker_and_report_apart(tmp_path):
     assert small_dir != real_dir and small_dir.parent == real_dir.parent == Path(tmp_path) / "parts"
     with pytest.raises(ValueError, match="real_workers"):
         part_commands(tmp_path, 12, 0)
+
+
+def test_a_call_runs_the_parts_and_the_real_slice_asked_for(tmp_path):
+    commands = part_commands(tmp_path, 12, 1, parts=("real",), real_shard="2/2")
+    assert list(commands) == ["real"]
+    real, _ = commands["real"]
+    assert real[real.index("--shard") + 1] == "2/2"
+    both = part_commands(tmp_path, 12, 1, real_shard="1/2")
+    assert "--shard" not in both["small"][0] and "--shard" in both["real"][0]
+    assert all(any(a.startswith("--durations=") for a in c) for c, _ in both.values())
+    for bad in ((), ("tiny",)):
+        with pytest.raises(ValueError, match="parts"):
+            part_commands(tmp_path, 12, 1, parts=bad)
+    with pytest.raises(ValueError, match="--shard"):
+        part_commands(tmp_path, 12, 1, real_shard="3/2")

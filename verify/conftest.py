@@ -51,6 +51,7 @@ from verify.recorder import Recorder
 from verify.report import (Report, format_table, format_totals, merge_reports, report_payload,
                            write_report)
 from verify.seeds import seed_of
+from verify.shard import ShardSelection, parse_shard
 
 REPORT_KEY = pytest.StashKey[Report]()
 SELECTED_KEY = pytest.StashKey[list]()
@@ -71,9 +72,20 @@ def pytest_addoption(parser):
         help="a backend to verify (repeatable): a built-in name (reference, reference-cuda, "
              "stock, fast), a latentmoe.backends entry point, module:attribute, "
              "path/file.py:attribute, or 'default' (the built-ins and every entry point)")
+    parser.getgroup("latentmoe").addoption(
+        "--shard", default=None, metavar="I/N",
+        help="run only the I-th of N contiguous slices of the selected cases (after -m, -k "
+             "and --backend): a suite split over N time-limited calls, joined with "
+             "python -m verify.report merge (verify.shard)")
 
 
 def pytest_configure(config):
+    shard = config.getoption("shard", default=None)
+    if shard is not None:
+        try:
+            config.pluginmanager.register(ShardSelection(*parse_shard(shard)), "latentmoe-shard")
+        except ValueError as e:
+            raise pytest.UsageError(str(e)) from None
     cpu_math.warm_up()  # PyTorch's first parallel exp/tanh call in a process (verify.cpu_math)
     report = Report()
     config.stash[REPORT_KEY] = report
