@@ -165,7 +165,6 @@ def main(argv=None):
                     reps=args.reps, flush=flush))
                 case["times"]["cublas"].append(device_time_us(
                     _cublas(g, w_slice, a_slice, addend, out_dtype), reps=args.reps, flush=flush))
-                del eng
             case["median_us"] = {b: [statistics.median(s) for s in samples]
                                  for b, samples in case["times"].items()}
             case["fits"] = {b: fit_line(case["bytes"], med) for b, med in case["median_us"].items()}

@@ -25,7 +25,8 @@ flush (the one-graph figures are also given after a write flush).
 * every candidate tactic of the kernel that serves T (``fast.gemm.host.CANDIDATES``) and
   the default one (``DenseGemm.tactic(T)``);
 * ``dense4``: the four GEMMs back to back in one graph: cuBLAS, the kernel's default
-  tactics (programmatic dependent launch as ``DenseGemm`` chooses it, and without), the
+  tactics (programmatic dependent launch as ``DenseGemm`` chooses it, and without; and with
+  the router in the front's launch, ``fast.gemm.GroupedGemm``, where it serves T), the
   kernel with this run's best tactic of each GEMM at this T; the same with the router on a second stream beside the
   front (the DEP schedule's side stream); cuBLAS and the default kernel after a write
   flush.
@@ -93,11 +94,12 @@ def _best_tactic(medians: dict, candidates):
     return min(timed, key=lambda t: medians[t.label()])
 
 
-def _dense4(engines, data, tactics, *, side: bool):
+def _dense4(engines, data, tactics, *, side: bool, grouped=None):
     """The four GEMMs back to back (one graph when captured): the kernel (``engines``, with
     ``tactics`` per GEMM or the defaults) or cuBLAS (``engines=None``); ``side``: the router
     on a second stream beside the front (the DEP schedule), joined before the shared
-    down-projection."""
+    down-projection; ``grouped``: a ``fast.gemm.GroupedGemm`` of the front and the router,
+    the two in one launch."""
     outs = {g: torch.empty(d[1].shape[0], d[0].shape[0], dtype=d[3], device="cuda")
             for g, d in data.items()}
 
@@ -109,7 +111,10 @@ def _dense4(engines, data, tactics, *, side: bool):
         return engines[g](a, out_dtype=out_dtype, addend=addend, out=outs[g], tactic=t)
 
     def run():
-        if side:
+        if grouped is not None:
+            grouped(data["front"][1], out_dtypes=(data["front"][3], data["router"][3]),
+                    outs=(outs["front"], outs["router"]))
+        elif side:
             main = torch.cuda.current_stream()
             other = torch.cuda.Stream()
             other.wait_stream(main)
@@ -126,6 +131,16 @@ def _dense4(engines, data, tactics, *, side: bool):
     return run
 
 
+def _groups(group, tokens: int) -> bool:
+    """Whether ``group`` (a ``fast.gemm.GroupedGemm``) serves ``tokens`` rows at its
+    default tactic (the router's rows whole tiles of the front's tactic)."""
+    try:
+        group.launch(tokens)
+    except ValueError:
+        return False
+    return True
+
+
 def render(result: dict) -> str:
     """Markdown: per T the four GEMMs in one graph (cuBLAS; the kernel's default tactics and
     this run's best tactic per GEMM; the router on a side stream; the write flush), each with
@@ -137,9 +152,9 @@ def render(result: dict) -> str:
              "256 MiB read (the write flush: a 256 MiB write, whose dirty lines drain during "
              "the timed run).", "",
              "| T | limit us | cuBLAS us (frac) | kernel default us (frac) | no PDL us | "
-             "kernel best us (frac) | side stream: cuBLAS / kernel us | write flush: cuBLAS / "
-             "kernel us | cuBLAS / kernel |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "kernel best us (frac) | side stream: cuBLAS / kernel us | router in the front's "
+             "launch us (frac) | write flush: cuBLAS / kernel us | cuBLAS / kernel |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lim, d = row["limit_us"], row.get("dense4")
         if not d:
@@ -147,6 +162,7 @@ def render(result: dict) -> str:
         cell = lambda v: f"{v:.1f} ({lim / v:.2f})"  # noqa: E731
         lines.append(f"| {row['tokens']} | {lim:.1f} | {cell(d['cublas'])} | {cell(d['kernel'])} | "
                      f"{d['kernel_nopdl']:.1f} | {cell(d['kernel_best'])} | {d['cublas_side']:.1f} / {d['kernel_side']:.1f} | "
+                     f"{cell(d['kernel_grouped']) if 'kernel_grouped' in d else '-'} | "
                      f"{d['cublas_write_flush']:.1f} / {d['kernel_write_flush']:.1f} | "
                      f"{d['cublas'] / d['kernel']:.2f}x |")
     lines += ["", "Each GEMM alone:", "",
@@ -220,6 +236,11 @@ def main(argv=None):
         return cands
 
     engines = {g: DenseGemm(probe[g][0], tactics=timed(tuple(probe[g][0].shape))) for g in gemms}
+    group = None  # the front and the router in one launch (fast.gemm.GroupedGemm)
+    if {"front", "router"} <= set(gemms):
+        from fast.gemm import GroupedGemm
+
+        group = GroupedGemm(engines["front"], engines["router"])
     for tokens in [int(v) for v in args.tokens.split(",")]:
         data = _inputs(cfg, w, tokens, 1000 + tokens)
         row = {"tokens": tokens, "gemms": {}}
@@ -290,6 +311,8 @@ def main(argv=None):
                 "kernel_side": _dense4(engines, data, None, side=True),
                 "cublas_side": _dense4(None, data, None, side=True),
             }
+            if group is not None and _groups(group, tokens):
+                runs["kernel_grouped"] = _dense4(engines, data, None, side=False, grouped=group)
             row["dense4_times"] = {k: device_time_us(f, reps=args.reps, flush=flush)
                                    for k, f in runs.items()}
             for k in ("kernel", "cublas"):  # the write flush: its dirty lines drain in the run

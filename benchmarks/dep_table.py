@@ -134,6 +134,9 @@ def render(result: dict) -> str:
                   f"{result.get('invariant_mma', 'mma.sync')}"
                   + (", MMAs in flight across stages" if result.get("invariant_overlap") else "")
                   + ")")
+    if result.get("router_with_front"):
+        dense += ("; the router in the front's launch (--router-with-front) at T = "
+                  + ", ".join(str(t) for t in result["router_with_front"]))
     planned = all("dense_plan" in c for c in result["cases"]) and mode is not None
     # runs made before the combine was timed apart have no "combine" column
     parts = [p for p in PARTS if all(p in c["median_us"] for c in result["cases"])]
@@ -180,6 +183,9 @@ def main(argv=None):
                     help="each dense GEMM's MMAs in flight across a stage "
                          "(DepLayer(invariant_overlap=...); the same bits); default: on the "
                          "warpgroup MMA")
+    ap.add_argument("--router-with-front", action="store_true",
+                    help="DepLayer(router_with_front=True): the router in the front's launch "
+                         "(fast.gemm.GroupedGemm; needs --dense-gemm fast or --batch-invariant)")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
@@ -200,8 +206,11 @@ def main(argv=None):
                      batch_invariant=args.batch_invariant,
                      experts_tactic=parse_tactic(args.experts_tactic),
                      invariant_mma=args.invariant_mma,
-                     invariant_overlap=args.invariant_overlap)
+                     invariant_overlap=args.invariant_overlap,
+                     router_with_front=args.router_with_front)
     result["dense_gemm"] = layer.dense.gemm
+    # the batches whose router ran in the front's launch (empty: none)
+    result["router_with_front"] = sorted(t for t in tokens_list if layer.dense.grouped(t))
     # the kind and overlap the layer resolved its arguments to
     result["invariant_mma"] = layer.dense.invariant_mma
     result["invariant_overlap"] = layer.dense.invariant_overlap

@@ -135,3 +135,15 @@ def test_dense_front_refuses_bad_modes_before_touching_a_device():
     with pytest.raises(ValueError, match="DenseFront: invariant_overlap must be a bool"):
         dense.DenseFront(None, "cpu", batch_invariant=True, invariant_mma="wgmma",
                          invariant_overlap=1)
+
+
+def test_router_with_front_needs_every_gemm_on_fast_gemm():
+    """``router_with_front`` is a bool, and needs the router and the front on fast.gemm at
+    every batch (``gemm="fast"`` or ``batch_invariant``): refused by name before any device
+    work otherwise."""
+    with pytest.raises(ValueError, match="router_with_front must be a bool"):
+        dense.DenseFront(None, "cpu", gemm="fast", router_with_front=1)
+    with pytest.raises(ValueError, match="router_with_front=True launches the router and the front"):
+        dense.DenseFront(None, "cpu", gemm="auto", router_with_front=True)
+    with pytest.raises(ValueError, match="router_with_front=True launches the router and the front"):
+        dense.DenseFront(None, "cpu", gemm="cublas", router_with_front=True)

@@ -371,6 +371,13 @@ MUTATIONS = [
          "                if (s + 1) % 1 == 0:",
          ["verify/test_gemm_fast.py::test_gemm_fast_wide_serial_splits[fast-front-mma.sync]"],
          needs_gpu=True, expect="serial = cross-CTA splits"),
+    # fast.gemm.GroupedGemm: each CTA takes its own GEMM's pointers, split and output kind
+    _one("fast GEMM: a grouped launch stores the second GEMM (the router) with the first's "
+         "output kind (BF16 for FP32)", "fast/gemm/kernel.py",
+         "                  cutlass.select_(second, flags2, flags), rows,",
+         "                  flags, rows,",
+         ["verify/test_gemm_fast.py::test_gemm_fast_grouped_same_bits[fast-mma.sync]"],
+         needs_gpu=True, expect="router of the"),
     _one("fast GEMM: the split-K partials summed in reverse split order", "fast/gemm/kernel.py",
          "got = [ld_cg_v4(ws + lay.ws_offset(Int64(sp), tile, warp, mt, wn, lane,",
          "got = [ld_cg_v4(ws + lay.ws_offset(Int64(splits - 1 - sp), tile, warp, mt, wn, lane,",

@@ -214,6 +214,7 @@ RUNTIME_SKIPS = {
     ("test_gemm_fast.py", "test_gemm_fast_wide_rows"): _wide_invariant_mma,
     ("test_gemm_fast.py", "test_gemm_fast_wide_serial_splits"): _wide_invariant_mma,
     ("test_gemm_fast.py", "test_gemm_fast_wide_chunks"): _sm90a_only,
+    ("test_gemm_fast.py", "test_gemm_fast_grouped_same_bits"): _wide_invariant_mma,
     ("test_stock.py", "_model"): _stock_real_dimensions,
     ("test_distributed.py", "test_wide_real_ranks"): _small_tp_ranks,
     ("test_flashinfer_allreduce.py", "fused"): _flashinfer_comm,

@@ -587,3 +587,29 @@ def test_dep_fast_graph_1000_replays(backend, seed, contract):
                 contract.bitwise(got[r], eager[r].out,
                                  what=f"replay {i + 1} rank {r} out = eager", index_names=ROWS)
     layer.check()
+
+
+@pytest.mark.config("small")
+@pytest.mark.parametrize("mma", INVARIANT_MMAS)
+def test_dep_fast_router_with_front_same_bits(backend, mma, seed, contract):
+    """``DepLayer(batch_invariant=True, router_with_front=True)`` (the router in the
+    front's launch, ``fast.gemm.GroupedGemm``) on 4 virtual ranks: every stage of every rank
+    bitwise the same layer's without it at T = 1, 9, 16, 17, 33 and 64, the router running
+    in the front's launch at T = 1 (``DenseFront.grouped``) and with its own K split there."""
+    _skip_unless_mma_runs(mma)
+    ranks, top = 4, 64
+    plain = _layer("small", ranks, top, "auto", batch_invariant=True, invariant_mma=mma)
+    grouped = _layer("small", ranks, top, "auto", batch_invariant=True, invariant_mma=mma,
+                     router_with_front=True)
+    assert grouped.dense.grouped(1) and not plain.dense.grouped(1)
+    assert grouped.dense.plan(1)["router"].tactic.splits == plain.dense.plan(1)["router"].tactic.splits
+    xs = cases.rank_rows(grouped.config, ranks, top, seed, "cuda")
+    for t in (1, 9, 16, 17, 33, top):
+        batch = [x[:t].contiguous() for x in xs]
+        want = [_snapshot(o) for o in plain(batch)]
+        got = [_snapshot(o) for o in grouped(batch)]
+        every = torch.ones(ranks * t, dtype=torch.bool, device="cuda")
+        for r in range(ranks):
+            check_rank_stages(contract, got[r], want[r], r, plain, every[:t], every,
+                              f"rank {r}, router in the front's launch "
+                              f"({'grouped' if grouped.dense.grouped(t) else 'apart'}) vs not, T={t}")

@@ -45,6 +45,11 @@ at 65, 129, 257 and 1024 rows, store nothing past the output, and a ``DenseGemm`
 switches to them from 129 rows (``serial_from``) is bitwise the first rows of the
 cross-CTA 1024-row call at every row count of ``WIDE_ROWS``.
 
+**Two GEMMs in one launch** (``test_gemm_fast_grouped_same_bits``: ``fast.gemm.GroupedGemm``
+of the front and the router, both MMA kinds): each output bitwise that GEMM's own call at
+T = 1, 2, 8, 9, 16, 17, 33, 64, batch invariant, the front's FP32 addend, and CUDA-graph
+replays on new tokens equal to eager calls.
+
 Inputs per GEMM come from one seed per GEMM (``verify.seeds.seed_of`` of the GEMM's id), so
 the float64 reference of the largest batch is computed once and every smaller batch is a
 prefix of it (rows are independent). Weights: ``verify.cases.dense_weights("kimi_k3")``.
@@ -688,3 +693,107 @@ def _check_wide_split_order(contract, gemm: str, mma: str = "mma.sync") -> None:
     contract.bitwise(_bits(got).cpu(), _bits(acc.to(out_dtype)),
                      what=f"wide {gemm} ({other.launch(tokens).tactic.label()}, 5 chunks): "
                           f"designed split order", index_names=ROWS)
+
+
+# --- two GEMMs in one launch (fast.gemm.grouped) --------------------------------------------
+
+
+@functools.cache
+def grouped_pair(mma: str):
+    """(front DenseGemm, router DenseGemm, GroupedGemm) at the defaults of ``mma``'s kind."""
+    from fast.gemm import DenseGemm, GroupedGemm
+
+    wgmma = mma == "wgmma"
+    front = DenseGemm(case("front")[0], wgmma=wgmma)
+    router = DenseGemm(case("router")[0], wgmma=wgmma)
+    return front, router, GroupedGemm(front, router)
+
+
+GROUPED_BATCHES = (1, 2, 8, 9, 16, 17, 33, 64)
+
+
+@pytest.mark.parametrize("mma", INVARIANT_MMAS)
+def test_gemm_fast_grouped_same_bits(backend, mma, contract):
+    """The router and the packed front in one launch (``fast.gemm.GroupedGemm``, the
+    front's CTAs then the router's) give each GEMM bitwise its own call's output at every
+    T of ``GROUPED_BATCHES`` (both sides of the default tactic's bucket edge at 16 and of
+    window edges), into NaN-poisoned outputs (so every element is stored); the front also
+    with an FP32 addend; a CUDA graph of the grouped call replays with new tokens to the
+    eager bits (the tile counters re-arm); and the grouped rows are batch invariant (T
+    against the first rows of T = 64)."""
+    from fast.backend import gpu_arch
+
+    if mma == "wgmma" and gpu_arch() != "sm_90a":
+        pytest.skip(f"wgmma is an sm_90a instruction; this GPU is {gpu_arch()}")
+    front, router, group = grouped_pair(mma)
+    x = case("front")[1]
+    n_front, n_router = front.n, router.n
+
+    def poisoned(tokens, n, dtype):
+        return torch.full((tokens, n), float("nan"), dtype=dtype, device=DEVICE)
+
+    def grouped(tokens, xs=None, addend=None):
+        xs = (x if xs is None else xs)[:tokens].contiguous()
+        outs = (poisoned(tokens, n_front, torch.bfloat16), poisoned(tokens, n_router, torch.float32))
+        return group(xs, out_dtypes=(torch.bfloat16, torch.float32), outs=outs, addend=addend)
+
+    full_front, full_router = grouped(64)
+    for tokens in GROUPED_BATCHES:
+        xs = x[:tokens].contiguous()
+        got_front, got_router = grouped(tokens)
+        label = f"{mma} grouped ({group.launch(tokens).first.tactic.label()} + router splits " \
+                f"{router.splits}), T={tokens}"
+        contract.bitwise(_bits(got_front), _bits(front(xs, out_dtype=torch.bfloat16)),
+                         what=f"front of the {label} vs the front alone", index_names=ROWS)
+        contract.bitwise(_bits(got_router), _bits(router(xs, out_dtype=torch.float32)),
+                         what=f"router of the {label} vs the router alone", index_names=ROWS)
+        contract.bitwise(_bits(got_front), _bits(full_front[:tokens]),
+                         what=f"front of the {label} vs the first rows of T=64", index_names=ROWS)
+        contract.bitwise(_bits(got_router), _bits(full_router[:tokens]),
+                         what=f"router of the {label} vs the first rows of T=64", index_names=ROWS)
+    g = torch.Generator(device=DEVICE).manual_seed(11)
+    addend = torch.randn(8, n_front, generator=g, device=DEVICE)
+    with_addend, _ = grouped(8, addend=addend)
+    contract.bitwise(_bits(with_addend),
+                     _bits(front(x[:8].contiguous(), out_dtype=torch.bfloat16, addend=addend)),
+                     what=f"{mma} grouped front + FP32 addend vs the front alone", index_names=ROWS)
+
+    # a CUDA graph of the grouped call, replayed on new tokens
+    tokens = 8
+    static_x = x[:tokens].clone()
+    outs = (poisoned(tokens, n_front, torch.bfloat16), poisoned(tokens, n_router, torch.float32))
+    call = lambda: group(static_x, out_dtypes=(torch.bfloat16, torch.float32), outs=outs)  # noqa: E731
+    call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for rep in range(3):
+        fresh = (torch.randn(tokens, x.shape[1], generator=g, device=DEVICE) * (rep + 1)).to(torch.bfloat16)
+        static_x.copy_(fresh)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager_front, eager_router = grouped(tokens, xs=fresh)
+        contract.bitwise(_bits(outs[0]), _bits(eager_front),
+                         what=f"{mma} grouped graph replay {rep}: front vs eager", index_names=ROWS)
+        contract.bitwise(_bits(outs[1]), _bits(eager_router),
+                         what=f"{mma} grouped graph replay {rep}: router vs eager", index_names=ROWS)
+
+
+def test_gemm_fast_grouped_bad_input(backend):
+    """A grouped call refuses, naming the argument, rows past its range, an FP32 router
+    output of the wrong shape, and two GEMMs of different K, before any launch."""
+    from fast.gemm import DenseGemm, GroupedGemm
+
+    front, router, group = grouped_pair("mma.sync")
+    x = case("front")[1]
+    with pytest.raises(ValueError, match="rows"):
+        group(torch.cat([x, x])[:65].contiguous())
+    with pytest.raises(ValueError, match="out must be"):
+        group(x[:4].contiguous(), out_dtypes=(torch.bfloat16, torch.float32),
+              outs=(None, torch.empty(4, router.n + 1, device=DEVICE)))
+    other_k = DenseGemm(case("shared_down")[0])
+    with pytest.raises(ValueError, match="K="):
+        GroupedGemm(front, other_k)
+    with pytest.raises(TypeError, match="second"):
+        GroupedGemm(front, case("router")[0])

@@ -29,6 +29,11 @@ bits are those of the same kernel over its chunk and do not depend on the batch
 construction. The single-chunk kernels' machine code is unchanged by the chunked variant
 (a compile-time parameter, ``Tactic.kernel_params(..., chunked=True)``).
 
+**Two GEMMs of the same tokens in one launch** (``fast.gemm.grouped.GroupedGemm``: the
+DEP rank's router and packed front): the first GEMM's CTAs then the second's in one grid,
+each output bitwise that GEMM's own call (each keeps its K split), one fixed cost instead
+of two.
+
 Status (H200, ``benchmarks/results/h200/dense.md``): the four GEMMs in one
 graph at T <= 8 take 106.8-109.7 us, 0.77-0.79 of the byte limit at the measured read
 bandwidth (cuBLAS 111.1-113.3 us, 0.75-0.76); from T = 12 on they are slower than cuBLAS
@@ -43,7 +48,7 @@ from fast.gemm.layout import MAX_CALL_TOKENS, MAX_TOKENS, Tactic, token_chunks, 
 
 __all__ = ["DenseGemm", "Tactic", "choose_tactic", "MAX_TOKENS", "MAX_CALL_TOKENS",
            "windows_for", "token_chunks", "compile_kernel", "kernel_shapes", "DEFAULT_TACTICS",
-           "splits_of", "splits_for_rows", "Launch", "launch_for"]
+           "splits_of", "splits_for_rows", "Launch", "launch_for", "GroupedGemm", "grouped_launch"]
 
 
 def __getattr__(name):
@@ -52,4 +57,8 @@ def __getattr__(name):
         from fast.gemm import host
 
         return getattr(host, name)
+    if name in ("GroupedGemm", "grouped_launch"):
+        from fast.gemm import grouped
+
+        return getattr(grouped, name)
     raise AttributeError(name)

@@ -469,7 +469,7 @@ class DenseGemm:
         self._window_slots = max(c * w for cw in CHUNK_WINDOWS  # either width (forms)
                                  for c, w in (token_chunks(t, cw)
                                               for t in range(1, max_tokens + 1)))
-        self.workspace = torch.empty(max(self._ws_bytes(t) for t in tactics) // 4 + 4,
+        self.workspace = torch.empty(max(self.workspace_bytes(t) for t in tactics) // 4 + 4,
                                      dtype=_F32, device=self.device)
         # one counter per tile of the smallest tile (16 rows) and token chunk
         self.counters = torch.zeros(token_chunks(max_tokens)[0] * self.rows // 16,
@@ -502,7 +502,9 @@ class DenseGemm:
                 compile_kernel(self.arch, **params)
         return seen
 
-    def _ws_bytes(self, t: Tactic) -> int:
+    def workspace_bytes(self, t: Tactic) -> int:
+        """Bytes of split-K workspace a call at tactic ``t`` needs (0 for one split or serial
+        splits)."""
         if t.splits == 1 or t.serial:
             return 0
         return chunk_workspace_bytes(t.splits, self.rows, self._window_slots)
@@ -521,7 +523,19 @@ class DenseGemm:
             raise ValueError(f"DenseGemm: tactic {t.label()} uses wgmma, which needs sm_90a; "
                              f"this GPU is {self.arch}")
 
-    def _check(self, x, out, out_dtype, addend):
+    def reserve_workspace(self, tactic: Tactic) -> None:
+        """Grow :attr:`workspace` to what a call at ``tactic`` needs; RuntimeError inside a
+        CUDA-graph capture (pass the tactic in ``tactics=`` at construction instead)."""
+        if self.workspace_bytes(tactic) > self.workspace.numel() * 4:
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"DenseGemm: tactic {tactic} needs a larger workspace than "
+                                   "was allocated; pass it in tactics= before graph capture")
+            self.workspace = torch.empty(self.workspace_bytes(tactic) // 4 + 4, dtype=_F32,
+                                         device=self.device)
+
+    def check_call(self, x, out, out_dtype, addend) -> int:
+        """Refuse (ValueError / TypeError naming the argument) a call's ``x``, ``out``,
+        ``out_dtype`` or ``addend`` that ``__call__`` cannot take; returns ``T``."""
         n, dev = self.n, self.device
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"DenseGemm: x must be a torch.Tensor, got {type(x).__name__}")
@@ -571,7 +585,7 @@ class DenseGemm:
         Returns:
             ``out`` (a new tensor when not given).
         """
-        t = self._check(x, out, out_dtype, addend)
+        t = self.check_call(x, out, out_dtype, addend)
         tactic = tactic or self.tactic(t)
         self._check_tactic(tactic)
         if not tactic.serves(t):
@@ -579,12 +593,7 @@ class DenseGemm:
                              f"({tactic.tiles_per_warp(tactic.chunks(t)[1])} accumulator tiles "
                              f"per warp > {tactic.max_tiles()})")
         launch = self.launch(t, tactic)
-        if self._ws_bytes(tactic) > self.workspace.numel() * 4:
-            if torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(f"DenseGemm: tactic {tactic} needs a larger workspace than "
-                                   "was allocated; pass it in tactics= before graph capture")
-            self.workspace = torch.empty(self._ws_bytes(tactic) // 4 + 4, dtype=_F32,
-                                         device=self.device)
+        self.reserve_workspace(tactic)
         if out is None:
             out = torch.empty(t, self.n, dtype=out_dtype, device=self.device)
         from cutlass import Int32, Int64

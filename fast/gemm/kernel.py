@@ -19,7 +19,7 @@ from fast.device import fp32 as h
 from fast.device import ptx as p
 from fast.gemm import layout as lay
 
-__all__ = ["SplitKGemmKernel", "FLAG_F32_OUT", "FLAG_ADD_BF16", "FLAG_ADD_F32",
+__all__ = ["SplitKGemmKernel", "GroupedSplitKGemmKernel", "FLAG_F32_OUT", "FLAG_ADD_BF16", "FLAG_ADD_F32",
            "ld_cg_v4", "ld_u16", "ld_f32", "stg_u16_if", "stg_f32_if", "fence_gpu"]
 
 #: ``flags`` bits of a launch: FP32 output (else BF16), a BF16 or an FP32 addend.
@@ -215,6 +215,15 @@ class SplitKGemmKernel:
     @cute.kernel
     def kernel(self, w: Int64, x: Int64, out: Int64, addend: Int64, ws: Int64, counters: Int64,
                n: Int32, k: Int32, tokens: Int32, splits: Int32, flags: Int32, width: Int32):
+        self._cta(w, x, out, addend, ws, counters, n, k, tokens, splits, flags, width,
+                  cute.arch.block_idx()[0])
+
+    @cute.jit
+    def _cta(self, w: Int64, x: Int64, out: Int64, addend: Int64, ws: Int64, counters: Int64,
+             n: Int32, k: Int32, tokens: Int32, splits: Int32, flags: Int32, width: Int32,
+             block: Int32):
+        """The algorithm of the class docstring for the CTA of index ``block`` (split-major
+        over (tile, split)) of the GEMM these arguments describe."""
         tid = cute.arch.thread_idx()[0]
         lane = tid % 32
         warp = tid // 32
@@ -232,7 +241,6 @@ class SplitKGemmKernel:
                                       alignment=1024 if self.wgmma else 128).toint()
         flag = cute.arch.alloc_smem(Int32, 4, alignment=16).toint()
 
-        block = cute.arch.block_idx()[0]
         tiles = n // TILE
         tile = block % tiles
         split = block // tiles
@@ -563,3 +571,60 @@ class SplitKGemmKernel:
                     i, at, token = where[e]
                     stg_u16_if(out + Int64(at) * 2, p.f32_to_bf16_bits(acc[i]),
                                cutlass.select_(token < tokens, Int32(1), Int32(0)))
+
+
+class GroupedSplitKGemmKernel(SplitKGemmKernel):
+    """Two GEMMs of the same tokens in one launch: ``out_1 = x W_1^T`` and ``out_2 = x
+    W_2^T`` (each FP32 or BF16 out; an addend for the first only), for ``T <= 64`` tokens
+    (not ``chunked``, not ``serial``).
+
+    Grid: the first GEMM's ``tiles_1 * splits_1`` CTAs, then the second's ``tiles_2 *
+    splits_2`` (``first_blocks = tiles_1 * splits_1``). CTA ``b`` runs
+    :class:`SplitKGemmKernel`'s algorithm for CTA ``b`` of the first GEMM when ``b <
+    first_blocks``, else for CTA ``b - first_blocks`` of the second, on that GEMM's weight,
+    output, workspace, tile counters, rows, K splits and flags. Both GEMMs share the kernel's
+    compile-time shape (tile, windows, ring, stage, MMA kind) and ``x``, ``K`` and ``T``;
+    each has its own K split. Since only ``splits`` changes bits, each output is bitwise
+    what :class:`SplitKGemmKernel` gives for that GEMM alone at the same splits: one launch
+    instead of two (one launch latency, one ramp of the memory stream, one tail), nothing
+    else.
+    """
+
+    def __init__(self, **params):
+        super().__init__(**params)
+        if self.chunked or self.serial:
+            raise ValueError("GroupedSplitKGemmKernel: token chunks and serial splits are not "
+                             "grouped (calls of at most 64 rows, cross-CTA splits)")
+
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 6 + [Int32(1)] * 5 + [Int64(0)] * 4 + [Int32(1)] * 6
+
+    @cute.jit
+    def __call__(self, w: Int64, x: Int64, out: Int64, addend: Int64, ws: Int64,
+                 counters: Int64, n: Int32, k: Int32, tokens: Int32, splits: Int32,
+                 flags: Int32, w2: Int64, out2: Int64, ws2: Int64, counters2: Int64,
+                 n2: Int32, splits2: Int32, flags2: Int32, first_blocks: Int32, grid: Int32,
+                 pdl: Int32, stream):
+        """Launch ``grid = first_blocks + tiles_2 * splits_2`` CTAs; ``n``, ``n2``: the
+        two weights' rows (each a multiple of the tile, each its output's row stride)."""
+        self.grouped_kernel(w, x, out, addend, ws, counters, n, k, tokens, splits, flags,
+                            w2, out2, ws2, counters2, n2, splits2, flags2, first_blocks).launch(
+            grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream,
+            smem=self.smem_bytes, min_blocks_per_mp=self.occupancy, preferred_smem_carveout=100,
+            use_pdl=pdl)
+
+    @cute.kernel
+    def grouped_kernel(self, w: Int64, x: Int64, out: Int64, addend: Int64, ws: Int64,
+                       counters: Int64, n: Int32, k: Int32, tokens: Int32, splits: Int32,
+                       flags: Int32, w2: Int64, out2: Int64, ws2: Int64, counters2: Int64,
+                       n2: Int32, splits2: Int32, flags2: Int32, first_blocks: Int32):
+        b = cute.arch.block_idx()[0]
+        second = b >= first_blocks
+        rows = cutlass.select_(second, n2, n)
+        self._cta(cutlass.select_(second, w2, w), x, cutlass.select_(second, out2, out), addend,
+                  cutlass.select_(second, ws2, ws), cutlass.select_(second, counters2, counters),
+                  rows, k, tokens, cutlass.select_(second, splits2, splits),
+                  cutlass.select_(second, flags2, flags), rows,
+                  b - cutlass.select_(second, first_blocks, Int32(0)))

@@ -40,6 +40,12 @@ token's logits (and, near a tie, its experts) can change with ``T``. ``DenseFron
 of ``T`` tokens runs. A GEMM whose chosen backend is ``"fast"`` never falls back to cuBLAS:
 input it cannot take raises.
 
+**The router in the front's launch** (``router_with_front=True``, with every GEMM on
+fast.gemm): one ``fast.gemm.GroupedGemm`` grid computes the front and the logits (the
+front's CTAs, then the router's, on the front's kernel shape with the router's own K
+split): the same bits as the two launches, one launch's fixed cost instead of two; the
+route then runs on the side stream after it.
+
 The fast GEMMs are built once per weight at construction (``DenseGemm`` objects: each holds
 its own split-K workspace and tile counters, so the router's on the side stream and the
 front's on the main stream never share one) and every kernel they may launch is compiled
@@ -230,6 +236,13 @@ class DenseFront:
             every batch; ``fast.gemm.mma_kind``).
         invariant_overlap: on ``"wgmma"``, each GEMM's MMAs stay in flight across a stage
             (``fast.gemm.Tactic.overlap``; the same bits); refused with ``"mma.sync"``.
+        router_with_front: run the router and the packed front as one launch
+            (``fast.gemm.GroupedGemm``: the front's CTAs, then the router's) at every batch
+            where both run fast.gemm and the router's rows are whole tiles of the front's
+            tactic (:meth:`grouped`; :meth:`plan` says which); the same bits as two launches
+            (each GEMM keeps its K split), one fixed cost instead of two, and the router's
+            logits come with the front's output instead of before it. Needs ``gemm="fast"``
+            (or ``batch_invariant``).
 
     Raises:
         ValueError: a bad ``gemm``, ``max_tokens``, ``batch_invariant`` or
@@ -241,7 +254,7 @@ class DenseFront:
     def __init__(self, weights: LatentMoEWeights, device: torch.device, *,
                  max_tokens: int | None = None, gemm: str = "auto",
                  batch_invariant: bool = False, invariant_mma: str = "mma.sync",
-                 invariant_overlap: bool = False):
+                 invariant_overlap: bool = False, router_with_front: bool = False):
         if gemm not in GEMM_MODES:
             raise ValueError(f"DenseFront: gemm must be one of {GEMM_MODES}, got {gemm!r}")
         if not isinstance(batch_invariant, bool):
@@ -264,6 +277,12 @@ class DenseFront:
                                  f"{FAST_MAX_TOKENS} tokens, but max_tokens={max_tokens} (gemm="
                                  f"'auto' gives the batches above {FAST_MAX_TOKENS} to cuBLAS)")
             max_tokens = FAST_MAX_TOKENS if max_tokens is None else max_tokens
+        if not isinstance(router_with_front, bool):
+            raise ValueError(f"DenseFront: router_with_front must be a bool, got {router_with_front!r}")
+        if router_with_front and gemm != "fast":
+            raise ValueError(f"DenseFront: router_with_front=True launches the router and the front "
+                             f"as one fast.gemm grid; gemm={gemm!r} runs them on cuBLAS at some "
+                             f"batches (pass gemm='fast' or batch_invariant=True)")
         self.config = c = weights.config
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
@@ -292,6 +311,36 @@ class DenseFront:
         self._weight = {"router": self.gate, "front": self.front_w,
                         "shared_down": self.shared_down, "up": self.up}
         self.fast_gemms = self._build_fast_gemms()
+        #: the router and the front in one launch (``router_with_front``), else None
+        self.grouped_gemm = None
+        #: the batches at which the router runs in the front's launch
+        self.grouped_batches = frozenset()
+        if router_with_front and self.fast_gemms:
+            self._build_grouped()
+
+    def _build_grouped(self) -> None:
+        """The front + router group, and its kernel compiled for every batch it serves
+        (those where the router's rows are whole tiles of the front's tactic)."""
+        from fast.gemm import GroupedGemm, grouped_launch
+
+        front, gate = self.fast_gemms["front"], self.fast_gemms["router"]
+        if front.rows != front.n or gate.rows != gate.n:
+            raise ValueError(f"DenseFront: router_with_front=True needs the front's and the "
+                             f"router's rows to be multiples of 64 (got {front.n} and {gate.n})")
+        served = []
+        for t in range(1, self.max_tokens + 1):
+            try:
+                grouped_launch(front.rows, gate.rows, front.k, t, front.tactic(t), gate.splits)
+            except ValueError:
+                continue
+            served.append(t)
+        self.grouped_gemm = GroupedGemm(front, gate)
+        self.grouped_gemm.compile_for(served)
+        self.grouped_batches = frozenset(served)
+
+    def grouped(self, tokens: int) -> bool:
+        """Whether a call of ``tokens`` rows runs the router in the front's launch."""
+        return tokens in self.grouped_batches
 
     def _build_fast_gemms(self) -> dict:
         """One ``fast.gemm.DenseGemm`` per GEMM that runs it at some batch, and every kernel
@@ -334,6 +383,8 @@ class DenseFront:
                 plan[name] = GemmChoice("fast", self.fast_gemms[name].tactic(tokens))
             else:
                 plan[name] = GemmChoice("cublas", None)
+        if self.grouped(tokens):  # the router on the front's kernel shape, its own K split
+            plan["router"] = GemmChoice("fast", self.grouped_gemm.launch(tokens).second.tactic)
         return plan
 
     def _matmul(self, gemm: str, a: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -379,13 +430,18 @@ class DenseFront:
                 if side_delay_cycles:
                     torch.cuda._sleep(int(side_delay_cycles))
 
+        tokens = x.shape[0]
+        if self.grouped(tokens):
+            front, logits = self.grouped_gemm(x, out_dtypes=(torch.bfloat16, torch.float32))
         segment()
         with torch.cuda.stream(side):
-            logits = self._matmul("router", x, torch.float32)
+            if not self.grouped(tokens):
+                logits = self._matmul("router", x, torch.float32)
             weights, ids = router.route(logits, self.bias, top_k=c.top_k,
                                         renormalize=c.renormalize, scale=c.routed_scaling_factor)
         route_ready = side.record_event() if side is not main else None
-        front = self._matmul("front", x, torch.bfloat16)
+        if not self.grouped(tokens):
+            front = self._matmul("front", x, torch.bfloat16)
         segment()
         with torch.cuda.stream(side):
             act = activation.situ_and_mul(front[:, :self._s2], beta=c.situ_beta,

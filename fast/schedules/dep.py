@@ -152,6 +152,9 @@ class DepLayer:
             (``DenseFront``'s; ``fast.gemm.Tactic.overlap``, the same bits): None (default)
             on the warpgroup MMA and off on ``"mma.sync"``, or a bool (True refused with
             ``"mma.sync"``).
+        router_with_front: the router in the front's launch (``DenseFront``'s: one
+            ``fast.gemm.GroupedGemm`` grid, the same bits, one fixed cost instead of two);
+            needs ``dense_gemm="fast"`` or ``batch_invariant``.
     """
 
     #: ``fast.schedules.graphs.BucketGraphs``' input: every virtual rank's tokens (a list).
@@ -160,7 +163,8 @@ class DepLayer:
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_tokens: int,
                  device: str | torch.device = "cuda", dense_gemm: str = "auto",
                  batch_invariant: bool = False, experts_tactic: dict | None = None,
-                 invariant_mma: str = "auto", invariant_overlap: bool | None = None):
+                 invariant_mma: str = "auto", invariant_overlap: bool | None = None,
+                 router_with_front: bool = False):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
@@ -181,7 +185,8 @@ class DepLayer:
                                           invariant_overlap, self.arch)
         self.dense = DenseFront(weights, device, max_tokens=max_tokens, gemm=dense_gemm,
                                 batch_invariant=batch_invariant, invariant_mma=mma,
-                                invariant_overlap=overlap)
+                                invariant_overlap=overlap,
+                                router_with_front=router_with_front)
         rows = ranks * max_tokens
         self.engines = [
             experts_engine_for(self.arch, prepare_experts_for(self.arch, weights, device,

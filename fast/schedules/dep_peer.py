@@ -145,6 +145,7 @@ class DepPeerLayer:
         invariant_mma: as ``DepLayer``'s (the MMA of the fast.gemm dense GEMMs, default
             ``"auto"``); the same on every rank.
         invariant_overlap: as ``DepLayer``'s (None or a bool); the same on every rank.
+        router_with_front: as ``DepLayer``'s; the same on every rank.
 
     Construction of a scratch is collective (every rank of the group must construct it).
     """
@@ -156,7 +157,8 @@ class DepPeerLayer:
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
                  scratch: DepPeerScratch | None = None, dense_gemm: str = "auto",
                  batch_invariant: bool = False, experts_tactic: dict | None = None,
-                 invariant_mma: str = "auto", invariant_overlap: bool | None = None):
+                 invariant_mma: str = "auto", invariant_overlap: bool | None = None,
+                 router_with_front: bool = False):
         from fast.experts import experts_engine_for, prepare_experts_for
         from fast.experts.engine import EngineScratch
 
@@ -187,7 +189,8 @@ class DepPeerLayer:
                                           invariant_overlap, self.arch)
         self.dense = DenseFront(weights, self.device, max_tokens=self.max_tokens,
                                 gemm=dense_gemm, batch_invariant=batch_invariant,
-                                invariant_mma=mma, invariant_overlap=overlap)
+                                invariant_mma=mma, invariant_overlap=overlap,
+                                router_with_front=router_with_front)
         prepared = prepare_experts_for(self.arch, weights, self.device,
                                        experts=(self.rank * self.per, self.per))
         rows = self.ranks * self.max_tokens
