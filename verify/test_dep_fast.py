@@ -456,15 +456,23 @@ def test_dep_fast_overlap_same_bits(backend, mma, seed, contract):
                for choice in flying.dense.plan(t).values())
     assert not any(choice.tactic.overlap for t in (1, 33, top)
                    for choice in plain.dense.plan(t).values())
-    xs = cases.rank_rows(flying.config, ranks, top, seed, "cuda")
-    for t in (1, 9, 33, top):
+    check_same_stages(contract, plain, flying, ranks, top, seed, (1, 9, 33, top),
+                      lambda r, t: f"rank {r}, MMAs in flight vs not, T={t}")
+
+
+def check_same_stages(contract, plain, other, ranks: int, top: int, seed: int, batches,
+                      what) -> None:
+    """Every stage of every virtual rank of layer ``other`` bitwise ``plain``'s (two
+    ``DepLayer`` of ``ranks`` ranks that must give the same bits) on the same seeded tokens
+    at each T of ``batches`` (at most ``top``); ``what(rank, T)`` labels the comparisons."""
+    xs = cases.rank_rows(other.config, ranks, top, seed, "cuda")
+    for t in batches:
         batch = [x[:t].contiguous() for x in xs]
         want = [_snapshot(o) for o in plain(batch)]
-        got = [_snapshot(o) for o in flying(batch)]
+        got = [_snapshot(o) for o in other(batch)]
         every = torch.ones(ranks * t, dtype=torch.bool, device="cuda")
         for r in range(ranks):
-            check_rank_stages(contract, got[r], want[r], r, plain, every[:t], every,
-                              f"rank {r}, MMAs in flight vs not, T={t}")
+            check_rank_stages(contract, got[r], want[r], r, plain, every[:t], every, what(r, t))
 
 
 # -- a bad token changes no other token ---------------------------------------------------
@@ -603,13 +611,7 @@ def test_dep_fast_router_with_front_same_bits(backend, mma, seed, contract):
                      router_with_front=True)
     assert grouped.dense.grouped(1) and not plain.dense.grouped(1)
     assert grouped.dense.plan(1)["router"].tactic.splits == plain.dense.plan(1)["router"].tactic.splits
-    xs = cases.rank_rows(grouped.config, ranks, top, seed, "cuda")
-    for t in (1, 9, 16, 17, 33, top):
-        batch = [x[:t].contiguous() for x in xs]
-        want = [_snapshot(o) for o in plain(batch)]
-        got = [_snapshot(o) for o in grouped(batch)]
-        every = torch.ones(ranks * t, dtype=torch.bool, device="cuda")
-        for r in range(ranks):
-            check_rank_stages(contract, got[r], want[r], r, plain, every[:t], every,
-                              f"rank {r}, router in the front's launch "
-                              f"({'grouped' if grouped.dense.grouped(t) else 'apart'}) vs not, T={t}")
+    check_same_stages(contract, plain, grouped, ranks, top, seed, (1, 9, 16, 17, 33, top),
+                      lambda r, t: f"rank {r}, router in the front's launch "
+                                   f"({'grouped' if grouped.dense.grouped(t) else 'apart'}) "
+                                   f"vs not, T={t}")
