@@ -38,7 +38,6 @@ __all__ = ["GEMMS", "DEFAULT_FRACTIONS", "k_slices", "fit_line", "render", "main
 
 GEMMS = ("front", "router", "shared_down", "up")
 DEFAULT_FRACTIONS = (0.125, 0.25, 0.5, 1.0)
-FLUSH_BYTES = 256 << 20
 def k_slices(k: int, splits: int, stage_k: int, fractions) -> list[int]:
     """The K widths timed for a weight of ``k`` columns whose tactic has ``splits`` K splits
     of ``stage_k``-wide stages: ``k f`` rounded down to a multiple of ``splits * stage_k``
@@ -122,41 +121,44 @@ def main(argv=None):
 
     import torch
 
-    from benchmarks import readbw
     from benchmarks.dense_table import _bytes, _cublas, _inputs
-    from benchmarks.experts_table import device_time_us
-    from benchmarks.provenance import run_header
+    from benchmarks.experts_table import device_time_us, l2_flush, new_result
     from fast.gemm import DenseGemm
     from model.config import LatentMoEConfig
     from verify import cases
 
     cfg = LatentMoEConfig.kimi_k3()
-    flush_buf = torch.randint(0, 255, (FLUSH_BYTES,), dtype=torch.uint8, device="cuda")
-    flush_out = torch.zeros(readbw.CTAS, dtype=torch.int32, device="cuda")
-    flush = lambda: readbw.read(flush_buf, flush_out)  # noqa: E731
-    result = {**run_header(), "cases": [], "fractions": fractions}
+    flush = l2_flush()
     t0 = time.time()
-    result["read_gbs"] = readbw.read_bandwidth_gbs()
+    result = {**new_result(), "fractions": fractions}
     tiny = torch.zeros(1, device="cuda")
     result["floor"] = device_time_us(lambda: tiny.add_(1), reps=args.reps, flush=flush)
     result["floor_us"] = statistics.median(result["floor"])
     print(f"read {result['read_gbs']:.0f} GB/s, floor {result['floor_us']:.1f} us", flush=True)
     w = cases.dense_weights("kimi_k3", "cuda")
+    top = max(tokens_list)
+    weights = {g: d[0] for g, d in _inputs(cfg, w, 1, 0).items() if g in gemms}
+    # per GEMM: the full weight's default tactic at each T, and one engine per K slice built
+    # once for those tactics (the same tiles and K split, each CTA's stream shorter)
+    tactics, slices = {}, {}
+    for g, weight in weights.items():
+        full = DenseGemm(weight, max_tokens=top)
+        tactics[g] = {t: full.tactic(t) for t in tokens_list}
+        stage_k = max(t.stage_k for t in tactics[g].values())
+        slices[g] = [(width, DenseGemm(weight[:, :width].contiguous(), max_tokens=top,
+                                       tactics=set(tactics[g].values()), splits=full.splits))
+                     for width in k_slices(weight.shape[1], full.splits, stage_k, fractions)]
     for tokens in tokens_list:
         data = _inputs(cfg, w, tokens, 2000 + tokens)
         for g in gemms:
             weight, a, addend, out_dtype = data[g]
-            full = DenseGemm(weight, max_tokens=max(tokens_list))
-            tactic = full.tactic(tokens)
+            tactic = tactics[g][tokens]
             case = {"gemm": g, "tokens": tokens, "tactic": tactic.label(), "k": [], "bytes": [],
                     "limit_us": [], "times": {"fast": [], "cublas": []}}
-            for width in k_slices(weight.shape[1], tactic.splits, tactic.stage_k, fractions):
-                w_slice = weight[:, :width].contiguous()
+            out = torch.empty(tokens, weight.shape[0], dtype=out_dtype, device="cuda")
+            for width, eng in slices[g]:
                 a_slice = a[:, :width].contiguous()
-                eng = DenseGemm(w_slice, max_tokens=max(tokens_list), tactics=[tactic],
-                                splits=tactic.splits)
-                out = torch.empty(tokens, weight.shape[0], dtype=out_dtype, device="cuda")
-                nbytes = _bytes(w_slice, a_slice, addend, out_dtype)
+                nbytes = _bytes(eng.weight, a_slice, addend, out_dtype)
                 case["k"].append(width)
                 case["bytes"].append(nbytes)
                 case["limit_us"].append(nbytes / (result["read_gbs"] * 1e9) * 1e6)
@@ -164,7 +166,7 @@ def main(argv=None):
                     lambda: eng(a_slice, out_dtype=out_dtype, addend=addend, out=out, tactic=tactic),
                     reps=args.reps, flush=flush))
                 case["times"]["cublas"].append(device_time_us(
-                    _cublas(g, w_slice, a_slice, addend, out_dtype), reps=args.reps, flush=flush))
+                    _cublas(g, eng.weight, a_slice, addend, out_dtype), reps=args.reps, flush=flush))
             case["median_us"] = {b: [statistics.median(s) for s in samples]
                                  for b, samples in case["times"].items()}
             case["fits"] = {b: fit_line(case["bytes"], med) for b, med in case["median_us"].items()}

@@ -131,16 +131,6 @@ def _dense4(engines, data, tactics, *, side: bool, grouped=None):
     return run
 
 
-def _groups(group, tokens: int) -> bool:
-    """Whether ``group`` (a ``fast.gemm.GroupedGemm``) serves ``tokens`` rows at its
-    default tactic (the router's rows whole tiles of the front's tactic)."""
-    try:
-        group.launch(tokens)
-    except ValueError:
-        return False
-    return True
-
-
 def render(result: dict) -> str:
     """Markdown: per T the four GEMMs in one graph (cuBLAS; the kernel's default tactics and
     this run's best tactic per GEMM; the router on a side stream; the write flush), each with
@@ -311,7 +301,7 @@ def main(argv=None):
                 "kernel_side": _dense4(engines, data, None, side=True),
                 "cublas_side": _dense4(None, data, None, side=True),
             }
-            if group is not None and _groups(group, tokens):
+            if group is not None and group.serves(tokens):
                 runs["kernel_grouped"] = _dense4(engines, data, None, side=False, grouped=group)
             row["dense4_times"] = {k: device_time_us(f, reps=args.reps, flush=flush)
                                    for k, f in runs.items()}

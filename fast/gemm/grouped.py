@@ -78,6 +78,10 @@ class GroupedGemm:
             front), and the only one that may take an addend.
         second: the other (the router); its :attr:`DenseGemm.splits` is its K split.
 
+    The batches it serves (:meth:`serves`) are those whose launch :func:`grouped_launch`
+    accepts (the second GEMM's rows whole tiles of the first's tactic); their launches are
+    planned and the workspaces sized once, here.
+
     Raises (at construction): TypeError for arguments that are not ``DenseGemm``;
     ValueError naming the argument for two devices, two K, a padded weight (rows not a
     multiple of 64) or a ``max_tokens`` above 64; RuntimeError where the fast kernels cannot
@@ -109,25 +113,39 @@ class GroupedGemm:
         self.max_tokens = min(first.max_tokens, second.max_tokens)
         #: the addend address of a call without one (never read: no addend flag)
         self.no_addend = torch.zeros(4, dtype=torch.float32, device=first.device)
+        #: each served batch's launch (:func:`grouped_launch` at the first GEMM's default tactic)
+        self.launches: dict[int, GroupedLaunch] = {}
         for t in range(1, self.max_tokens + 1):
-            launch = self.launch(t)
+            try:
+                launch = grouped_launch(first.rows, second.rows, first.k, t, first.tactic(t),
+                                        second.splits)
+            except ValueError:
+                continue  # not served: the caller launches the two apart at this batch
             first.reserve_workspace(launch.first.tactic)
             second.reserve_workspace(launch.second.tactic)
+            self.launches[t] = launch
+
+    def serves(self, tokens: int) -> bool:
+        """Whether a call of ``tokens`` rows can run grouped."""
+        return tokens in self.launches
 
     def launch(self, tokens: int) -> GroupedLaunch:
-        """What a call of ``tokens`` rows launches (:func:`grouped_launch` at the first
-        GEMM's default tactic)."""
-        return grouped_launch(self.first.rows, self.second.rows, self.first.k, tokens,
-                              self.first.tactic(tokens), self.second.splits)
+        """What a call of ``tokens`` rows launches; ValueError for a batch it does not
+        serve."""
+        if tokens not in self.launches:
+            raise ValueError(f"GroupedGemm: {tokens} rows are not served (the second GEMM's "
+                             f"{self.second.rows} rows are not whole tiles of the first's "
+                             f"tactic there, or T is outside 1..{self.max_tokens})")
+        return self.launches[tokens]
 
     def compile_for(self, tokens) -> list[dict]:
-        """Compile the grouped kernel of each row count in ``tokens``; returns the distinct
-        kernel parameters (a layer calls it at construction: no call compiles)."""
+        """Compile the grouped kernel of each served row count in ``tokens``; returns the
+        distinct kernel parameters (a layer calls it at construction: no call compiles)."""
         from fast.gemm.kernel import GroupedSplitKGemmKernel
 
         seen = []
-        for t in tokens:
-            params = self.launch(t).first.params
+        for t in filter(self.serves, tokens):
+            params = self.launches[t].first.params
             if params not in seen:
                 seen.append(params)
                 compiled(GroupedSplitKGemmKernel, self.first.arch, frozen(params))
@@ -142,12 +160,8 @@ class GroupedGemm:
         if len(out_dtypes) != 2 or len(outs) != 2:
             raise ValueError("GroupedGemm: out_dtypes and outs must have two entries each")
         t = self.first.check_call(x, outs[0], out_dtypes[0], addend)
-        if t > self.max_tokens:
-            raise ValueError(f"GroupedGemm: x has {t} rows; this group serves 1..{self.max_tokens}")
         self.second.check_call(x, outs[1], out_dtypes[1], None)
-        launch = self.launch(t)
-        self.first.reserve_workspace(launch.first.tactic)
-        self.second.reserve_workspace(launch.second.tactic)
+        launch = self.launch(t)  # the workspaces were sized for it at construction
         out1, out2 = (o if o is not None else torch.empty(t, g.n, dtype=d, device=g.device)
                       for o, g, d in zip(outs, (self.first, self.second), out_dtypes))
         from cutlass import Int32, Int64

@@ -311,36 +311,18 @@ class DenseFront:
         self._weight = {"router": self.gate, "front": self.front_w,
                         "shared_down": self.shared_down, "up": self.up}
         self.fast_gemms = self._build_fast_gemms()
-        #: the router and the front in one launch (``router_with_front``), else None
+        #: the router and the front in one launch (``router_with_front``), else None; it
+        #: serves the batches where the router's rows are whole tiles of the front's tactic
         self.grouped_gemm = None
-        #: the batches at which the router runs in the front's launch
-        self.grouped_batches = frozenset()
-        if router_with_front and self.fast_gemms:
-            self._build_grouped()
+        if router_with_front:
+            from fast.gemm import GroupedGemm
 
-    def _build_grouped(self) -> None:
-        """The front + router group, and its kernel compiled for every batch it serves
-        (those where the router's rows are whole tiles of the front's tactic)."""
-        from fast.gemm import GroupedGemm, grouped_launch
-
-        front, gate = self.fast_gemms["front"], self.fast_gemms["router"]
-        if front.rows != front.n or gate.rows != gate.n:
-            raise ValueError(f"DenseFront: router_with_front=True needs the front's and the "
-                             f"router's rows to be multiples of 64 (got {front.n} and {gate.n})")
-        served = []
-        for t in range(1, self.max_tokens + 1):
-            try:
-                grouped_launch(front.rows, gate.rows, front.k, t, front.tactic(t), gate.splits)
-            except ValueError:
-                continue
-            served.append(t)
-        self.grouped_gemm = GroupedGemm(front, gate)
-        self.grouped_gemm.compile_for(served)
-        self.grouped_batches = frozenset(served)
+            self.grouped_gemm = GroupedGemm(self.fast_gemms["front"], self.fast_gemms["router"])
+            self.grouped_gemm.compile_for(range(1, self.max_tokens + 1))
 
     def grouped(self, tokens: int) -> bool:
         """Whether a call of ``tokens`` rows runs the router in the front's launch."""
-        return tokens in self.grouped_batches
+        return self.grouped_gemm is not None and self.grouped_gemm.serves(tokens)
 
     def _build_fast_gemms(self) -> dict:
         """One ``fast.gemm.DenseGemm`` per GEMM that runs it at some batch, and every kernel
@@ -430,17 +412,17 @@ class DenseFront:
                 if side_delay_cycles:
                     torch.cuda._sleep(int(side_delay_cycles))
 
-        tokens = x.shape[0]
-        if self.grouped(tokens):
+        grouped = self.grouped(x.shape[0])
+        if grouped:
             front, logits = self.grouped_gemm(x, out_dtypes=(torch.bfloat16, torch.float32))
         segment()
         with torch.cuda.stream(side):
-            if not self.grouped(tokens):
+            if not grouped:
                 logits = self._matmul("router", x, torch.float32)
             weights, ids = router.route(logits, self.bias, top_k=c.top_k,
                                         renormalize=c.renormalize, scale=c.routed_scaling_factor)
         route_ready = side.record_event() if side is not main else None
-        if not self.grouped(tokens):
+        if not grouped:
             front = self._matmul("front", x, torch.bfloat16)
         segment()
         with torch.cuda.stream(side):
