@@ -109,14 +109,11 @@ def test_engine_kernels_compile(arch, geometry, windows, capture):
     if geometry in ("dep16", "tp8") and windows in (1, 4):  # FC1 + FC2 in one grid
         assert all(compile_all(g, c, windows=windows, arch=arch, capture=capture,
                                tactic=dict(fused=1), empty_rows=empty_rows))
-        # with the L2 prefetch ahead of the ring
-        assert all(compile_all(g, c, windows=windows, arch=arch, tactic=dict(fused=1, prefetch=8),
-                               empty_rows=empty_rows))
     if geometry in ("tp8", "tp16"):  # a slice's short FC2 items walking 4 row tiles, in
         # the two kernels and in a slice's default: the fused grid with the launch chain
         assert all(compile_all(g, c, windows=windows, arch=arch, tactic=dict(walk=4)))
         assert all(compile_all(g, c, windows=windows, arch=arch,
-                               tactic=dict(walk=4, fused=1, pdl_chain=1, prefetch=4)))
+                               tactic=dict(walk=4, fused=1, pdl_chain=1)))
 
 
 @pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
@@ -135,20 +132,6 @@ def test_walk_refused_where_it_does_not_apply():
     dep = Geometry(k3.latent, k3.intermediate, 0, 56, (0, 1))
     with pytest.raises(ValueError, match="at most 8 stages"):
         compile_all(dep, k3, windows=1, arch="sm_90a", tactic=dict(walk=2))
-
-
-@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
-@pytest.mark.parametrize("prefetch", [-1, 1.5, True])
-def test_prefetch_refused_unless_stages(prefetch):
-    """``prefetch`` (stages the L2 is asked for beyond the ring) is refused by name unless
-    an int >= 0."""
-    from fast.experts.engine import compile_all
-    from fast.experts.layout import Geometry
-
-    c = LatentMoEConfig.small()
-    g = Geometry(c.latent, c.intermediate, 0, c.experts, (0, 1))
-    with pytest.raises((ValueError, TypeError), match="prefetch"):
-        compile_all(g, c, windows=1, arch="sm_90a", tactic=dict(prefetch=prefetch))
 
 
 def test_windows_refused_past_four():

@@ -267,11 +267,6 @@ TACTICS = [dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtile
            # FC2 items of several row tiles (2 of the small config's 128-row tiles, 4 of
            # its 64-row ones), the ring running across each tile boundary
            dict(walk=2), dict(walk=4, warps=4, mtiles=1), dict(walk=2, ctas=3),
-           # the L2 prefetch ahead of the ring: past the end of an item, across a walk's
-           # tiles, in the fused grid before FC2 waits for its hidden rows
-           dict(prefetch=2), dict(prefetch=64), dict(prefetch=4, walk=2),
-           dict(prefetch=4, fused=1, pdl_chain=1, ctas=3),
-           dict(prefetch=4, wgmma=1, warps=8, mtiles=2, fused=1, ctas=3),
            dict(walk=2, wgmma=1), dict(walk=2, fused=1, pdl_chain=1, ctas=3)]
 
 
@@ -298,7 +293,7 @@ _CHAIN_FREE_SHAPES = (
     dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(ring=2), dict(ring=6, occupancy=1),
     dict(pdl_chain=1), dict(fused=1), dict(fused=1, ctas=2), dict(walk=2),
     dict(walk=4, warps=4, mtiles=1), dict(walk=2, ctas=2), dict(walk=2, ring=2),
-    dict(walk=2, fused=1, ctas=2), dict(prefetch=3), dict(prefetch=3, walk=2, fused=1, ctas=2))
+    dict(walk=2, fused=1, ctas=2))
 _MMA_SYNC_ONLY_SHAPES = (dict(warps=2, mtiles=2),)
 # (mma kind, window count)
 _CHAIN_FREE_CASES = [(0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4)]
@@ -311,7 +306,7 @@ _CHAIN_FREE_CASES = [(0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4)]
                          ids=[f"{'wgmma' if k else 'mma.sync'}-w{w}" for k, w in _CHAIN_FREE_CASES])
 def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract, wgmma, windows):
     """Tile shape, ring depth, occupancy, the launch chain, the fused grid, the grid's
-    size, FC2's walk over several row tiles and the L2 prefetch never
+    size and FC2's walk over several row tiles never
     change a bit (the sum order of each output is the chunk order); only the number
     of accumulator chains does. Checked for each MMA kind against itself, one case per
     (kind, window count)."""

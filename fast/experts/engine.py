@@ -142,7 +142,7 @@ def choose_walk(inter: int, latent: int, tile_rows: int) -> int:
 
 #: The keys of an FC kernel tactic (``ExpertsEngine.__call__``).
 TACTIC_KEYS = ("warps", "mtiles", "ring", "chains", "occupancy", "pdl", "wgmma", "pdl_chain",
-               "fused", "ctas", "walk", "prefetch")
+               "fused", "ctas", "walk")
 
 
 def check_ctas(ctas, owner: str) -> None:
@@ -429,8 +429,7 @@ class ExpertsEngine:
                 and wrote its ``plan`` rows (``fast.schedules.wide_route``); the call
                 then launches from the plan kernel on.
             tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
-                "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "ctas", "walk",
-                "prefetch"}``
+                "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "ctas", "walk"}``
                 (defaults: ``default_tactic``'s tile and grid, a ring of 4 stages for one
                 window and 3 for more, one accumulator chain, CTAs per multiprocessor
                 from the shared memory, ``pdl`` on: FC1 lets FC2 launch early, and FC2
@@ -441,10 +440,8 @@ class ExpertsEngine:
                 items, as at a real rank's batch; ``walk``: FC2 row tiles per work item,
                 streamed back to back through one ring, their B operand copied once
                 and kept in shared memory, for FC2 GEMMs of at most
-                ``kernels.WALK_MAX_STAGES`` stages; ``prefetch``: stages of weights
-                the L2 is asked for beyond the ring (default 0, none). Warps, m-tiles,
-                ring, occupancy, pdl, pdl_chain, fused, ctas, walk and prefetch never
-                change a bit; ``chains``
+                ``kernels.WALK_MAX_STAGES`` stages. Warps, m-tiles, ring,
+                occupancy, pdl, pdl_chain, fused, ctas and walk never change a bit; ``chains``
                 changes the summation order (within the same bound), so a call with a
                 non-default ``chains`` is not batch invariant with the default; ``wgmma``
                 changes the instruction (the contracts hold each MMA kind batch invariant

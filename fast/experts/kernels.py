@@ -85,15 +85,6 @@ class ExpertsGemmKernel:
     scales, and every tile reads it there. Each output's sum is the same chunk order: no
     bit changes.
 
-    L2 prefetch (``prefetch`` D > 0): lane 0 of each warp asks the L2 cache for its
-    m-tiles' weights and scales ``D`` stages beyond the ring's copies
-    (``cp.async.bulk.prefetch.L2``: no shared memory, no register, nothing to wait for), the
-    first ``D`` of an item at its start (before an FC2 item waits for its hidden rows), then
-    one stage per stage; a walk asks for the next tile's whole weights when it starts a
-    tile. A CTA then has ``D`` more stages of its stream in flight than its ring holds,
-    which is what limits a CTA's rate once few CTAs are left (a call's last wave). A hint:
-    it reads nothing into the CTA and changes no bit.
-
     Constraints: rows % (16 * warps * mtiles) == 0; K % 64 == 0; for FC1, the CTA's
     ``8 * warps * mtiles / 2`` intermediate columns are whole MXFP8 blocks; ``walk``
     divides the tiles, and a walked GEMM has at most ``WALK_MAX_STAGES`` stages per tile
@@ -105,7 +96,7 @@ class ExpertsGemmKernel:
                  ring: int | None = None, chains: int = 1, occupancy: int | None = None,
                  capture: bool = False, beta: float = 4.0, linear_beta: float = 25.0,
                  pdl: bool = False, wgmma: bool = False, pdl_chain: bool = False,
-                 walk: int = 1, prefetch: int = 0):
+                 walk: int = 1):
         # measured on the H200: a 4-stage ring for one window, 3 stages (one more CTA per
         # multiprocessor) for more; the ring depth never changes a bit
         ring = ring or (4 if windows == 1 else 3)
@@ -142,11 +133,6 @@ class ExpertsGemmKernel:
         self.stages = stages_of(k)
         #: consecutive row tiles per work item (FC2; see the class docstring)
         self.walk = walk
-        #: stages the L2 prefetch runs ahead of the ring (0: none; see the class docstring)
-        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0 (stages ahead of the ring), "
-                             f"got {prefetch!r}")
-        self.prefetch = prefetch
         if not isinstance(walk, int) or walk < 1 or self.tiles % walk:
             raise ValueError(f"walk must be an int >= 1 dividing the {self.tiles} row tiles, "
                              f"got {walk!r}")
@@ -395,10 +381,6 @@ class ExpertsGemmKernel:
         others empty), so the ring's waits count groups as in the plain prologue."""
         NS: cutlass.Constexpr = self.stages
         RING: cutlass.Constexpr = self.RING
-        D: cutlass.Constexpr = self.prefetch
-        if cutlass.const_expr(D > 0 and RING - 1 < NS):
-            # the D stages after the ring's first RING - 1, before any wait of the prologue
-            self._prefetch(wbase, sbase, lane, RING - 1, min(NS, RING - 1 + D) - (RING - 1))
         self._fill_ring(src, dst, ok, wbase, sbase, ring, warp, lane, first, work, info, tid)
         for s in cutlass.range(NS, unroll=1):
             cute.arch.cp_async_wait_group(RING - 2)
@@ -410,9 +392,6 @@ class ExpertsGemmKernel:
             if issue < NS:
                 self._issue(src, dst, ok, wbase, sbase, ring + (issue % RING) * self.slot_bytes,
                             issue, warp, lane)
-            if cutlass.const_expr(D > 0):
-                if issue + D < NS:
-                    self._prefetch(wbase, sbase, lane, issue + D, 1)
             cute.arch.cp_async_commit_group()
             self.compute_stage(acc, ring + (s % RING) * self.slot_bytes, warp, lane, live)
         cute.arch.cp_async_wait_group(0)
@@ -434,10 +413,6 @@ class ExpertsGemmKernel:
         ahead = self.RING - 1
         self._fill_ring(src, dst, ok, wbase, sbase, ring, warp, lane, first, work, info, tid)
         for g in cutlass.range(G, unroll=1):
-            if cutlass.const_expr(self.prefetch > 0):
-                if g + 1 < G:  # the next tile's weights and scales, whole
-                    self._prefetch(wbase + Int64(g + 1) * self.tile_weight_bytes,
-                                   sbase + Int64(g + 1) * self.tile_scale_bytes, lane, 0, NS)
             for s in cutlass.range_constexpr(NS):
                 cute.arch.cp_async_wait_group(RING - 2)
                 if cutlass.const_expr(self.wgmma):
@@ -617,19 +592,6 @@ class ExpertsGemmKernel:
                 p.stg_i32(work + (ws.error + 1) * 4, expert)
                 p.stg_i32(work + (ws.error + 2) * 4, seen)
         cute.arch.sync_threads()
-
-    @cute.jit
-    def _prefetch(self, wbase, sbase, lane, stage, count: int):
-        """Lane 0 of the warp: one L2 bulk prefetch per m-tile of the warp's weights and
-        one of its scales for stages ``[stage, stage + count)`` (``count`` compile-time;
-        ``wbase`` / ``sbase`` are the lane's own bases, as in ``_issue``)."""
-        SC: cutlass.Constexpr = self.stage_chunks
-        if lane == 0:
-            for mt in cutlass.range_constexpr(self.mtiles):
-                p.prefetch_l2_bulk(wbase + (Int64(mt) * self.chunks + Int64(stage) * SC) * 512,
-                                   Int32(count * SC * 512))
-                p.prefetch_l2_bulk(sbase + (Int64(mt) * self.stages + stage) * (32 * SC),
-                                   Int32(count * 32 * SC))
 
     @cute.jit
     def _issue(self, src, dst, ok, wbase, sbase, slot, stage, warp, lane,
