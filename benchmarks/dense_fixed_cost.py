@@ -23,6 +23,12 @@ structures that overlap or remove calls (one launch for several GEMMs, a persist
 one whose ``rate`` is short of the read bandwidth gains from more bytes in flight. The floor
 of the timing itself, a graph of one tiny kernel after the same flush, is ``floor_us``.
 
+``--tactics`` adds fast.gemm variants of each default tactic, fitted the same way:
+``"splits=1;occupancy=1;ring=4,stage_k=128"`` (``;`` between variants, ``key=int`` fields of
+``fast.gemm.Tactic`` over the default's), so one run can say what sets a GEMM's rate (its K
+split, CTAs per multiprocessor, ring depth, stage width). A variant with another K split
+gives other bits; it is timed, not shipped.
+
 Each figure is the median of ``--reps`` CUDA-graph replays after an L2 flush by a 256 MiB
 read (``benchmarks.experts_table.device_time_us``); the JSON holds every sample.
 """
@@ -34,7 +40,8 @@ import json
 import statistics
 import time
 
-__all__ = ["GEMMS", "DEFAULT_FRACTIONS", "k_slices", "fit_line", "render", "main"]
+__all__ = ["GEMMS", "DEFAULT_FRACTIONS", "k_slices", "fit_line", "parse_variants", "variant_tactic",
+           "render", "main"]
 
 GEMMS = ("front", "router", "shared_down", "up")
 DEFAULT_FRACTIONS = (0.125, 0.25, 0.5, 1.0)
@@ -53,6 +60,45 @@ def k_slices(k: int, splits: int, stage_k: int, fractions) -> list[int]:
             raise ValueError(f"fractions must lie in (0, 1], got {f}")
         widths.add(max(quantum, int(k * f) // quantum * quantum))
     return sorted(widths)
+
+
+#: The ``fast.gemm.Tactic`` fields a ``--tactics`` variant may set (ints; wgmma, serial and
+#: overlap as 0 / 1).
+VARIANT_FIELDS = ("warps", "mtiles", "splits", "stage_k", "occupancy", "ring", "wgmma", "serial",
+                  "overlap")
+
+
+def parse_variants(spec: str) -> list[dict]:
+    """``"splits=1;occupancy=1,ring=4"`` -> ``[{"splits": 1}, {"occupancy": 1, "ring": 4}]``.
+    Raises ValueError naming ``--tactics`` for an item that is not ``field=int`` of
+    ``VARIANT_FIELDS``, or an empty variant."""
+    variants = []
+    for part in spec.split(";"):
+        if not part.strip():
+            continue
+        variant = {}
+        for item in part.split(","):
+            key, eq, value = item.strip().partition("=")
+            if not eq or key not in VARIANT_FIELDS or not value.strip().lstrip("-").isdigit():
+                raise ValueError(f"--tactics: each item is field=int with field one of "
+                                 f"{VARIANT_FIELDS}, got {item!r}")
+            variant[key] = int(value)
+        variants.append(variant)
+    return variants
+
+
+def variant_tactic(default, variant: dict):
+    """``default`` (a ``fast.gemm.Tactic``) with the fields of ``variant`` replaced (the
+    booleans as bools); the Tactic's own checks raise ValueError for a field it refuses."""
+    import dataclasses
+
+    fields = {k: bool(v) if k in ("wgmma", "serial", "overlap") else v for k, v in variant.items()}
+    return dataclasses.replace(default, **fields)
+
+
+def variant_name(variant: dict) -> str:
+    """The backend name of a variant in a result: ``fast:splits=1,ring=4``."""
+    return "fast:" + ",".join(f"{k}={v}" for k, v in variant.items())
 
 
 def fit_line(nbytes, times_us) -> dict:
@@ -91,9 +137,10 @@ def render(result: dict) -> str:
             med = case["median_us"][backend]
             rate = fit["rate_gbs"]
             rate_cell = "-" if rate is None else f"{rate:.0f} ({rate / bw:.2f})"
-            slices = ", ".join(f"{k} -> {t:.1f}" for k, t in zip(case["k"], med))
-            tactic = case["tactic"] if backend == "fast" else "-"
-            lines.append(f"| {case['gemm']} | {case['tokens']} | {backend} | {tactic} | "
+            widths = case.get("variant_k", {}).get(backend, case["k"])
+            slices = ", ".join(f"{k} -> {t:.1f}" for k, t in zip(widths, med))
+            tactic = case.get("tactics", {}).get(backend, case["tactic"] if backend == "fast" else "-")
+            lines.append(f"| {case['gemm']} | {case['tokens']} | {backend.split(':')[0]} | {tactic} | "
                          f"{med[-1]:.1f} | {case['limit_us'][-1]:.1f} | {fit['fixed_us']:.1f} | "
                          f"{rate_cell} | {fit['r2']:.3f} | {slices} |")
     return "\n".join(lines) + "\n"
@@ -108,6 +155,9 @@ def main(argv=None):
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--gemms", default=",".join(GEMMS))
     ap.add_argument("--fractions", default=",".join(str(f) for f in DEFAULT_FRACTIONS))
+    ap.add_argument("--tactics", default="",
+                    help="fast.gemm variants of each default tactic, e.g. 'splits=1;occupancy=1,ring=4' "
+                         f"(fields {','.join(VARIANT_FIELDS)})")
     args = ap.parse_args(argv)
     from benchmarks.experts_table import rendered
 
@@ -116,6 +166,10 @@ def main(argv=None):
     gemms = [g for g in args.gemms.split(",") if g]
     if not gemms or set(gemms) - set(GEMMS):
         ap.error(f"--gemms must be some of {','.join(GEMMS)}, got {args.gemms!r}")
+    try:
+        variants = parse_variants(args.tactics)
+    except ValueError as error:
+        ap.error(str(error))
     fractions = [float(f) for f in args.fractions.split(",") if f]
     tokens_list = [int(t) for t in args.tokens.split(",") if t]
 
@@ -140,7 +194,8 @@ def main(argv=None):
     weights = {g: d[0] for g, d in _inputs(cfg, w, 1, 0).items() if g in gemms}
     # per GEMM: the full weight's default tactic at each T, and one engine per K slice built
     # once for those tactics (the same tiles and K split, each CTA's stream shorter)
-    tactics, slices = {}, {}
+    # (and per variant the same over its own K split and stage width)
+    tactics, slices, variant_slices = {}, {}, {}
     for g, weight in weights.items():
         full = DenseGemm(weight, max_tokens=top)
         tactics[g] = {t: full.tactic(t) for t in tokens_list}
@@ -148,6 +203,21 @@ def main(argv=None):
         slices[g] = [(width, DenseGemm(weight[:, :width].contiguous(), max_tokens=top,
                                        tactics=set(tactics[g].values()), splits=full.splits))
                      for width in k_slices(weight.shape[1], full.splits, stage_k, fractions)]
+        for i, variant in enumerate(variants):
+            try:  # a variant a GEMM refuses (its tile, ring or split) is left out, said why
+                own = {t: variant_tactic(tactics[g][t], variant) for t in tokens_list}
+                splits = {x.splits for x in own.values()}
+                if len(splits) != 1:
+                    raise ValueError("the default tactics differ in K split over --tokens; "
+                                     "give the variant its own splits")
+                v_splits = splits.pop()
+                v_stage = max(x.stage_k for x in own.values())
+                variant_slices[g, i] = (own, [
+                    (width, DenseGemm(weight[:, :width].contiguous(), max_tokens=top,
+                                      tactics=set(own.values()), splits=v_splits))
+                    for width in k_slices(weight.shape[1], v_splits, v_stage, fractions)])
+            except ValueError as error:
+                print(f"{g} {variant_name(variant)} left out: {error}", flush=True)
     for tokens in tokens_list:
         data = _inputs(cfg, w, tokens, 2000 + tokens)
         for g in gemms:
@@ -167,9 +237,29 @@ def main(argv=None):
                     reps=args.reps, flush=flush))
                 case["times"]["cublas"].append(device_time_us(
                     _cublas(g, eng.weight, a_slice, addend, out_dtype), reps=args.reps, flush=flush))
+            case["tactics"], case["variant_k"] = {}, {}
+            for i, variant in enumerate(variants):
+                if (g, i) not in variant_slices:
+                    continue
+                own, v_slices = variant_slices[g, i]
+                name, v_tactic = variant_name(variant), own[tokens]
+                case["tactics"][name] = v_tactic.label()
+                case["variant_k"][name] = [width for width, _ in v_slices]
+                case["times"][name] = []
+                for width, eng in v_slices:
+                    a_slice = a[:, :width].contiguous()
+                    case["times"][name].append(device_time_us(
+                        lambda: eng(a_slice, out_dtype=out_dtype, addend=addend, out=out,
+                                    tactic=v_tactic), reps=args.reps, flush=flush))
             case["median_us"] = {b: [statistics.median(s) for s in samples]
                                  for b, samples in case["times"].items()}
-            case["fits"] = {b: fit_line(case["bytes"], med) for b, med in case["median_us"].items()}
+            case["variant_bytes"] = {
+                name: [_bytes(eng.weight, a[:, :width], addend, out_dtype)
+                       for width, eng in variant_slices[g, i][1]]
+                for i, name in enumerate(variant_name(v) for v in variants)
+                if (g, i) in variant_slices}
+            case["fits"] = {b: fit_line(case["variant_bytes"].get(b, case["bytes"]), med)
+                            for b, med in case["median_us"].items()}
             result["cases"].append(case)
             f = case["fits"]["fast"]
             print(f"T={tokens} {g}: fast fixed {f['fixed_us']:.1f} us rate {f['rate_gbs'] or 0:.0f} GB/s; "

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.dense_fixed_cost import fit_line, k_slices, render
+from benchmarks.dense_fixed_cost import (fit_line, k_slices, main, parse_variants, render,
+                                         variant_name, variant_tactic)
 
 
 def test_slices_are_whole_stages_of_every_split():
@@ -40,3 +41,38 @@ def test_the_table_has_a_row_per_gemm_and_backend():
     rows = [line for line in text.splitlines() if line.startswith("| up |")]
     assert len(rows) == 2 and "| 7.0 |" in rows[0] and "3333 (0.74)" in rows[0]
     assert "1792 -> 10.0, 3584 -> 13.0" in rows[0] and "r64w2s2" in rows[0]
+
+
+def test_variants_are_tactic_fields_over_the_default():
+    """``--tactics``: ``;`` between variants, ``field=int`` items over the default tactic;
+    anything else refused by name before any GPU work."""
+    from fast.gemm import Tactic
+
+    assert parse_variants("splits=1;occupancy=1,ring=4;") == [{"splits": 1},
+                                                              {"occupancy": 1, "ring": 4}]
+    assert parse_variants("") == []
+    default = Tactic(warps=4, mtiles=1, splits=2)
+    assert variant_tactic(default, {"splits": 1, "wgmma": 1}) == Tactic(warps=4, mtiles=1,
+                                                                        splits=1, wgmma=True)
+    with pytest.raises(ValueError, match="wgmma needs whole warpgroups"):
+        variant_tactic(Tactic(warps=2, mtiles=2), {"wgmma": 1})  # the Tactic's own check
+    assert variant_name({"occupancy": 1, "ring": 4}) == "fast:occupancy=1,ring=4"
+    for bad in ("split=1", "splits", "splits=one", "ring=4,chunk=2"):
+        with pytest.raises(ValueError, match="--tactics"):
+            parse_variants(bad)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--tactics", "bogus=1"])
+    assert exit_info.value.code == 2
+
+
+def test_a_variant_gets_its_own_row_tactic_and_slices():
+    med = {"fast": [10.0, 13.0], "fast:splits=1": [9.0, 12.5]}
+    case = {"gemm": "up", "tokens": 1, "tactic": "r64w2s2", "k": [1792, 3584], "bytes": [1e7, 2e7],
+            "limit_us": [2.2, 4.4], "median_us": med,
+            "tactics": {"fast:splits=1": "r64w2s1"}, "variant_k": {"fast:splits=1": [1344, 3584]},
+            "fits": {b: fit_line([1e7, 2e7], m) for b, m in med.items()}}
+    text = render({"device": "GPU", "torch": "2", "read_gbs": 4500.0, "floor_us": 2.5,
+                   "cases": [case]})
+    rows = [line for line in text.splitlines() if line.startswith("| up |")]
+    assert len(rows) == 2 and "| fast | r64w2s2 |" in rows[0]
+    assert "| fast | r64w2s1 |" in rows[1] and "1344 -> 9.0, 3584 -> 12.5" in rows[1]
