@@ -192,72 +192,64 @@ def main(argv=None):
     w = cases.dense_weights("kimi_k3", "cuda")
     top = max(tokens_list)
     weights = {g: d[0] for g, d in _inputs(cfg, w, 1, 0).items() if g in gemms}
-    # per GEMM: the full weight's default tactic at each T, and one engine per K slice built
-    # once for those tactics (the same tiles and K split, each CTA's stream shorter)
-    # (and per variant the same over its own K split and stage width)
-    tactics, slices, variant_slices = {}, {}, {}
+    # per GEMM and variant (the default first: the empty variant, backend "fast"): its tactic
+    # at each T, and one engine per K slice built once for those tactics (the same tiles and
+    # K split, each CTA's stream shorter); a variant a GEMM refuses is left out, said why
+    named = [("fast", {})] + [(variant_name(v), v) for v in variants]
+    runs = {}  # (gemm, backend) -> ({T: tactic}, [(K width, engine)])
     for g, weight in weights.items():
         full = DenseGemm(weight, max_tokens=top)
-        tactics[g] = {t: full.tactic(t) for t in tokens_list}
-        stage_k = max(t.stage_k for t in tactics[g].values())
-        slices[g] = [(width, DenseGemm(weight[:, :width].contiguous(), max_tokens=top,
-                                       tactics=set(tactics[g].values()), splits=full.splits))
-                     for width in k_slices(weight.shape[1], full.splits, stage_k, fractions)]
-        for i, variant in enumerate(variants):
-            try:  # a variant a GEMM refuses (its tile, ring or split) is left out, said why
-                own = {t: variant_tactic(tactics[g][t], variant) for t in tokens_list}
+        for name, variant in named:
+            try:
+                own = {t: variant_tactic(full.tactic(t), variant) for t in tokens_list}
                 splits = {x.splits for x in own.values()}
                 if len(splits) != 1:
                     raise ValueError("the default tactics differ in K split over --tokens; "
                                      "give the variant its own splits")
                 v_splits = splits.pop()
-                v_stage = max(x.stage_k for x in own.values())
-                variant_slices[g, i] = (own, [
+                stage_k = max(x.stage_k for x in own.values())
+                runs[g, name] = (own, [
                     (width, DenseGemm(weight[:, :width].contiguous(), max_tokens=top,
                                       tactics=set(own.values()), splits=v_splits))
-                    for width in k_slices(weight.shape[1], v_splits, v_stage, fractions)])
+                    for width in k_slices(weight.shape[1], v_splits, stage_k, fractions)])
             except ValueError as error:
-                print(f"{g} {variant_name(variant)} left out: {error}", flush=True)
+                if not variant:
+                    raise
+                print(f"{g} {name} left out: {error}", flush=True)
     for tokens in tokens_list:
         data = _inputs(cfg, w, tokens, 2000 + tokens)
         for g in gemms:
             weight, a, addend, out_dtype = data[g]
-            tactic = tactics[g][tokens]
-            case = {"gemm": g, "tokens": tokens, "tactic": tactic.label(), "k": [], "bytes": [],
-                    "limit_us": [], "times": {"fast": [], "cublas": []}}
             out = torch.empty(tokens, weight.shape[0], dtype=out_dtype, device="cuda")
-            for width, eng in slices[g]:
-                a_slice = a[:, :width].contiguous()
-                nbytes = _bytes(eng.weight, a_slice, addend, out_dtype)
-                case["k"].append(width)
-                case["bytes"].append(nbytes)
-                case["limit_us"].append(nbytes / (result["read_gbs"] * 1e9) * 1e6)
-                case["times"]["fast"].append(device_time_us(
-                    lambda: eng(a_slice, out_dtype=out_dtype, addend=addend, out=out, tactic=tactic),
-                    reps=args.reps, flush=flush))
-                case["times"]["cublas"].append(device_time_us(
-                    _cublas(g, eng.weight, a_slice, addend, out_dtype), reps=args.reps, flush=flush))
-            case["tactics"], case["variant_k"] = {}, {}
-            for i, variant in enumerate(variants):
-                if (g, i) not in variant_slices:
+            case = {"gemm": g, "tokens": tokens, "tactic": runs[g, "fast"][0][tokens].label(),
+                    "times": {}, "tactics": {}, "variant_k": {}, "variant_bytes": {}}
+            for name, _ in named:
+                if (g, name) not in runs:
                     continue
-                own, v_slices = variant_slices[g, i]
-                name, v_tactic = variant_name(variant), own[tokens]
-                case["tactics"][name] = v_tactic.label()
-                case["variant_k"][name] = [width for width, _ in v_slices]
+                own, engines = runs[g, name]
+                tactic, widths, nbytes = own[tokens], [], []
                 case["times"][name] = []
-                for width, eng in v_slices:
+                if name == "fast":  # cuBLAS on the default's slices
+                    case["times"]["cublas"] = []
+                for width, eng in engines:
                     a_slice = a[:, :width].contiguous()
+                    widths.append(width)
+                    nbytes.append(_bytes(eng.weight, a_slice, addend, out_dtype))
                     case["times"][name].append(device_time_us(
                         lambda: eng(a_slice, out_dtype=out_dtype, addend=addend, out=out,
-                                    tactic=v_tactic), reps=args.reps, flush=flush))
+                                    tactic=tactic), reps=args.reps, flush=flush))
+                    if name == "fast":
+                        case["times"]["cublas"].append(device_time_us(
+                            _cublas(g, eng.weight, a_slice, addend, out_dtype), reps=args.reps,
+                            flush=flush))
+                if name == "fast":
+                    case["k"], case["bytes"] = widths, nbytes
+                    case["limit_us"] = [b / (result["read_gbs"] * 1e9) * 1e6 for b in nbytes]
+                else:
+                    case["tactics"][name] = tactic.label()
+                    case["variant_k"][name], case["variant_bytes"][name] = widths, nbytes
             case["median_us"] = {b: [statistics.median(s) for s in samples]
                                  for b, samples in case["times"].items()}
-            case["variant_bytes"] = {
-                name: [_bytes(eng.weight, a[:, :width], addend, out_dtype)
-                       for width, eng in variant_slices[g, i][1]]
-                for i, name in enumerate(variant_name(v) for v in variants)
-                if (g, i) in variant_slices}
             case["fits"] = {b: fit_line(case["variant_bytes"].get(b, case["bytes"]), med)
                             for b, med in case["median_us"].items()}
             result["cases"].append(case)

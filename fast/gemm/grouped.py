@@ -26,7 +26,7 @@ import torch
 
 from fast import backend
 from fast.device.compile import compiled, frozen
-from fast.gemm.host import PDL_MAX_TOKENS, DenseGemm, Launch, launch_for
+from fast.gemm.host import DenseGemm, Launch, launch_for
 from fast.gemm.layout import MAX_TOKENS, Tactic
 
 __all__ = ["GroupedLaunch", "grouped_launch", "GroupedGemm"]
@@ -166,15 +166,12 @@ class GroupedGemm:
                       for o, g, d in zip(outs, (self.first, self.second), out_dtypes))
         from cutlass import Int32, Int64
 
-        from fast.gemm.kernel import (FLAG_ADD_BF16, FLAG_ADD_F32, FLAG_F32_OUT,
-                                      GroupedSplitKGemmKernel)
+        from fast.gemm.kernel import GroupedSplitKGemmKernel
 
         fn = compiled(GroupedSplitKGemmKernel, self.first.arch, frozen(launch.first.params))
-        flags = [FLAG_F32_OUT if d == torch.float32 else 0 for d in out_dtypes]
-        if addend is not None:
-            flags[0] |= FLAG_ADD_BF16 if addend.dtype == torch.bfloat16 else FLAG_ADD_F32
         a, b = self.first, self.second
-        pdl = t <= PDL_MAX_TOKENS if a.pdl is None else a.pdl
+        flags = (a.launch_flags(out_dtypes[0], addend), b.launch_flags(out_dtypes[1], None))
+        pdl = a.uses_pdl(t)
         fn(Int64(a.padded_weight.data_ptr()), Int64(x.data_ptr()), Int64(out1.data_ptr()),
            Int64((addend if addend is not None else self.no_addend).data_ptr()),
            Int64(a.workspace.data_ptr()), Int64(a.counters.data_ptr()),

@@ -533,6 +533,21 @@ class DenseGemm:
             self.workspace = torch.empty(self.workspace_bytes(tactic) // 4 + 4, dtype=_F32,
                                          device=self.device)
 
+    def launch_flags(self, out_dtype: torch.dtype, addend: torch.Tensor | None) -> int:
+        """The kernel's ``flags`` for a call with ``out_dtype`` and ``addend``
+        (``fast.gemm.kernel.FLAG_*``: FP32 output, a BF16 or an FP32 addend)."""
+        from fast.gemm.kernel import FLAG_ADD_BF16, FLAG_ADD_F32, FLAG_F32_OUT
+
+        flags = FLAG_F32_OUT if out_dtype == _F32 else 0
+        if addend is not None:
+            flags |= FLAG_ADD_BF16 if addend.dtype == _BF16 else FLAG_ADD_F32
+        return flags
+
+    def uses_pdl(self, tokens: int) -> bool:
+        """Whether a call of ``tokens`` rows launches with programmatic dependent launch
+        (``pdl``, or by default up to ``PDL_MAX_TOKENS`` rows)."""
+        return tokens <= PDL_MAX_TOKENS if self.pdl is None else self.pdl
+
     def check_call(self, x, out, out_dtype, addend) -> int:
         """Refuse (ValueError / TypeError naming the argument) a call's ``x``, ``out``,
         ``out_dtype`` or ``addend`` that ``__call__`` cannot take; returns ``T``."""
@@ -598,19 +613,16 @@ class DenseGemm:
             out = torch.empty(t, self.n, dtype=out_dtype, device=self.device)
         from cutlass import Int32, Int64
 
-        from fast.gemm.kernel import FLAG_ADD_BF16, FLAG_ADD_F32, FLAG_F32_OUT, SplitKGemmKernel
+        from fast.gemm.kernel import SplitKGemmKernel
 
         fn = compiled(SplitKGemmKernel, self.arch, frozen(launch.params))
-        flags = (FLAG_F32_OUT if out_dtype == _F32 else 0)
-        if addend is not None:
-            flags |= FLAG_ADD_BF16 if addend.dtype == _BF16 else FLAG_ADD_F32
+        flags = self.launch_flags(out_dtype, addend)
         fn(Int64(self.padded_weight.data_ptr()), Int64(x.data_ptr()), Int64(out.data_ptr()),
            Int64((addend if addend is not None else self._null).data_ptr()),
            Int64(self.workspace.data_ptr()), Int64(self.counters.data_ptr()),
            Int32(self.rows), Int32(self.k), Int32(t), Int32(tactic.splits), Int32(flags),
            Int32(launch.grid), Int32(launch.chunks), Int32(self.n),
-           Int32(int(t <= PDL_MAX_TOKENS if self.pdl is None else self.pdl)),
-           backend.stream(self.device))
+           Int32(int(self.uses_pdl(t))), backend.stream(self.device))
         return out
 
 
