@@ -109,14 +109,11 @@ def test_engine_kernels_compile(arch, geometry, windows, capture):
     if geometry in ("dep16", "tp8") and windows in (1, 4):  # FC1 + FC2 in one grid
         assert all(compile_all(g, c, windows=windows, arch=arch, capture=capture,
                                tactic=dict(fused=1), empty_rows=empty_rows))
-        # the call's last items asking the L2 for their weights
-        assert all(compile_all(g, c, windows=windows, arch=arch,
-                               tactic=dict(fused=1, tail_prefetch=512), empty_rows=empty_rows))
     if geometry in ("tp8", "tp16"):  # a slice's short FC2 items walking 4 row tiles, in
         # the two kernels and in a slice's default: the fused grid with the launch chain
         assert all(compile_all(g, c, windows=windows, arch=arch, tactic=dict(walk=4)))
         assert all(compile_all(g, c, windows=windows, arch=arch,
-                               tactic=dict(walk=4, fused=1, pdl_chain=1, tail_prefetch=256)))
+                               tactic=dict(walk=4, fused=1, pdl_chain=1)))
 
 
 @pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
@@ -135,24 +132,6 @@ def test_walk_refused_where_it_does_not_apply():
     dep = Geometry(k3.latent, k3.intermediate, 0, 56, (0, 1))
     with pytest.raises(ValueError, match="at most 8 stages"):
         compile_all(dep, k3, windows=1, arch="sm_90a", tactic=dict(walk=2))
-
-
-@pytest.mark.skipif(_cute_error is not None, reason=f"CuTe DSL not importable: {_cute_error}")
-@pytest.mark.parametrize("tactic", [dict(fused=1, tail_prefetch=-1),
-                                    dict(fused=1, tail_prefetch=1.5),
-                                    dict(fused=1, tail_prefetch=True),
-                                    dict(tail_prefetch=64)])
-def test_tail_prefetch_refused_unless_items_in_the_fused_grid(tactic):
-    """``tail_prefetch`` (the call's last items that ask the L2 for their weights) is
-    refused by name unless an int >= 0, and without the fused grid, whose claim is what
-    knows the call's item count."""
-    from fast.experts.engine import compile_all
-    from fast.experts.layout import Geometry
-
-    c = LatentMoEConfig.small()
-    g = Geometry(c.latent, c.intermediate, 0, c.experts, (0, 1))
-    with pytest.raises((ValueError, TypeError), match="tail_prefetch"):
-        compile_all(g, c, windows=1, arch="sm_90a", tactic=tactic)
 
 
 def test_windows_refused_past_four():

@@ -267,12 +267,7 @@ TACTICS = [dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(warps=2, mtile
            # FC2 items of several row tiles (2 of the small config's 128-row tiles, 4 of
            # its 64-row ones), the ring running across each tile boundary
            dict(walk=2), dict(walk=4, warps=4, mtiles=1), dict(walk=2, ctas=3),
-           dict(walk=2, wgmma=1), dict(walk=2, fused=1, pdl_chain=1, ctas=3),
-           # the call's last items ask the L2 for their weights: every item, and some
-           # (a grid of 3 CTAs, a walk, wgmma)
-           dict(fused=1, tail_prefetch=1 << 20), dict(fused=1, ctas=3, tail_prefetch=5),
-           dict(walk=2, fused=1, ctas=3, tail_prefetch=7),
-           dict(wgmma=1, warps=8, mtiles=2, fused=1, tail_prefetch=1 << 20)]
+           dict(walk=2, wgmma=1), dict(walk=2, fused=1, pdl_chain=1, ctas=3)]
 
 
 def _skip_unless_wgmma(tactic: dict, arch: str) -> None:
@@ -298,8 +293,7 @@ _CHAIN_FREE_SHAPES = (
     dict(warps=8, mtiles=1), dict(warps=4, mtiles=1), dict(ring=2), dict(ring=6, occupancy=1),
     dict(pdl_chain=1), dict(fused=1), dict(fused=1, ctas=2), dict(walk=2),
     dict(walk=4, warps=4, mtiles=1), dict(walk=2, ctas=2), dict(walk=2, ring=2),
-    dict(walk=2, fused=1, ctas=2), dict(fused=1, ctas=2, tail_prefetch=6),
-    dict(walk=2, fused=1, tail_prefetch=1 << 20))
+    dict(walk=2, fused=1, ctas=2))
 _MMA_SYNC_ONLY_SHAPES = (dict(warps=2, mtiles=2),)
 # (mma kind, window count)
 _CHAIN_FREE_CASES = [(0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4)]
@@ -312,7 +306,7 @@ _CHAIN_FREE_CASES = [(0, 1), (0, 2), (0, 4), (1, 1), (1, 2), (1, 4)]
                          ids=[f"{'wgmma' if k else 'mma.sync'}-w{w}" for k, w in _CHAIN_FREE_CASES])
 def test_experts_tactics_change_no_bit_but_chains(backend, seed, contract, wgmma, windows):
     """Tile shape, ring depth, occupancy, the launch chain, the fused grid, the grid's
-    size, FC2's walk over several row tiles and the tail's L2 prefetch never
+    size and FC2's walk over several row tiles never
     change a bit (the sum order of each output is the chunk order); only the number
     of accumulator chains does. Checked for each MMA kind against itself, one case per
     (kind, window count)."""
@@ -395,11 +389,9 @@ def test_experts_tactics_change_no_bit_real(backend, config_name, first, count, 
     # against the two kernels of the default tile, named explicitly (a DEP owner's default
     # call runs the fused grid, one of the shapes under test)
     base = {False: _bits(engine(*args, tactic={}))}
-    shapes = [dict(pdl_chain=1), dict(fused=1), dict(fused=1, pdl_chain=1),
-              dict(fused=1, pdl_chain=1, tail_prefetch=512)]
+    shapes = [dict(pdl_chain=1), dict(fused=1), dict(fused=1, pdl_chain=1)]
     if shard[1] > 1:  # a TP slice: FC2 has 3 stages per tile, so its items may walk tiles
-        shapes += [dict(walk=4), dict(walk=7), dict(walk=4, fused=1),
-                   dict(walk=4, fused=1, tail_prefetch=256)]
+        shapes += [dict(walk=4), dict(walk=7), dict(walk=4, fused=1)]
     if engine.arch == "sm_90a":
         base[True] = _bits(engine(*args, tactic=dict(wgmma=1)))
         shapes += [dict(wgmma=1, fused=1),

@@ -20,7 +20,7 @@ from cutlass._mlir.dialects import vector
 __all__ = [
     "ldg_stream_v4", "ldg_u32", "ldg_u8", "ldg_i32", "ldg_v2", "ldg_u64",
     "stg_u16", "stg_u8", "stg_f32", "stg_i32", "stg_u32", "stg_v4", "atomic_cas", "ld_acquire_sys",
-    "cp_async_16", "cp_async_4", "cp_async_4z", "prefetch_l2_bulk", "lds_u16", "lds_v4", "sts_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
+    "cp_async_16", "cp_async_4", "cp_async_4z", "lds_u16", "lds_v4", "sts_v4", "sts_f32", "lds_f32", "sts_i32", "lds_i32",
     "mma_bf16", "rotr", "prmt", "mul_bf16x2", "atomic_add", "atomic_max", "shfl_xor", "shfl_up",
     "e4m3x2_to_f32", "f32x2_to_e4m3x2", "f32_to_bf16_bits",
     "smem_matrix_descriptor", "smem_matrix_descriptor_sw128", "smem_descriptor_offset", "wgmma_bf16", "wgmma_bf16_ss", "wgmma_e4m3_ss", "wgmma_settle", "ld_relaxed_gpu",
@@ -174,15 +174,6 @@ def cp_async_4(smem_address, global_address):
     """Copy 4 bytes global -> shared (``cp.async.ca``, 4-byte aligned)."""
     _asm("cp.async.ca.shared.global [{$r0}], [{$r1}], 4;", [],
          [Int32(smem_address), Int64(global_address)])
-
-
-def prefetch_l2_bulk(global_address, size):
-    """Ask the L2 cache to fetch ``size`` bytes from ``global_address`` (both multiples of
-    16; ``cp.async.bulk.prefetch.L2.global``, sm_90 and later): a hint with no completion
-    to wait for and no register written, so one thread can have many in flight; it changes
-    no value anywhere."""
-    _asm("cp.async.bulk.prefetch.L2.global [{$r0}], {$r1};", [],
-         [Int64(global_address), Int32(size)])
 
 
 def cp_async_4z(smem_address, global_address, valid):

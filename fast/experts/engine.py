@@ -142,7 +142,7 @@ def choose_walk(inter: int, latent: int, tile_rows: int) -> int:
 
 #: The keys of an FC kernel tactic (``ExpertsEngine.__call__``).
 TACTIC_KEYS = ("warps", "mtiles", "ring", "chains", "occupancy", "pdl", "wgmma", "pdl_chain",
-               "fused", "ctas", "walk", "tail_prefetch")
+               "fused", "ctas", "walk")
 
 
 def check_ctas(ctas, owner: str) -> None:
@@ -246,9 +246,6 @@ def kernel_params(g, config, windows: int, capture: bool, strict: bool,
     walk = common.pop("walk", 1)  # FC2's row tiles per item (FC1's items are long)
     chain = bool(common.pop("pdl_chain", False))
     fused = bool(common.pop("fused", False))
-    if common.get("tail_prefetch") and not fused:
-        raise ValueError("ExpertsEngine: tactic tail_prefetch needs fused=1 (the fused grid's "
-                         "claim flags the call's last items)")
     params = {
         "lists": tuple(sorted(dict(latent=g.latent, top_k=config.top_k, experts=config.experts,
                                    first=g.first, count=g.count, strict=strict,
@@ -432,8 +429,7 @@ class ExpertsEngine:
                 and wrote its ``plan`` rows (``fast.schedules.wide_route``); the call
                 then launches from the plan kernel on.
             tactic: optional FC kernel shape ``{"warps", "mtiles", "ring", "chains",
-                "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "ctas", "walk",
-                "tail_prefetch"}``
+                "occupancy", "pdl", "wgmma", "pdl_chain", "fused", "ctas", "walk"}``
                 (defaults: ``default_tactic``'s tile and grid, a ring of 4 stages for one
                 window and 3 for more, one accumulator chain, CTAs per multiprocessor
                 from the shared memory, ``pdl`` on: FC1 lets FC2 launch early, and FC2
@@ -444,10 +440,8 @@ class ExpertsEngine:
                 items, as at a real rank's batch; ``walk``: FC2 row tiles per work item,
                 streamed back to back through one ring, their B operand copied once
                 and kept in shared memory, for FC2 GEMMs of at most
-                ``kernels.WALK_MAX_STAGES`` stages; ``tail_prefetch`` N (with ``fused``;
-                default 0): the call's last N items ask the L2 for their whole weights
-                at their claim. Warps, m-tiles, ring, occupancy, pdl, pdl_chain, fused,
-                ctas, walk and tail_prefetch never change a bit; ``chains``
+                ``kernels.WALK_MAX_STAGES`` stages. Warps, m-tiles, ring,
+                occupancy, pdl, pdl_chain, fused, ctas and walk never change a bit; ``chains``
                 changes the summation order (within the same bound), so a call with a
                 non-default ``chains`` is not batch invariant with the default; ``wgmma``
                 changes the instruction (the contracts hold each MMA kind batch invariant

@@ -85,15 +85,6 @@ class ExpertsGemmKernel:
     scales, and every tile reads it there. Each output's sum is the same chunk order: no
     bit changes.
 
-    Tail prefetch (``tail_prefetch`` N > 0, the fused grid only: ``FusedExpertsKernel``
-    flags the call's last N items at their claim). A flagged item's lane 0 of each warp asks
-    the L2 cache for the rest of its m-tiles' weights and scales, everything beyond the
-    ring's first ``RING - 1`` stages (a walk: every tile's), before the ring is filled
-    (``cp.async.bulk.prefetch.L2``: nothing to wait for, no shared memory, no register).
-    What it targets: the call's last wave, where a CTA's stream is bound by the bytes its
-    ring keeps in flight and fewer CTAs are left to keep the memory busy. A hint: no bit
-    changes.
-
     Constraints: rows % (16 * warps * mtiles) == 0; K % 64 == 0; for FC1, the CTA's
     ``8 * warps * mtiles / 2`` intermediate columns are whole MXFP8 blocks; ``walk``
     divides the tiles, and a walked GEMM has at most ``WALK_MAX_STAGES`` stages per tile
@@ -105,7 +96,7 @@ class ExpertsGemmKernel:
                  ring: int | None = None, chains: int = 1, occupancy: int | None = None,
                  capture: bool = False, beta: float = 4.0, linear_beta: float = 25.0,
                  pdl: bool = False, wgmma: bool = False, pdl_chain: bool = False,
-                 walk: int = 1, tail_prefetch: int = 0):
+                 walk: int = 1):
         # measured on the H200: a 4-stage ring for one window, 3 stages (one more CTA per
         # multiprocessor) for more; the ring depth never changes a bit
         ring = ring or (4 if windows == 1 else 3)
@@ -142,13 +133,6 @@ class ExpertsGemmKernel:
         self.stages = stages_of(k)
         #: consecutive row tiles per work item (FC2; see the class docstring)
         self.walk = walk
-        if (not isinstance(tail_prefetch, int) or isinstance(tail_prefetch, bool)
-                or tail_prefetch < 0):
-            raise ValueError(f"tail_prefetch must be an int >= 0 (the call's last items that "
-                             f"prefetch their weights), got {tail_prefetch!r}")
-        #: the call's last items that ask the L2 for their weights (class docstring; set
-        #: flags only in the fused grid, whose claim knows the call's item count)
-        self.tail_prefetch = tail_prefetch
         if not isinstance(walk, int) or walk < 1 or self.tiles % walk:
             raise ValueError(f"walk must be an int >= 1 dividing the {self.tiles} row tiles, "
                              f"got {walk!r}")
@@ -397,9 +381,6 @@ class ExpertsGemmKernel:
         others empty), so the ring's waits count groups as in the plain prologue."""
         NS: cutlass.Constexpr = self.stages
         RING: cutlass.Constexpr = self.RING
-        if cutlass.const_expr(self.tail_prefetch > 0 and RING - 1 < NS):
-            if p.lds_i32(info + 28) != 0:  # one of the call's last items (the fused claim)
-                self._prefetch(wbase, sbase, lane, RING - 1, NS - (RING - 1))
         self._fill_ring(src, dst, ok, wbase, sbase, ring, warp, lane, first, work, info, tid)
         for s in cutlass.range(NS, unroll=1):
             cute.arch.cp_async_wait_group(RING - 2)
@@ -430,11 +411,6 @@ class ExpertsGemmKernel:
         G: cutlass.Constexpr = self.walk
         MT: cutlass.Constexpr = self.mtiles
         ahead = self.RING - 1
-        if cutlass.const_expr(self.tail_prefetch > 0):
-            if p.lds_i32(info + 28) != 0:  # one of the call's last items: every tile, whole
-                for g in cutlass.range_constexpr(G):
-                    self._prefetch(wbase + Int64(g) * self.tile_weight_bytes,
-                                   sbase + Int64(g) * self.tile_scale_bytes, lane, 0, NS)
         self._fill_ring(src, dst, ok, wbase, sbase, ring, warp, lane, first, work, info, tid)
         for g in cutlass.range(G, unroll=1):
             for s in cutlass.range_constexpr(NS):
@@ -616,19 +592,6 @@ class ExpertsGemmKernel:
                 p.stg_i32(work + (ws.error + 1) * 4, expert)
                 p.stg_i32(work + (ws.error + 2) * 4, seen)
         cute.arch.sync_threads()
-
-    @cute.jit
-    def _prefetch(self, wbase, sbase, lane, stage, count: int):
-        """Lane 0 of the warp: one L2 bulk prefetch per m-tile of the warp's weights and one
-        of its scales, stages ``[stage, stage + count)`` (compile-time; ``wbase`` and
-        ``sbase`` are the lane's own bases, as in ``_issue``, so lane 0's are the warp's)."""
-        SC: cutlass.Constexpr = self.stage_chunks
-        if lane == 0:
-            for mt in cutlass.range_constexpr(self.mtiles):
-                p.prefetch_l2_bulk(wbase + (Int64(mt) * self.chunks + Int64(stage) * SC) * 512,
-                                   Int32(count * SC * 512))
-                p.prefetch_l2_bulk(sbase + (Int64(mt) * self.stages + stage) * (32 * SC),
-                                   Int32(count * 32 * SC))
 
     @cute.jit
     def _issue(self, src, dst, ok, wbase, sbase, slot, stage, warp, lane,
@@ -937,12 +900,6 @@ class FusedExpertsKernel:
         self.occupancy = min(fc1.occupancy, fc2.occupancy)
         self.pdl_chain = fc1.pdl_chain
         self.ws = fc1.ws
-        if fc1.tail_prefetch != fc2.tail_prefetch:
-            raise ValueError(f"FusedExpertsKernel: FC1 and FC2 differ in tail_prefetch "
-                             f"({fc1.tail_prefetch}, {fc2.tail_prefetch})")
-        #: the call's last items (FC1 and FC2 counted together) flagged at their claim
-        #: (``info + 28``) to prefetch their weights (``ExpertsGemmKernel``'s docstring)
-        self.tail_prefetch = fc1.tail_prefetch
 
     @classmethod
     def compile_args(cls, *, fc1: tuple, fc2: tuple):
@@ -995,10 +952,6 @@ class FusedExpertsKernel:
             groups = p.ldg_i32(work + Int64(self.ws.wgp + self.fc1.count) * 4)
             total1 = groups * self.fc1.tiles
             item = p.atomic_add(work + Int64(self.ws.claim) * 4, 1)
-            if cutlass.const_expr(self.tail_prefetch > 0):
-                # the call's last tail_prefetch items ask the L2 for their weights
-                last = total1 + groups * self.fc2.item_tiles - self.tail_prefetch
-                p.sts_i32(info + 28, cutlass.select_(item >= last, Int32(1), Int32(0)))
             if item < total1:
                 self.fc1.locate(work, info, item, item, Int32(self.fc1.tiles))
                 p.sts_i32(info + 24, 0)
