@@ -17,7 +17,10 @@ gate/up and shared down BF16, up BF16 with a BF16 addend), each at its one K spl
   (``Tactic.stage_k``: half the stages and barriers per K; one CTA per multiprocessor
   where two do not fit a ring of 3). Every form's output is compared bit for bit with the plain
   ``cw8`` form's (the same ``splits``, so the same bits are owed): a timing never comes
-  from a form that computes something else.
+  from a form that computes something else;
+* with ``--tiled 128x4,64x4``: ``fast.gemm.TiledGemm`` (TMA-fed warpgroup MMA on 128-row
+  weight tiles, the same K split folded in the same order) at those token tiles and ring
+  depths, its output compared with the ``cw8`` form's in the same way.
 
 Each contestant is captured in a CUDA graph and timed by CUDA events around one replay, the
 L2 flushed by a 256 MiB streaming read before each (``benchmarks.dense_table``'s method),
@@ -99,17 +102,24 @@ def best_forms(result: dict) -> dict:
     for i, row in enumerate(rows):
         start = 65 if i == 0 else rows[i - 1]["rows"] + 1
         for gemm, case in row["gemms"].items():
-            med = {k: v for k, v in case["median_us"].items() if k in case["tactics"]}
+            med = {k: v for k, v in case["median_us"].items()
+                   if k in case["tactics"] and k in forms}  # DenseGemm forms, not tiled
             best = min(med, key=med.get)
             out.setdefault(gemm, {})[start] = forms[best]
     return out
 
 
+def tiled_labels(result: dict) -> list[str]:
+    """The labels of the run's ``fast.gemm.TiledGemm`` variants (``tiled<tokens>x<stages>``),
+    in table order."""
+    return [f"tiled{t}x{s}" for t, s in result.get("tiled", [])]
+
+
 def render(result: dict) -> str:
-    """Markdown: per row count and GEMM, the byte limit, cuBLAS and every form (us and the
-    fraction of the limit), the fastest form against cuBLAS, and whether every form gave the
-    plain form's bits."""
-    forms = form_labels(result)
+    """Markdown: per row count and GEMM, the byte limit, cuBLAS and every form and tiled
+    variant (us and the fraction of the limit), the fastest against cuBLAS, and how many of
+    them gave the plain form's bits."""
+    forms = form_labels(result) + tiled_labels(result)
     lines = [f"Device {result['device']}, torch {result['torch']}{tree_note(result)}; "
              f"{result['ranks']} TP ranks, one rank's GEMMs, K splits {result['splits']}; "
              f"read bandwidth {result['read_gbs']:.0f} GB/s (this run); fraction = byte limit "
@@ -127,13 +137,17 @@ def render(result: dict) -> str:
                          f"({lim / med['cublas']:.2f}) | " + " | ".join(cells)
                          + f" | {best} {med[best] / med['cublas']:.2f}x | "
                          f"{sum(same.values())}/{len(same)} |")
-    lines += ["", "| rows | four GEMMs: cuBLAS us | plain cw8 us | best form per GEMM us |",
-              "|---|---|---|---|"]
+    tiled = tiled_labels(result)
+    lines += ["", "| rows | four GEMMs: cuBLAS us | plain cw8 us | best form per GEMM us |"
+              + (" best tiled variant per GEMM us |" if tiled else ""),
+              "|---|---|---|---|" + ("---|" if tiled else "")]
     for row in result["rows"]:
         meds = [c["median_us"] for c in row["gemms"].values()]
         best = sum(min(m[f] for f in form_labels(result) if f in m) for m in meds)
+        cell = (f" {sum(min(m[f] for f in tiled if f in m) for m in meds):.1f} |"
+                if tiled else "")
         lines.append(f"| {row['rows']} | {sum(m['cublas'] for m in meds):.1f} | "
-                     f"{sum(m['cw8'] for m in meds):.1f} | {best:.1f} |")
+                     f"{sum(m['cw8'] for m in meds):.1f} | {best:.1f} |" + cell)
     return "\n".join(lines) + "\n"
 
 
@@ -146,6 +160,9 @@ def main(argv=None):
     ap.add_argument("--rows", default=DEFAULT_ROWS)
     ap.add_argument("--stage-k", default="64",
                     help="ring stage widths to time each form at (64, 128; e.g. 64,128)")
+    ap.add_argument("--tiled", default="",
+                    help="fast.gemm.TiledGemm variants to time beside the forms, as "
+                         "<tile tokens>x<stages> (e.g. 128x4,64x4,128x6; sm_90a)")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
@@ -154,6 +171,7 @@ def main(argv=None):
     from benchmarks.experts_table import device_time_us, l2_flush
     from fast.gemm import DenseGemm
     from fast.gemm.host import default_tactic
+    from fast.gemm.tiled import TiledGemm
     from fast.schedules.wide_gemms import gemm_shapes, gemm_splits
     from model.config import LatentMoEConfig
 
@@ -162,12 +180,19 @@ def main(argv=None):
     stage_ks = [int(v) for v in args.stage_k.split(",")]
     if not set(stage_ks) <= {64, 128} or 64 not in stage_ks:
         ap.error(f"--stage-k takes 64 and optionally 128, got {args.stage_k!r}")
+    try:
+        tiled = [tuple(int(v) for v in spec.split("x")) for spec in args.tiled.split(",") if spec]
+    except ValueError:
+        tiled = None
+    if tiled is None or any(len(v) != 2 or v[0] not in (64, 128) or not 2 <= v[1] <= 8
+                            for v in tiled):
+        ap.error(f"--tiled takes <64|128>x<2..8> variants, e.g. 128x4,64x4; got {args.tiled!r}")
     shapes = gemm_shapes(cfg, args.ranks)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = gemm_splits(cfg, args.ranks, sms)
     flush = l2_flush()
     result = {**run_header(), "ranks": args.ranks, "splits": splits, "stage_ks": stage_ks,
-              "rows": []}
+              "tiled": tiled, "rows": []}
     result["read_gbs"] = readbw.read_bandwidth_gbs()
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     top = max(rows_list)
@@ -194,6 +219,16 @@ def main(argv=None):
                     lambda: eng(a, out_dtype=out_dtype, addend=addend, out=out, tactic=t),
                     reps=args.reps, flush=flush)
                 outs[label] = eng(a, out_dtype=out_dtype, addend=addend, tactic=t).clone()
+            for (tokens, stages), label in zip(tiled, tiled_labels(result)):
+                tg = TiledGemm(weight, splits=splits[g], max_tokens=top, tile_tokens=tokens,
+                               stages=stages)
+                case["tactics"][label] = f"tiled t{tokens} s{stages}"
+                out = torch.empty(rows, weight.shape[0], dtype=out_dtype, device="cuda")
+                case["times"][label] = device_time_us(
+                    lambda: tg(a, out_dtype=out_dtype, addend=addend, out=out),
+                    reps=args.reps, flush=flush)
+                outs[label] = tg(a, out_dtype=out_dtype, addend=addend).clone()
+                timed.append((label, None))
             ref = outs["cw8"].view(torch.int16 if out_dtype == torch.bfloat16 else torch.int32)
             for label, o in outs.items():
                 got = o.view(ref.dtype)

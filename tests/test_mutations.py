@@ -378,6 +378,13 @@ MUTATIONS = [
          "                  flags, rows,",
          ["verify/test_gemm_fast.py::test_gemm_fast_grouped_same_bits[fast-mma.sync]"],
          needs_gpu=True, expect="router of the"),
+    # fast.gemm.TiledGemm: each split's chain starts from zero, folded in split order
+    _one("fast GEMM, tiled kernel: a split's accumulators not zeroed after its fold (the next "
+         "split adds onto the previous one's)", "fast/gemm/tiled_kernel.py",
+         "                total[i] = h.fadd(total[i], acc[i])\n                acc[i] = Float32(0.0)\n",
+         "                total[i] = h.fadd(total[i], acc[i])\n",
+         ["verify/test_gemm_fast.py::test_gemm_fast_tiled_same_bits[fast-front]"],
+         needs_gpu=True, expect="tiled"),
     _one("fast GEMM: the split-K partials summed in reverse split order", "fast/gemm/kernel.py",
          "got = [ld_cg_v4(ws + lay.ws_offset(Int64(sp), tile, warp, mt, wn, lane,",
          "got = [ld_cg_v4(ws + lay.ws_offset(Int64(splits - 1 - sp), tile, warp, mt, wn, lane,",

@@ -501,6 +501,20 @@ def run_wide(gemm: str, tokens: int, x=None, addend=None, mma: str = "mma.sync")
     return out, buf[tokens * eng.n:]
 
 
+def check_guarded(contract, call, tokens: int, n: int, out_dtype, expected, what: str,
+                  vs: str) -> None:
+    """``call(out)`` into a NaN-poisoned ``[tokens, n]`` output followed by a NaN guard of
+    256 elements: the output bitwise ``expected`` (``what``: vs ``vs``), nothing stored past
+    it."""
+    buf = torch.full((tokens * n + 256,), float("nan"), dtype=out_dtype, device=DEVICE)
+    out = buf[:tokens * n].view(tokens, n)
+    call(out)
+    contract.bitwise(_bits(out), _bits(expected), what=f"{what}: vs {vs}", index_names=ROWS)
+    contract.bitwise(_bits(buf[tokens * n:]),
+                     _bits(torch.full((256,), float("nan"), dtype=out_dtype, device=DEVICE)),
+                     what=f"{what}: nothing stored past the output")
+
+
 @pytest.mark.parametrize("mma", INVARIANT_MMAS)
 @pytest.mark.parametrize("gemm", ("front", "shared_gate_up", "shared_down", "up"))
 def test_gemm_fast_wide_rows(backend, gemm, mma, contract):
@@ -650,7 +664,6 @@ def test_gemm_fast_wide_chunks(backend, gemm, contract):
     full, _ = run_wide(gemm, WIDE_TOP, mma="wgmma")
     wide = DenseGemm(eng.weight, max_tokens=WIDE_TOP, splits=eng.splits, wgmma=True,
                      chunk_windows=16)
-    nan = torch.full((256,), float("nan"), dtype=out_dtype, device=DEVICE)
     for tokens in WIDE_ROWS + (WIDE_TOP,):
         plain = wide.launch(tokens).tactic
         assert plain.splits == eng.splits and plain.chunk_windows == 16 and plain.wgmma
@@ -660,19 +673,77 @@ def test_gemm_fast_wide_chunks(backend, gemm, contract):
                                         forms={1: {"chunk_windows": 16, "serial": True,
                                                    "overlap": True, "stage_k": 128}}))
         for tactic in forms:
-            buf = torch.full((tokens * eng.n + 256,), float("nan"), dtype=out_dtype,
-                             device=DEVICE)
-            out = buf[:tokens * eng.n].view(tokens, eng.n)
-            wide(x[:tokens].contiguous(), out_dtype=out_dtype, out=out, tactic=tactic,
-                 addend=None if addend is None else addend[:tokens].contiguous())
             launch = wide.launch(tokens, tactic)
-            what = f"wide {gemm} {tactic.label()} T={tokens} ({launch.chunks} chunks of {launch.windows} windows)"
-            contract.bitwise(_bits(out), _bits(full[:tokens]),
-                             what=f"{what}: vs the first rows of the 64-row-chunk T={WIDE_TOP}",
-                             index_names=ROWS)
-            contract.bitwise(_bits(buf[tokens * eng.n:]), _bits(nan),
-                             what=f"{what}: nothing stored past the output")
+            check_guarded(
+                contract, lambda out: wide(
+                    x[:tokens].contiguous(), out_dtype=out_dtype, out=out, tactic=tactic,
+                    addend=None if addend is None else addend[:tokens].contiguous()),
+                tokens, eng.n, out_dtype, full[:tokens],
+                f"wide {gemm} {tactic.label()} T={tokens} ({launch.chunks} chunks of "
+                f"{launch.windows} windows)", f"the first rows of the 64-row-chunk T={WIDE_TOP}")
 
+
+@pytest.mark.parametrize("gemm", ("front", "shared_gate_up", "shared_down", "up"))
+def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
+    """The tiled kernel (``fast.gemm.TiledGemm``: TMA-fed warpgroup MMA on 128-row weight
+    tiles, the form for the wide layer's many rows) on one TP8 wide GEMM: at every row count
+    of ``WIDE_ROWS`` and 1024, with 128- and 64-token tiles and rings of 4 and 2 stages,
+    bitwise the first rows of ``DenseGemm``'s 1024-row call on the warpgroup MMA at the same
+    K split (one summation order: batch invariant, and the decode-width kernel's bits),
+    nothing stored past the output; the split order on designed operands at 257 rows."""
+    from fast.backend import gpu_arch
+    from fast.gemm.tiled import TiledGemm
+
+    if gpu_arch() != "sm_90a":
+        pytest.skip(f"wgmma is an sm_90a instruction (the tiled kernel's MMA); this GPU is "
+                    f"{gpu_arch()}")
+    eng, x, addend, out_dtype = wide_case(gemm, "wgmma")
+    full, _ = run_wide(gemm, WIDE_TOP, mma="wgmma")
+    for tile_tokens, stages in ((128, 4), (64, 2)):
+        tiled = TiledGemm(eng.weight, splits=eng.splits, max_tokens=WIDE_TOP,
+                          tile_tokens=tile_tokens, stages=stages)
+        for tokens in WIDE_ROWS + (WIDE_TOP,):
+            check_guarded(
+                contract, lambda out: tiled(
+                    x[:tokens].contiguous(), out_dtype=out_dtype, out=out,
+                    addend=None if addend is None else addend[:tokens].contiguous()),
+                tokens, eng.n, out_dtype, full[:tokens],
+                f"wide {gemm} tiled t{tile_tokens} s{stages} T={tokens}",
+                f"the first rows of DenseGemm's wgmma T={WIDE_TOP}")
+    n, k, splits, tokens = eng.n, eng.k, eng.splits, 257
+    designed = cases.order_exposing_values(
+        (n, k), seed_of(f"verify/test_gemm_fast.py::wide-designed::{gemm}"), DEVICE)
+    adds = None if addend is None else addend[:tokens].contiguous()
+    xd, acc = designed_split_operands(designed, tokens, splits, adds)
+    got = TiledGemm(designed, splits=splits, max_tokens=tokens)(
+        xd.to(DEVICE), out_dtype=out_dtype, addend=adds)
+    contract.bitwise(_bits(got).cpu(), _bits(acc.to(out_dtype)),
+                     what=f"wide {gemm} tiled, 257 rows: designed split order", index_names=ROWS)
+
+
+def test_gemm_fast_tiled_bad_input(backend):
+    """``TiledGemm`` refuses a call it cannot take by the argument's name: x of another K,
+    dtype or too many rows, an out or addend of another shape or dtype."""
+    from fast.backend import gpu_arch
+    from fast.gemm.tiled import TiledGemm
+
+    if gpu_arch() != "sm_90a":
+        pytest.skip(f"wgmma is an sm_90a instruction (the tiled kernel's MMA); this GPU is "
+                    f"{gpu_arch()}")
+    w = torch.zeros(256, 512, dtype=torch.bfloat16, device=DEVICE)
+    g = TiledGemm(w, splits=2, max_tokens=100)
+    x = torch.zeros(10, 512, dtype=torch.bfloat16, device=DEVICE)
+    bad = [(dict(x=torch.zeros(10, 256, dtype=torch.bfloat16, device=DEVICE)), "x"),
+           (dict(x=x.float()), "x"),
+           (dict(x=torch.zeros(101, 512, dtype=torch.bfloat16, device=DEVICE)), "max_tokens"),
+           (dict(x=x, out=torch.zeros(10, 255, dtype=torch.bfloat16, device=DEVICE)), "out"),
+           (dict(x=x, out_dtype=torch.float32,
+                 out=torch.zeros(10, 256, dtype=torch.bfloat16, device=DEVICE)), "out"),
+           (dict(x=x, addend=torch.zeros(10, 256, dtype=torch.float16, device=DEVICE)), "addend"),
+           (dict(x=x, out_dtype=torch.float16), "out_dtype")]
+    for kwargs, word in bad:
+        with pytest.raises(ValueError, match=word):
+            g(**kwargs)
 
 def _check_wide_split_order(contract, gemm: str, mma: str = "mma.sync") -> None:
     """``test_gemm_fast_split_order_designed``'s operands on a wide GEMM's shape at 257 rows

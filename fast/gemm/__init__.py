@@ -34,6 +34,11 @@ DEP rank's router and packed front): the first GEMM's CTAs then the second's in 
 each output bitwise that GEMM's own call (each keeps its K split), one fixed cost instead
 of two.
 
+**Many rows, batch invariant** (``fast.gemm.tiled.TiledGemm``, sm_90a): the same K split
+folded in the same order as ``DenseGemm(wgmma=True)``, so the same bits, by TMA-fed
+warpgroup MMA on 128-row weight tiles and 64- or 128-token tiles, for the wide layer's 256
+to 1024 rows, where the decode-width loop above is 1.4-1.9x cuBLAS's time.
+
 Status (H200, ``benchmarks/results/h200/dense.md``): the four GEMMs in one
 graph at T <= 8 take 106.8-109.7 us, 0.77-0.79 of the byte limit at the measured read
 bandwidth (cuBLAS 111.1-113.3 us, 0.75-0.76); from T = 12 on they are slower than cuBLAS
@@ -48,7 +53,8 @@ from fast.gemm.layout import MAX_CALL_TOKENS, MAX_TOKENS, Tactic, token_chunks, 
 
 __all__ = ["DenseGemm", "Tactic", "choose_tactic", "MAX_TOKENS", "MAX_CALL_TOKENS",
            "windows_for", "token_chunks", "compile_kernel", "kernel_shapes", "DEFAULT_TACTICS",
-           "splits_of", "splits_for_rows", "Launch", "launch_for", "GroupedGemm", "grouped_launch"]
+           "splits_of", "splits_for_rows", "Launch", "launch_for", "GroupedGemm", "grouped_launch",
+           "TiledGemm"]
 
 
 def __getattr__(name):
@@ -57,6 +63,10 @@ def __getattr__(name):
         from fast.gemm import host
 
         return getattr(host, name)
+    if name == "TiledGemm":
+        from fast.gemm import tiled
+
+        return tiled.TiledGemm
     if name in ("GroupedGemm", "grouped_launch"):
         from fast.gemm import grouped
 

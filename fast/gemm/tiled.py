@@ -1,0 +1,121 @@
+"""``TiledGemm``: the batch-invariant GEMM for many rows on the GPU (sm_90a).
+
+``TiledGemm(weight, splits=S)(x, out_dtype=..., addend=...)`` computes what
+``fast.gemm.DenseGemm(weight, splits=S, wgmma=True)`` computes, **bit for bit**, with
+``fast.gemm.tiled_kernel.TiledGemmKernel``: TMA-fed warpgroup MMA on 128-row weight tiles
+and 64- or 128-token tiles, the same K split folded in the same order. It is the form for
+the wide layer's 256 to 1024 rows, where ``DenseGemm``'s decode-width loop runs at 1.4-1.9x
+cuBLAS's time; a token's row does not depend on which of the two computed it, nor on its
+batch-mates (``verify/test_gemm_fast.py::test_gemm_fast_tiled_same_bits``).
+
+sm_90a only (warpgroup MMA and TMA): any other target is refused by name. No workspace, no
+counters; the kernel of each (output, addend) kind is compiled at its first call (call
+once outside a CUDA-graph capture per kind, or use :meth:`compile_for`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fast import backend
+from fast.device.compile import compiled, frozen
+from fast.gemm.tiled_kernel import STAGE_K, TiledGemmKernel
+
+__all__ = ["TiledGemm"]
+
+_BF16, _F32 = torch.bfloat16, torch.float32
+
+
+class TiledGemm:
+    """The tiled batch-invariant GEMM of one BF16 weight ``[N, K]``.
+
+    Args:
+        weight: BF16 ``[N, K]``, contiguous, on a CUDA device; ``K`` a multiple of
+            ``64 * splits``.
+        splits: the K split, the one of the ``DenseGemm`` whose bits this reproduces
+            (``fast.gemm.splits_for_rows`` for a wide layer's GEMM).
+        max_tokens: the largest call (rows of ``x``).
+        tile_tokens: tokens per CTA tile (64 or 128); moves no bit.
+        stages: the TMA ring's depth (2..8 stages of 64 k); moves no bit.
+    """
+
+    def __init__(self, weight: torch.Tensor, *, splits: int, max_tokens: int,
+                 tile_tokens: int = 128, stages: int = 4):
+        if not isinstance(weight, torch.Tensor) or weight.dtype != _BF16 or weight.dim() != 2 \
+                or not weight.is_cuda or not weight.is_contiguous():
+            raise ValueError("TiledGemm: weight must be a contiguous BF16 [N, K] CUDA tensor, "
+                             f"got {getattr(weight, 'dtype', type(weight).__name__)} "
+                             f"{tuple(getattr(weight, 'shape', ()))}")
+        n, k = weight.shape
+        if not isinstance(splits, int) or splits < 1 or k % (STAGE_K * splits):
+            raise ValueError(f"TiledGemm: splits must be an int >= 1 with K={k} a multiple of "
+                             f"{STAGE_K} x splits, got {splits!r}")
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ValueError(f"TiledGemm: max_tokens must be an int >= 1, got {max_tokens!r}")
+        self.arch = backend.gpu_arch()
+        if self.arch != "sm_90a":
+            raise ValueError(f"TiledGemm: the tiled kernel is warpgroup MMA and TMA (sm_90a); "
+                             f"this GPU is {self.arch}")
+        self.weight, self.n, self.k, self.splits = weight, n, k, splits
+        self.max_tokens, self.device = max_tokens, weight.device
+        self.tile_tokens, self.stages = tile_tokens, stages
+        TiledGemmKernel(n=n, k=k, width=n, splits=splits, tile_tokens=tile_tokens,
+                        stages=stages)  # refuses a bad tile or ring by name
+        self._null = torch.zeros(8, dtype=_F32, device=self.device)
+
+    def kernel_params(self, out_dtype: torch.dtype, addend_dtype: torch.dtype | None) -> dict:
+        """The compile parameters of the kernel that serves this output and addend kind."""
+        kind = "none" if addend_dtype is None else ("bf16" if addend_dtype == _BF16 else "f32")
+        return dict(n=self.n, k=self.k, width=self.n, splits=self.splits,
+                    out_f32=out_dtype == _F32, addend=kind, tile_tokens=self.tile_tokens,
+                    stages=self.stages)
+
+    def compile_for(self, kinds) -> None:
+        """Compile the kernels of ``kinds``: ``(out_dtype, addend_dtype or None)`` pairs."""
+        for out_dtype, addend_dtype in kinds:
+            compiled(TiledGemmKernel, self.arch, frozen(self.kernel_params(out_dtype, addend_dtype)))
+
+    def check_call(self, x, out, out_dtype, addend) -> int:
+        """Refuse a bad call by the argument's name; return ``T``."""
+        if not isinstance(x, torch.Tensor) or x.dtype != _BF16 or x.dim() != 2 \
+                or x.shape[1] != self.k or not x.is_contiguous() or x.device != self.device:
+            raise ValueError(f"TiledGemm: x must be a contiguous BF16 [T, K={self.k}] tensor on "
+                             f"{self.device}, got {getattr(x, 'dtype', type(x).__name__)} "
+                             f"{tuple(getattr(x, 'shape', ()))}")
+        t = x.shape[0]
+        if not 1 <= t <= self.max_tokens:
+            raise ValueError(f"TiledGemm: x has {t} rows, must be 1..max_tokens={self.max_tokens}")
+        if out_dtype not in (_BF16, _F32):
+            raise ValueError(f"TiledGemm: out_dtype must be torch.bfloat16 or torch.float32, "
+                             f"got {out_dtype}")
+        for name, tensor, dtypes in (("addend", addend, (_BF16, _F32)), ("out", out, (out_dtype,))):
+            if tensor is None:
+                continue
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype not in dtypes \
+                    or tuple(tensor.shape) != (t, self.n) or not tensor.is_contiguous() \
+                    or tensor.device != self.device:
+                raise ValueError(f"TiledGemm: {name} must be a contiguous [{t}, {self.n}] tensor "
+                                 f"of {dtypes} on {self.device}, got "
+                                 f"{getattr(tensor, 'dtype', type(tensor).__name__)} "
+                                 f"{tuple(getattr(tensor, 'shape', ()))}")
+        return t
+
+    def __call__(self, x: torch.Tensor, *, out_dtype: torch.dtype = _BF16,
+                 addend: torch.Tensor | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """``x @ W^T`` (``+ addend``), rounded once to ``out_dtype``: BF16 ``x [T, K]``, an
+        optional BF16 or FP32 ``addend [T, N]`` added to the FP32 sum before the rounding
+        (it may be ``out`` itself), an optional ``out [T, N]`` of ``out_dtype``. Returns
+        ``out``."""
+        t = self.check_call(x, out, out_dtype, addend)
+        if out is None:
+            out = torch.empty(t, self.n, dtype=out_dtype, device=self.device)
+        from cutlass import Int32, Int64
+
+        params = self.kernel_params(out_dtype, None if addend is None else addend.dtype)
+        fn = compiled(TiledGemmKernel, self.arch, frozen(params))
+        fn(Int64(self.weight.data_ptr()), Int64(x.data_ptr()), Int64(out.data_ptr()),
+           Int64((addend if addend is not None else self._null).data_ptr()), Int32(t),
+           backend.stream(self.device))
+        return out
+

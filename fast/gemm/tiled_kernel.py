@@ -1,0 +1,256 @@
+"""fast.gemm's tiled kernel: the batch-invariant GEMM for many rows (CuTe DSL, sm_90a).
+
+``out[t, n] = sum_k x[t, k] W[n, k] (+ addend[t, n])`` for any number of tokens ``T``:
+BF16 operands, FP32 accumulation, FP32 or BF16 (RNE) output, with **the summation order of
+``fast.gemm``'s split-K kernel at the same ``splits``** (``SplitKGemmKernel``, warpgroup
+MMA), so a token's row is bitwise the same whichever kernel computed it and whatever its
+batch-mates. Where ``SplitKGemmKernel`` is built for decode widths (64-row weight tiles,
+``cp.async`` issued by every thread, one CTA barrier per stage), this kernel is built for
+256 to 1024 rows, where the wide layer's GEMMs are bound by arithmetic and by their
+operands' re-reads through the L2, not by the weight bytes:
+
+* CTA tile: 128 weight rows x ``tile_tokens`` tokens (64 or 128), two warpgroups, each
+  ``wgmma m64 n(tile_tokens) k16`` on its 64 weight rows (A = weights, B = tokens, both
+  K-major in shared memory with the 128-byte swizzle);
+* operands by TMA (``cp.async.bulk.tensor``): one thread of warp 0 fills a ring of
+  ``stages`` 64-k stages (weights and tokens of one stage per slot, ``stages`` ahead),
+  each slot's full and empty ``mbarrier`` replacing the CTA barrier; tokens past ``T`` and
+  weight rows past ``N`` are filled with zeros by the TMA unit;
+* grid: one CTA per (128-row weight tile, token tile); no workspace, no counters.
+
+Summation order of an output (``verify.bounds.mma_matmul_bound``): for each K split ``s``
+(``K / splits`` consecutive k, in order), the split's MMA steps in k order from zero, each
+adding 16 exact products into FP32 (one ``wgmma k16`` step, as ``SplitKGemmKernel``'s);
+the splits' partials (each split's accumulators started at ``+0.0``, every step adding
+into them, as ``SplitKGemmKernel``'s chains) folded in split order into a running sum
+started at ``-0.0``
+(``sum = -0.0 + p_0`` is ``p_0`` bit for bit, zeros' signs included; then ``sum + p_s``,
+``add.rn.f32``): the serial form's and the last CTA's reduction of the cross-CTA form; then
+the addend (``add.rn``; a BF16 addend converted exactly) and one rounding to the output
+type. Nothing in it depends on ``T``, the token tile, the ring or the CTA: only ``splits``.
+
+Constraints (checked by the constructor): ``K % (64 splits) == 0``; ``width <= n``;
+16-byte aligned contiguous operands (``W [n, K]``, ``x [T, K]``; ``out`` and the addend
+``[T, width]``).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+from cutlass.utils import SmemAllocator
+
+from fast.device import fp32 as h
+from fast.device import ptx as p
+from fast.gemm.kernel import ld_f32, ld_u16, stg_f32_if, stg_u16_if
+
+__all__ = ["TiledGemmKernel", "TILE_ROWS", "STAGE_K", "ADDENDS"]
+
+#: weight rows of a CTA tile: two warpgroups of 64
+TILE_ROWS = 128
+#: k of one ring stage (four ``wgmma k16`` steps)
+STAGE_K = 64
+#: the addend kinds: none, BF16 or FP32 ``[T, width]``, added before the output's rounding
+ADDENDS = ("none", "bf16", "f32")
+_GMEM = cute.AddressSpace.gmem
+
+
+class TiledGemmKernel:
+    """One compile per weight shape ``[n, k]`` (``n`` the padded rows), output ``width``,
+    K ``splits``, output and addend kinds, token tile and ring depth; the token count is a
+    run-time value. See the module docstring for the algorithm and its summation order."""
+
+    def __init__(self, *, n: int, k: int, width: int, splits: int, out_f32: bool = False,
+                 addend: str = "none", tile_tokens: int = 128, stages: int = 4):
+        if k % (STAGE_K * splits) or splits < 1:
+            raise ValueError(f"TiledGemmKernel: K={k} must be a multiple of {STAGE_K} x "
+                             f"splits={splits}")
+        if not 1 <= width <= n:
+            raise ValueError(f"TiledGemmKernel: width={width} must be in 1..n={n}")
+        if addend not in ADDENDS:
+            raise ValueError(f"TiledGemmKernel: addend must be one of {ADDENDS}, got {addend!r}")
+        if tile_tokens not in (64, 128) or not 2 <= stages <= 8:
+            raise ValueError(f"TiledGemmKernel: tile_tokens {tile_tokens} (64 or 128) / "
+                             f"stages {stages} (2..8) not supported")
+        self.n, self.k, self.width, self.splits = n, k, width, splits
+        self.out_f32, self.addend = bool(out_f32), addend
+        self.tile_tokens, self.stages = tile_tokens, stages
+        self.k_tiles = k // STAGE_K
+        self.split_tiles = self.k_tiles // splits
+        self.prologue = min(stages, self.k_tiles)
+        self.threads = 256
+        self.warps = self.threads // 32
+
+    @classmethod
+    def compile_args(cls, **params):
+        """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
+        return cls(**params), [Int64(0)] * 4 + [Int32(1)]
+
+    def _tiled_mma(self):
+        return sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K,
+                                           OperandMajorMode.K, Float32, (2, 1, 1),
+                                           tiler_mn=(64, self.tile_tokens))
+
+    def _tiler(self):
+        return (TILE_ROWS, self.tile_tokens, STAGE_K)
+
+    @cute.jit
+    def __call__(self, w: Int64, x: Int64, out: Int64, addend: Int64, tokens: Int32, stream):
+        tiler = self._tiler()
+        a_smem = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tiler, BFloat16, self.stages)
+        b_smem = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tiler, BFloat16, self.stages)
+        weights = cute.make_tensor(cute.make_ptr(BFloat16, w, _GMEM, assumed_align=16),
+                                   cute.make_layout((self.n, self.k), stride=(self.k, 1)))
+        rows = cute.make_tensor(cute.make_ptr(BFloat16, x, _GMEM, assumed_align=16),
+                                cute.make_layout((tokens, self.k), stride=(self.k, 1)))
+        tma_a, g_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), weights, cute.slice_(a_smem, (None, None, 0)),
+            (TILE_ROWS, STAGE_K))
+        tma_b, g_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), rows, cute.slice_(b_smem, (None, None, 0)),
+            (self.tile_tokens, STAGE_K))
+        tiles = (self.n + TILE_ROWS - 1) // TILE_ROWS
+        chunks = (tokens + self.tile_tokens - 1) // self.tile_tokens
+        self.kernel(self._tiled_mma(), tma_a, g_a, tma_b, g_b, a_smem, b_smem, out, addend,
+                    tokens).launch(grid=(tiles, chunks, 1), block=(self.threads, 1, 1),
+                                   stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, g_a: cute.Tensor,
+               tma_b: cute.CopyAtom, g_b: cute.Tensor, a_smem: cute.ComposedLayout,
+               b_smem: cute.ComposedLayout, out: Int64, addend: Int64, tokens: Int32):
+        STAGES: cutlass.Constexpr = self.stages
+        KT: cutlass.Constexpr = self.k_tiles
+        SPLITS: cutlass.Constexpr = self.splits
+        KS: cutlass.Constexpr = self.split_tiles
+        tid = cute.arch.thread_idx()[0]
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        tile, chunk, _ = cute.arch.block_idx()
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+
+        @cute.struct
+        class Storage:
+            bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+
+        smem = SmemAllocator()
+        storage = smem.allocate(Storage)
+        s_a = smem.allocate_tensor(element_type=BFloat16, layout=a_smem.outer,
+                                   byte_alignment=1024, swizzle=a_smem.inner)
+        s_b = smem.allocate_tensor(element_type=BFloat16, layout=b_smem.outer,
+                                   byte_alignment=1024, swizzle=b_smem.inner)
+        tx = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, 0)))
+              + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, 0))))
+        # full: one arrival (the TMA thread) plus the transaction bytes; empty: one arrival
+        # per consumer warp
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(), num_stages=STAGES,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.warps),
+            tx_count=tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+
+        # this CTA's stages of weights and tokens: (tile, k stage) -> slot
+        g_a_tiles = cute.local_tile(g_a, (TILE_ROWS, STAGE_K), (tile, None))
+        g_b_tiles = cute.local_tile(g_b, (self.tile_tokens, STAGE_K), (chunk, None))
+        t_sa, t_ga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+                                           cute.group_modes(s_a, 0, 2),
+                                           cute.group_modes(g_a_tiles, 0, 2))
+        t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                                           cute.group_modes(s_b, 0, 2),
+                                           cute.group_modes(g_b_tiles, 0, 2))
+
+        # this warpgroup's MMA operands (the warpgroup's slice: wgmma reads them by
+        # descriptor), this thread's accumulators and the tile coordinates (row, token) of
+        # each (the thread's own slice)
+        wg = warp // 4
+        wg_mma = tiled_mma.get_slice(wg * 128)
+        frag_a = tiled_mma.make_fragment_A(wg_mma.partition_A(s_a))
+        frag_b = tiled_mma.make_fragment_B(wg_mma.partition_B(s_b))
+        coords = self.thread_coordinates(tiled_mma, tid)
+        acc = cute.make_rmem_tensor(coords.shape, Float32)
+        total = cute.make_rmem_tensor(coords.shape, Float32)
+        for i in cutlass.range_constexpr(cute.size(total)):
+            total[i] = Float32(-0.0)
+            acc[i] = Float32(0.0)
+        # every step adds into the accumulators, which each split starts at +0.0 (as
+        # SplitKGemmKernel's chains do: the same bits, signed zeros included)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        cute.arch.sync_threads()
+
+        fill = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        if warp == 0:
+            for _ in cutlass.range_constexpr(self.prologue):
+                self._load(ring, fill, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
+                fill.advance()
+        for s in cutlass.range(SPLITS, unroll=1):
+            for kt in cutlass.range(KS, unroll=1):
+                ring.consumer_wait(read)
+                self._stage(tiled_mma, acc, frag_a, frag_b, read.index)
+                ring.consumer_release(read)
+                read.advance()
+                if warp == 0:
+                    if fill.count < KT:
+                        self._load(ring, fill, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
+                        fill.advance()
+            # the split's partial into the running sum, in split order
+            for i in cutlass.range_constexpr(cute.size(total)):
+                total[i] = h.fadd(total[i], acc[i])
+                acc[i] = Float32(0.0)
+        self._epilogue(total, coords, out, addend, tokens, tile, chunk)
+
+    def thread_coordinates(self, tiled_mma, tid):
+        """The (weight row, token) of the CTA tile that each of thread ``tid``'s
+        accumulators stands for, in register order (the C partition of the thread's own
+        slice; the operands are partitioned by the warpgroup's): what the epilogue stores
+        by (``tests/test_gemm_tiled.py`` traces that the 256 threads cover the tile once)."""
+        return tiled_mma.get_slice(tid).partition_C(
+            cute.make_identity_tensor((TILE_ROWS, self.tile_tokens)))
+
+    @cute.jit
+    def _load(self, ring, fill, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb):
+        """One thread's TMA copies of stage ``fill.count`` into slot ``fill.index``, on the
+        slot's full barrier (after its empty barrier)."""
+        ring.producer_acquire(fill)
+        bar = ring.producer_get_barrier(fill)
+        cute.copy(tma_a, t_ga[(None, fill.count)], t_sa[(None, fill.index)], tma_bar_ptr=bar)
+        cute.copy(tma_b, t_gb[(None, fill.count)], t_sb[(None, fill.index)], tma_bar_ptr=bar)
+        ring.producer_commit(fill)
+
+    @cute.jit
+    def _stage(self, tiled_mma, acc, frag_a, frag_b, slot):
+        """The four ``wgmma k16`` steps of one stage in k order, each adding into the
+        accumulators, waited for before the slot is released."""
+        warpgroup.fence()
+        for kb in cutlass.range_constexpr(STAGE_K // 16):
+            cute.gemm(tiled_mma, acc, frag_a[(None, None, kb, slot)],
+                      frag_b[(None, None, kb, slot)], acc)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def _epilogue(self, total, coords, out: Int64, addend: Int64, tokens: Int32, tile, chunk):
+        """Addend, rounding and the predicated stores of ``out[t, n]`` for ``t < T`` and
+        ``n < width`` (row stride ``width``)."""
+        WIDTH: cutlass.Constexpr = self.width
+        for i in cutlass.range_constexpr(cute.size(total)):
+            m, t = coords[i]
+            col = tile * TILE_ROWS + m
+            tok = chunk * self.tile_tokens + t
+            live = cutlass.select_((col < WIDTH) & (tok < tokens), Int32(1), Int32(0))
+            at = Int64(cutlass.min(tok, tokens - 1)) * WIDTH + cutlass.min(col, WIDTH - 1)
+            v = total[i]
+            if cutlass.const_expr(self.addend == "bf16"):
+                v = h.fadd(v, h.bf16_lo(ld_u16(addend + at * 2)))
+            if cutlass.const_expr(self.addend == "f32"):
+                v = h.fadd(v, ld_f32(addend + at * 4))
+            if cutlass.const_expr(self.out_f32):
+                stg_f32_if(out + at * 4, v, live)
+            else:
+                stg_u16_if(out + at * 2, p.f32_to_bf16_bits(v), live)

@@ -1,0 +1,130 @@
+"""``fast.gemm.TiledGemm`` on the CPU: the tiled kernel compiles for sm_90a at every TP8 wide
+GEMM's shape and kind, and bad shapes, kinds and weights are refused by name. Its bits (the
+same as ``DenseGemm``'s warpgroup MMA at the same K split, at every row count) are the GPU
+contract ``verify/test_gemm_fast.py::test_gemm_fast_tiled_same_bits``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+try:
+    import cutlass.cute  # noqa: F401
+
+    _cute_error = None
+except Exception as e:  # pragma: no cover - the CuTe DSL is a dev dependency
+    _cute_error = repr(e)
+
+needs_cute = pytest.mark.skipif(_cute_error is not None,
+                                reason=f"CuTe DSL not importable: {_cute_error}")
+
+
+def _wide_kinds():
+    """(n, k, splits, out_f32, addend) of the TP8 wide rank's four GEMMs at the real
+    dimensions, on an H100/H200's 132 multiprocessors."""
+    from fast.schedules.wide_gemms import gemm_shapes, gemm_splits
+    from model.config import LatentMoEConfig
+
+    cfg = LatentMoEConfig.kimi_k3()
+    shapes, splits = gemm_shapes(cfg, 8), gemm_splits(cfg, 8, 132)
+    kinds = {"front": (True, "none"), "shared_gate_up": (False, "none"),
+             "shared_down": (False, "none"), "up": (False, "bf16")}
+    return [(name, *shapes[name], splits[name], *kinds[name]) for name in shapes]
+
+
+@needs_cute
+@pytest.mark.parametrize("tile_tokens", [128, 64])
+@pytest.mark.parametrize("case", _wide_kinds(), ids=lambda c: c[0])
+def test_tiled_kernel_compiles_for_every_wide_gemm(case, tile_tokens):
+    from fast.device.compile import compiled, frozen
+    from fast.gemm.tiled_kernel import TiledGemmKernel
+
+    _, n, k, splits, out_f32, addend = case
+    params = dict(n=n, k=k, width=n, splits=splits, out_f32=out_f32, addend=addend,
+                  tile_tokens=tile_tokens, stages=4)
+    assert compiled(TiledGemmKernel, "sm_90a", frozen(params))
+
+
+@needs_cute
+def test_tiled_kernel_other_kinds_compile():
+    """An FP32 addend, an FP32 output with a BF16 addend, a deep ring, a padded width."""
+    from fast.device.compile import compiled, frozen
+    from fast.gemm.tiled_kernel import TiledGemmKernel
+
+    for params in (dict(n=896, k=3584, width=896, splits=8, addend="f32"),
+                   dict(n=560, k=7168, width=560, splits=8, out_f32=True, addend="bf16"),
+                   dict(n=1536, k=7168, width=1500, splits=4, stages=6)):
+        assert compiled(TiledGemmKernel, "sm_90a", frozen(params))
+
+
+@pytest.mark.parametrize("params,word", [
+    (dict(n=896, k=3584, width=896, splits=3), "splits"),       # K not whole 64-k stages per split
+    (dict(n=896, k=3584, width=897, splits=1), "width"),
+    (dict(n=896, k=3584, width=896, splits=1, addend="fp8"), "addend"),
+    (dict(n=896, k=3584, width=896, splits=1, tile_tokens=96), "tile_tokens"),
+    (dict(n=896, k=3584, width=896, splits=1, stages=1), "stages"),
+])
+def test_tiled_kernel_refuses_bad_parameters(params, word):
+    from fast.gemm.tiled_kernel import TiledGemmKernel
+
+    with pytest.raises(ValueError, match=word):
+        TiledGemmKernel(**params)
+
+
+def test_tiled_gemm_refuses_a_weight_it_cannot_take():
+    """A CPU, FP32 or non-contiguous weight is refused by name before any GPU work."""
+    from fast.gemm.tiled import TiledGemm
+
+    for weight in (torch.zeros(128, 256, dtype=torch.bfloat16),
+                   torch.zeros(128, 256, dtype=torch.float32),
+                   torch.zeros(256, 128, dtype=torch.bfloat16).t()):
+        with pytest.raises(ValueError, match="weight"):
+            TiledGemm(weight, splits=1, max_tokens=64)
+
+
+
+_TRACE = """
+import sys
+import cutlass.cute as cute
+from fast.gemm.tiled_kernel import TILE_ROWS, TiledGemmKernel
+kernel = TiledGemmKernel(n=256, k=512, width=256, splits=1, tile_tokens=int(sys.argv[1]))
+seen = []
+threads = tuple(range(kernel.threads))  # a Python tuple: the loop below is unrolled at trace
+
+@cute.jit
+def trace():
+    mma = kernel._tiled_mma()
+    for tid in threads:
+        c = kernel.thread_coordinates(mma, tid)
+        seen.extend([tuple(int(v) for v in c[i]) for i in range(cute.size(c))])
+
+trace()
+tile = {(m, t) for m in range(TILE_ROWS) for t in range(kernel.tile_tokens)}
+print(len(seen), len(tile), set(seen) == tile)
+"""
+
+
+@needs_cute
+@pytest.mark.parametrize("tile_tokens", [128, 64])
+def test_tiled_epilogue_coordinates_cover_the_tile_once(tile_tokens, tmp_path):
+    """The (weight row, token) each of the 256 threads' accumulators stands for
+    (``TiledGemmKernel.thread_coordinates``, which the epilogue stores by) covers the
+    128 x ``tile_tokens`` tile exactly once: no two threads store one output, none is left
+    out. Traced on the CPU for sm_90a in a process of its own (the CuTe DSL reads its
+    target, ``CUTE_DSL_ARCH``, once per process); no kernel runs."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
+               PYTHONPATH=os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH"))
+                                          if p))
+    script = tmp_path / "trace_tiled_coordinates.py"  # the DSL compiles from a source file
+    script.write_text(_TRACE)
+    done = subprocess.run([sys.executable, str(script), str(tile_tokens)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    cells = 128 * tile_tokens
+    assert done.stdout.split()[-3:] == [str(cells), str(cells), "True"], done.stdout
