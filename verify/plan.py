@@ -194,13 +194,6 @@ def _sm90a_only(target: Target, ctx: _Context) -> tuple[str, str] | None:
     return None
 
 
-def _tiled_sm90a(target: Target, ctx: _Context) -> tuple[str, str] | None:
-    if target.arch != "sm_90a":
-        return "hardware", (f"wgmma is an sm_90a instruction (the tiled kernel's MMA); this "
-                            f"GPU is {target.arch}")
-    return None
-
-
 def _wide_invariant_mma(target: Target, ctx: _Context) -> tuple[str, str] | None:
     if ctx.params.get("mma") == "wgmma" and target.arch != "sm_90a":
         return "hardware", (f"wgmma is an sm_90a instruction (invariant_mma='wgmma'); this "
@@ -222,8 +215,8 @@ RUNTIME_SKIPS = {
     ("test_gemm_fast.py", "test_gemm_fast_wide_serial_splits"): _wide_invariant_mma,
     ("test_gemm_fast.py", "test_gemm_fast_wide_chunks"): _sm90a_only,
     ("test_gemm_fast.py", "test_gemm_fast_grouped_same_bits"): _wide_invariant_mma,
-    ("test_gemm_fast.py", "test_gemm_fast_tiled_same_bits"): _tiled_sm90a,
-    ("test_gemm_fast.py", "test_gemm_fast_tiled_bad_input"): _tiled_sm90a,
+    ("test_gemm_fast.py", "test_gemm_fast_tiled_same_bits"): _sm90a_only,
+    ("test_gemm_fast.py", "test_gemm_fast_tiled_bad_input"): _sm90a_only,
     ("test_stock.py", "_model"): _stock_real_dimensions,
     ("test_distributed.py", "test_wide_real_ranks"): _small_tp_ranks,
     ("test_flashinfer_allreduce.py", "fused"): _flashinfer_comm,

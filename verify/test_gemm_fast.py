@@ -494,25 +494,30 @@ def run_wide(gemm: str, tokens: int, x=None, addend=None, mma: str = "mma.sync")
     eng, x0, a0, out_dtype = wide_case(gemm, mma)
     x = x0 if x is None else x
     addend = a0 if addend is None else addend
-    buf = torch.full((tokens * eng.n + 256,), float("nan"), dtype=out_dtype, device=DEVICE)
-    out = buf[:tokens * eng.n].view(tokens, eng.n)
+    out, guard = nan_guarded(tokens, eng.n, out_dtype)
     eng(x[:tokens].contiguous(), out_dtype=out_dtype, out=out,
         addend=None if addend is None else addend[:tokens].contiguous())
-    return out, buf[tokens * eng.n:]
+    return out, guard
+
+
+def nan_guarded(tokens: int, n: int, out_dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """A NaN-poisoned ``[tokens, n]`` output and the NaN guard of 256 elements right after
+    it in the same buffer: (out, guard)."""
+    buf = torch.full((tokens * n + 256,), float("nan"), dtype=out_dtype, device=DEVICE)
+    return buf[:tokens * n].view(tokens, n), buf[tokens * n:]
 
 
 def check_guarded(contract, call, tokens: int, n: int, out_dtype, expected, what: str,
-                  vs: str) -> None:
-    """``call(out)`` into a NaN-poisoned ``[tokens, n]`` output followed by a NaN guard of
-    256 elements: the output bitwise ``expected`` (``what``: vs ``vs``), nothing stored past
-    it."""
-    buf = torch.full((tokens * n + 256,), float("nan"), dtype=out_dtype, device=DEVICE)
-    out = buf[:tokens * n].view(tokens, n)
+                  compared: str) -> torch.Tensor:
+    """``call(out)`` into a ``nan_guarded`` output: the output bitwise ``expected`` (the
+    contract's line ``what: compared``), nothing stored past it (the guard still NaN).
+    Returns the output."""
+    out, guard = nan_guarded(tokens, n, out_dtype)
     call(out)
-    contract.bitwise(_bits(out), _bits(expected), what=f"{what}: vs {vs}", index_names=ROWS)
-    contract.bitwise(_bits(buf[tokens * n:]),
-                     _bits(torch.full((256,), float("nan"), dtype=out_dtype, device=DEVICE)),
+    contract.bitwise(_bits(out), _bits(expected), what=f"{what}: {compared}", index_names=ROWS)
+    contract.bitwise(_bits(guard), _bits(torch.full_like(guard, float("nan"))),
                      what=f"{what}: nothing stored past the output")
+    return out
 
 
 @pytest.mark.parametrize("mma", INVARIANT_MMAS)
@@ -610,16 +615,12 @@ def test_gemm_fast_wide_serial_splits(backend, gemm, mma, contract):
         tactic = choose_tactic(eng.rows, eng.k, tokens, eng.sms, eng.splits, eng.wgmma,
                                serial=True)
         assert tactic.serial and tactic.splits == eng.splits and tactic.wgmma == eng.wgmma
-        buf = torch.full((tokens * eng.n + 256,), float("nan"), dtype=out_dtype, device=DEVICE)
-        out = buf[:tokens * eng.n].view(tokens, eng.n)
-        eng(x[:tokens].contiguous(), out_dtype=out_dtype, out=out, tactic=tactic,
-            addend=None if addend is None else addend[:tokens].contiguous())
-        what = f"wide {gemm} {tactic.label()} T={tokens}"
-        contract.bitwise(_bits(out), _bits(cross), what=f"{what}: serial = cross-CTA splits",
-                         index_names=ROWS)
-        contract.bitwise(_bits(buf[tokens * eng.n:]),
-                         _bits(torch.full((256,), float("nan"), dtype=out_dtype, device=DEVICE)),
-                         what=f"{what}: nothing stored past the output")
+        out = check_guarded(
+            contract, lambda o: eng(x[:tokens].contiguous(), out_dtype=out_dtype, out=o,
+                                    tactic=tactic,
+                                    addend=None if addend is None else addend[:tokens].contiguous()),
+            tokens, eng.n, out_dtype, cross, f"wide {gemm} {tactic.label()} T={tokens}",
+            "serial = cross-CTA splits")
         if mma == "wgmma":  # the serial fold after in-flight MMAs (Tactic.overlap)
             overlap = dataclasses.replace(tactic, overlap=True)
             out_o = torch.full_like(out, float("nan"))
@@ -680,7 +681,7 @@ def test_gemm_fast_wide_chunks(backend, gemm, contract):
                     addend=None if addend is None else addend[:tokens].contiguous()),
                 tokens, eng.n, out_dtype, full[:tokens],
                 f"wide {gemm} {tactic.label()} T={tokens} ({launch.chunks} chunks of "
-                f"{launch.windows} windows)", f"the first rows of the 64-row-chunk T={WIDE_TOP}")
+                f"{launch.windows} windows)", f"vs the first rows of the 64-row-chunk T={WIDE_TOP}")
 
 
 @pytest.mark.parametrize("gemm", ("front", "shared_gate_up", "shared_down", "up"))
@@ -695,8 +696,7 @@ def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
     from fast.gemm.tiled import TiledGemm
 
     if gpu_arch() != "sm_90a":
-        pytest.skip(f"wgmma is an sm_90a instruction (the tiled kernel's MMA); this GPU is "
-                    f"{gpu_arch()}")
+        pytest.skip(f"wgmma is an sm_90a instruction; this GPU is {gpu_arch()}")
     eng, x, addend, out_dtype = wide_case(gemm, "wgmma")
     full, _ = run_wide(gemm, WIDE_TOP, mma="wgmma")
     for tile_tokens, stages in ((128, 4), (64, 2)):
@@ -709,7 +709,7 @@ def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
                     addend=None if addend is None else addend[:tokens].contiguous()),
                 tokens, eng.n, out_dtype, full[:tokens],
                 f"wide {gemm} tiled t{tile_tokens} s{stages} T={tokens}",
-                f"the first rows of DenseGemm's wgmma T={WIDE_TOP}")
+                f"vs the first rows of DenseGemm's wgmma T={WIDE_TOP}")
     n, k, splits, tokens = eng.n, eng.k, eng.splits, 257
     designed = cases.order_exposing_values(
         (n, k), seed_of(f"verify/test_gemm_fast.py::wide-designed::{gemm}"), DEVICE)
@@ -728,8 +728,7 @@ def test_gemm_fast_tiled_bad_input(backend):
     from fast.gemm.tiled import TiledGemm
 
     if gpu_arch() != "sm_90a":
-        pytest.skip(f"wgmma is an sm_90a instruction (the tiled kernel's MMA); this GPU is "
-                    f"{gpu_arch()}")
+        pytest.skip(f"wgmma is an sm_90a instruction; this GPU is {gpu_arch()}")
     w = torch.zeros(256, 512, dtype=torch.bfloat16, device=DEVICE)
     g = TiledGemm(w, splits=2, max_tokens=100)
     x = torch.zeros(10, 512, dtype=torch.bfloat16, device=DEVICE)

@@ -26,7 +26,8 @@ from fast.gemm.layout import (MAX_CALL_TOKENS, MAX_TOKENS, MAX_WINDOWS, Tactic,
 __all__ = ["DenseGemm", "choose_tactic", "splits_of", "splits_for_rows", "CANDIDATES",
            "DEFAULT_TACTICS", "WGMMA_TILES", "PDL_MAX_TOKENS", "check_serial_from",
            "check_chunk_windows", "check_forms", "check_form_stages", "form_at", "FORM_KEYS",
-           "default_tactic", "compile_kernel", "kernel_shapes", "Launch", "launch_for"]
+           "default_tactic", "compile_kernel", "kernel_shapes", "Launch", "launch_for",
+           "check_weight_shape", "check_weight_placement", "check_gemm_call"]
 
 _R64, _R128 = dict(warps=2, mtiles=2), dict(warps=4, mtiles=2)
 _R128M4, _R256M4 = dict(warps=2, mtiles=4), dict(warps=4, mtiles=4, occupancy=1)
@@ -336,6 +337,71 @@ def default_tactic(n: int, k: int, tokens: int, sms: int, splits: int, wgmma: bo
 _BF16, _F32 = torch.bfloat16, torch.float32
 
 
+def check_weight_shape(owner: str, weight) -> tuple[int, int]:
+    """``(N, K)`` of a GEMM weight, refused (TypeError / ValueError starting with ``owner``)
+    unless a 2-D bfloat16 tensor with N > 0 and K a positive multiple of 64 (the kernels'
+    64-wide stages)."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{owner}: weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dtype != _BF16 or weight.dim() != 2:
+        raise ValueError(f"{owner}: weight must be a 2-D bfloat16 [N, K] tensor, got "
+                         f"{weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape
+    if k % 64 or k == 0 or n == 0:
+        raise ValueError(f"{owner}: weight [N, K] = [{n}, {k}] needs N > 0 and K a positive "
+                         "multiple of 64 (the kernel's 64-wide stages)")
+    return n, k
+
+
+def check_weight_placement(owner: str, weight: torch.Tensor) -> None:
+    """Refuse (ValueError starting with ``owner``) a weight that is not on a CUDA device,
+    contiguous and 16-byte aligned."""
+    if weight.device.type != "cuda":
+        raise ValueError(f"{owner}: weight must be on a CUDA device, got {weight.device}")
+    if not weight.is_contiguous() or weight.data_ptr() % 16:
+        raise ValueError(f"{owner}: weight must be contiguous and 16-byte aligned")
+
+
+def check_gemm_call(owner: str, x, out, out_dtype, addend, *, n: int, k: int, max_tokens: int,
+                    device) -> int:
+    """Refuse (ValueError / TypeError starting with ``owner`` and naming the argument) a GEMM
+    call's ``x`` (BF16 ``[T, K]``, ``1 <= T <= max_tokens``, contiguous, 16-byte aligned,
+    on ``device``), ``out_dtype`` (BF16 or FP32), ``addend`` (BF16 or FP32 ``[T, N]``) or
+    ``out`` (``out_dtype`` ``[T, N]``; the addend itself or not overlapping it); returns
+    ``T``."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{owner}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype != _BF16 or x.dim() != 2 or x.shape[1] != k:
+        raise ValueError(f"{owner}: x must be bfloat16 [T, K={k}], got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    t = x.shape[0]
+    if not 1 <= t <= max_tokens:
+        raise ValueError(f"{owner}: x has {t} rows; this GEMM serves 1..{max_tokens} "
+                         f"(max_tokens)")
+    if x.device != device:
+        raise ValueError(f"{owner}: x is on {x.device}, the weight on {device}")
+    if not x.is_contiguous() or x.data_ptr() % 16:
+        raise ValueError(f"{owner}: x must be contiguous and 16-byte aligned")
+    if out_dtype not in (_BF16, _F32):
+        raise ValueError(f"{owner}: out_dtype must be torch.bfloat16 or torch.float32, got "
+                         f"{out_dtype}")
+    if addend is not None:
+        if not isinstance(addend, torch.Tensor) or addend.dtype not in (_BF16, _F32):
+            raise ValueError(f"{owner}: addend must be a bfloat16 or float32 tensor, got "
+                             f"{getattr(addend, 'dtype', type(addend).__name__)}")
+        if tuple(addend.shape) != (t, n) or not addend.is_contiguous() or addend.device != device:
+            raise ValueError(f"{owner}: addend must be contiguous [T, N] = [{t}, {n}] on "
+                             f"{device}, got {tuple(addend.shape)} on {addend.device}")
+    if out is not None:
+        if (not isinstance(out, torch.Tensor) or out.dtype != out_dtype
+                or tuple(out.shape) != (t, n) or not out.is_contiguous() or out.device != device):
+            raise ValueError(f"{owner}: out must be a contiguous {out_dtype} [T, N] = "
+                             f"[{t}, {n}] tensor on {device}")
+        if addend is not None and addend.data_ptr() != out.data_ptr() and _overlap(addend, out):
+            raise ValueError(f"{owner}: out and addend overlap without being the same tensor")
+    return t
+
+
 class DenseGemm:
     """``x @ W^T`` (+ addend) for ``T <= max_tokens`` rows on the GPU: the dense part's
     split-K swap-AB GEMM (kernel: ``fast.gemm.kernel.SplitKGemmKernel``).
@@ -400,15 +466,7 @@ class DenseGemm:
                  pdl: bool | None = None, splits: int | None = None, wgmma: bool = False,
                  serial_from: int | None = None, overlap: bool = False,
                  chunk_windows: int = MAX_WINDOWS, forms: dict | None = None):
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"DenseGemm: weight must be a torch.Tensor, got {type(weight).__name__}")
-        if weight.dtype != _BF16 or weight.dim() != 2:
-            raise ValueError(f"DenseGemm: weight must be a 2-D bfloat16 [N, K] tensor, got "
-                             f"{weight.dtype} {tuple(weight.shape)}")
-        n, k = weight.shape
-        if k % 64 or k == 0 or n == 0:
-            raise ValueError(f"DenseGemm: weight [N, K] = [{n}, {k}] needs N > 0 and K a positive "
-                             "multiple of 64 (the kernel's 64-wide stages)")
+        n, k = check_weight_shape("DenseGemm", weight)
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) \
                 or not 1 <= max_tokens <= MAX_CALL_TOKENS:
             raise ValueError(f"DenseGemm: max_tokens must be an int in [1, {MAX_CALL_TOKENS}], "
@@ -425,10 +483,7 @@ class DenseGemm:
         check_serial_from("DenseGemm", "serial_from", serial_from)
         check_chunk_windows("DenseGemm", "chunk_windows", chunk_windows, wgmma)
         check_forms("DenseGemm", "forms", forms, wgmma)
-        if weight.device.type != "cuda":
-            raise ValueError(f"DenseGemm: weight must be on a CUDA device, got {weight.device}")
-        if not weight.is_contiguous() or weight.data_ptr() % 16:
-            raise ValueError("DenseGemm: weight must be contiguous and 16-byte aligned")
+        check_weight_placement("DenseGemm", weight)
         backend.require_supported("DenseGemm")
         if wgmma and backend.device_arch(weight.device) != "sm_90a":
             raise ValueError(f"DenseGemm: wgmma=True needs an sm_90a device (warpgroup MMA is "
@@ -550,37 +605,10 @@ class DenseGemm:
 
     def check_call(self, x, out, out_dtype, addend) -> int:
         """Refuse (ValueError / TypeError naming the argument) a call's ``x``, ``out``,
-        ``out_dtype`` or ``addend`` that ``__call__`` cannot take; returns ``T``."""
-        n, dev = self.n, self.device
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(f"DenseGemm: x must be a torch.Tensor, got {type(x).__name__}")
-        if x.dtype != _BF16 or x.dim() != 2 or x.shape[1] != self.k:
-            raise ValueError(f"DenseGemm: x must be bfloat16 [T, K={self.k}], got {x.dtype} "
-                             f"{tuple(x.shape)}")
-        t = x.shape[0]
-        if not 1 <= t <= self.max_tokens:
-            raise ValueError(f"DenseGemm: x has {t} rows; this GEMM serves 1..{self.max_tokens}")
-        if x.device != dev:
-            raise ValueError(f"DenseGemm: x is on {x.device}, the weight on {dev}")
-        if not x.is_contiguous() or x.data_ptr() % 16:
-            raise ValueError("DenseGemm: x must be contiguous and 16-byte aligned")
-        if out_dtype not in (_BF16, _F32):
-            raise ValueError(f"DenseGemm: out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
-        if addend is not None:
-            if not isinstance(addend, torch.Tensor) or addend.dtype not in (_BF16, _F32):
-                raise ValueError(f"DenseGemm: addend must be a bfloat16 or float32 tensor, got "
-                                 f"{getattr(addend, 'dtype', type(addend).__name__)}")
-            if tuple(addend.shape) != (t, n) or not addend.is_contiguous() or addend.device != dev:
-                raise ValueError(f"DenseGemm: addend must be contiguous [T, N] = [{t}, {n}] on "
-                                 f"{dev}, got {tuple(addend.shape)} on {addend.device}")
-        if out is not None:
-            if (not isinstance(out, torch.Tensor) or out.dtype != out_dtype
-                    or tuple(out.shape) != (t, n) or not out.is_contiguous() or out.device != dev):
-                raise ValueError(f"DenseGemm: out must be a contiguous {out_dtype} [T, N] = "
-                                 f"[{t}, {n}] tensor on {dev}")
-            if addend is not None and addend.data_ptr() != out.data_ptr() and _overlap(addend, out):
-                raise ValueError("DenseGemm: out and addend overlap without being the same tensor")
-        return t
+        ``out_dtype`` or ``addend`` that ``__call__`` cannot take; returns ``T``
+        (:func:`check_gemm_call`)."""
+        return check_gemm_call("DenseGemm", x, out, out_dtype, addend, n=self.n, k=self.k,
+                               max_tokens=self.max_tokens, device=self.device)
 
     def __call__(self, x: torch.Tensor, *, out_dtype: torch.dtype = _BF16,
                  addend: torch.Tensor | None = None, out: torch.Tensor | None = None,

@@ -19,6 +19,7 @@ import torch
 
 from fast import backend
 from fast.device.compile import compiled, frozen
+from fast.gemm.host import check_gemm_call, check_weight_placement, check_weight_shape
 from fast.gemm.tiled_kernel import STAGE_K, TiledGemmKernel
 
 __all__ = ["TiledGemm"]
@@ -41,18 +42,16 @@ class TiledGemm:
 
     def __init__(self, weight: torch.Tensor, *, splits: int, max_tokens: int,
                  tile_tokens: int = 128, stages: int = 4):
-        if not isinstance(weight, torch.Tensor) or weight.dtype != _BF16 or weight.dim() != 2 \
-                or not weight.is_cuda or not weight.is_contiguous():
-            raise ValueError("TiledGemm: weight must be a contiguous BF16 [N, K] CUDA tensor, "
-                             f"got {getattr(weight, 'dtype', type(weight).__name__)} "
-                             f"{tuple(getattr(weight, 'shape', ()))}")
-        n, k = weight.shape
-        if not isinstance(splits, int) or splits < 1 or k % (STAGE_K * splits):
+        n, k = check_weight_shape("TiledGemm", weight)
+        check_weight_placement("TiledGemm", weight)
+        if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1 \
+                or k % (STAGE_K * splits):
             raise ValueError(f"TiledGemm: splits must be an int >= 1 with K={k} a multiple of "
                              f"{STAGE_K} x splits, got {splits!r}")
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise ValueError(f"TiledGemm: max_tokens must be an int >= 1, got {max_tokens!r}")
-        self.arch = backend.gpu_arch()
+        backend.require_supported("TiledGemm")
+        self.arch = backend.device_arch(weight.device)
         if self.arch != "sm_90a":
             raise ValueError(f"TiledGemm: the tiled kernel is warpgroup MMA and TMA (sm_90a); "
                              f"this GPU is {self.arch}")
@@ -76,29 +75,10 @@ class TiledGemm:
             compiled(TiledGemmKernel, self.arch, frozen(self.kernel_params(out_dtype, addend_dtype)))
 
     def check_call(self, x, out, out_dtype, addend) -> int:
-        """Refuse a bad call by the argument's name; return ``T``."""
-        if not isinstance(x, torch.Tensor) or x.dtype != _BF16 or x.dim() != 2 \
-                or x.shape[1] != self.k or not x.is_contiguous() or x.device != self.device:
-            raise ValueError(f"TiledGemm: x must be a contiguous BF16 [T, K={self.k}] tensor on "
-                             f"{self.device}, got {getattr(x, 'dtype', type(x).__name__)} "
-                             f"{tuple(getattr(x, 'shape', ()))}")
-        t = x.shape[0]
-        if not 1 <= t <= self.max_tokens:
-            raise ValueError(f"TiledGemm: x has {t} rows, must be 1..max_tokens={self.max_tokens}")
-        if out_dtype not in (_BF16, _F32):
-            raise ValueError(f"TiledGemm: out_dtype must be torch.bfloat16 or torch.float32, "
-                             f"got {out_dtype}")
-        for name, tensor, dtypes in (("addend", addend, (_BF16, _F32)), ("out", out, (out_dtype,))):
-            if tensor is None:
-                continue
-            if not isinstance(tensor, torch.Tensor) or tensor.dtype not in dtypes \
-                    or tuple(tensor.shape) != (t, self.n) or not tensor.is_contiguous() \
-                    or tensor.device != self.device:
-                raise ValueError(f"TiledGemm: {name} must be a contiguous [{t}, {self.n}] tensor "
-                                 f"of {dtypes} on {self.device}, got "
-                                 f"{getattr(tensor, 'dtype', type(tensor).__name__)} "
-                                 f"{tuple(getattr(tensor, 'shape', ()))}")
-        return t
+        """Refuse a bad call by the argument's name; return ``T``
+        (``fast.gemm.host.check_gemm_call``, as ``DenseGemm``'s)."""
+        return check_gemm_call("TiledGemm", x, out, out_dtype, addend, n=self.n, k=self.k,
+                               max_tokens=self.max_tokens, device=self.device)
 
     def __call__(self, x: torch.Tensor, *, out_dtype: torch.dtype = _BF16,
                  addend: torch.Tensor | None = None,
