@@ -18,9 +18,14 @@ gate/up and shared down BF16, up BF16 with a BF16 addend), each at its one K spl
   where two do not fit a ring of 3). Every form's output is compared bit for bit with the plain
   ``cw8`` form's (the same ``splits``, so the same bits are owed): a timing never comes
   from a form that computes something else;
-* with ``--tiled 128x4,64x4``: ``fast.gemm.TiledGemm`` (TMA-fed warpgroup MMA on 128-row
-  weight tiles, the same K split folded in the same order) at those token tiles and ring
-  depths, its output compared with the ``cw8`` form's in the same way.
+* with ``--tiled 128x4,64x4,128x4s``: ``fast.gemm.TiledGemm`` (TMA-fed warpgroup MMA on
+  128-row weight tiles, the same K split folded in the same order) at those token tiles and
+  ring depths, one CTA per split (``cross``) or, with an ``s``, the splits in order inside
+  each CTA, and with a ``p`` a producer warp of its own (``TiledGemm(producer=True)``); its
+  output compared with the ``cw8`` form's in the same way.
+
+``--forms cw8,cw16,overlap`` times only those ``fast.gemm`` forms (``cw8``, the bits'
+reference, always).
 
 Each contestant is captured in a CUDA graph and timed by CUDA events around one replay, the
 L2 flushed by a 256 MiB streaming read before each (``benchmarks.dense_table``'s method),
@@ -94,25 +99,37 @@ def form_labels(result: dict) -> list[str]:
 
 def best_forms(result: dict) -> dict:
     """``{gemm: {rows_from: form}}`` for ``WideLayer(invariant_forms=...)``: per GEMM the
-    fastest form of each timed row count, from the row count after the previous timed one
-    (the first from 65: the wide layer's smallest call)."""
+    fastest form of each timed row count (a tiled variant as its ``{"tiled": {...}}``
+    form, :func:`tiled_table`) that gave the plain form's bits, from the row count after
+    the previous timed one (the first from 65: the wide layer's smallest call)."""
     rows = sorted(result["rows"], key=lambda r: r["rows"])
-    forms = form_table(result)
+    forms = {**form_table(result), **tiled_table(result)}
     out: dict = {}
     for i, row in enumerate(rows):
         start = 65 if i == 0 else rows[i - 1]["rows"] + 1
         for gemm, case in row["gemms"].items():
             med = {k: v for k, v in case["median_us"].items()
-                   if k in case["tactics"] and k in forms}  # DenseGemm forms, not tiled
+                   if k in case["tactics"] and k in forms and case["same_bits"].get(k)}
             best = min(med, key=med.get)
             out.setdefault(gemm, {})[start] = forms[best]
     return out
 
 
 def tiled_labels(result: dict) -> list[str]:
-    """The labels of the run's ``fast.gemm.TiledGemm`` variants (``tiled<tokens>x<stages>``),
+    """The labels of the run's ``fast.gemm.TiledGemm`` variants (``tiled<tokens>x<stages>``,
+    then ``s`` for the serial splits and ``p`` for a producer warp),
     in table order."""
-    return [f"tiled{t}x{s}" for t, s in result.get("tiled", [])]
+    return [f"tiled{v[0]}x{v[1]}" + ("" if len(v) > 2 and v[2] else "s")
+            + ("p" if len(v) > 3 and v[3] else "") for v in result.get("tiled", [])]
+
+
+def tiled_table(result: dict) -> dict[str, dict]:
+    """``{label: {"tiled": {...}}}``: each ``TiledGemm`` variant of a result as
+    ``DenseGemm(forms=...)`` takes it (``fast.gemm.host.TILED_KEYS``)."""
+    return {label: {"tiled": {"tile_tokens": v[0], "stages": v[1],
+                              "cross": bool(v[2]) if len(v) > 2 else False,
+                              "producer": bool(v[3]) if len(v) > 3 else False}}
+            for label, v in zip(tiled_labels(result), result.get("tiled", []))}
 
 
 def render(result: dict) -> str:
@@ -162,7 +179,11 @@ def main(argv=None):
                     help="ring stage widths to time each form at (64, 128; e.g. 64,128)")
     ap.add_argument("--tiled", default="",
                     help="fast.gemm.TiledGemm variants to time beside the forms, as "
-                         "<tile tokens>x<stages> (e.g. 128x4,64x4,128x6; sm_90a)")
+                         "<tile tokens>x<stages>[s][p] (s: serial splits, p: a producer warp; "
+                         "e.g. 128x4,64x4p,128x4s; sm_90a)")
+    ap.add_argument("--forms", default="all",
+                    help="the fast.gemm forms to time (labels of the table, e.g. "
+                         "cw8,cw16,overlap; cw8 always), or all")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
@@ -181,12 +202,15 @@ def main(argv=None):
     if not set(stage_ks) <= {64, 128} or 64 not in stage_ks:
         ap.error(f"--stage-k takes 64 and optionally 128, got {args.stage_k!r}")
     try:
-        tiled = [tuple(int(v) for v in spec.split("x")) for spec in args.tiled.split(",") if spec]
+        tiled = [[int(v) for v in spec.rstrip("sp").split("x")]
+                 + [not spec.rstrip("p").endswith("s"), spec.endswith("p")]
+                 for spec in args.tiled.split(",") if spec]
     except ValueError:
         tiled = None
-    if tiled is None or any(len(v) != 2 or v[0] not in (64, 128) or not 2 <= v[1] <= 8
+    if tiled is None or any(len(v) != 4 or v[0] not in (64, 128) or not 2 <= v[1] <= 8
                             for v in tiled):
-        ap.error(f"--tiled takes <64|128>x<2..8> variants, e.g. 128x4,64x4; got {args.tiled!r}")
+        ap.error(f"--tiled takes <64|128>x<2..8>[s][p] variants, e.g. 128x4,64x4p,128x4s; "
+                 f"got {args.tiled!r}")
     shapes = gemm_shapes(cfg, args.ranks)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = gemm_splits(cfg, args.ranks, sms)
@@ -211,7 +235,8 @@ def main(argv=None):
             timed = [(label, default_tactic(eng.rows, eng.k, rows, sms, splits[g], True,
                                             forms={1: form}))
                      for label, form in form_table(result).items()
-                     if eng.k % (splits[g] * form["stage_k"]) == 0]  # whole stages per split
+                     if eng.k % (splits[g] * form["stage_k"]) == 0  # whole stages per split
+                     and (args.forms == "all" or label in {"cw8", *args.forms.split(",")})]
             for label, t in timed:
                 case["tactics"][label] = t.label()
                 out = torch.empty(rows, weight.shape[0], dtype=out_dtype, device="cuda")
@@ -219,10 +244,12 @@ def main(argv=None):
                     lambda: eng(a, out_dtype=out_dtype, addend=addend, out=out, tactic=t),
                     reps=args.reps, flush=flush)
                 outs[label] = eng(a, out_dtype=out_dtype, addend=addend, tactic=t).clone()
-            for (tokens, stages), label in zip(tiled, tiled_labels(result)):
+            for (tokens, stages, cross, producer), label in zip(tiled, tiled_labels(result)):
                 tg = TiledGemm(weight, splits=splits[g], max_tokens=top, tile_tokens=tokens,
-                               stages=stages)
-                case["tactics"][label] = f"tiled t{tokens} s{stages}"
+                               stages=stages, cross=cross, producer=producer)
+                case["tactics"][label] = (f"tiled t{tokens} s{stages} "
+                                          f"{'cross' if tg.cross else 'serial'}"
+                                          + (" producer" if producer else ""))
                 out = torch.empty(rows, weight.shape[0], dtype=out_dtype, device="cuda")
                 case["times"][label] = device_time_us(
                     lambda: tg(a, out_dtype=out_dtype, addend=addend, out=out),

@@ -244,12 +244,13 @@ def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant
 
 def gemm_plan_cells(layer, tokens: int) -> dict:
     """What rank 0's four GEMMs launch at ``tokens`` rows, for the result JSON: per GEMM
-    its fast.gemm tactic label, token chunks and windows per chunk, or ``"cuBLAS"``."""
+    its fast.gemm tactic label, token chunks and windows per chunk, the tiled kernel's
+    label (``TiledGemm.label``), or ``"cuBLAS"``."""
     plan = layer.gemm_plan(0, tokens)
     if not plan:
         return {name: "cuBLAS" for name in ("front", "shared_gate_up", "shared_down", "up")}
-    return {name: f"{launch.tactic.label()} x{launch.chunks}c{launch.windows}w"
-            for name, launch in plan.items()}
+    return {name: f"{run.tactic.label()} x{run.chunks}c{run.windows}w"
+            if hasattr(run, "tactic") else run.label() for name, run in plan.items()}
 
 
 def published_case(layer, x, tokens: int, read_gbs: float, flush):

@@ -1117,3 +1117,35 @@ def test_forms_override_the_default_tactic_per_row_count():
         check_batch_invariant("WideLayer", cfg, 8, True, "mma.sync", None, False, 8,
                               {"front": {65: {"overlap": True}}})
 
+
+def test_tiled_forms_hand_their_rows_to_the_tiled_kernel():
+    """A form ``{"tiled": {...}}`` (``fast.gemm.host.TILED_KEYS``): from its ``rows_from``
+    to the next key those calls run ``fast.gemm.TiledGemm`` (the same K split, the warpgroup
+    MMA's bits), so ``gemm_launches`` leaves those rows out and keeps the split-K kernel's
+    around them; it needs the warpgroup MMA, takes no split-K key beside it, and a bad
+    entry is refused by name."""
+    from fast.gemm.host import check_forms, form_at
+    from fast.schedules.wide_gemms import gemm_launches
+    from model.config import LatentMoEConfig
+
+    tiled = {"tiled": {"tile_tokens": 64, "stages": 4, "cross": True, "producer": True}}
+    forms = {"front": {257: tiled, 769: {"serial": True}}}
+    check_forms("L", "f", forms["front"], True)
+    assert form_at(forms["front"], 300) == tiled
+    launches = gemm_launches(LatentMoEConfig.kimi_k3(), 8, (65, 256, 257, 768, 769, 1024),
+                             mma="wgmma", forms=forms)
+    assert sorted(launches["front"]) == [65, 256, 769, 1024]
+    assert launches["front"][769].tactic.serial
+    assert sorted(launches["up"]) == [65, 256, 257, 768, 769, 1024]
+    for bad, wgmma, match in (
+            ({65: {"tiled": {}}}, False, r"\['tiled'\]: a tiled form runs fast.gemm.TiledGemm"
+                                         r".*needs wgmma=True"),
+            ({65: {"tiled": {}, "serial": True}}, True, r": a tiled form takes no other key"),
+            ({65: {"tiled": {"tile": 64}}}, True, r"\['tiled'\] must be a dict with keys among"),
+            ({65: {"tiled": {"tile_tokens": 96}}}, True,
+             r"\['tiled'\]\['tile_tokens'\] must be 64 or 128"),
+            ({65: {"tiled": {"stages": 1}}}, True, r"\['tiled'\]\['stages'\] must be an int in"),
+            ({65: {"tiled": {"cross": 1}}}, True, r"\['tiled'\]\['cross'\] must be a bool")):
+        with pytest.raises(ValueError, match=r"L: f\[65\]" + match):
+            check_forms("L", "f", bad, wgmma)
+

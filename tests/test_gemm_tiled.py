@@ -33,15 +33,17 @@ def _wide_kinds():
 
 
 @needs_cute
+@pytest.mark.parametrize("producer", [False, True], ids=["", "producer"])
+@pytest.mark.parametrize("cross", [True, False], ids=["cross", "serial"])
 @pytest.mark.parametrize("tile_tokens", [128, 64])
 @pytest.mark.parametrize("case", _wide_kinds(), ids=lambda c: c[0])
-def test_tiled_kernel_compiles_for_every_wide_gemm(case, tile_tokens):
+def test_tiled_kernel_compiles_for_every_wide_gemm(case, tile_tokens, cross, producer):
     from fast.device.compile import compiled, frozen
     from fast.gemm.tiled_kernel import TiledGemmKernel
 
     _, n, k, splits, out_f32, addend = case
     params = dict(n=n, k=k, width=n, splits=splits, out_f32=out_f32, addend=addend,
-                  tile_tokens=tile_tokens, stages=4)
+                  tile_tokens=tile_tokens, stages=4, cross=cross, producer=producer)
     assert compiled(TiledGemmKernel, "sm_90a", frozen(params))
 
 
@@ -63,6 +65,8 @@ def test_tiled_kernel_other_kinds_compile():
     (dict(n=896, k=3584, width=896, splits=1, addend="fp8"), "addend"),
     (dict(n=896, k=3584, width=896, splits=1, tile_tokens=96), "tile_tokens"),
     (dict(n=896, k=3584, width=896, splits=1, stages=1), "stages"),
+    (dict(n=896, k=3584, width=896, splits=2, cross=1), "cross"),
+    (dict(n=896, k=3584, width=896, splits=2, producer=None), "producer"),
 ])
 def test_tiled_kernel_refuses_bad_parameters(params, word):
     from fast.gemm.tiled_kernel import TiledGemmKernel
@@ -128,3 +132,24 @@ def test_tiled_epilogue_coordinates_cover_the_tile_once(tile_tokens, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     cells = 128 * tile_tokens
     assert done.stdout.split()[-3:] == [str(cells), str(cells), "True"], done.stdout
+
+
+@pytest.mark.parametrize("tile_tokens", [128, 64])
+def test_tiled_cross_workspace_blocks_are_disjoint_and_fit(tile_tokens):
+    """The cross form's workspace: the 16-byte pieces of every (token tile, weight tile,
+    split, piece, thread) (``TiledGemmKernel.workspace_offset``) are distinct and fill
+    ``workspace_bytes`` of a call exactly: no CTA overwrites another's partial and the host's
+    allocation holds them all."""
+    from fast.gemm.tiled_kernel import TILE_ROWS, TiledGemmKernel, tile_grid, workspace_bytes
+
+    n, tokens, splits = 300, 200, 3
+    kernel = TiledGemmKernel(n=n, k=3 * 128, width=n, splits=splits, tile_tokens=tile_tokens,
+                             cross=True)
+    tiles, chunks = tile_grid(n, tokens, tile_tokens)
+    pieces = TILE_ROWS * tile_tokens // (4 * kernel.threads)
+    offsets = [kernel.workspace_offset(c, t, s, j, tid) for c in range(chunks)
+               for t in range(tiles) for s in range(splits) for j in range(pieces)
+               for tid in range(kernel.threads)]
+    assert sorted(offsets) == list(range(0, workspace_bytes(n, tokens, tile_tokens, splits), 16))
+    # one split has nothing to fold: the serial form, no workspace
+    assert not TiledGemmKernel(n=n, k=256, width=n, splits=1, cross=True).cross

@@ -381,10 +381,16 @@ MUTATIONS = [
     # fast.gemm.TiledGemm: each split's chain starts from zero, folded in split order
     _one("fast GEMM, tiled kernel: a split's accumulators not zeroed after its fold (the next "
          "split adds onto the previous one's)", "fast/gemm/tiled_kernel.py",
-         "                total[i] = h.fadd(total[i], acc[i])\n                acc[i] = Float32(0.0)\n",
-         "                total[i] = h.fadd(total[i], acc[i])\n",
+         "            total[i] = h.fadd(total[i], acc[i])\n            acc[i] = Float32(0.0)\n",
+         "            total[i] = h.fadd(total[i], acc[i])\n",
          ["verify/test_gemm_fast.py::test_gemm_fast_tiled_same_bits[fast-front]"],
-         needs_gpu=True, expect="tiled"),
+         needs_gpu=True, expect="serial"),
+    _one("fast GEMM, tiled kernel: the cross form's last CTA folds the partials in reverse "
+         "split order", "fast/gemm/tiled_kernel.py",
+         "self.workspace_offset(chunk, tile, sp, j, tid)",
+         "self.workspace_offset(chunk, tile, self.splits - 1 - sp, j, tid)",
+         ["verify/test_gemm_fast.py::test_gemm_fast_tiled_same_bits[fast-front]"],
+         needs_gpu=True, expect="cross"),
     _one("fast GEMM: the split-K partials summed in reverse split order", "fast/gemm/kernel.py",
          "got = [ld_cg_v4(ws + lay.ws_offset(Int64(sp), tile, warp, mt, wn, lane,",
          "got = [ld_cg_v4(ws + lay.ws_offset(Int64(splits - 1 - sp), tile, warp, mt, wn, lane,",

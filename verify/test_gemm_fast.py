@@ -688,10 +688,14 @@ def test_gemm_fast_wide_chunks(backend, gemm, contract):
 def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
     """The tiled kernel (``fast.gemm.TiledGemm``: TMA-fed warpgroup MMA on 128-row weight
     tiles, the form for the wide layer's many rows) on one TP8 wide GEMM: at every row count
-    of ``WIDE_ROWS`` and 1024, with 128- and 64-token tiles and rings of 4 and 2 stages,
-    bitwise the first rows of ``DenseGemm``'s 1024-row call on the warpgroup MMA at the same
-    K split (one summation order: batch invariant, and the decode-width kernel's bits),
-    nothing stored past the output; the split order on designed operands at 257 rows."""
+    of ``WIDE_ROWS`` and 1024, with 128- and 64-token tiles and rings of 4 and 2 stages, the
+    splits in their own CTAs (cross) and in order inside each CTA (serial), with and without
+    a producer warp (the MMAs of consecutive stages overlapping), one object per
+    variant called at every row count in turn (the cross form's tile counters re-armed by
+    each call), bitwise the first rows of ``DenseGemm``'s 1024-row call on the warpgroup MMA
+    at the same K split (one summation order: batch invariant, and the decode-width
+    kernel's bits), nothing stored past the output; the split order on designed operands at
+    257 rows in both forms."""
     from fast.backend import gpu_arch
     from fast.gemm.tiled import TiledGemm
 
@@ -699,26 +703,33 @@ def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
         pytest.skip(f"wgmma is an sm_90a instruction; this GPU is {gpu_arch()}")
     eng, x, addend, out_dtype = wide_case(gemm, "wgmma")
     full, _ = run_wide(gemm, WIDE_TOP, mma="wgmma")
-    for tile_tokens, stages in ((128, 4), (64, 2)):
+    for tile_tokens, stages, cross, producer in (
+            (128, 4, True, False), (64, 2, True, False), (128, 4, False, False),
+            (64, 2, False, False), (128, 4, True, True), (64, 3, False, True)):
         tiled = TiledGemm(eng.weight, splits=eng.splits, max_tokens=WIDE_TOP,
-                          tile_tokens=tile_tokens, stages=stages)
+                          tile_tokens=tile_tokens, stages=stages, cross=cross,
+                          producer=producer)
+        form = ("cross" if cross else "serial") + (" producer" if producer else "")
         for tokens in WIDE_ROWS + (WIDE_TOP,):
             check_guarded(
                 contract, lambda out: tiled(
                     x[:tokens].contiguous(), out_dtype=out_dtype, out=out,
                     addend=None if addend is None else addend[:tokens].contiguous()),
                 tokens, eng.n, out_dtype, full[:tokens],
-                f"wide {gemm} tiled t{tile_tokens} s{stages} T={tokens}",
+                f"wide {gemm} tiled t{tile_tokens} s{stages} {form} T={tokens}",
                 f"vs the first rows of DenseGemm's wgmma T={WIDE_TOP}")
     n, k, splits, tokens = eng.n, eng.k, eng.splits, 257
     designed = cases.order_exposing_values(
         (n, k), seed_of(f"verify/test_gemm_fast.py::wide-designed::{gemm}"), DEVICE)
     adds = None if addend is None else addend[:tokens].contiguous()
     xd, acc = designed_split_operands(designed, tokens, splits, adds)
-    got = TiledGemm(designed, splits=splits, max_tokens=tokens)(
-        xd.to(DEVICE), out_dtype=out_dtype, addend=adds)
-    contract.bitwise(_bits(got).cpu(), _bits(acc.to(out_dtype)),
-                     what=f"wide {gemm} tiled, 257 rows: designed split order", index_names=ROWS)
+    for cross, producer in ((True, False), (False, False), (True, True), (False, True)):
+        got = TiledGemm(designed, splits=splits, max_tokens=tokens, cross=cross,
+                        producer=producer)(xd.to(DEVICE), out_dtype=out_dtype, addend=adds)
+        form = ("cross" if cross else "serial") + (" producer" if producer else "")
+        contract.bitwise(_bits(got).cpu(), _bits(acc.to(out_dtype)),
+                         what=f"wide {gemm} tiled {form}, 257 rows: designed split order",
+                         index_names=ROWS)
 
 
 def test_gemm_fast_tiled_bad_input(backend):

@@ -26,6 +26,7 @@ from fast.gemm.layout import (MAX_CALL_TOKENS, MAX_TOKENS, MAX_WINDOWS, Tactic,
 __all__ = ["DenseGemm", "choose_tactic", "splits_of", "splits_for_rows", "CANDIDATES",
            "DEFAULT_TACTICS", "WGMMA_TILES", "PDL_MAX_TOKENS", "check_serial_from",
            "check_chunk_windows", "check_forms", "check_form_stages", "form_at", "FORM_KEYS",
+           "TILED_KEYS", "check_tiled_form",
            "default_tactic", "compile_kernel", "kernel_shapes", "Launch", "launch_for",
            "check_weight_shape", "check_weight_placement", "check_gemm_call"]
 
@@ -265,8 +266,34 @@ def check_serial_from(owner: str, name: str, value) -> None:
 
 
 #: What a form of ``DenseGemm(forms=...)`` may set: the default tactic's token-chunk
-#: width, serial splits, MMAs in flight and ring-stage width (none of them moves a bit).
-FORM_KEYS = ("chunk_windows", "serial", "overlap", "stage_k")
+#: width, serial splits, MMAs in flight and ring-stage width, or, alone, ``tiled``: the
+#: calls run ``fast.gemm.TiledGemm`` instead (none of them moves a bit).
+FORM_KEYS = ("chunk_windows", "serial", "overlap", "stage_k", "tiled")
+#: What a ``tiled`` form may set: ``TiledGemm``'s keyword arguments (its defaults otherwise)
+TILED_KEYS = ("tile_tokens", "stages", "cross", "producer")
+
+
+def check_tiled_form(owner: str, where: str, tiled, wgmma: bool) -> None:
+    """Refuse, naming ``owner`` and ``where``, a form's ``tiled`` entry that is not a dict
+    of ``TILED_KEYS`` (``tile_tokens`` 64 or 128, ``stages`` 2..8, ``cross`` and
+    ``producer`` bools), or one on a GEMM that is not on the warpgroup MMA (the tiled
+    kernel reproduces the warpgroup MMA's bits only)."""
+    if not wgmma:
+        raise ValueError(f"{owner}: {where}: a tiled form runs fast.gemm.TiledGemm, whose bits "
+                         "are the warpgroup MMA's: it needs wgmma=True")
+    if not isinstance(tiled, dict) or not set(tiled) <= set(TILED_KEYS):
+        raise ValueError(f"{owner}: {where} must be a dict with keys among {TILED_KEYS}, got "
+                         f"{tiled!r}")
+    if "tile_tokens" in tiled and (type(tiled["tile_tokens"]) is not int
+                                   or tiled["tile_tokens"] not in (64, 128)):
+        raise ValueError(f"{owner}: {where}['tile_tokens'] must be 64 or 128, got "
+                         f"{tiled['tile_tokens']!r}")
+    if "stages" in tiled and (type(tiled["stages"]) is not int or not 2 <= tiled["stages"] <= 8):
+        raise ValueError(f"{owner}: {where}['stages'] must be an int in 2..8, got "
+                         f"{tiled['stages']!r}")
+    for key in ("cross", "producer"):
+        if key in tiled and not isinstance(tiled[key], bool):
+            raise ValueError(f"{owner}: {where}[{key!r}] must be a bool, got {tiled[key]!r}")
 
 
 def check_forms(owner: str, name: str, forms, wgmma: bool) -> None:
@@ -288,6 +315,11 @@ def check_forms(owner: str, name: str, forms, wgmma: bool) -> None:
         if not isinstance(form, dict) or not set(form) <= set(FORM_KEYS):
             raise ValueError(f"{owner}: {where} must be a dict with keys among {FORM_KEYS}, "
                              f"got {form!r}")
+        if "tiled" in form:
+            if len(form) > 1:
+                raise ValueError(f"{owner}: {where}: a tiled form takes no other key (they are "
+                                 f"the split-K kernel's), got {form!r}")
+            check_tiled_form(owner, f"{where}['tiled']", form["tiled"], wgmma)
         if "chunk_windows" in form:
             check_chunk_windows(owner, f"{where}['chunk_windows']", form["chunk_windows"], wgmma)
         if "serial" in form and not isinstance(form["serial"], bool):
@@ -451,8 +483,11 @@ class DenseGemm:
             with keys among ``FORM_KEYS`` (``chunk_windows``, ``serial``, ``overlap``,
             ``stage_k``), each overriding the arguments above for calls of at least
             ``rows_from`` rows up to the next key (:func:`form_at`; ``chunk_windows``
-            still only above 64 rows). None (default): no overrides. Never changes a bit
-            (the K split and the MMA kind are not a form's).
+            still only above 64 rows); or ``{"tiled": {...}}`` (with ``wgmma``): those
+            calls run ``fast.gemm.TiledGemm`` on this weight at :attr:`splits`, its
+            keyword arguments among ``TILED_KEYS`` (one object per such form, built here;
+            :meth:`tiled_at`). None (default): no overrides. Never changes a bit (the K
+            split and the MMA kind are not a form's).
 
     Raises (before anything is allocated on the device): TypeError for a weight that is not
     a tensor; ValueError naming the argument for a bad dtype, shape, ``max_tokens``,
@@ -515,8 +550,18 @@ class DenseGemm:
         #: the K splits of every default tactic: the one summation order of this GEMM
         self.splits = splits_of(self.rows, k, self.sms) if splits is None else splits
         check_form_stages("DenseGemm", "forms", forms, k, self.splits)
+        #: the tiled kernel of each tiled form, by its ``rows_from``
+        self.tiled = {}
+        for rows_from, form in (forms or {}).items():
+            if "tiled" in form:
+                from fast.gemm.tiled import TiledGemm
+
+                self.tiled[rows_from] = TiledGemm(self.weight, splits=self.splits,
+                                                  max_tokens=max_tokens, **form["tiled"])
         if tactics is None:
-            tactics = {self.tactic(t) for t in range(1, max_tokens + 1)}
+            tactics = {self.tactic(t) for t in range(1, max_tokens + 1)
+                       if self.tiled_at(t) is None}
+            tactics = tactics or {self.tactic(1)}
         tactics = list(tactics)
         for t in tactics:
             self._check_tactic(t)
@@ -539,18 +584,38 @@ class DenseGemm:
         return default_tactic(self.rows, self.k, tokens, self.sms, self.splits, self.wgmma,
                               self.serial_from, self.overlap, self.chunk_windows, self.forms)
 
+    def tiled_at(self, tokens: int):
+        """The ``fast.gemm.TiledGemm`` that serves a call of ``tokens`` rows by default (its
+        form is tiled, :func:`form_at`), else None (the split-K kernel)."""
+        keys = [r for r in (self.forms or {}) if r <= tokens]
+        return self.tiled.get(max(keys)) if keys else None
+
+    def plan(self, tokens: int):
+        """What a default call of ``tokens`` rows runs: its ``Launch`` (:meth:`launch`) or
+        the ``TiledGemm`` of its form (:meth:`tiled_at`)."""
+        return self.tiled_at(tokens) or self.launch(tokens)
+
     def launch(self, tokens: int, tactic: Tactic | None = None) -> Launch:
         """What a call of ``tokens`` rows launches (``launch_for``; default tactic
         :meth:`tactic`)."""
         return launch_for(self.n, self.k, tokens, tactic=tactic or self.tactic(tokens),
                           sms=self.sms)
 
-    def compile_for(self, tokens) -> list[dict]:
+    def compile_for(self, tokens, kinds=None) -> list[dict]:
         """Compile every kernel a call of each row count in ``tokens`` (an iterable of
-        ints) launches at the default tactic; returns their distinct parameters. A layer
-        calls it at construction, so no call compiles (and no graph capture does)."""
+        ints) launches at the default tactic; returns the split-K kernel's distinct
+        parameters. Rows served by a tiled form compile that ``TiledGemm``'s kernels of
+        ``kinds`` (``(out_dtype, addend_dtype or None)`` pairs: they are compile-time
+        there); with ``kinds`` None those compile at their first call. A layer calls it at
+        construction, so no call compiles (and no graph capture does)."""
         seen = []
+        tiled = []
         for t in tokens:
+            if self.tiled_at(t) is not None:
+                if kinds is not None and self.tiled_at(t) not in tiled:
+                    tiled.append(self.tiled_at(t))
+                    self.tiled_at(t).compile_for(kinds)
+                continue
             params = self.launch(t).params
             if params not in seen:
                 seen.append(params)
@@ -622,13 +687,15 @@ class DenseGemm:
                 output rounding (``reference.gemm.addmm``'s beta = 1); may be ``out``
                 itself (accumulate in place).
             out: optional ``[T, N]`` output of ``out_dtype``.
-            tactic: a ``fast.gemm.Tactic`` (default ``self.tactic(T)``); only its
-                ``splits`` changes bits.
+            tactic: a ``fast.gemm.Tactic`` (default ``self.tactic(T)``, or the tiled
+                kernel where ``T``'s form is tiled); only its ``splits`` changes bits.
 
         Returns:
             ``out`` (a new tensor when not given).
         """
         t = self.check_call(x, out, out_dtype, addend)
+        if tactic is None and self.tiled_at(t) is not None:
+            return self.tiled_at(t)(x, out_dtype=out_dtype, addend=addend, out=out)
         tactic = tactic or self.tactic(t)
         self._check_tactic(tactic)
         if not tactic.serves(t):

@@ -8,9 +8,14 @@ the wide layer's 256 to 1024 rows, where ``DenseGemm``'s decode-width loop runs 
 cuBLAS's time; a token's row does not depend on which of the two computed it, nor on its
 batch-mates (``verify/test_gemm_fast.py::test_gemm_fast_tiled_same_bits``).
 
-sm_90a only (warpgroup MMA and TMA): any other target is refused by name. No workspace, no
-counters; the kernel of each (output, addend) kind is compiled at its first call (call
-once outside a CUDA-graph capture per kind, or use :meth:`compile_for`).
+sm_90a only (warpgroup MMA and TMA): any other target is refused by name. With
+``cross=True`` (the default where ``splits > 1``) each K split runs in its own CTAs and the
+last CTA of a tile folds the partials in split order, through an FP32 workspace and a
+counter per tile allocated here for ``max_tokens`` rows (the counters re-armed by the
+kernel itself, so calls and graph replays need no reset); ``cross=False`` runs the splits
+one after another in each CTA (no workspace). Both forms give the same bits. The kernel of
+each (output, addend) kind is compiled at its first call (call once outside a CUDA-graph
+capture per kind, or use :meth:`compile_for`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import torch
 from fast import backend
 from fast.device.compile import compiled, frozen
 from fast.gemm.host import check_gemm_call, check_weight_placement, check_weight_shape
-from fast.gemm.tiled_kernel import STAGE_K, TiledGemmKernel
+from fast.gemm.tiled_kernel import STAGE_K, TiledGemmKernel, tile_grid, workspace_bytes
 
 __all__ = ["TiledGemm"]
 
@@ -38,10 +43,16 @@ class TiledGemm:
         max_tokens: the largest call (rows of ``x``).
         tile_tokens: tokens per CTA tile (64 or 128); moves no bit.
         stages: the TMA ring's depth (2..8 stages of 64 k); moves no bit.
+        cross: one CTA per K split, the partials folded by the last CTA of each tile
+            (True), or the splits in order inside each CTA (False); moves no bit.
+        producer: a warp of its own issues the TMA copies and each stage's MMAs overlap the
+            next stage's (True), or warp 0 also refills the ring and every stage's MMAs
+            are waited for (False); moves no bit.
     """
 
     def __init__(self, weight: torch.Tensor, *, splits: int, max_tokens: int,
-                 tile_tokens: int = 128, stages: int = 4):
+                 tile_tokens: int = 128, stages: int = 4, cross: bool = True,
+                 producer: bool = False):
         n, k = check_weight_shape("TiledGemm", weight)
         check_weight_placement("TiledGemm", weight)
         if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1 \
@@ -58,16 +69,31 @@ class TiledGemm:
         self.weight, self.n, self.k, self.splits = weight, n, k, splits
         self.max_tokens, self.device = max_tokens, weight.device
         self.tile_tokens, self.stages = tile_tokens, stages
-        TiledGemmKernel(n=n, k=k, width=n, splits=splits, tile_tokens=tile_tokens,
-                        stages=stages)  # refuses a bad tile or ring by name
+        kernel = TiledGemmKernel(n=n, k=k, width=n, splits=splits, tile_tokens=tile_tokens,
+                                 stages=stages, cross=cross,
+                                 producer=producer)  # refuses bad ones by name
+        self.cross, self.producer = kernel.cross, producer
         self._null = torch.zeros(8, dtype=_F32, device=self.device)
+        if self.cross:
+            tiles, chunks = tile_grid(n, max_tokens, tile_tokens)
+            self.workspace = torch.empty(workspace_bytes(n, max_tokens, tile_tokens, splits) // 4,
+                                         dtype=_F32, device=self.device)
+            self.counters = torch.zeros(tiles * chunks, dtype=torch.int32, device=self.device)
+        else:
+            self.workspace, self.counters = self._null, self._null
+
+    def label(self) -> str:
+        """``tiled t<tile tokens> s<stages> <cross|serial>[ producer]``: what a benchmark
+        table prints for calls this object serves."""
+        return (f"tiled t{self.tile_tokens} s{self.stages} "
+                f"{'cross' if self.cross else 'serial'}" + (" producer" if self.producer else ""))
 
     def kernel_params(self, out_dtype: torch.dtype, addend_dtype: torch.dtype | None) -> dict:
         """The compile parameters of the kernel that serves this output and addend kind."""
         kind = "none" if addend_dtype is None else ("bf16" if addend_dtype == _BF16 else "f32")
         return dict(n=self.n, k=self.k, width=self.n, splits=self.splits,
                     out_f32=out_dtype == _F32, addend=kind, tile_tokens=self.tile_tokens,
-                    stages=self.stages)
+                    stages=self.stages, cross=self.cross, producer=self.producer)
 
     def compile_for(self, kinds) -> None:
         """Compile the kernels of ``kinds``: ``(out_dtype, addend_dtype or None)`` pairs."""
@@ -95,7 +121,8 @@ class TiledGemm:
         params = self.kernel_params(out_dtype, None if addend is None else addend.dtype)
         fn = compiled(TiledGemmKernel, self.arch, frozen(params))
         fn(Int64(self.weight.data_ptr()), Int64(x.data_ptr()), Int64(out.data_ptr()),
-           Int64((addend if addend is not None else self._null).data_ptr()), Int32(t),
+           Int64((addend if addend is not None else self._null).data_ptr()),
+           Int64(self.workspace.data_ptr()), Int64(self.counters.data_ptr()), Int32(t),
            backend.stream(self.device))
         return out
 

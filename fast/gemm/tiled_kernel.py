@@ -12,11 +12,21 @@ operands' re-reads through the L2, not by the weight bytes:
 * CTA tile: 128 weight rows x ``tile_tokens`` tokens (64 or 128), two warpgroups, each
   ``wgmma m64 n(tile_tokens) k16`` on its 64 weight rows (A = weights, B = tokens, both
   K-major in shared memory with the 128-byte swizzle);
-* operands by TMA (``cp.async.bulk.tensor``): one thread of warp 0 fills a ring of
-  ``stages`` 64-k stages (weights and tokens of one stage per slot, ``stages`` ahead),
-  each slot's full and empty ``mbarrier`` replacing the CTA barrier; tokens past ``T`` and
-  weight rows past ``N`` are filled with zeros by the TMA unit;
-* grid: one CTA per (128-row weight tile, token tile); no workspace, no counters.
+* operands by TMA (``cp.async.bulk.tensor``) into a ring of ``stages`` 64-k stages
+  (weights and tokens of one stage per slot), each slot's full and empty ``mbarrier``
+  replacing the CTA barrier; tokens past ``T`` and weight rows past ``N`` are filled with
+  zeros by the TMA unit. ``producer=False``: one thread of warp 0 refills each slot once
+  the MMA warps have released it, and every stage's MMAs are waited for before its slot is
+  released; ``producer=True``: a ninth warp only issues the copies (``stages`` ahead of the
+  MMAs, never waiting on its own MMAs), and each stage's MMAs stay in flight while the
+  next stage's are issued (the slot released one stage later);
+* grid: one CTA per (128-row weight tile, token tile) with the K split run in order inside
+  the CTA (``cross=False``: no workspace, no counters), or one CTA per (weight tile, token
+  tile, split) (``cross=True``): each CTA's split partial goes to an FP32 workspace, and
+  the last CTA of its tile to arrive (a counter per tile, re-armed to 0 by that CTA) folds
+  the ``splits`` partials in split order. The cross form puts ``splits`` times more CTAs on
+  the GPU (the serial form leaves most multiprocessors idle at these shapes: 40 CTAs for
+  the TP8 front at 1024 rows) for a round trip of the partials through the L2.
 
 Summation order of an output (``verify.bounds.mma_matmul_bound``): for each K split ``s``
 (``K / splits`` consecutive k, in order), the split's MMA steps in k order from zero, each
@@ -25,9 +35,12 @@ the splits' partials (each split's accumulators started at ``+0.0``, every step 
 into them, as ``SplitKGemmKernel``'s chains) folded in split order into a running sum
 started at ``-0.0``
 (``sum = -0.0 + p_0`` is ``p_0`` bit for bit, zeros' signs included; then ``sum + p_s``,
-``add.rn.f32``): the serial form's and the last CTA's reduction of the cross-CTA form; then
+``add.rn.f32``): the serial form's running sum, and in the cross form the last CTA's
+reduction (``sum = p_0``, then ``sum + p_s``: the same values), as in
+``SplitKGemmKernel``'s two forms; then
 the addend (``add.rn``; a BF16 addend converted exactly) and one rounding to the output
-type. Nothing in it depends on ``T``, the token tile, the ring or the CTA: only ``splits``.
+type. Nothing in it depends on ``T``, the token tile, the ring, the form or which CTA folds:
+only ``splits``.
 
 Constraints (checked by the constructor): ``K % (64 splits) == 0``; ``width <= n``;
 16-byte aligned contiguous operands (``W [n, K]``, ``x [T, K]``; ``out`` and the addend
@@ -47,9 +60,10 @@ from cutlass.utils import SmemAllocator
 
 from fast.device import fp32 as h
 from fast.device import ptx as p
-from fast.gemm.kernel import ld_f32, ld_u16, stg_f32_if, stg_u16_if
+from fast.gemm.kernel import fence_gpu, ld_cg_v4, ld_f32, ld_u16, stg_f32_if, stg_u16_if
 
-__all__ = ["TiledGemmKernel", "TILE_ROWS", "STAGE_K", "ADDENDS"]
+__all__ = ["TiledGemmKernel", "TILE_ROWS", "STAGE_K", "ADDENDS", "THREADS", "tile_grid",
+           "workspace_bytes"]
 
 #: weight rows of a CTA tile: two warpgroups of 64
 TILE_ROWS = 128
@@ -58,6 +72,22 @@ STAGE_K = 64
 #: the addend kinds: none, BF16 or FP32 ``[T, width]``, added before the output's rounding
 ADDENDS = ("none", "bf16", "f32")
 _GMEM = cute.AddressSpace.gmem
+#: the MMA threads of a CTA: two warpgroups (a producer warp, where there is one, after them)
+THREADS = 256
+_MMA_WARPS = THREADS // 32
+
+
+def tile_grid(n: int, tokens: int, tile_tokens: int) -> tuple[int, int]:
+    """(weight tiles, token tiles) of a call: ``ceil(n / 128)``, ``ceil(tokens / tile_tokens)``."""
+    return -(-n // TILE_ROWS), -(-tokens // tile_tokens)
+
+
+def workspace_bytes(n: int, tokens: int, tile_tokens: int, splits: int) -> int:
+    """Bytes of the cross form's FP32 split partials for a call of ``tokens`` rows: one
+    ``128 x tile_tokens`` tile per (token tile, weight tile, split)
+    (:meth:`TiledGemmKernel.workspace_offset`)."""
+    tiles, chunks = tile_grid(n, tokens, tile_tokens)
+    return chunks * tiles * splits * TILE_ROWS * tile_tokens * 4
 
 
 class TiledGemmKernel:
@@ -66,7 +96,8 @@ class TiledGemmKernel:
     run-time value. See the module docstring for the algorithm and its summation order."""
 
     def __init__(self, *, n: int, k: int, width: int, splits: int, out_f32: bool = False,
-                 addend: str = "none", tile_tokens: int = 128, stages: int = 4):
+                 addend: str = "none", tile_tokens: int = 128, stages: int = 4,
+                 cross: bool = False, producer: bool = False):
         if k % (STAGE_K * splits) or splits < 1:
             raise ValueError(f"TiledGemmKernel: K={k} must be a multiple of {STAGE_K} x "
                              f"splits={splits}")
@@ -77,19 +108,30 @@ class TiledGemmKernel:
         if tile_tokens not in (64, 128) or not 2 <= stages <= 8:
             raise ValueError(f"TiledGemmKernel: tile_tokens {tile_tokens} (64 or 128) / "
                              f"stages {stages} (2..8) not supported")
+        if not isinstance(cross, bool):
+            raise ValueError(f"TiledGemmKernel: cross must be a bool, got {cross!r}")
+        if not isinstance(producer, bool):
+            raise ValueError(f"TiledGemmKernel: producer must be a bool, got {producer!r}")
+        #: a warp of its own issues the copies (and the MMAs overlap across stages)
+        self.producer = producer
         self.n, self.k, self.width, self.splits = n, k, width, splits
+        #: one CTA per split (a single split has nothing to fold: the serial form)
+        self.cross = cross and splits > 1
         self.out_f32, self.addend = bool(out_f32), addend
         self.tile_tokens, self.stages = tile_tokens, stages
         self.k_tiles = k // STAGE_K
         self.split_tiles = self.k_tiles // splits
-        self.prologue = min(stages, self.k_tiles)
-        self.threads = 256
-        self.warps = self.threads // 32
+        #: k stages one CTA streams, and the splits it runs in order
+        self.cta_tiles = self.split_tiles if self.cross else self.k_tiles
+        self.cta_splits = 1 if self.cross else splits
+        self.prologue = min(stages, self.cta_tiles)
+        self.tiles = -(-n // TILE_ROWS)
+        self.threads = THREADS + (32 if producer else 0)
 
     @classmethod
     def compile_args(cls, **params):
         """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
-        return cls(**params), [Int64(0)] * 4 + [Int32(1)]
+        return cls(**params), [Int64(0)] * 6 + [Int32(1)]
 
     def _tiled_mma(self):
         return sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K,
@@ -100,7 +142,8 @@ class TiledGemmKernel:
         return (TILE_ROWS, self.tile_tokens, STAGE_K)
 
     @cute.jit
-    def __call__(self, w: Int64, x: Int64, out: Int64, addend: Int64, tokens: Int32, stream):
+    def __call__(self, w: Int64, x: Int64, out: Int64, addend: Int64, ws: Int64,
+                 counters: Int64, tokens: Int32, stream):
         tiler = self._tiler()
         a_smem = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tiler, BFloat16, self.stages)
         b_smem = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tiler, BFloat16, self.stages)
@@ -114,23 +157,28 @@ class TiledGemmKernel:
         tma_b, g_b = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), rows, cute.slice_(b_smem, (None, None, 0)),
             (self.tile_tokens, STAGE_K))
-        tiles = (self.n + TILE_ROWS - 1) // TILE_ROWS
+        tiles = self.tiles
         chunks = (tokens + self.tile_tokens - 1) // self.tile_tokens
         self.kernel(self._tiled_mma(), tma_a, g_a, tma_b, g_b, a_smem, b_smem, out, addend,
-                    tokens).launch(grid=(tiles, chunks, 1), block=(self.threads, 1, 1),
+                    ws, counters, tokens).launch(
+                        grid=(tiles, chunks, self.splits if self.cross else 1),
+                        block=(self.threads, 1, 1),
                                    stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, g_a: cute.Tensor,
                tma_b: cute.CopyAtom, g_b: cute.Tensor, a_smem: cute.ComposedLayout,
-               b_smem: cute.ComposedLayout, out: Int64, addend: Int64, tokens: Int32):
+               b_smem: cute.ComposedLayout, out: Int64, addend: Int64, ws: Int64,
+               counters: Int64, tokens: Int32):
         STAGES: cutlass.Constexpr = self.stages
-        KT: cutlass.Constexpr = self.k_tiles
-        SPLITS: cutlass.Constexpr = self.splits
+        KT: cutlass.Constexpr = self.cta_tiles
+        SPLITS: cutlass.Constexpr = self.cta_splits
         KS: cutlass.Constexpr = self.split_tiles
         tid = cute.arch.thread_idx()[0]
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        tile, chunk, _ = cute.arch.block_idx()
+        tile, chunk, split = cute.arch.block_idx()
+        # the first k stage this CTA streams (the cross form: its split's)
+        first = split * KS if cutlass.const_expr(self.cross) else 0
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
@@ -138,6 +186,7 @@ class TiledGemmKernel:
         @cute.struct
         class Storage:
             bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
+            last: cute.struct.MemRange[cutlass.Int32, 4]
 
         smem = SmemAllocator()
         storage = smem.allocate(Storage)
@@ -148,11 +197,11 @@ class TiledGemmKernel:
         tx = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, 0)))
               + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, 0))))
         # full: one arrival (the TMA thread) plus the transaction bytes; empty: one arrival
-        # per consumer warp
+        # per MMA warp
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.bars.data_ptr(), num_stages=STAGES,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.warps),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_WARPS),
             tx_count=tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
 
         # this CTA's stages of weights and tokens: (tile, k stage) -> slot
@@ -185,9 +234,35 @@ class TiledGemmKernel:
 
         fill = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
         read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, STAGES)
+        if cutlass.const_expr(self.producer):
+            if warp == _MMA_WARPS:
+                for _ in cutlass.range(KT, unroll=1):
+                    self._load(ring, fill, first, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
+                    fill.advance()
+            else:
+                self._mma_overlapped(ring, read, tiled_mma, acc, total, frag_a, frag_b)
+        else:
+            self._mma_with_loads(ring, fill, read, first, tiled_mma, acc, total, frag_a,
+                                 frag_b, warp, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
+        if cutlass.const_expr(self.cross):
+            self._fold_if_last(acc, total, coords, ws, counters, storage.last.data_ptr().toint(),
+                               out, addend, tokens, tile, chunk, split, tid, warp)
+        elif warp < _MMA_WARPS:
+            self._epilogue(total, coords, out, addend, tokens, tile, chunk)
+
+    @cute.jit
+    def _mma_with_loads(self, ring, fill, read, first, tiled_mma, acc, total, frag_a, frag_b,
+                        warp, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb):
+        """The main loop without a producer warp: warp 0 fills the ring ``stages`` ahead and
+        refills each slot after the stage in it; every stage's MMAs waited for before its
+        slot is released; the serial form's splits folded in order."""
+        STAGES: cutlass.Constexpr = self.stages
+        KT: cutlass.Constexpr = self.cta_tiles
+        SPLITS: cutlass.Constexpr = self.cta_splits
+        KS: cutlass.Constexpr = self.split_tiles
         if warp == 0:
             for _ in cutlass.range_constexpr(self.prologue):
-                self._load(ring, fill, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
+                self._load(ring, fill, first, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
                 fill.advance()
         for s in cutlass.range(SPLITS, unroll=1):
             for kt in cutlass.range(KS, unroll=1):
@@ -197,13 +272,93 @@ class TiledGemmKernel:
                 read.advance()
                 if warp == 0:
                     if fill.count < KT:
-                        self._load(ring, fill, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
+                        self._load(ring, fill, first, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
                         fill.advance()
-            # the split's partial into the running sum, in split order
-            for i in cutlass.range_constexpr(cute.size(total)):
-                total[i] = h.fadd(total[i], acc[i])
-                acc[i] = Float32(0.0)
-        self._epilogue(total, coords, out, addend, tokens, tile, chunk)
+            if cutlass.const_expr(not self.cross):
+                self._fold_split(total, acc)
+
+    @cute.jit
+    def _fold_split(self, total, acc):
+        """The serial form: a split's partial into the running sum (``add.rn``, in split
+        order), and the accumulators back to ``+0.0`` for the next split's chain."""
+        for i in cutlass.range_constexpr(cute.size(total)):
+            total[i] = h.fadd(total[i], acc[i])
+            acc[i] = Float32(0.0)
+
+    @cute.jit
+    def _mma_overlapped(self, ring, read, tiled_mma, acc, total, frag_a, frag_b):
+        """The MMA warps' main loop beside a producer warp: each stage's MMAs issued while
+        the previous stage's are in flight (``wgmma.wait_group 1``), the previous slot
+        released then; at a split's end every MMA waited for (``wait_group 0``) and, in the
+        serial form, the split folded into the running sum in order. The accumulator chain
+        is the same (each MMA adds into the previous one's result): the same bits."""
+        SPLITS: cutlass.Constexpr = self.cta_splits
+        KS: cutlass.Constexpr = self.split_tiles
+        done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        for s in cutlass.range(SPLITS, unroll=1):
+            for kt in cutlass.range(KS, unroll=1):
+                ring.consumer_wait(read)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(STAGE_K // 16):
+                    cute.gemm(tiled_mma, acc, frag_a[(None, None, kb, read.index)],
+                              frag_b[(None, None, kb, read.index)], acc)
+                warpgroup.commit_group()
+                warpgroup.wait_group(1)
+                if kt > 0:  # the previous stage's MMAs are done with its slot
+                    ring.consumer_release(done)
+                    done.advance()
+                read.advance()
+            warpgroup.wait_group(0)
+            ring.consumer_release(done)
+            done.advance()
+            if cutlass.const_expr(not self.cross):
+                self._fold_split(total, acc)
+
+    def workspace_offset(self, chunk, tile, split, piece, tid):
+        """Byte offset of thread ``tid``'s accumulators ``4 piece .. 4 piece + 3`` of
+        ``split``'s partial of (``chunk``, ``tile``) in the cross form's workspace: per
+        (chunk, tile, split) one block of ``128 x tile_tokens`` FP32, piece-major (each
+        piece's 256 threads store 4 KiB in a row)."""
+        pieces = TILE_ROWS * self.tile_tokens // (4 * THREADS)
+        block = (chunk * self.tiles + tile) * self.splits + split
+        return ((block * pieces + piece) * THREADS + tid) * 16
+
+    @cute.jit
+    def _fold_if_last(self, acc, total, coords, ws: Int64, counters: Int64, flag, out: Int64,
+                      addend: Int64, tokens: Int32, tile, chunk, split, tid, warp):
+        """The cross form's reduction and epilogue: this CTA's partial to the workspace; the
+        last CTA of (``chunk``, ``tile``) to arrive re-arms its counter, folds the
+        ``splits`` partials in split order into ``total`` (``p_0``, then ``+ p_s``,
+        ``add.rn``) and stores the outputs (the MMA warps; a producer warp only takes part
+        in the CTA barriers)."""
+        PIECES: cutlass.Constexpr = cute.size(acc) // 4
+        if warp < _MMA_WARPS:
+            for j in cutlass.range_constexpr(PIECES):
+                p.stg_v4(ws + Int64(self.workspace_offset(chunk, tile, split, j, tid)),
+                         [h.bits(acc[4 * j + i]) for i in range(4)])
+        fence_gpu()
+        cute.arch.sync_threads()
+        if tid == 0:
+            fence_gpu()
+            counter = counters + Int64(chunk * self.tiles + tile) * 4
+            old = p.atomic_add(counter, 1)
+            last = Int32(0)
+            if old == self.splits - 1:
+                last = Int32(1)
+                p.stg_i32(counter, 0)
+            p.sts_i32(flag, last)
+        cute.arch.sync_threads()
+        if (p.lds_i32(flag) != 0) & (warp < _MMA_WARPS):
+            fence_gpu()
+            for sp in cutlass.range(self.splits, unroll=1):
+                for j in cutlass.range_constexpr(PIECES):
+                    got = ld_cg_v4(ws + Int64(self.workspace_offset(chunk, tile, sp, j, tid)))
+                    for i in cutlass.range_constexpr(4):
+                        part = h.from_bits(got[i])
+                        # split 0 starts the sum (p_0 itself: -0.0 + p_0 is p_0)
+                        total[4 * j + i] = cutlass.select_(sp == 0, part,
+                                                           h.fadd(total[4 * j + i], part))
+            self._epilogue(total, coords, out, addend, tokens, tile, chunk)
 
     def thread_coordinates(self, tiled_mma, tid):
         """The (weight row, token) of the CTA tile that each of thread ``tid``'s
@@ -214,13 +369,14 @@ class TiledGemmKernel:
             cute.make_identity_tensor((TILE_ROWS, self.tile_tokens)))
 
     @cute.jit
-    def _load(self, ring, fill, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb):
-        """One thread's TMA copies of stage ``fill.count`` into slot ``fill.index``, on the
-        slot's full barrier (after its empty barrier)."""
+    def _load(self, ring, fill, first, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb):
+        """One thread's TMA copies of k stage ``first + fill.count`` into slot
+        ``fill.index``, on the slot's full barrier (after its empty barrier)."""
         ring.producer_acquire(fill)
         bar = ring.producer_get_barrier(fill)
-        cute.copy(tma_a, t_ga[(None, fill.count)], t_sa[(None, fill.index)], tma_bar_ptr=bar)
-        cute.copy(tma_b, t_gb[(None, fill.count)], t_sb[(None, fill.index)], tma_bar_ptr=bar)
+        stage = first + fill.count
+        cute.copy(tma_a, t_ga[(None, stage)], t_sa[(None, fill.index)], tma_bar_ptr=bar)
+        cute.copy(tma_b, t_gb[(None, stage)], t_sb[(None, fill.index)], tma_bar_ptr=bar)
         ring.producer_commit(fill)
 
     @cute.jit

@@ -52,11 +52,15 @@ from __future__ import annotations
 from fast.gemm.mma_kind import check_mma
 from model.config import LatentMoEConfig
 
-__all__ = ["WIDE_GEMMS", "gemm_shapes", "check_fast_gemm_shapes", "check_gemm_forms",
+__all__ = ["WIDE_GEMMS", "CALL_KINDS", "gemm_shapes", "check_fast_gemm_shapes", "check_gemm_forms",
            "gemm_splits", "gemm_launches", "kernel_params", "build_fast_gemms"]
 
 #: The wide rank's dense GEMMs, by name (the table of the module docstring).
 WIDE_GEMMS = ("front", "shared_gate_up", "shared_down", "up")
+#: Each GEMM's (output dtype, addend dtype or None) as the program calls it, by name:
+#: the kinds its tiled forms compile (``fast.gemm.DenseGemm.compile_for``)
+CALL_KINDS = {"front": ("float32", None), "shared_gate_up": ("bfloat16", None),
+              "shared_down": ("bfloat16", None), "up": ("bfloat16", "bfloat16")}
 
 
 def gemm_shapes(config: LatentMoEConfig, ranks: int) -> dict[str, tuple[int, int]]:
@@ -118,9 +122,10 @@ def gemm_launches(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
     and, on ``"wgmma"``, ``overlap`` (``fast.gemm.Tactic.overlap``) and token chunks of
     ``chunk_windows`` windows (``DenseGemm``'s; 16 only on ``"wgmma"``), each GEMM's calls
     overridden by its table of ``forms`` (``{gemm: {rows_from: form}}``,
-    :func:`check_gemm_forms`) (pure Python: the CPU tests check the chunk arithmetic and
-    compile these kernels)."""
-    from fast.gemm.host import check_chunk_windows, default_tactic, launch_for
+    :func:`check_gemm_forms`); row counts a tiled form serves run ``fast.gemm.TiledGemm``
+    and are left out (pure Python: the CPU tests check the chunk arithmetic and compile
+    these kernels)."""
+    from fast.gemm.host import check_chunk_windows, default_tactic, form_at, launch_for
     from fast.gemm.layout import padded_rows
 
     check_mma("gemm_launches", mma)
@@ -133,7 +138,8 @@ def gemm_launches(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
                                 serial_from, overlap, chunk_windows, (forms or {}).get(name))
         return launch_for(n, k, t, tactic=tactic, sms=sms)
 
-    return {name: {t: launch(name, n, k, t) for t in rows}
+    return {name: {t: launch(name, n, k, t) for t in rows
+                   if "tiled" not in form_at((forms or {}).get(name), t)}
             for name, (n, k) in gemm_shapes(config, ranks).items()}
 
 
@@ -185,6 +191,9 @@ def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: 
                              wgmma=mma == "wgmma", serial_from=serial_from, overlap=overlap,
                              chunk_windows=chunk_windows, forms=(forms or {}).get(name))
              for name in WIDE_GEMMS}
-    for gemm in gemms.values():
-        gemm.compile_for(range(config.front_max + 1, max_rows + 1))
+    for name, gemm in gemms.items():
+        out_dtype, addend_dtype = CALL_KINDS[name]
+        gemm.compile_for(range(config.front_max + 1, max_rows + 1),
+                         kinds=[(getattr(torch, out_dtype),
+                                 None if addend_dtype is None else getattr(torch, addend_dtype))])
     return gemms

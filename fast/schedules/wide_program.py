@@ -490,11 +490,12 @@ class WideStageCalls:
         return self.rank_resources(self.local_ranks[0]).gemms is not None
 
     def gemm_plan(self, r: int, tokens: int) -> dict:
-        """What each GEMM of rank ``r`` launches at ``tokens`` rows (``WIDE_GEMMS`` name ->
-        ``fast.gemm.Launch``: tactic, K split, token chunks, windows), or, on cuBLAS, an
+        """What each GEMM of rank ``r`` runs at ``tokens`` rows (``WIDE_GEMMS`` name ->
+        ``fast.gemm.Launch``: tactic, K split, token chunks, windows; or the
+        ``fast.gemm.TiledGemm`` of a tiled form, ``DenseGemm.plan``), or, on cuBLAS, an
         empty dict."""
         gemms = self.rank_resources(r).gemms
-        return {} if gemms is None else {name: g.launch(tokens) for name, g in gemms.items()}
+        return {} if gemms is None else {name: g.plan(tokens) for name, g in gemms.items()}
 
     def outputs(self, r: int, tokens: int) -> WideRankOutputs:
         """:func:`rank_outputs` of rank ``r`` (the stages run last with ``tokens`` rows)."""
