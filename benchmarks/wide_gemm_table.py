@@ -24,8 +24,8 @@ gate/up and shared down BF16, up BF16 with a BF16 addend), each at its one K spl
   each CTA, and with a ``p`` a producer warp of its own (``TiledGemm(producer=True)``); its
   output compared with the ``cw8`` form's in the same way.
 
-``--forms cw8,cw16,overlap`` times only those ``fast.gemm`` forms (``cw8``, the bits'
-reference, always).
+``--forms cw8+cw16,overlap`` times only those ``fast.gemm`` forms, ``+``-separated (the
+labels hold commas; ``cw8``, the bits' reference, always).
 
 Each contestant is captured in a CUDA graph and timed by CUDA events around one replay, the
 L2 flushed by a 256 MiB streaming read before each (``benchmarks.dense_table``'s method),
@@ -182,8 +182,8 @@ def main(argv=None):
                          "<tile tokens>x<stages>[s][p] (s: serial splits, p: a producer warp; "
                          "e.g. 128x4,64x4p,128x4s; sm_90a)")
     ap.add_argument("--forms", default="all",
-                    help="the fast.gemm forms to time (labels of the table, e.g. "
-                         "cw8,cw16,overlap; cw8 always), or all")
+                    help="the fast.gemm forms to time, +-separated labels of the table (e.g. "
+                         "cw16+cw16,serial,overlap; cw8 always), or all")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
@@ -211,6 +211,11 @@ def main(argv=None):
                             for v in tiled):
         ap.error(f"--tiled takes <64|128>x<2..8>[s][p] variants, e.g. 128x4,64x4p,128x4s; "
                  f"got {args.tiled!r}")
+    unknown = (set() if args.forms == "all"
+               else set(args.forms.split("+")) - set(form_table({"stage_ks": stage_ks})))
+    if unknown:
+        ap.error(f"--forms: no such form {sorted(unknown)}; the labels are "
+                 f"{list(form_table({'stage_ks': stage_ks}))} (+-separated), or all")
     shapes = gemm_shapes(cfg, args.ranks)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = gemm_splits(cfg, args.ranks, sms)
@@ -236,7 +241,7 @@ def main(argv=None):
                                             forms={1: form}))
                      for label, form in form_table(result).items()
                      if eng.k % (splits[g] * form["stage_k"]) == 0  # whole stages per split
-                     and (args.forms == "all" or label in {"cw8", *args.forms.split(",")})]
+                     and (args.forms == "all" or label in {"cw8", *args.forms.split("+")})]
             for label, t in timed:
                 case["tactics"][label] = t.label()
                 out = torch.empty(rows, weight.shape[0], dtype=out_dtype, device="cuda")

@@ -47,9 +47,11 @@ def test_forms_with_128_k_stages():
 
 
 def test_best_forms_become_a_layer_table():
-    """``best_forms``: per GEMM the fastest timed form of each row count, from the row
-    after the previous timed one; a table the wide layers accept (``check_gemm_forms``) and
-    whose launches keep each GEMM's K split and MMA kind."""
+    """``best_forms``: per GEMM the fastest timed form or tiled variant (among those that
+    gave the plain form's bits) of each row count, from the row after the previous timed
+    one; a table the wide layers accept (``check_gemm_forms``) whose split-K launches keep
+    each GEMM's K split and MMA kind, and whose tiled rows are left to ``TiledGemm``."""
+    from fast.gemm.host import form_at
     from fast.schedules.wide_gemms import check_gemm_forms, gemm_launches, gemm_splits
     from model.config import LatentMoEConfig
 
@@ -58,33 +60,38 @@ def test_best_forms_become_a_layer_table():
     assert set(forms) == {"front", "shared_gate_up", "shared_down", "up"}
     starts = [65] + [row["rows"] + 1 for row in result["rows"][:-1]]
     assert all(sorted(t) == starts for t in forms.values())
-    front_1024 = result["rows"][-1]["gemms"]["front"]
-    fastest = min(front_1024["tactics"], key=front_1024["median_us"].get)
-    assert forms["front"][starts[-1]] == table.form_table(result)[fastest]
-    assert table.form_table(result)["cw16,serial,overlap,k128"] == \
-        {"chunk_windows": 16, "serial": True, "overlap": True, "stage_k": 128}
+    every = {**table.form_table(result), **table.tiled_table(result)}
+    for row, start in zip(result["rows"], starts):
+        for gemm, case in row["gemms"].items():
+            fastest = min((k for k in case["tactics"] if case["same_bits"].get(k)),
+                          key=case["median_us"].get)
+            assert forms[gemm][start] == every[fastest], (row["rows"], gemm)
     cfg = LatentMoEConfig.kimi_k3()
     check_gemm_forms("L", cfg, 8, forms, "wgmma")
     splits = gemm_splits(cfg, 8)
-    for name, per_t in gemm_launches(cfg, 8, (65, 512, starts[-1], 1024), mma="wgmma",
-                                     forms=forms).items():
-        assert {(l.tactic.splits, l.tactic.wgmma) for l in per_t.values()} == {(splits[name], True)}
+    rows = (65, 256, 257, 512, 513, 1024)
+    for name, per_t in gemm_launches(cfg, 8, rows, mma="wgmma", forms=forms).items():
+        assert sorted(per_t) == [t for t in rows if "tiled" not in form_at(forms[name], t)]
+        assert {(l.tactic.splits, l.tactic.wgmma) for l in per_t.values()} <= {(splits[name], True)}
 
 
 def test_best_forms_kernels_compile(tmp_path):
-    """Every kernel the committed result's ``best_forms`` makes a TP8 wide rank launch at 65..1024
-    rows (``WideLayer(invariant_forms=...)``: 128-k stages, serial splits, 128-row chunks
-    among them) compiles for sm_90a (the warpgroup MMA is Hopper's), and the widest of each
-    tile and form fits its registers without a stack frame: CI compiles what a forms table
-    can ask for, not only the layer's default kernels."""
+    """Every kernel the committed result's ``best_forms`` makes a TP8 wide rank launch at
+    65..1024 rows (``WideLayer(invariant_forms=...)``) compiles for sm_90a (the warpgroup
+    MMA is Hopper's): the split-K kernel of each row count a split-K form serves, the widest
+    of each tile and form without a stack frame, and the tiled kernel of each tiled form in
+    the kind its GEMM is called with (``wide_gemms.CALL_KINDS``): CI compiles what a forms
+    table can ask for, not only the layer's default kernels."""
     import pytest
 
     from fast import backend
 
     if backend.cute_import_error() is not None:
         pytest.skip(f"CuTe DSL not importable: {backend.cute_import_error()}")
+    from fast.device.compile import compiled, frozen
     from fast.gemm.host import compile_kernel
-    from fast.schedules.wide_gemms import gemm_launches
+    from fast.gemm.tiled_kernel import TiledGemmKernel
+    from fast.schedules.wide_gemms import CALL_KINDS, gemm_launches, gemm_shapes, gemm_splits
     from model.config import LatentMoEConfig
     from tests.test_gemm_fast import sm90a_attributes
 
@@ -94,7 +101,6 @@ def test_best_forms_kernels_compile(tmp_path):
     for per_t in gemm_launches(cfg, 8, range(65, cfg.wide_rows + 1), mma="wgmma",
                                forms=forms).values():
         params += [l.params for l in per_t.values() if l.params not in params]
-    assert any(p["stage_k"] == 128 for p in params) and any(p.get("serial") for p in params)
     for p in params:
         assert compile_kernel("sm_90a", **p) is not None
     widest = {}
@@ -104,3 +110,24 @@ def test_best_forms_kernels_compile(tmp_path):
             widest[key] = p
     for p, attrs in zip(widest.values(), sm90a_attributes(list(widest.values()), tmp_path)):
         assert attrs["frame"] == 0, (p, attrs)
+    shapes, splits = gemm_shapes(cfg, 8), gemm_splits(cfg, 8)
+    tiled = [(name, form["tiled"]) for name, t in forms.items() for form in t.values()
+             if "tiled" in form]
+    assert tiled
+    for name, form in tiled:
+        n, k = shapes[name]
+        out, addend = CALL_KINDS[name]
+        assert compiled(TiledGemmKernel, "sm_90a", frozen(dict(
+            n=n, k=k, width=n, splits=splits[name], out_f32=out == "float32",
+            addend="none" if addend is None else "bf16", **form)))
+
+
+def test_forms_option_takes_plus_separated_labels(capsys):
+    """``--forms``: the labels hold commas, so they are ``+``-separated; a label the table
+    does not have (a comma-split one among them) is refused by name before any GPU work."""
+    import pytest
+
+    for bad in ("cw8,cw16", "cw16+overlap", "cw8+cw32"):
+        with pytest.raises(SystemExit):
+            table.main(["--forms", bad])
+        assert "--forms: no such form" in capsys.readouterr().err
