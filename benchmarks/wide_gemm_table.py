@@ -207,10 +207,10 @@ def main(argv=None):
                  for spec in args.tiled.split(",") if spec]
     except ValueError:
         tiled = None
-    if tiled is None or any(len(v) != 4 or v[0] not in (64, 128) or not 2 <= v[1] <= 8
-                            for v in tiled):
-        ap.error(f"--tiled takes <64|128>x<2..8>[s][p] variants, e.g. 128x4,64x4p,128x4s; "
-                 f"got {args.tiled!r}")
+    if tiled is None or any(len(v) != 4 or v[0] not in range(32, 161, 16)
+                            or not 2 <= v[1] <= 8 for v in tiled):
+        ap.error(f"--tiled takes <tokens>x<2..8>[s][p] variants, tokens a multiple of 16 in "
+                 f"32..160, e.g. 128x4,96x4s,64x4p; got {args.tiled!r}")
     unknown = (set() if args.forms == "all"
                else set(args.forms.split("+")) - set(form_table({"stage_ks": stage_ks})))
     if unknown:

@@ -1142,10 +1142,12 @@ def test_tiled_forms_hand_their_rows_to_the_tiled_kernel():
                                          r".*needs wgmma=True"),
             ({65: {"tiled": {}, "serial": True}}, True, r": a tiled form takes no other key"),
             ({65: {"tiled": {"tile": 64}}}, True, r"\['tiled'\] must be a dict with keys among"),
-            ({65: {"tiled": {"tile_tokens": 96}}}, True,
-             r"\['tiled'\]\['tile_tokens'\] must be 64 or 128"),
+            ({65: {"tiled": {"tile_tokens": 72}}}, True,
+             r"\['tiled'\]\['tile_tokens'\] must be a multiple of 16 in 32..160"),
             ({65: {"tiled": {"stages": 1}}}, True, r"\['tiled'\]\['stages'\] must be an int in"),
-            ({65: {"tiled": {"cross": 1}}}, True, r"\['tiled'\]\['cross'\] must be a bool")):
+            ({65: {"tiled": {"cross": 1}}}, True, r"\['tiled'\]\['cross'\] must be a bool"),
+            ({65: {"tiled": {"tile_tokens": 160, "producer": True}}}, True,
+             r"\['tiled'\]: a producer warp takes tile_tokens up to 144")):
         with pytest.raises(ValueError, match=r"L: f\[65\]" + match):
             check_forms("L", "f", bad, wgmma)
 

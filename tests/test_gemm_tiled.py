@@ -63,7 +63,9 @@ def test_tiled_kernel_other_kinds_compile():
     (dict(n=896, k=3584, width=896, splits=3), "splits"),       # K not whole 64-k stages per split
     (dict(n=896, k=3584, width=897, splits=1), "width"),
     (dict(n=896, k=3584, width=896, splits=1, addend="fp8"), "addend"),
-    (dict(n=896, k=3584, width=896, splits=1, tile_tokens=96), "tile_tokens"),
+    (dict(n=896, k=3584, width=896, splits=1, tile_tokens=72), "tile_tokens"),
+    (dict(n=896, k=3584, width=896, splits=1, tile_tokens=176), "tile_tokens"),
+    (dict(n=896, k=3584, width=896, splits=2, tile_tokens=160, producer=True), "producer"),
     (dict(n=896, k=3584, width=896, splits=1, stages=1), "stages"),
     (dict(n=896, k=3584, width=896, splits=2, cross=1), "cross"),
     (dict(n=896, k=3584, width=896, splits=2, producer=None), "producer"),
@@ -109,7 +111,7 @@ print(len(seen), len(tile), set(seen) == tile)
 
 
 @needs_cute
-@pytest.mark.parametrize("tile_tokens", [128, 64])
+@pytest.mark.parametrize("tile_tokens", [128, 64, 96, 48, 32, 160])
 def test_tiled_epilogue_coordinates_cover_the_tile_once(tile_tokens, tmp_path):
     """The (weight row, token) each of the 256 threads' accumulators stands for
     (``TiledGemmKernel.thread_coordinates``, which the epilogue stores by) covers the
@@ -134,7 +136,7 @@ def test_tiled_epilogue_coordinates_cover_the_tile_once(tile_tokens, tmp_path):
     assert done.stdout.split()[-3:] == [str(cells), str(cells), "True"], done.stdout
 
 
-@pytest.mark.parametrize("tile_tokens", [128, 64])
+@pytest.mark.parametrize("tile_tokens", [128, 64, 96, 48])
 def test_tiled_cross_workspace_blocks_are_disjoint_and_fit(tile_tokens):
     """The cross form's workspace: the 16-byte pieces of every (token tile, weight tile,
     split, piece, thread) (``TiledGemmKernel.workspace_offset``) are distinct and fill
@@ -153,3 +155,31 @@ def test_tiled_cross_workspace_blocks_are_disjoint_and_fit(tile_tokens):
     assert sorted(offsets) == list(range(0, workspace_bytes(n, tokens, tile_tokens, splits), 16))
     # one split has nothing to fold: the serial form, no workspace
     assert not TiledGemmKernel(n=n, k=256, width=n, splits=1, cross=True).cross
+
+
+_ATTRIBUTES = """
+import ast, sys
+from fast.device.compile import compiled, frozen
+from fast.gemm.tiled_kernel import TiledGemmKernel
+compiled(TiledGemmKernel, "sm_90a", frozen(ast.literal_eval(sys.argv[1])))
+"""
+
+
+@needs_cute
+@pytest.mark.parametrize("tile_tokens,producer", [(160, False), (144, True), (96, True)])
+def test_tiled_kernel_fits_its_registers(tile_tokens, producer, tmp_path):
+    """The widest token tile (160: two accumulators of 80 FP32 per thread) and the widest
+    beside a producer warp (144; its 288 threads take registers as three warpgroups, 168
+    each: 160 spills there, so it is refused) compile for sm_90a without a stack frame
+    (the cubin's attributes, ``tools.sass_budget.kernel_attributes``): no spills in the
+    main loop."""
+    from tools.ptx_dump import run_compile
+    from tools.sass_budget import kernel_attributes
+
+    params = dict(n=1536, k=7168, width=1536, splits=4, tile_tokens=tile_tokens, stages=4,
+                  cross=True, producer=producer)
+    run_compile(_ATTRIBUTES, [repr(params)], keep="cubin", dump_dir=tmp_path)
+    (cubin,) = sorted(tmp_path.rglob("*.cubin"))
+    attrs = kernel_attributes(cubin.read_bytes())
+    threads = 256 + (32 if producer else 0)
+    assert attrs["frame"] == 0 and attrs["registers"] <= min(255, 65536 // threads), attrs

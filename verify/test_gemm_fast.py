@@ -688,9 +688,9 @@ def test_gemm_fast_wide_chunks(backend, gemm, contract):
 def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
     """The tiled kernel (``fast.gemm.TiledGemm``: TMA-fed warpgroup MMA on 128-row weight
     tiles, the form for the wide layer's many rows) on one TP8 wide GEMM: at every row count
-    of ``WIDE_ROWS`` and 1024, with 128- and 64-token tiles and rings of 4 and 2 stages, the
-    splits in their own CTAs (cross) and in order inside each CTA (serial), with and without
-    a producer warp (the MMAs of consecutive stages overlapping), one object per
+    of ``WIDE_ROWS`` and 1024, with 128-, 96-, 64- and 48-token tiles and rings of 2 to 4
+    stages, the splits in their own CTAs (cross) and in order inside each CTA (serial), with
+    and without a producer warp (the MMAs of consecutive stages overlapping), one object per
     variant called at every row count in turn (the cross form's tile counters re-armed by
     each call), bitwise the first rows of ``DenseGemm``'s 1024-row call on the warpgroup MMA
     at the same K split (one summation order: batch invariant, and the decode-width
@@ -705,7 +705,8 @@ def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
     full, _ = run_wide(gemm, WIDE_TOP, mma="wgmma")
     for tile_tokens, stages, cross, producer in (
             (128, 4, True, False), (64, 2, True, False), (128, 4, False, False),
-            (64, 2, False, False), (128, 4, True, True), (64, 3, False, True)):
+            (64, 2, False, False), (128, 4, True, True), (64, 3, False, True),
+            (96, 4, False, False), (48, 3, True, True)):
         tiled = TiledGemm(eng.weight, splits=eng.splits, max_tokens=WIDE_TOP,
                           tile_tokens=tile_tokens, stages=stages, cross=cross,
                           producer=producer)

@@ -275,8 +275,8 @@ TILED_KEYS = ("tile_tokens", "stages", "cross", "producer")
 
 def check_tiled_form(owner: str, where: str, tiled, wgmma: bool) -> None:
     """Refuse, naming ``owner`` and ``where``, a form's ``tiled`` entry that is not a dict
-    of ``TILED_KEYS`` (``tile_tokens`` 64 or 128, ``stages`` 2..8, ``cross`` and
-    ``producer`` bools), or one on a GEMM that is not on the warpgroup MMA (the tiled
+    of ``TILED_KEYS`` (``tile_tokens`` a multiple of 16 in 32..160, ``stages`` 2..8,
+    ``cross`` and ``producer`` bools), or one on a GEMM that is not on the warpgroup MMA (the tiled
     kernel reproduces the warpgroup MMA's bits only)."""
     if not wgmma:
         raise ValueError(f"{owner}: {where}: a tiled form runs fast.gemm.TiledGemm, whose bits "
@@ -285,15 +285,19 @@ def check_tiled_form(owner: str, where: str, tiled, wgmma: bool) -> None:
         raise ValueError(f"{owner}: {where} must be a dict with keys among {TILED_KEYS}, got "
                          f"{tiled!r}")
     if "tile_tokens" in tiled and (type(tiled["tile_tokens"]) is not int
-                                   or tiled["tile_tokens"] not in (64, 128)):
-        raise ValueError(f"{owner}: {where}['tile_tokens'] must be 64 or 128, got "
-                         f"{tiled['tile_tokens']!r}")
+                                   or tiled["tile_tokens"] not in range(32, 161, 16)):
+        raise ValueError(f"{owner}: {where}['tile_tokens'] must be a multiple of 16 in "
+                         f"32..160, got {tiled['tile_tokens']!r}")
     if "stages" in tiled and (type(tiled["stages"]) is not int or not 2 <= tiled["stages"] <= 8):
         raise ValueError(f"{owner}: {where}['stages'] must be an int in 2..8, got "
                          f"{tiled['stages']!r}")
     for key in ("cross", "producer"):
         if key in tiled and not isinstance(tiled[key], bool):
             raise ValueError(f"{owner}: {where}[{key!r}] must be a bool, got {tiled[key]!r}")
+    if tiled.get("producer") and tiled.get("tile_tokens", 128) > 144:
+        raise ValueError(f"{owner}: {where}: a producer warp takes tile_tokens up to 144 "
+                         f"(fast.gemm.tiled_kernel.PRODUCER_MAX_TOKENS), got "
+                         f"{tiled['tile_tokens']}")
 
 
 def check_forms(owner: str, name: str, forms, wgmma: bool) -> None:

@@ -3,7 +3,7 @@
 ``TiledGemm(weight, splits=S)(x, out_dtype=..., addend=...)`` computes what
 ``fast.gemm.DenseGemm(weight, splits=S, wgmma=True)`` computes, **bit for bit**, with
 ``fast.gemm.tiled_kernel.TiledGemmKernel``: TMA-fed warpgroup MMA on 128-row weight tiles
-and 64- or 128-token tiles, the same K split folded in the same order. It is the form for
+and 32- to 160-token tiles, the same K split folded in the same order. It is the form for
 the wide layer's 256 to 1024 rows, where ``DenseGemm``'s decode-width loop runs at 1.4-1.9x
 cuBLAS's time; a token's row does not depend on which of the two computed it, nor on its
 batch-mates (``verify/test_gemm_fast.py::test_gemm_fast_tiled_same_bits``).
@@ -41,7 +41,8 @@ class TiledGemm:
         splits: the K split, the one of the ``DenseGemm`` whose bits this reproduces
             (``fast.gemm.splits_for_rows`` for a wide layer's GEMM).
         max_tokens: the largest call (rows of ``x``).
-        tile_tokens: tokens per CTA tile (64 or 128); moves no bit.
+        tile_tokens: tokens per CTA tile (a multiple of 16 in 32..160,
+            ``fast.gemm.tiled_kernel.TILE_TOKENS``); moves no bit.
         stages: the TMA ring's depth (2..8 stages of 64 k); moves no bit.
         cross: one CTA per K split, the partials folded by the last CTA of each tile
             (True), or the splits in order inside each CTA (False); moves no bit.

@@ -9,7 +9,10 @@ batch-mates. Where ``SplitKGemmKernel`` is built for decode widths (64-row weigh
 256 to 1024 rows, where the wide layer's GEMMs are bound by arithmetic and by their
 operands' re-reads through the L2, not by the weight bytes:
 
-* CTA tile: 128 weight rows x ``tile_tokens`` tokens (64 or 128), two warpgroups, each
+* CTA tile: 128 weight rows x ``tile_tokens`` tokens (``TILE_TOKENS``: a multiple of 16
+  from 32 to 160; one that divides a call's rows into a whole number of waves of the
+  multiprocessors, e.g. 96 for 12 weight tiles at 1024 rows, fills the GPU without
+  splitting K across CTAs), two warpgroups, each
   ``wgmma m64 n(tile_tokens) k16`` on its 64 weight rows (A = weights, B = tokens, both
   K-major in shared memory with the 128-byte swizzle);
 * operands by TMA (``cp.async.bulk.tensor``) into a ring of ``stages`` 64-k stages
@@ -62,7 +65,9 @@ from fast.device import fp32 as h
 from fast.device import ptx as p
 from fast.gemm.kernel import fence_gpu, ld_cg_v4, ld_f32, ld_u16, stg_f32_if, stg_u16_if
 
-__all__ = ["TiledGemmKernel", "TILE_ROWS", "STAGE_K", "ADDENDS", "THREADS", "tile_grid",
+__all__ = ["TiledGemmKernel", "TILE_ROWS", "TILE_TOKENS", "PRODUCER_MAX_TOKENS", "STAGE_K",
+           "ADDENDS", "THREADS",
+           "tile_grid",
            "workspace_bytes"]
 
 #: weight rows of a CTA tile: two warpgroups of 64
@@ -72,6 +77,12 @@ STAGE_K = 64
 #: the addend kinds: none, BF16 or FP32 ``[T, width]``, added before the output's rounding
 ADDENDS = ("none", "bf16", "f32")
 _GMEM = cute.AddressSpace.gmem
+#: the token tiles the kernel takes: ``wgmma`` N (a multiple of 16 here), the TMA box and
+#: two FP32 accumulators of ``tile_tokens / 2`` registers per thread (160: 160 registers)
+TILE_TOKENS = tuple(range(32, 161, 16))
+#: the widest token tile beside a producer warp: its 288 threads take registers as three
+#: warpgroups (168 each), which spill two accumulators of 80 (``tests/test_gemm_tiled.py``)
+PRODUCER_MAX_TOKENS = 144
 #: the MMA threads of a CTA: two warpgroups (a producer warp, where there is one, after them)
 THREADS = 256
 _MMA_WARPS = THREADS // 32
@@ -105,13 +116,17 @@ class TiledGemmKernel:
             raise ValueError(f"TiledGemmKernel: width={width} must be in 1..n={n}")
         if addend not in ADDENDS:
             raise ValueError(f"TiledGemmKernel: addend must be one of {ADDENDS}, got {addend!r}")
-        if tile_tokens not in (64, 128) or not 2 <= stages <= 8:
-            raise ValueError(f"TiledGemmKernel: tile_tokens {tile_tokens} (64 or 128) / "
-                             f"stages {stages} (2..8) not supported")
+        if tile_tokens not in TILE_TOKENS or not 2 <= stages <= 8:
+            raise ValueError(f"TiledGemmKernel: tile_tokens {tile_tokens} (a multiple of 16 "
+                             f"in 32..160) / stages {stages} (2..8) not supported")
         if not isinstance(cross, bool):
             raise ValueError(f"TiledGemmKernel: cross must be a bool, got {cross!r}")
         if not isinstance(producer, bool):
             raise ValueError(f"TiledGemmKernel: producer must be a bool, got {producer!r}")
+        if producer and tile_tokens > PRODUCER_MAX_TOKENS:
+            raise ValueError(f"TiledGemmKernel: producer=True takes tile_tokens up to "
+                             f"{PRODUCER_MAX_TOKENS} (three warpgroups' registers), got "
+                             f"{tile_tokens}")
         #: a warp of its own issues the copies (and the MMAs overlap across stages)
         self.producer = producer
         self.n, self.k, self.width, self.splits = n, k, width, splits
