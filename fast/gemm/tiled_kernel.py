@@ -12,9 +12,9 @@ operands' re-reads through the L2, not by the weight bytes:
 * CTA tile: 128 weight rows x ``tile_tokens`` tokens (``TILE_TOKENS``: a multiple of 16
   from 32 to 160; one that divides a call's rows into a whole number of waves of the
   multiprocessors, e.g. 96 for 12 weight tiles at 1024 rows, fills the GPU without
-  splitting K across CTAs), two warpgroups, each
-  ``wgmma m64 n(tile_tokens) k16`` on its 64 weight rows (A = weights, B = tokens, both
-  K-major in shared memory with the 128-byte swizzle);
+  splitting K across CTAs), two warpgroups, each ``wgmma m64 n(tile_tokens) k16`` on its
+  64 weight rows (A = weights, B = tokens, both K-major in shared memory with the 128-byte
+  swizzle);
 * operands by TMA (``cp.async.bulk.tensor``) into a ring of ``stages`` 64-k stages
   (weights and tokens of one stage per slot), each slot's full and empty ``mbarrier``
   replacing the CTA barrier; tokens past ``T`` and weight rows past ``N`` are filled with
@@ -28,22 +28,22 @@ operands' re-reads through the L2, not by the weight bytes:
   tile, split) (``cross=True``): each CTA's split partial goes to an FP32 workspace, and
   the last CTA of its tile to arrive (a counter per tile, re-armed to 0 by that CTA) folds
   the ``splits`` partials in split order. The cross form puts ``splits`` times more CTAs on
-  the GPU (the serial form leaves most multiprocessors idle at these shapes: 40 CTAs for
-  the TP8 front at 1024 rows) for a round trip of the partials through the L2.
+  the GPU (the serial form leaves multiprocessors idle at some shapes: 40 CTAs for the TP8
+  front at 1024 rows) for a round trip of the partials through the L2 (which, at 8 splits
+  and 1024 rows, costs more than the idle multiprocessors do: the H100 ``wide-gemms``
+  table of ``benchmarks/results``).
 
 Summation order of an output (``verify.bounds.mma_matmul_bound``): for each K split ``s``
 (``K / splits`` consecutive k, in order), the split's MMA steps in k order from zero, each
 adding 16 exact products into FP32 (one ``wgmma k16`` step, as ``SplitKGemmKernel``'s);
 the splits' partials (each split's accumulators started at ``+0.0``, every step adding
 into them, as ``SplitKGemmKernel``'s chains) folded in split order into a running sum
-started at ``-0.0``
-(``sum = -0.0 + p_0`` is ``p_0`` bit for bit, zeros' signs included; then ``sum + p_s``,
-``add.rn.f32``): the serial form's running sum, and in the cross form the last CTA's
-reduction (``sum = p_0``, then ``sum + p_s``: the same values), as in
-``SplitKGemmKernel``'s two forms; then
-the addend (``add.rn``; a BF16 addend converted exactly) and one rounding to the output
-type. Nothing in it depends on ``T``, the token tile, the ring, the form or which CTA folds:
-only ``splits``.
+started at ``-0.0`` (``sum = -0.0 + p_0`` is ``p_0`` bit for bit, zeros' signs included;
+then ``sum + p_s``, ``add.rn.f32``): the serial form's running sum, and in the cross form
+the last CTA's reduction (``sum = p_0``, then ``sum + p_s``: the same values), as in
+``SplitKGemmKernel``'s two forms; then the addend (``add.rn``; a BF16 addend converted
+exactly) and one rounding to the output type. Nothing in it depends on ``T``, the token
+tile, the ring, the form or which CTA folds: only ``splits``.
 
 Constraints (checked by the constructor): ``K % (64 splits) == 0``; ``width <= n``;
 16-byte aligned contiguous operands (``W [n, K]``, ``x [T, K]``; ``out`` and the addend
@@ -66,9 +66,7 @@ from fast.device import ptx as p
 from fast.gemm.kernel import fence_gpu, ld_cg_v4, ld_f32, ld_u16, stg_f32_if, stg_u16_if
 
 __all__ = ["TiledGemmKernel", "TILE_ROWS", "TILE_TOKENS", "PRODUCER_MAX_TOKENS", "STAGE_K",
-           "ADDENDS", "THREADS",
-           "tile_grid",
-           "workspace_bytes"]
+           "ADDENDS", "THREADS", "tile_grid", "workspace_bytes"]
 
 #: weight rows of a CTA tile: two warpgroups of 64
 TILE_ROWS = 128
