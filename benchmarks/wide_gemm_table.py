@@ -115,21 +115,22 @@ def best_forms(result: dict) -> dict:
     return out
 
 
-def tiled_labels(result: dict) -> list[str]:
-    """The labels of the run's ``fast.gemm.TiledGemm`` variants (``tiled<tokens>x<stages>``,
-    then ``s`` for the serial splits and ``p`` for a producer warp),
-    in table order."""
-    return [f"tiled{v[0]}x{v[1]}" + ("" if len(v) > 2 and v[2] else "s")
-            + ("p" if len(v) > 3 and v[3] else "") for v in result.get("tiled", [])]
-
-
 def tiled_table(result: dict) -> dict[str, dict]:
-    """``{label: {"tiled": {...}}}``: each ``TiledGemm`` variant of a result as
-    ``DenseGemm(forms=...)`` takes it (``fast.gemm.host.TILED_KEYS``)."""
-    return {label: {"tiled": {"tile_tokens": v[0], "stages": v[1],
-                              "cross": bool(v[2]) if len(v) > 2 else False,
-                              "producer": bool(v[3]) if len(v) > 3 else False}}
-            for label, v in zip(tiled_labels(result), result.get("tiled", []))}
+    """``{label: {"tiled": options}}``: each ``TiledGemm`` variant of a result (its
+    ``"tiled"``: ``[tile_tokens, stages, cross, producer]`` lists) as ``DenseGemm(forms=...)``
+    takes it (``fast.gemm.tiled_layout.TILED_KEYS``), labelled ``tiled<tokens>x<stages>``,
+    then ``s`` for the splits in order and ``p`` for a producer warp, in table order."""
+    out = {}
+    for tokens, stages, cross, producer in result.get("tiled", []):
+        label = f"tiled{tokens}x{stages}" + ("" if cross else "s") + ("p" if producer else "")
+        out[label] = {"tiled": {"tile_tokens": tokens, "stages": stages, "cross": bool(cross),
+                                "producer": bool(producer)}}
+    return out
+
+
+def tiled_labels(result: dict) -> list[str]:
+    """The labels of :func:`tiled_table`, in table order."""
+    return list(tiled_table(result))
 
 
 def render(result: dict) -> str:
@@ -193,6 +194,7 @@ def main(argv=None):
     from fast.gemm import DenseGemm
     from fast.gemm.host import default_tactic
     from fast.gemm.tiled import TiledGemm
+    from fast.gemm.tiled_layout import TILED_KEYS, check_tiled_options
     from fast.schedules.wide_gemms import gemm_shapes, gemm_splits
     from model.config import LatentMoEConfig
 
@@ -205,12 +207,13 @@ def main(argv=None):
         tiled = [[int(v) for v in spec.rstrip("sp").split("x")]
                  + [not spec.rstrip("p").endswith("s"), spec.endswith("p")]
                  for spec in args.tiled.split(",") if spec]
-    except ValueError:
-        tiled = None
-    if tiled is None or any(len(v) != 4 or v[0] not in range(32, 161, 16)
-                            or not 2 <= v[1] <= 8 for v in tiled):
-        ap.error(f"--tiled takes <tokens>x<2..8>[s][p] variants, tokens a multiple of 16 in "
-                 f"32..160, e.g. 128x4,96x4s,64x4p; got {args.tiled!r}")
+        for v in tiled:
+            if len(v) != 4:
+                raise ValueError(f"{v[:-2]} is not <tokens>x<stages>")
+            check_tiled_options("--tiled", dict(zip(TILED_KEYS, v)))
+    except ValueError as e:
+        ap.error(f"--tiled takes <tokens>x<stages>[s][p] variants, e.g. 128x4,96x4s,64x4p; "
+                 f"got {args.tiled!r}: {e}")
     unknown = (set() if args.forms == "all"
                else set(args.forms.split("+")) - set(form_table({"stage_ks": stage_ks})))
     if unknown:

@@ -92,7 +92,8 @@ def test_tiled_gemm_refuses_a_weight_it_cannot_take():
 _TRACE = """
 import sys
 import cutlass.cute as cute
-from fast.gemm.tiled_kernel import TILE_ROWS, TiledGemmKernel
+from fast.gemm.tiled_kernel import TiledGemmKernel
+from fast.gemm.tiled_layout import TILE_ROWS
 kernel = TiledGemmKernel(n=256, k=512, width=256, splits=1, tile_tokens=int(sys.argv[1]))
 seen = []
 threads = tuple(range(kernel.threads))  # a Python tuple: the loop below is unrolled at trace
@@ -142,7 +143,8 @@ def test_tiled_cross_workspace_blocks_are_disjoint_and_fit(tile_tokens):
     split, piece, thread) (``TiledGemmKernel.workspace_offset``) are distinct and fill
     ``workspace_bytes`` of a call exactly: no CTA overwrites another's partial and the host's
     allocation holds them all."""
-    from fast.gemm.tiled_kernel import TILE_ROWS, TiledGemmKernel, tile_grid, workspace_bytes
+    from fast.gemm.tiled_kernel import TiledGemmKernel
+    from fast.gemm.tiled_layout import TILE_ROWS, tile_grid, workspace_bytes
 
     n, tokens, splits = 300, 200, 3
     kernel = TiledGemmKernel(n=n, k=3 * 128, width=n, splits=splits, tile_tokens=tile_tokens,

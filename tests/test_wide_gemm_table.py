@@ -131,3 +131,18 @@ def test_forms_option_takes_plus_separated_labels(capsys):
         with pytest.raises(SystemExit):
             table.main(["--forms", bad])
         assert "--forms: no such form" in capsys.readouterr().err
+
+
+def test_tiled_option_is_checked_as_the_kernel_checks_it(capsys):
+    """``--tiled``: each variant's options go through ``fast.gemm.tiled_layout.
+    check_tiled_options`` (the kernel's own check) before any GPU work; a token tile off the
+    multiples of 16, a producer warp beside 160 tokens or a malformed variant is refused."""
+    import pytest
+
+    for bad, word in (("72x4", "tile_tokens"), ("160x4p", "producer warp"),
+                      ("128x1", "stages"), ("128", "is not <tokens>x<stages>")):
+        with pytest.raises(SystemExit):
+            table.main(["--tiled", bad])
+        assert word in capsys.readouterr().err, bad
+    assert table.tiled_labels({"tiled": [[96, 4, False, True], [128, 4, True, False]]}) == \
+        ["tiled96x4sp", "tiled128x4"]

@@ -19,14 +19,16 @@ import torch
 from fast import backend
 from fast.device.compile import compiled, frozen
 from fast.gemm.mma_kind import check_overlap
+from fast.gemm.tiled_layout import check_tiled_options
 from fast.gemm.layout import (MAX_CALL_TOKENS, MAX_TOKENS, MAX_WINDOWS, Tactic,
                               check_chunk_windows, chunk_workspace_bytes, padded_rows,
                               token_chunks, CHUNK_WINDOWS)
 
 __all__ = ["DenseGemm", "choose_tactic", "splits_of", "splits_for_rows", "CANDIDATES",
            "DEFAULT_TACTICS", "WGMMA_TILES", "PDL_MAX_TOKENS", "check_serial_from",
-           "check_chunk_windows", "check_forms", "check_form_stages", "form_at", "FORM_KEYS",
-           "TILED_KEYS", "check_tiled_form",
+           "check_chunk_windows", "check_forms", "check_form_stages", "form_at", "form_key_at",
+           "FORM_KEYS",
+           "check_tiled_form",
            "default_tactic", "compile_kernel", "kernel_shapes", "Launch", "launch_for",
            "check_weight_shape", "check_weight_placement", "check_gemm_call"]
 
@@ -269,35 +271,16 @@ def check_serial_from(owner: str, name: str, value) -> None:
 #: width, serial splits, MMAs in flight and ring-stage width, or, alone, ``tiled``: the
 #: calls run ``fast.gemm.TiledGemm`` instead (none of them moves a bit).
 FORM_KEYS = ("chunk_windows", "serial", "overlap", "stage_k", "tiled")
-#: What a ``tiled`` form may set: ``TiledGemm``'s keyword arguments (its defaults otherwise)
-TILED_KEYS = ("tile_tokens", "stages", "cross", "producer")
 
 
 def check_tiled_form(owner: str, where: str, tiled, wgmma: bool) -> None:
-    """Refuse, naming ``owner`` and ``where``, a form's ``tiled`` entry that is not a dict
-    of ``TILED_KEYS`` (``tile_tokens`` a multiple of 16 in 32..160, ``stages`` 2..8,
-    ``cross`` and ``producer`` bools), or one on a GEMM that is not on the warpgroup MMA (the tiled
-    kernel reproduces the warpgroup MMA's bits only)."""
+    """Refuse, naming ``owner`` and ``where``, a form's ``tiled`` entry on a GEMM that is
+    not on the warpgroup MMA (the tiled kernel reproduces the warpgroup MMA's bits only) or
+    whose options ``fast.gemm.tiled_layout.check_tiled_options`` refuses."""
     if not wgmma:
         raise ValueError(f"{owner}: {where}: a tiled form runs fast.gemm.TiledGemm, whose bits "
                          "are the warpgroup MMA's: it needs wgmma=True")
-    if not isinstance(tiled, dict) or not set(tiled) <= set(TILED_KEYS):
-        raise ValueError(f"{owner}: {where} must be a dict with keys among {TILED_KEYS}, got "
-                         f"{tiled!r}")
-    if "tile_tokens" in tiled and (type(tiled["tile_tokens"]) is not int
-                                   or tiled["tile_tokens"] not in range(32, 161, 16)):
-        raise ValueError(f"{owner}: {where}['tile_tokens'] must be a multiple of 16 in "
-                         f"32..160, got {tiled['tile_tokens']!r}")
-    if "stages" in tiled and (type(tiled["stages"]) is not int or not 2 <= tiled["stages"] <= 8):
-        raise ValueError(f"{owner}: {where}['stages'] must be an int in 2..8, got "
-                         f"{tiled['stages']!r}")
-    for key in ("cross", "producer"):
-        if key in tiled and not isinstance(tiled[key], bool):
-            raise ValueError(f"{owner}: {where}[{key!r}] must be a bool, got {tiled[key]!r}")
-    if tiled.get("producer") and tiled.get("tile_tokens", 128) > 144:
-        raise ValueError(f"{owner}: {where}: a producer warp takes tile_tokens up to 144 "
-                         f"(fast.gemm.tiled_kernel.PRODUCER_MAX_TOKENS), got "
-                         f"{tiled['tile_tokens']}")
+    check_tiled_options(owner, tiled, where)
 
 
 def check_forms(owner: str, name: str, forms, wgmma: bool) -> None:
@@ -348,11 +331,17 @@ def check_form_stages(owner: str, name: str, forms, k: int, splits: int) -> None
                              f"divide the {splits} splits of K={k} into whole stages")
 
 
+def form_key_at(forms: dict | None, tokens: int) -> int | None:
+    """The ``rows_from`` of the form of ``forms`` a call of ``tokens`` rows takes: the
+    largest ``rows_from <= tokens``, else None."""
+    return max((r for r in (forms or {}) if r <= tokens), default=None)
+
+
 def form_at(forms: dict | None, tokens: int) -> dict:
     """The form of ``forms`` (:func:`check_forms`) a call of ``tokens`` rows takes: the one
-    of the largest ``rows_from <= tokens``, else none (``{}``)."""
-    keys = [r for r in (forms or {}) if r <= tokens]
-    return dict(forms[max(keys)]) if keys else {}
+    of :func:`form_key_at`, else none (``{}``)."""
+    key = form_key_at(forms, tokens)
+    return {} if key is None else dict(forms[key])
 
 
 def default_tactic(n: int, k: int, tokens: int, sms: int, splits: int, wgmma: bool,
@@ -489,8 +478,8 @@ class DenseGemm:
             ``rows_from`` rows up to the next key (:func:`form_at`; ``chunk_windows``
             still only above 64 rows); or ``{"tiled": {...}}`` (with ``wgmma``): those
             calls run ``fast.gemm.TiledGemm`` on this weight at :attr:`splits`, its
-            keyword arguments among ``TILED_KEYS`` (one object per such form, built here;
-            :meth:`tiled_at`). None (default): no overrides. Never changes a bit (the K
+            keyword arguments (``fast.gemm.tiled_layout.TILED_KEYS``; one object per such
+            form, built here; :meth:`tiled_at`). None (default): no overrides. Never changes a bit (the K
             split and the MMA kind are not a form's).
 
     Raises (before anything is allocated on the device): TypeError for a weight that is not
@@ -591,8 +580,7 @@ class DenseGemm:
     def tiled_at(self, tokens: int):
         """The ``fast.gemm.TiledGemm`` that serves a call of ``tokens`` rows by default (its
         form is tiled, :func:`form_at`), else None (the split-K kernel)."""
-        keys = [r for r in (self.forms or {}) if r <= tokens]
-        return self.tiled.get(max(keys)) if keys else None
+        return self.tiled.get(form_key_at(self.forms, tokens))
 
     def plan(self, tokens: int):
         """What a default call of ``tokens`` rows runs: its ``Launch`` (:meth:`launch`) or
@@ -613,17 +601,18 @@ class DenseGemm:
         there); with ``kinds`` None those compile at their first call. A layer calls it at
         construction, so no call compiles (and no graph capture does)."""
         seen = []
-        tiled = []
+        tiled = {}  # the distinct tiled objects, by id
         for t in tokens:
-            if self.tiled_at(t) is not None:
-                if kinds is not None and self.tiled_at(t) not in tiled:
-                    tiled.append(self.tiled_at(t))
-                    self.tiled_at(t).compile_for(kinds)
+            if (gemm := self.tiled_at(t)) is not None:
+                tiled[id(gemm)] = gemm
                 continue
             params = self.launch(t).params
             if params not in seen:
                 seen.append(params)
                 compile_kernel(self.arch, **params)
+        if kinds is not None:
+            for gemm in tiled.values():
+                gemm.compile_for(kinds)
         return seen
 
     def workspace_bytes(self, t: Tactic) -> int:
@@ -698,8 +687,8 @@ class DenseGemm:
             ``out`` (a new tensor when not given).
         """
         t = self.check_call(x, out, out_dtype, addend)
-        if tactic is None and self.tiled_at(t) is not None:
-            return self.tiled_at(t)(x, out_dtype=out_dtype, addend=addend, out=out)
+        if tactic is None and (gemm := self.tiled_at(t)) is not None:
+            return gemm.run(x, t, out_dtype=out_dtype, addend=addend, out=out)
         tactic = tactic or self.tactic(t)
         self._check_tactic(tactic)
         if not tactic.serves(t):

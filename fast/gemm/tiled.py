@@ -25,7 +25,8 @@ import torch
 from fast import backend
 from fast.device.compile import compiled, frozen
 from fast.gemm.host import check_gemm_call, check_weight_placement, check_weight_shape
-from fast.gemm.tiled_kernel import STAGE_K, TiledGemmKernel, tile_grid, workspace_bytes
+from fast.gemm.tiled_kernel import TiledGemmKernel
+from fast.gemm.tiled_layout import STAGE_K, tile_grid, workspace_bytes
 
 __all__ = ["TiledGemm"]
 
@@ -42,7 +43,7 @@ class TiledGemm:
             (``fast.gemm.splits_for_rows`` for a wide layer's GEMM).
         max_tokens: the largest call (rows of ``x``).
         tile_tokens: tokens per CTA tile (a multiple of 16 in 32..160,
-            ``fast.gemm.tiled_kernel.TILE_TOKENS``); moves no bit.
+            ``fast.gemm.tiled_layout.TILE_TOKENS``); moves no bit.
         stages: the TMA ring's depth (2..8 stages of 64 k); moves no bit.
         cross: one CTA per K split, the partials folded by the last CTA of each tile
             (True), or the splits in order inside each CTA (False); moves no bit.
@@ -114,7 +115,16 @@ class TiledGemm:
         optional BF16 or FP32 ``addend [T, N]`` added to the FP32 sum before the rounding
         (it may be ``out`` itself), an optional ``out [T, N]`` of ``out_dtype``. Returns
         ``out``."""
-        t = self.check_call(x, out, out_dtype, addend)
+        return self.run(x, self.check_call(x, out, out_dtype, addend), out_dtype=out_dtype,
+                        addend=addend, out=out)
+
+    def run(self, x: torch.Tensor, t: int, *, out_dtype: torch.dtype = _BF16,
+            addend: torch.Tensor | None = None,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        """The launch of a call that :meth:`check_call` (or the same
+        ``fast.gemm.host.check_gemm_call`` of a ``DenseGemm`` of this weight and
+        ``max_tokens``) has accepted, ``t`` its rows: what ``__call__`` runs after its
+        checks. Returns ``out``."""
         if out is None:
             out = torch.empty(t, self.n, dtype=out_dtype, device=self.device)
         from cutlass import Int32, Int64

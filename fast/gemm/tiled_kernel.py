@@ -9,10 +9,10 @@ batch-mates. Where ``SplitKGemmKernel`` is built for decode widths (64-row weigh
 256 to 1024 rows, where the wide layer's GEMMs are bound by arithmetic and by their
 operands' re-reads through the L2, not by the weight bytes:
 
-* CTA tile: 128 weight rows x ``tile_tokens`` tokens (``TILE_TOKENS``: a multiple of 16
-  from 32 to 160; one that divides a call's rows into a whole number of waves of the
-  multiprocessors, e.g. 96 for 12 weight tiles at 1024 rows, fills the GPU without
-  splitting K across CTAs), two warpgroups, each ``wgmma m64 n(tile_tokens) k16`` on its
+* CTA tile: 128 weight rows x ``tile_tokens`` tokens (``fast.gemm.tiled_layout``'s
+  ``TILE_TOKENS``: a multiple of 16 from 32 to 160; one that divides a call's rows into a
+  whole number of waves of the multiprocessors, e.g. 96 for 12 weight tiles at 1024 rows,
+  fills the GPU without splitting K across CTAs), two warpgroups, each ``wgmma m64 n(tile_tokens) k16`` on its
   64 weight rows (A = weights, B = tokens, both K-major in shared memory with the 128-byte
   swizzle);
 * operands by TMA (``cp.async.bulk.tensor``) into a ring of ``stages`` 64-k stages
@@ -64,39 +64,15 @@ from cutlass.utils import SmemAllocator
 from fast.device import fp32 as h
 from fast.device import ptx as p
 from fast.gemm.kernel import fence_gpu, ld_cg_v4, ld_f32, ld_u16, stg_f32_if, stg_u16_if
+from fast.gemm.tiled_layout import (STAGE_K, THREADS, TILE_ROWS, check_tiled_options,
+                                    tile_grid)
 
-__all__ = ["TiledGemmKernel", "TILE_ROWS", "TILE_TOKENS", "PRODUCER_MAX_TOKENS", "STAGE_K",
-           "ADDENDS", "THREADS", "tile_grid", "workspace_bytes"]
+__all__ = ["TiledGemmKernel", "ADDENDS"]
 
-#: weight rows of a CTA tile: two warpgroups of 64
-TILE_ROWS = 128
-#: k of one ring stage (four ``wgmma k16`` steps)
-STAGE_K = 64
 #: the addend kinds: none, BF16 or FP32 ``[T, width]``, added before the output's rounding
 ADDENDS = ("none", "bf16", "f32")
 _GMEM = cute.AddressSpace.gmem
-#: the token tiles the kernel takes: ``wgmma`` N (a multiple of 16 here), the TMA box and
-#: two FP32 accumulators of ``tile_tokens / 2`` registers per thread (160: 160 registers)
-TILE_TOKENS = tuple(range(32, 161, 16))
-#: the widest token tile beside a producer warp: its 288 threads take registers as three
-#: warpgroups (168 each), which spill two accumulators of 80 (``tests/test_gemm_tiled.py``)
-PRODUCER_MAX_TOKENS = 144
-#: the MMA threads of a CTA: two warpgroups (a producer warp, where there is one, after them)
-THREADS = 256
 _MMA_WARPS = THREADS // 32
-
-
-def tile_grid(n: int, tokens: int, tile_tokens: int) -> tuple[int, int]:
-    """(weight tiles, token tiles) of a call: ``ceil(n / 128)``, ``ceil(tokens / tile_tokens)``."""
-    return -(-n // TILE_ROWS), -(-tokens // tile_tokens)
-
-
-def workspace_bytes(n: int, tokens: int, tile_tokens: int, splits: int) -> int:
-    """Bytes of the cross form's FP32 split partials for a call of ``tokens`` rows: one
-    ``128 x tile_tokens`` tile per (token tile, weight tile, split)
-    (:meth:`TiledGemmKernel.workspace_offset`)."""
-    tiles, chunks = tile_grid(n, tokens, tile_tokens)
-    return chunks * tiles * splits * TILE_ROWS * tile_tokens * 4
 
 
 class TiledGemmKernel:
@@ -114,17 +90,8 @@ class TiledGemmKernel:
             raise ValueError(f"TiledGemmKernel: width={width} must be in 1..n={n}")
         if addend not in ADDENDS:
             raise ValueError(f"TiledGemmKernel: addend must be one of {ADDENDS}, got {addend!r}")
-        if tile_tokens not in TILE_TOKENS or not 2 <= stages <= 8:
-            raise ValueError(f"TiledGemmKernel: tile_tokens {tile_tokens} (a multiple of 16 "
-                             f"in 32..160) / stages {stages} (2..8) not supported")
-        if not isinstance(cross, bool):
-            raise ValueError(f"TiledGemmKernel: cross must be a bool, got {cross!r}")
-        if not isinstance(producer, bool):
-            raise ValueError(f"TiledGemmKernel: producer must be a bool, got {producer!r}")
-        if producer and tile_tokens > PRODUCER_MAX_TOKENS:
-            raise ValueError(f"TiledGemmKernel: producer=True takes tile_tokens up to "
-                             f"{PRODUCER_MAX_TOKENS} (three warpgroups' registers), got "
-                             f"{tile_tokens}")
+        check_tiled_options("TiledGemmKernel", dict(tile_tokens=tile_tokens, stages=stages,
+                                                    cross=cross, producer=producer))
         #: a warp of its own issues the copies (and the MMAs overlap across stages)
         self.producer = producer
         self.n, self.k, self.width, self.splits = n, k, width, splits
@@ -138,7 +105,7 @@ class TiledGemmKernel:
         self.cta_tiles = self.split_tiles if self.cross else self.k_tiles
         self.cta_splits = 1 if self.cross else splits
         self.prologue = min(stages, self.cta_tiles)
-        self.tiles = -(-n // TILE_ROWS)
+        self.tiles = tile_grid(n, 1, tile_tokens)[0]
         self.threads = THREADS + (32 if producer else 0)
 
     @classmethod
@@ -175,8 +142,7 @@ class TiledGemmKernel:
         self.kernel(self._tiled_mma(), tma_a, g_a, tma_b, g_b, a_smem, b_smem, out, addend,
                     ws, counters, tokens).launch(
                         grid=(tiles, chunks, self.splits if self.cross else 1),
-                        block=(self.threads, 1, 1),
-                                   stream=stream, min_blocks_per_mp=1)
+                        block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
 
     @cute.kernel
     def kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom, g_a: cute.Tensor,
