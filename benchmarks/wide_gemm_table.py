@@ -21,8 +21,10 @@ gate/up and shared down BF16, up BF16 with a BF16 addend), each at its one K spl
 * with ``--tiled 128x4,64x4,128x4s``: ``fast.gemm.TiledGemm`` (TMA-fed warpgroup MMA on
   128-row weight tiles, the same K split folded in the same order) at those token tiles and
   ring depths, one CTA per split (``cross``) or, with an ``s``, the splits in order inside
-  each CTA, and with a ``p`` a producer warp of its own (``TiledGemm(producer=True)``); its
-  output compared with the ``cw8`` form's in the same way.
+  each CTA, with a ``k`` one CTA per multiprocessor over ranges of (tile, split) units
+  (``TiledGemm(persistent=True)``), and with a ``p`` a producer warp of its own
+  (``TiledGemm(producer=True)``); its output compared with the ``cw8`` form's in the same
+  way.
 
 ``--forms cw8+cw16,overlap`` times only those ``fast.gemm`` forms, ``+``-separated (the
 labels hold commas; ``cw8``, the bits' reference, always).
@@ -117,15 +119,27 @@ def best_forms(result: dict) -> dict:
 
 def tiled_table(result: dict) -> dict[str, dict]:
     """``{label: {"tiled": options}}``: each ``TiledGemm`` variant of a result (its
-    ``"tiled"``: ``[tile_tokens, stages, cross, producer]`` lists) as ``DenseGemm(forms=...)``
-    takes it (``fast.gemm.tiled_layout.TILED_KEYS``), labelled ``tiled<tokens>x<stages>``,
-    then ``s`` for the splits in order and ``p`` for a producer warp, in table order."""
+    ``"tiled"``: ``[tile_tokens, stages, cross, producer, persistent]`` lists, results
+    before the persistent form without the last) as ``DenseGemm(forms=...)`` takes it
+    (``fast.gemm.tiled_layout.TILED_KEYS``), labelled ``tiled<tokens>x<stages>``, then ``s``
+    for the splits in order or ``k`` for the persistent grid, and ``p`` for a producer
+    warp, in table order."""
     out = {}
-    for tokens, stages, cross, producer in result.get("tiled", []):
-        label = f"tiled{tokens}x{stages}" + ("" if cross else "s") + ("p" if producer else "")
+    for variant in result.get("tiled", []):
+        tokens, stages, cross, producer, persistent = _variant(variant)
+        label = (f"tiled{tokens}x{stages}" + ("k" if persistent else ("" if cross else "s"))
+                 + ("p" if producer else ""))
         out[label] = {"tiled": {"tile_tokens": tokens, "stages": stages, "cross": bool(cross),
                                 "producer": bool(producer)}}
+        if persistent:
+            out[label]["tiled"]["persistent"] = True
     return out
+
+
+def _variant(variant) -> tuple[int, int, bool, bool, bool]:
+    """(tile_tokens, stages, cross, producer, persistent) of a result's tiled variant."""
+    tokens, stages, cross, producer, *rest = variant
+    return tokens, stages, bool(cross), bool(producer), bool(rest and rest[0])
 
 
 def tiled_labels(result: dict) -> list[str]:
@@ -204,15 +218,16 @@ def main(argv=None):
     if not set(stage_ks) <= {64, 128} or 64 not in stage_ks:
         ap.error(f"--stage-k takes 64 and optionally 128, got {args.stage_k!r}")
     try:
-        tiled = [[int(v) for v in spec.rstrip("sp").split("x")]
-                 + [not spec.rstrip("p").endswith("s"), spec.endswith("p")]
+        tiled = [[int(v) for v in spec.rstrip("skp").split("x")]
+                 + [spec.rstrip("p")[-1] not in "sk", spec.endswith("p"),
+                    spec.rstrip("p").endswith("k")]
                  for spec in args.tiled.split(",") if spec]
         for v in tiled:
-            if len(v) != 4:
-                raise ValueError(f"{v[:-2]} is not <tokens>x<stages>")
+            if len(v) != 5:
+                raise ValueError(f"{v[:-3]} is not <tokens>x<stages>")
             check_tiled_options("--tiled", dict(zip(TILED_KEYS, v)))
     except ValueError as e:
-        ap.error(f"--tiled takes <tokens>x<stages>[s][p] variants, e.g. 128x4,96x4s,64x4p; "
+        ap.error(f"--tiled takes <tokens>x<stages>[s|k][p] variants, e.g. 128x4,96x4s,64x4kp; "
                  f"got {args.tiled!r}: {e}")
     unknown = (set() if args.forms == "all"
                else set(args.forms.split("+")) - set(form_table({"stage_ks": stage_ks})))
@@ -252,12 +267,12 @@ def main(argv=None):
                     lambda: eng(a, out_dtype=out_dtype, addend=addend, out=out, tactic=t),
                     reps=args.reps, flush=flush)
                 outs[label] = eng(a, out_dtype=out_dtype, addend=addend, tactic=t).clone()
-            for (tokens, stages, cross, producer), label in zip(tiled, tiled_labels(result)):
+            for variant, label in zip(tiled, tiled_labels(result)):
+                tokens, stages, cross, producer, persistent = _variant(variant)
                 tg = TiledGemm(weight, splits=splits[g], max_tokens=top, tile_tokens=tokens,
-                               stages=stages, cross=cross, producer=producer)
-                case["tactics"][label] = (f"tiled t{tokens} s{stages} "
-                                          f"{'cross' if tg.cross else 'serial'}"
-                                          + (" producer" if producer else ""))
+                               stages=stages, cross=cross, producer=producer,
+                               persistent=persistent)
+                case["tactics"][label] = tg.label()
                 out = torch.empty(rows, weight.shape[0], dtype=out_dtype, device="cuda")
                 case["times"][label] = device_time_us(
                     lambda: tg(a, out_dtype=out_dtype, addend=addend, out=out),

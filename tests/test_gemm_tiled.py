@@ -48,6 +48,53 @@ def test_tiled_kernel_compiles_for_every_wide_gemm(case, tile_tokens, cross, pro
 
 
 @needs_cute
+@pytest.mark.parametrize("producer", [False, True], ids=["", "producer"])
+@pytest.mark.parametrize("tile_tokens", [128, 96])
+@pytest.mark.parametrize("case", _wide_kinds(), ids=lambda c: c[0])
+def test_tiled_kernel_persistent_form_compiles(case, tile_tokens, producer):
+    """The persistent grid (``persistent=True``) at every TP8 wide GEMM's shape and kind."""
+    from fast.device.compile import compiled, frozen
+    from fast.gemm.tiled_kernel import TiledGemmKernel
+
+    _, n, k, splits, out_f32, addend = case
+    params = dict(n=-(-n // 128) * 128, k=k, width=n, splits=splits, out_f32=out_f32,
+                  addend=addend, tile_tokens=tile_tokens, stages=4, producer=producer,
+                  persistent=True, ctas=132)
+    assert compiled(TiledGemmKernel, "sm_90a", frozen(params))
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 8])
+@pytest.mark.parametrize("ctas", [1, 7, 50, 132])
+@pytest.mark.parametrize("tiles", [1, 5, 40, 96, 448])
+def test_persistent_units_cover_each_split_once_and_hand_over_in_order(tiles, ctas, splits):
+    """The persistent form's decomposition (``tiled_layout.unit_range``, as the kernel
+    computes it, over ``min(ctas, units)`` CTAs): every (tile, split) unit in exactly one
+    CTA, each CTA's units contiguous; per tile, the CTA holding split 0 folds splits
+    ``0 .. prefix_end - 1`` itself, every later split is stored by one CTA, and the splits
+    the CTAs hand in sum to ``splits`` (the counter the completing CTA sees)."""
+    from fast.gemm.tiled_layout import prefix_end, unit_range
+
+    units = tiles * splits
+    grid = min(ctas, units)
+    owner = {}
+    for c in range(grid):
+        q0, q1 = unit_range(c, grid, units)
+        assert q0 <= q1
+        for q in range(q0, q1):
+            assert q not in owner
+            owner[q] = c
+    assert sorted(owner) == list(range(units))
+    for t in range(tiles):
+        segments = {}
+        for s in range(splits):
+            segments.setdefault(owner[t * splits + s], []).append(s)
+        first = segments[owner[t * splits]]
+        assert first == list(range(prefix_end(t, splits, grid, units)))
+        assert sum(len(v) for v in segments.values()) == splits
+        assert all(v == list(range(v[0], v[-1] + 1)) for v in segments.values())
+
+
+@needs_cute
 def test_tiled_kernel_other_kinds_compile():
     """An FP32 addend, an FP32 output with a BF16 addend, a deep ring, a padded width."""
     from fast.device.compile import compiled, frozen
@@ -69,6 +116,8 @@ def test_tiled_kernel_other_kinds_compile():
     (dict(n=896, k=3584, width=896, splits=1, stages=1), "stages"),
     (dict(n=896, k=3584, width=896, splits=2, cross=1), "cross"),
     (dict(n=896, k=3584, width=896, splits=2, producer=None), "producer"),
+    (dict(n=896, k=3584, width=896, splits=2, cross=True, persistent=True), "persistent"),
+    (dict(n=896, k=3584, width=896, splits=2, persistent=True, ctas=0), "ctas"),
 ])
 def test_tiled_kernel_refuses_bad_parameters(params, word):
     from fast.gemm.tiled_kernel import TiledGemmKernel
@@ -168,8 +217,10 @@ compiled(TiledGemmKernel, "sm_90a", frozen(ast.literal_eval(sys.argv[1])))
 
 
 @needs_cute
-@pytest.mark.parametrize("tile_tokens,producer", [(160, False), (144, True), (96, True)])
-def test_tiled_kernel_fits_its_registers(tile_tokens, producer, tmp_path):
+@pytest.mark.parametrize("tile_tokens,producer,persistent",
+                         [(160, False, False), (144, True, False), (96, True, False),
+                          (144, True, True), (160, False, True)])
+def test_tiled_kernel_fits_its_registers(tile_tokens, producer, persistent, tmp_path):
     """The widest token tile (160: two accumulators of 80 FP32 per thread) and the widest
     beside a producer warp (144; its 288 threads take registers as three warpgroups, 168
     each: 160 spills there, so it is refused) compile for sm_90a without a stack frame
@@ -179,7 +230,7 @@ def test_tiled_kernel_fits_its_registers(tile_tokens, producer, tmp_path):
     from tools.sass_budget import kernel_attributes
 
     params = dict(n=1536, k=7168, width=1536, splits=4, tile_tokens=tile_tokens, stages=4,
-                  cross=True, producer=producer)
+                  cross=not persistent, producer=producer, persistent=persistent)
     run_compile(_ATTRIBUTES, [repr(params)], keep="cubin", dump_dir=tmp_path)
     (cubin,) = sorted(tmp_path.rglob("*.cubin"))
     attrs = kernel_attributes(cubin.read_bytes())

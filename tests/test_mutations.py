@@ -391,6 +391,12 @@ MUTATIONS = [
          "self.workspace_offset(chunk, tile, self.splits - 1 - sp, j, tid)",
          ["verify/test_gemm_fast.py::test_gemm_fast_tiled_same_bits[fast-front]"],
          needs_gpu=True, expect="cross"),
+    _one("fast GEMM, tiled kernel: the persistent form's completing CTA folds the later "
+         "splits of a straddling tile in reverse split order", "fast/gemm/tiled_kernel.py",
+         "self.workspace_offset(chunk, wtile, sp, j, tid)",
+         "self.workspace_offset(chunk, wtile, S - 1 + first - sp, j, tid)",
+         ["verify/test_gemm_fast.py::test_gemm_fast_tiled_same_bits[fast-front]"],
+         needs_gpu=True, expect="persistent"),
     _one("fast GEMM: the split-K partials summed in reverse split order", "fast/gemm/kernel.py",
          "got = [ld_cg_v4(ws + lay.ws_offset(Int64(sp), tile, warp, mt, wn, lane,",
          "got = [ld_cg_v4(ws + lay.ws_offset(Int64(splits - 1 - sp), tile, warp, mt, wn, lane,",

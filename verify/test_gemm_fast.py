@@ -689,13 +689,15 @@ def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
     """The tiled kernel (``fast.gemm.TiledGemm``: TMA-fed warpgroup MMA on 128-row weight
     tiles, the form for the wide layer's many rows) on one TP8 wide GEMM: at every row count
     of ``WIDE_ROWS`` and 1024, with 128-, 96-, 64- and 48-token tiles and rings of 2 to 4
-    stages, the splits in their own CTAs (cross) and in order inside each CTA (serial), with
-    and without a producer warp (the MMAs of consecutive stages overlapping), one object per
-    variant called at every row count in turn (the cross form's tile counters re-armed by
-    each call), bitwise the first rows of ``DenseGemm``'s 1024-row call on the warpgroup MMA
-    at the same K split (one summation order: batch invariant, and the decode-width
-    kernel's bits), nothing stored past the output; the split order on designed operands at
-    257 rows in both forms."""
+    stages, the splits in their own CTAs (cross), in order inside each CTA (serial) and in
+    ranges of (tile, split) units over a persistent grid of 132, 50 or 7 CTAs (the tiles
+    whose splits straddle CTAs handed over through the workspace), with and without a
+    producer warp (the MMAs of consecutive stages overlapping), one object per variant
+    called at every row count in turn (the tile counters re-armed by each call), bitwise
+    the first rows of ``DenseGemm``'s 1024-row call on the warpgroup MMA at the same K
+    split (one summation order: batch invariant, and the decode-width kernel's bits),
+    nothing stored past the output; the split order on designed operands at 257 rows in
+    every form."""
     from fast.backend import gpu_arch
     from fast.gemm.tiled import TiledGemm
 
@@ -703,14 +705,17 @@ def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
         pytest.skip(f"wgmma is an sm_90a instruction; this GPU is {gpu_arch()}")
     eng, x, addend, out_dtype = wide_case(gemm, "wgmma")
     full, _ = run_wide(gemm, WIDE_TOP, mma="wgmma")
-    for tile_tokens, stages, cross, producer in (
-            (128, 4, True, False), (64, 2, True, False), (128, 4, False, False),
-            (64, 2, False, False), (128, 4, True, True), (64, 3, False, True),
-            (96, 4, False, False), (48, 3, True, True)):
+    for tile_tokens, stages, grid, producer in (
+            (128, 4, "cross", False), (64, 2, "cross", False), (128, 4, "serial", False),
+            (64, 2, "serial", False), (128, 4, "cross", True), (64, 3, "serial", True),
+            (96, 4, "serial", False), (48, 3, "cross", True), (128, 4, 132, False),
+            (128, 4, 132, True), (96, 3, 50, True), (64, 2, 7, False)):
         tiled = TiledGemm(eng.weight, splits=eng.splits, max_tokens=WIDE_TOP,
-                          tile_tokens=tile_tokens, stages=stages, cross=cross,
-                          producer=producer)
-        form = ("cross" if cross else "serial") + (" producer" if producer else "")
+                          tile_tokens=tile_tokens, stages=stages, cross=grid == "cross",
+                          producer=producer, persistent=isinstance(grid, int),
+                          ctas=grid if isinstance(grid, int) else None)
+        form = (f"persistent {grid} CTAs" if isinstance(grid, int) else grid) \
+            + (" producer" if producer else "")
         for tokens in WIDE_ROWS + (WIDE_TOP,):
             check_guarded(
                 contract, lambda out: tiled(
@@ -724,10 +729,14 @@ def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
         (n, k), seed_of(f"verify/test_gemm_fast.py::wide-designed::{gemm}"), DEVICE)
     adds = None if addend is None else addend[:tokens].contiguous()
     xd, acc = designed_split_operands(designed, tokens, splits, adds)
-    for cross, producer in ((True, False), (False, False), (True, True), (False, True)):
-        got = TiledGemm(designed, splits=splits, max_tokens=tokens, cross=cross,
-                        producer=producer)(xd.to(DEVICE), out_dtype=out_dtype, addend=adds)
-        form = ("cross" if cross else "serial") + (" producer" if producer else "")
+    for grid, producer in (("cross", False), ("serial", False), ("cross", True),
+                           ("serial", True), (132, False), (11, True)):
+        got = TiledGemm(designed, splits=splits, max_tokens=tokens, cross=grid == "cross",
+                        producer=producer, persistent=isinstance(grid, int),
+                        ctas=grid if isinstance(grid, int) else None)(
+                            xd.to(DEVICE), out_dtype=out_dtype, addend=adds)
+        form = (f"persistent {grid} CTAs" if isinstance(grid, int) else grid) \
+            + (" producer" if producer else "")
         contract.bitwise(_bits(got).cpu(), _bits(acc.to(out_dtype)),
                          what=f"wide {gemm} tiled {form}, 257 rows: designed split order",
                          index_names=ROWS)

@@ -13,7 +13,9 @@ sm_90a only (warpgroup MMA and TMA): any other target is refused by name. With
 last CTA of a tile folds the partials in split order, through an FP32 workspace and a
 counter per tile allocated here for ``max_tokens`` rows (the counters re-armed by the
 kernel itself, so calls and graph replays need no reset); ``cross=False`` runs the splits
-one after another in each CTA (no workspace). Both forms give the same bits. The kernel of
+one after another in each CTA (no workspace); ``persistent=True`` runs one CTA per
+multiprocessor, each a contiguous range of (tile, split) units, the splits of a tile that
+straddles two CTAs handed over through the same workspace. Every form gives the same bits. The kernel of
 each (output, addend) kind is compiled at its first call (call once outside a CUDA-graph
 capture per kind, or use :meth:`compile_for`).
 """
@@ -46,15 +48,20 @@ class TiledGemm:
             ``fast.gemm.tiled_layout.TILE_TOKENS``); moves no bit.
         stages: the TMA ring's depth (2..8 stages of 64 k); moves no bit.
         cross: one CTA per K split, the partials folded by the last CTA of each tile
-            (True), or the splits in order inside each CTA (False); moves no bit.
+            (True), or the splits in order inside each CTA (False); moves no bit. None
+            (the default): True unless ``persistent``.
         producer: a warp of its own issues the TMA copies and each stage's MMAs overlap the
             next stage's (True), or warp 0 also refills the ring and every stage's MMAs
             are waited for (False); moves no bit.
+        persistent: one CTA per multiprocessor, each running a contiguous range of the
+            call's (tile, split) units in one ring (True; not with ``cross``); moves no bit.
+        ctas: the persistent grid's CTAs at most (None: the GPU's multiprocessors); moves
+            no bit.
     """
 
     def __init__(self, weight: torch.Tensor, *, splits: int, max_tokens: int,
-                 tile_tokens: int = 128, stages: int = 4, cross: bool = True,
-                 producer: bool = False):
+                 tile_tokens: int = 128, stages: int = 4, cross: bool | None = None,
+                 producer: bool = False, persistent: bool = False, ctas: int | None = None):
         n, k = check_weight_shape("TiledGemm", weight)
         check_weight_placement("TiledGemm", weight)
         if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1 \
@@ -71,12 +78,17 @@ class TiledGemm:
         self.weight, self.n, self.k, self.splits = weight, n, k, splits
         self.max_tokens, self.device = max_tokens, weight.device
         self.tile_tokens, self.stages = tile_tokens, stages
+        if cross is None:
+            cross = not persistent
+        self.ctas = (torch.cuda.get_device_properties(self.device).multi_processor_count
+                     if ctas is None else ctas)
         kernel = TiledGemmKernel(n=n, k=k, width=n, splits=splits, tile_tokens=tile_tokens,
-                                 stages=stages, cross=cross,
-                                 producer=producer)  # refuses bad ones by name
-        self.cross, self.producer = kernel.cross, producer
+                                 stages=stages, cross=cross, producer=producer,
+                                 persistent=persistent,
+                                 ctas=self.ctas)  # refuses bad ones by name
+        self.cross, self.producer, self.persistent = kernel.cross, producer, persistent
         self._null = torch.zeros(8, dtype=_F32, device=self.device)
-        if self.cross:
+        if self.cross or (persistent and splits > 1):
             tiles, chunks = tile_grid(n, max_tokens, tile_tokens)
             self.workspace = torch.empty(workspace_bytes(n, max_tokens, tile_tokens, splits) // 4,
                                          dtype=_F32, device=self.device)
@@ -87,15 +99,17 @@ class TiledGemm:
     def label(self) -> str:
         """``tiled t<tile tokens> s<stages> <cross|serial>[ producer]``: what a benchmark
         table prints for calls this object serves."""
-        return (f"tiled t{self.tile_tokens} s{self.stages} "
-                f"{'cross' if self.cross else 'serial'}" + (" producer" if self.producer else ""))
+        grid = "persistent" if self.persistent else ("cross" if self.cross else "serial")
+        return (f"tiled t{self.tile_tokens} s{self.stages} {grid}"
+                + (" producer" if self.producer else ""))
 
     def kernel_params(self, out_dtype: torch.dtype, addend_dtype: torch.dtype | None) -> dict:
         """The compile parameters of the kernel that serves this output and addend kind."""
         kind = "none" if addend_dtype is None else ("bf16" if addend_dtype == _BF16 else "f32")
         return dict(n=self.n, k=self.k, width=self.n, splits=self.splits,
                     out_f32=out_dtype == _F32, addend=kind, tile_tokens=self.tile_tokens,
-                    stages=self.stages, cross=self.cross, producer=self.producer)
+                    stages=self.stages, cross=self.cross, producer=self.producer,
+                    persistent=self.persistent, ctas=self.ctas)
 
     def compile_for(self, kinds) -> None:
         """Compile the kernels of ``kinds``: ``(out_dtype, addend_dtype or None)`` pairs."""

@@ -82,7 +82,8 @@ class TiledGemmKernel:
 
     def __init__(self, *, n: int, k: int, width: int, splits: int, out_f32: bool = False,
                  addend: str = "none", tile_tokens: int = 128, stages: int = 4,
-                 cross: bool = False, producer: bool = False):
+                 cross: bool = False, producer: bool = False, persistent: bool = False,
+                 ctas: int = 132):
         if k % (STAGE_K * splits) or splits < 1:
             raise ValueError(f"TiledGemmKernel: K={k} must be a multiple of {STAGE_K} x "
                              f"splits={splits}")
@@ -91,7 +92,12 @@ class TiledGemmKernel:
         if addend not in ADDENDS:
             raise ValueError(f"TiledGemmKernel: addend must be one of {ADDENDS}, got {addend!r}")
         check_tiled_options("TiledGemmKernel", dict(tile_tokens=tile_tokens, stages=stages,
-                                                    cross=cross, producer=producer))
+                                                    cross=cross, producer=producer,
+                                                    persistent=persistent))
+        if isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1:
+            raise ValueError(f"TiledGemmKernel: ctas must be an int >= 1, got {ctas!r}")
+        #: one CTA per multiprocessor (at most ``ctas``), each a range of (tile, split) units
+        self.persistent, self.ctas = persistent, ctas
         #: a warp of its own issues the copies (and the MMAs overlap across stages)
         self.producer = producer
         self.n, self.k, self.width, self.splits = n, k, width, splits
@@ -139,6 +145,13 @@ class TiledGemmKernel:
             (self.tile_tokens, STAGE_K))
         tiles = self.tiles
         chunks = (tokens + self.tile_tokens - 1) // self.tile_tokens
+        if cutlass.const_expr(self.persistent):
+            ctas = cutlass.min(tiles * chunks * self.splits, self.ctas)
+            self.persistent_kernel(self._tiled_mma(), tma_a, g_a, tma_b, g_b, a_smem, b_smem,
+                                   out, addend, ws, counters, tokens).launch(
+                                       grid=(ctas, 1, 1), block=(self.threads, 1, 1),
+                                       stream=stream, min_blocks_per_mp=1)
+            return
         self.kernel(self._tiled_mma(), tma_a, g_a, tma_b, g_b, a_smem, b_smem, out, addend,
                     ws, counters, tokens).launch(
                         grid=(tiles, chunks, self.splits if self.cross else 1),
@@ -228,6 +241,232 @@ class TiledGemmKernel:
                                out, addend, tokens, tile, chunk, split, tid, warp)
         elif warp < _MMA_WARPS:
             self._epilogue(total, coords, out, addend, tokens, tile, chunk)
+
+    @cute.kernel
+    def persistent_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom,
+                          g_a: cute.Tensor, tma_b: cute.CopyAtom, g_b: cute.Tensor,
+                          a_smem: cute.ComposedLayout, b_smem: cute.ComposedLayout, out: Int64,
+                          addend: Int64, ws: Int64, counters: Int64, tokens: Int32):
+        """The persistent form: CTA ``c`` of the grid runs units ``[q0, q1)``
+        (``fast.gemm.tiled_layout.unit_range``; unit ``q`` is split ``q % splits`` of CTA
+        tile ``q // splits``, weight tile ``tile % tiles``, token tile ``tile // tiles``),
+        one ring across all of them (the copies of the next unit issued while this one's
+        MMAs run and while a tile's epilogue stores). A tile whose splits all lie in one
+        CTA folds them in its registers in split order (the serial form); otherwise the CTA
+        holding split 0 folds its splits in its registers and stores that running sum as
+        the tile's slot 0, every other CTA stores each of its splits' partials in its slot,
+        and the CTA that completes the tile's counter folds slot 0 and then the later slots
+        in split order (the same additions, in the same order: the same bits)."""
+        S: cutlass.Constexpr = self.splits
+        KS: cutlass.Constexpr = self.split_tiles
+        WT: cutlass.Constexpr = self.tiles
+        tid = cute.arch.thread_idx()[0]
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        cta = cute.arch.block_idx()[0]
+        ctas = cute.arch.grid_dim()[0]
+        chunks = (tokens + self.tile_tokens - 1) // self.tile_tokens
+        units = WT * chunks * S
+        q0 = (cta * units) // ctas
+        q1 = ((cta + 1) * units) // ctas
+        loads = (q1 - q0) * KS
+        if warp == 0:
+            cpasync.prefetch_descriptor(tma_a)
+            cpasync.prefetch_descriptor(tma_b)
+
+        @cute.struct
+        class Storage:
+            bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
+            last: cute.struct.MemRange[cutlass.Int32, 4]
+
+        smem = SmemAllocator()
+        storage = smem.allocate(Storage)
+        s_a = smem.allocate_tensor(element_type=BFloat16, layout=a_smem.outer,
+                                   byte_alignment=1024, swizzle=a_smem.inner)
+        s_b = smem.allocate_tensor(element_type=BFloat16, layout=b_smem.outer,
+                                   byte_alignment=1024, swizzle=b_smem.inner)
+        tx = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, 0)))
+              + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, 0))))
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_WARPS),
+            tx_count=tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+
+        # every tile's stages: (weight tile, k stage) and (token tile, k stage) -> slot
+        g_a_all = cute.local_tile(g_a, (TILE_ROWS, STAGE_K), (None, None))
+        g_b_all = cute.local_tile(g_b, (self.tile_tokens, STAGE_K), (None, None))
+        t_sa, t_ga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+                                           cute.group_modes(s_a, 0, 2),
+                                           cute.group_modes(g_a_all, 0, 2))
+        t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                                           cute.group_modes(s_b, 0, 2),
+                                           cute.group_modes(g_b_all, 0, 2))
+        wg = warp // 4
+        wg_mma = tiled_mma.get_slice(wg * 128)
+        frag_a = tiled_mma.make_fragment_A(wg_mma.partition_A(s_a))
+        frag_b = tiled_mma.make_fragment_B(wg_mma.partition_B(s_b))
+        coords = self.thread_coordinates(tiled_mma, tid)
+        acc = cute.make_rmem_tensor(coords.shape, Float32)
+        total = cute.make_rmem_tensor(coords.shape, Float32)
+        for i in cutlass.range_constexpr(cute.size(total)):
+            total[i] = Float32(-0.0)
+            acc[i] = Float32(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        cute.arch.sync_threads()
+
+        fill = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        read = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
+        flag = storage.last.data_ptr().toint()
+        if cutlass.const_expr(self.producer):
+            if warp == _MMA_WARPS:
+                for _ in cutlass.range(loads, unroll=1):
+                    self._load_unit(ring, fill, q0, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
+                    fill.advance()
+            else:
+                self._persistent_units(ring, fill, read, done, q0, q1, loads, units, ctas,
+                                       tiled_mma, acc, total, frag_a, frag_b, coords, warp,
+                                       tid, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb, out, addend,
+                                       ws, counters, flag, tokens)
+        else:
+            if warp == 0:
+                for i in cutlass.range_constexpr(self.stages):
+                    if i < loads:
+                        self._load_unit(ring, fill, q0, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
+                        fill.advance()
+            self._persistent_units(ring, fill, read, done, q0, q1, loads, units, ctas,
+                                   tiled_mma, acc, total, frag_a, frag_b, coords, warp, tid,
+                                   tma_a, t_ga, t_sa, tma_b, t_gb, t_sb, out, addend, ws,
+                                   counters, flag, tokens)
+
+    @cute.jit
+    def _persistent_units(self, ring, fill, read, done, q0, q1, loads, units, ctas,
+                          tiled_mma, acc, total, frag_a, frag_b, coords, warp, tid, tma_a,
+                          t_ga, t_sa, tma_b, t_gb, t_sb, out: Int64, addend: Int64, ws: Int64,
+                          counters: Int64, flag, tokens: Int32):
+        """The persistent form's MMA warps over units ``[q0, q1)`` (``persistent_kernel``);
+        without a producer warp, warp 0 also refills the ring, ``loads`` copies in all."""
+        S: cutlass.Constexpr = self.splits
+        KS: cutlass.Constexpr = self.split_tiles
+        WT: cutlass.Constexpr = self.tiles
+        for q in cutlass.range(q0, q1, unroll=1):
+            tile = q // S
+            base = tile * S
+            lo = cutlass.max(q0, base)
+            hi = cutlass.min(q1, base + S)
+            if q == lo:
+                for i in cutlass.range_constexpr(cute.size(total)):
+                    total[i] = Float32(-0.0)
+            if cutlass.const_expr(self.producer):
+                for kt in cutlass.range(KS, unroll=1):
+                    ring.consumer_wait(read)
+                    warpgroup.fence()
+                    for kb in cutlass.range_constexpr(STAGE_K // 16):
+                        cute.gemm(tiled_mma, acc, frag_a[(None, None, kb, read.index)],
+                                  frag_b[(None, None, kb, read.index)], acc)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(1)
+                    if kt > 0:
+                        ring.consumer_release(done)
+                        done.advance()
+                    read.advance()
+                warpgroup.wait_group(0)
+                ring.consumer_release(done)
+                done.advance()
+            else:
+                for kt in cutlass.range(KS, unroll=1):
+                    ring.consumer_wait(read)
+                    self._stage(tiled_mma, acc, frag_a, frag_b, read.index)
+                    ring.consumer_release(read)
+                    read.advance()
+                    if warp == 0:
+                        if fill.count < loads:
+                            self._load_unit(ring, fill, q0, tma_a, t_ga, t_sa, tma_b, t_gb,
+                                            t_sb)
+                            fill.advance()
+            wtile = tile % WT
+            chunk = tile // WT
+            if lo == base:  # this CTA holds split 0: the running sum in registers
+                self._fold_split(total, acc)
+            else:  # a later split of a tile begun in another CTA: its partial to its slot
+                self._store_partial(acc, ws, chunk, wtile, q - base, tid)
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    acc[i] = Float32(0.0)
+            if q == hi - 1:
+                if (lo == base) & (hi == base + S):
+                    self._epilogue(total, coords, out, addend, tokens, wtile, chunk)
+                else:
+                    if lo == base:
+                        self._store_partial(total, ws, chunk, wtile, 0, tid)
+                    self._arrive_and_fold(total, coords, ws, counters, flag, out, addend,
+                                          tokens, tile, wtile, chunk, hi - lo, units, ctas,
+                                          tid)
+
+    @cute.jit
+    def _load_unit(self, ring, fill, q0, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb):
+        """The persistent form: one thread's TMA copies of this CTA's load ``fill.count``
+        (unit ``q0 + count // KS``, its ``count % KS``-th stage) into slot ``fill.index``."""
+        KS: cutlass.Constexpr = self.split_tiles
+        S: cutlass.Constexpr = self.splits
+        q = q0 + fill.count // KS
+        tile = q // S
+        stage = (q - tile * S) * KS + fill.count % KS
+        ring.producer_acquire(fill)
+        bar = ring.producer_get_barrier(fill)
+        cute.copy(tma_a, t_ga[(None, tile % self.tiles, stage)], t_sa[(None, fill.index)],
+                  tma_bar_ptr=bar)
+        cute.copy(tma_b, t_gb[(None, tile // self.tiles, stage)], t_sb[(None, fill.index)],
+                  tma_bar_ptr=bar)
+        ring.producer_commit(fill)
+
+    @cute.jit
+    def _store_partial(self, values, ws: Int64, chunk, wtile, slot, tid):
+        """This thread's FP32 ``values`` to slot ``slot`` of (``chunk``, ``wtile``) in the
+        workspace (``workspace_offset``)."""
+        for j in cutlass.range_constexpr(cute.size(values) // 4):
+            p.stg_v4(ws + Int64(self.workspace_offset(chunk, wtile, slot, j, tid)),
+                     [h.bits(values[4 * j + i]) for i in range(4)])
+
+    @cute.jit
+    def _arrive_and_fold(self, total, coords, ws: Int64, counters: Int64, flag, out: Int64,
+                         addend: Int64, tokens: Int32, tile, wtile, chunk, count, units,
+                         ctas, tid):
+        """The persistent form's hand-off: this CTA's ``count`` splits of ``tile`` are in
+        the workspace; the CTA whose arrival completes the tile's ``splits`` re-arms its
+        counter, folds slot 0 (the running sum of the splits the first CTA folded,
+        ``tiled_layout.prefix_end``) and then each later split in order, and stores the
+        outputs. Only the MMA warps take part (named barrier 1)."""
+        S: cutlass.Constexpr = self.splits
+        PIECES: cutlass.Constexpr = cute.size(total) // 4
+        fence_gpu()
+        cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+        if tid == 0:
+            fence_gpu()
+            counter = counters + Int64(tile) * 4
+            old = p.atomic_add(counter, count)
+            last = Int32(0)
+            if old + count == S:
+                last = Int32(1)
+                p.stg_i32(counter, 0)
+            p.sts_i32(flag, last)
+        cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)
+        last = p.lds_i32(flag)
+        cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)  # the flag's next write
+        if last != 0:
+            fence_gpu()
+            base = tile * S
+            c0 = ((base + 1) * ctas - 1) // units
+            first = cutlass.min(((c0 + 1) * units) // ctas, base + S) - base
+            for j in cutlass.range_constexpr(PIECES):
+                got = ld_cg_v4(ws + Int64(self.workspace_offset(chunk, wtile, 0, j, tid)))
+                for i in cutlass.range_constexpr(4):
+                    total[4 * j + i] = h.from_bits(got[i])
+            for sp in cutlass.range(first, S, unroll=1):
+                for j in cutlass.range_constexpr(PIECES):
+                    got = ld_cg_v4(ws + Int64(self.workspace_offset(chunk, wtile, sp, j, tid)))
+                    for i in cutlass.range_constexpr(4):
+                        total[4 * j + i] = h.fadd(total[4 * j + i], h.from_bits(got[i]))
+            self._epilogue(total, coords, out, addend, tokens, wtile, chunk)
 
     @cute.jit
     def _mma_with_loads(self, ring, fill, read, first, tiled_mma, acc, total, frag_a, frag_b,

@@ -8,13 +8,17 @@ the kernel does.
 
 A CTA computes ``TILE_ROWS`` weight rows x ``tile_tokens`` tokens in ``STAGE_K``-wide ring
 stages; a call of ``T`` rows runs :func:`tile_grid` CTA tiles (times ``splits`` with one CTA
-per K split, whose partials take :func:`workspace_bytes`).
+per K split, whose partials take :func:`workspace_bytes`), or, in the persistent form, one
+CTA per multiprocessor, each taking a contiguous range of (tile, split) units
+(:func:`unit_range`; the partials of a tile whose splits straddle CTAs through the same
+workspace, :func:`prefix_end` naming the splits the first CTA folds itself).
 """
 
 from __future__ import annotations
 
 __all__ = ["TILE_ROWS", "STAGE_K", "THREADS", "TILE_TOKENS", "PRODUCER_MAX_TOKENS",
-           "TILED_KEYS", "check_tiled_options", "tile_grid", "workspace_bytes"]
+           "TILED_KEYS", "check_tiled_options", "tile_grid", "workspace_bytes", "unit_range",
+           "prefix_end"]
 
 #: weight rows of a CTA tile: two warpgroups of 64
 TILE_ROWS = 128
@@ -29,14 +33,15 @@ TILE_TOKENS = tuple(range(32, 161, 16))
 #: warpgroups (168 each), which spill two accumulators of 80 (``tests/test_gemm_tiled.py``)
 PRODUCER_MAX_TOKENS = 144
 #: the options of a tiled kernel beside its shape: ``TiledGemm``'s keyword arguments
-TILED_KEYS = ("tile_tokens", "stages", "cross", "producer")
+TILED_KEYS = ("tile_tokens", "stages", "cross", "producer", "persistent")
 
 
 def check_tiled_options(owner: str, options, where: str | None = None) -> None:
     """Refuse (ValueError starting with ``owner``) tiled-kernel ``options`` that are not a
     dict of ``TILED_KEYS``: ``tile_tokens`` among ``TILE_TOKENS``, ``stages`` an int in
-    2..8, ``cross`` and ``producer`` bools, ``producer`` only with ``tile_tokens`` up to
-    ``PRODUCER_MAX_TOKENS`` (an absent key takes ``TiledGemm``'s default). Each option is
+    2..8, ``cross``, ``producer`` and ``persistent`` bools (``cross`` and ``persistent``
+    not both), ``producer`` only with ``tile_tokens`` up to ``PRODUCER_MAX_TOKENS`` (an
+    absent key takes ``TiledGemm``'s default). Each option is
     named as ``where[key]`` when ``where`` (a form's entry) is given, else by its key."""
     def name(key: str) -> str:
         return f"{where}[{key!r}]" if where else key
@@ -51,9 +56,12 @@ def check_tiled_options(owner: str, options, where: str | None = None) -> None:
     stages = options.get("stages", 4)
     if type(stages) is not int or not 2 <= stages <= 8:
         raise ValueError(f"{owner}: {name('stages')} must be an int in 2..8, got {stages!r}")
-    for key in ("cross", "producer"):
+    for key in ("cross", "producer", "persistent"):
         if key in options and not isinstance(options[key], bool):
             raise ValueError(f"{owner}: {name(key)} must be a bool, got {options[key]!r}")
+    if options.get("cross") and options.get("persistent"):
+        raise ValueError(f"{owner}: {where + ': ' if where else ''}cross and persistent are "
+                         f"two forms of the grid: at most one of them")
     if options.get("producer") and tile_tokens > PRODUCER_MAX_TOKENS:
         raise ValueError(f"{owner}: {where + ': ' if where else ''}a producer warp takes "
                          f"tile_tokens up to {PRODUCER_MAX_TOKENS} (its CTA's registers are "
@@ -71,3 +79,20 @@ def workspace_bytes(n: int, tokens: int, tile_tokens: int, splits: int) -> int:
     (``TiledGemmKernel.workspace_offset``)."""
     tiles, chunks = tile_grid(n, tokens, tile_tokens)
     return chunks * tiles * splits * TILE_ROWS * tile_tokens * 4
+
+
+def unit_range(cta: int, ctas: int, units: int) -> tuple[int, int]:
+    """The persistent form's units ``[q0, q1)`` of CTA ``cta`` of ``ctas`` out of ``units``
+    (unit ``q``: split ``q % splits`` of CTA tile ``q // splits``, the tiles weight-tile
+    fastest): ``q0 = cta * units // ctas``, as the kernel computes it."""
+    return cta * units // ctas, (cta + 1) * units // ctas
+
+
+def prefix_end(tile: int, splits: int, ctas: int, units: int) -> int:
+    """The persistent form: how many of ``tile``'s splits (from split 0, in order) the CTA
+    holding its split 0 folds in its registers before storing the running sum as the
+    tile's slot 0 (``splits`` when it holds the whole tile): the CTA ``c0`` whose range
+    holds unit ``q = tile * splits`` is ``((q + 1) * ctas - 1) // units``."""
+    q = tile * splits
+    c0 = ((q + 1) * ctas - 1) // units
+    return min(unit_range(c0, ctas, units)[1], q + splits) - q
