@@ -1147,7 +1147,11 @@ def test_tiled_forms_hand_their_rows_to_the_tiled_kernel():
             ({65: {"tiled": {"stages": 1}}}, True, r"\['tiled'\]\['stages'\] must be an int in"),
             ({65: {"tiled": {"cross": 1}}}, True, r"\['tiled'\]\['cross'\] must be a bool"),
             ({65: {"tiled": {"tile_tokens": 160, "producer": True}}}, True,
-             r"\['tiled'\]: a producer warp takes tile_tokens up to 144")):
+             r"\['tiled'\]: a producer warp takes tile_tokens up to 144"),
+            ({65: {"tiled": {"pdl": True}}}, True,
+             r"\['tiled'\]: pdl \(programmatic dependent launch\) is the persistent form's"),
+            ({65: {"tiled": {"cross": True, "persistent": True}}}, True,
+             r"\['tiled'\]: cross and persistent are two forms")):
         with pytest.raises(ValueError, match=r"L: f\[65\]" + match):
             check_forms("L", "f", bad, wgmma)
 

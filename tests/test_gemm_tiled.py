@@ -126,6 +126,21 @@ def test_tiled_kernel_refuses_bad_parameters(params, word):
         TiledGemmKernel(**params)
 
 
+@needs_cute
+@pytest.mark.parametrize("producer", [False, True], ids=["", "producer"])
+def test_tiled_kernel_persistent_form_at_decode_widths_compiles(producer):
+    """The persistent form at a DEP rank's decode GEMMs (32-token tiles, rings of 6 and 8
+    stages: weights streamed by TMA; its prologue streams the first stages' weights before
+    ``griddepcontrol.wait``)."""
+    from fast.device.compile import compiled, frozen
+    from fast.gemm.tiled_kernel import TiledGemmKernel
+
+    for n, k, splits, stages in ((15872, 7168, 1, 8), (7168, 3584, 2, 6)):
+        params = dict(n=n, k=k, width=n, splits=splits, tile_tokens=32, stages=stages,
+                      producer=producer, persistent=True, ctas=132)
+        assert compiled(TiledGemmKernel, "sm_90a", frozen(params))
+
+
 def test_tiled_gemm_refuses_a_weight_it_cannot_take():
     """A CPU, FP32 or non-contiguous weight is refused by name before any GPU work."""
     from fast.gemm.tiled import TiledGemm

@@ -691,7 +691,8 @@ def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
     of ``WIDE_ROWS`` and 1024, with 128-, 96-, 64- and 48-token tiles and rings of 2 to 4
     stages, the splits in their own CTAs (cross), in order inside each CTA (serial) and in
     ranges of (tile, split) units over a persistent grid of 132, 50 or 7 CTAs (the tiles
-    whose splits straddle CTAs handed over through the workspace), with and without a
+    whose splits straddle CTAs handed over through the workspace; with a producer warp
+    also launched with programmatic dependent launch), with and without a
     producer warp (the MMAs of consecutive stages overlapping), one object per variant
     called at every row count in turn (the tile counters re-armed by each call), bitwise
     the first rows of ``DenseGemm``'s 1024-row call on the warpgroup MMA at the same K
@@ -713,9 +714,11 @@ def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
         tiled = TiledGemm(eng.weight, splits=eng.splits, max_tokens=WIDE_TOP,
                           tile_tokens=tile_tokens, stages=stages, cross=grid == "cross",
                           producer=producer, persistent=isinstance(grid, int),
-                          ctas=grid if isinstance(grid, int) else None)
+                          ctas=grid if isinstance(grid, int) else None,
+                          pdl=isinstance(grid, int) and producer)
         form = (f"persistent {grid} CTAs" if isinstance(grid, int) else grid) \
-            + (" producer" if producer else "")
+            + (" producer pdl" if isinstance(grid, int) and producer else
+               " producer" if producer else "")
         for tokens in WIDE_ROWS + (WIDE_TOP,):
             check_guarded(
                 contract, lambda out: tiled(
@@ -764,6 +767,8 @@ def test_gemm_fast_tiled_bad_input(backend):
     for kwargs, word in bad:
         with pytest.raises(ValueError, match=word):
             g(**kwargs)
+    with pytest.raises(ValueError, match="pdl"):  # PDL is the persistent form's
+        TiledGemm(w, splits=2, max_tokens=100, pdl=True)
 
 def _check_wide_split_order(contract, gemm: str, mma: str = "mma.sync") -> None:
     """``test_gemm_fast_split_order_designed``'s operands on a wide GEMM's shape at 257 rows

@@ -28,7 +28,7 @@ from fast import backend
 from fast.device.compile import compiled, frozen
 from fast.gemm.host import check_gemm_call, check_weight_placement, check_weight_shape
 from fast.gemm.tiled_kernel import TiledGemmKernel
-from fast.gemm.tiled_layout import STAGE_K, tile_grid, workspace_bytes
+from fast.gemm.tiled_layout import STAGE_K, check_tiled_options, tile_grid, workspace_bytes
 
 __all__ = ["TiledGemm"]
 
@@ -57,11 +57,15 @@ class TiledGemm:
             call's (tile, split) units in one ring (True; not with ``cross``); moves no bit.
         ctas: the persistent grid's CTAs at most (None: the GPU's multiprocessors); moves
             no bit.
+        pdl: launch with programmatic dependent launch (the persistent form only): a call
+            starts while the stream's previous kernel finishes and streams its first
+            stages' weights before waiting for it; moves no bit.
     """
 
     def __init__(self, weight: torch.Tensor, *, splits: int, max_tokens: int,
                  tile_tokens: int = 128, stages: int = 4, cross: bool | None = None,
-                 producer: bool = False, persistent: bool = False, ctas: int | None = None):
+                 producer: bool = False, persistent: bool = False, ctas: int | None = None,
+                 pdl: bool = False):
         n, k = check_weight_shape("TiledGemm", weight)
         check_weight_placement("TiledGemm", weight)
         if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1 \
@@ -87,6 +91,8 @@ class TiledGemm:
                                  persistent=persistent,
                                  ctas=self.ctas)  # refuses bad ones by name
         self.cross, self.producer, self.persistent = kernel.cross, producer, persistent
+        check_tiled_options("TiledGemm", dict(persistent=persistent, pdl=pdl))
+        self.pdl = pdl
         self._null = torch.zeros(8, dtype=_F32, device=self.device)
         if self.cross or (persistent and splits > 1):
             tiles, chunks = tile_grid(n, max_tokens, tile_tokens)
@@ -101,7 +107,7 @@ class TiledGemm:
         table prints for calls this object serves."""
         grid = "persistent" if self.persistent else ("cross" if self.cross else "serial")
         return (f"tiled t{self.tile_tokens} s{self.stages} {grid}"
-                + (" producer" if self.producer else ""))
+                + (" producer" if self.producer else "") + (" pdl" if self.pdl else ""))
 
     def kernel_params(self, out_dtype: torch.dtype, addend_dtype: torch.dtype | None) -> dict:
         """The compile parameters of the kernel that serves this output and addend kind."""
@@ -148,6 +154,6 @@ class TiledGemm:
         fn(Int64(self.weight.data_ptr()), Int64(x.data_ptr()), Int64(out.data_ptr()),
            Int64((addend if addend is not None else self._null).data_ptr()),
            Int64(self.workspace.data_ptr()), Int64(self.counters.data_ptr()), Int32(t),
-           backend.stream(self.device))
+           Int32(1 if self.pdl else 0), backend.stream(self.device))
         return out
 

@@ -117,7 +117,7 @@ class TiledGemmKernel:
     @classmethod
     def compile_args(cls, **params):
         """(kernel, fake arguments but the stream) for ``fast.device.compile.compiled``."""
-        return cls(**params), [Int64(0)] * 6 + [Int32(1)]
+        return cls(**params), [Int64(0)] * 6 + [Int32(1), Int32(0)]
 
     def _tiled_mma(self):
         return sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K,
@@ -129,7 +129,12 @@ class TiledGemmKernel:
 
     @cute.jit
     def __call__(self, w: Int64, x: Int64, out: Int64, addend: Int64, ws: Int64,
-                 counters: Int64, tokens: Int32, stream):
+                 counters: Int64, tokens: Int32, pdl: Int32, stream):
+        """Launch the call's grid for ``tokens`` rows; ``pdl`` (non-zero: the persistent form
+        only) with programmatic dependent launch: the CTAs may start while the stream's
+        previous kernel finishes, and stream the weights of their first ``stages`` stages
+        before ``griddepcontrol.wait`` (nothing that kernel may write is read or written
+        before it)."""
         tiler = self._tiler()
         a_smem = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tiler, BFloat16, self.stages)
         b_smem = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, tiler, BFloat16, self.stages)
@@ -150,7 +155,7 @@ class TiledGemmKernel:
             self.persistent_kernel(self._tiled_mma(), tma_a, g_a, tma_b, g_b, a_smem, b_smem,
                                    out, addend, ws, counters, tokens).launch(
                                        grid=(ctas, 1, 1), block=(self.threads, 1, 1),
-                                       stream=stream, min_blocks_per_mp=1)
+                                       stream=stream, min_blocks_per_mp=1, use_pdl=pdl)
             return
         self.kernel(self._tiled_mma(), tma_a, g_a, tma_b, g_b, a_smem, b_smem, out, addend,
                     ws, counters, tokens).launch(
@@ -320,7 +325,8 @@ class TiledGemmKernel:
         flag = storage.last.data_ptr().toint()
         if cutlass.const_expr(self.producer):
             if warp == _MMA_WARPS:
-                for _ in cutlass.range(loads, unroll=1):
+                self._prologue(ring, fill, q0, loads, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
+                for _ in cutlass.range(self.stages, loads, unroll=1):
                     self._load_unit(ring, fill, q0, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
                     fill.advance()
             else:
@@ -330,10 +336,7 @@ class TiledGemmKernel:
                                        ws, counters, flag, tokens)
         else:
             if warp == 0:
-                for i in cutlass.range_constexpr(self.stages):
-                    if i < loads:
-                        self._load_unit(ring, fill, q0, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
-                        fill.advance()
+                self._prologue(ring, fill, q0, loads, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
             self._persistent_units(ring, fill, read, done, q0, q1, loads, units, ctas,
                                    tiled_mma, acc, total, frag_a, frag_b, coords, warp, tid,
                                    tma_a, t_ga, t_sa, tma_b, t_gb, t_sb, out, addend, ws,
@@ -403,20 +406,48 @@ class TiledGemmKernel:
                                           tid)
 
     @cute.jit
+    def _prologue(self, ring, fill, q0, loads, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb):
+        """The persistent form's first ``min(stages, loads)`` loads: the weights of each
+        (their slots' full barriers armed for the whole stage), then ``griddepcontrol.wait``
+        and ``launch_dependents``, then the tokens of each (the weights never depend on the
+        stream's previous kernel; the tokens may). ``fill`` advances past them."""
+        tok = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
+        for i in cutlass.range_constexpr(self.stages):
+            if i < loads:
+                ring.producer_acquire(fill)
+                wtile, _, stage = self._unit_stage(q0, fill.count)
+                cute.copy(tma_a, t_ga[(None, wtile, stage)], t_sa[(None, fill.index)],
+                          tma_bar_ptr=ring.producer_get_barrier(fill))
+                fill.advance()
+        cute.arch.griddepcontrol_wait()
+        cute.arch.griddepcontrol_launch_dependents()
+        for i in cutlass.range_constexpr(self.stages):
+            if i < loads:
+                _, chunk, stage = self._unit_stage(q0, tok.count)
+                cute.copy(tma_b, t_gb[(None, chunk, stage)], t_sb[(None, tok.index)],
+                          tma_bar_ptr=ring.producer_get_barrier(tok))
+                ring.producer_commit(tok)
+                tok.advance()
+
+    @cute.jit
+    def _unit_stage(self, q0, count):
+        """(weight tile, token tile, k stage) of this CTA's load ``count`` in the persistent
+        form: unit ``q0 + count // KS``, its ``count % KS``-th stage of its split."""
+        KS: cutlass.Constexpr = self.split_tiles
+        S: cutlass.Constexpr = self.splits
+        q = q0 + count // KS
+        tile = q // S
+        return tile % self.tiles, tile // self.tiles, (q - tile * S) * KS + count % KS
+
+    @cute.jit
     def _load_unit(self, ring, fill, q0, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb):
         """The persistent form: one thread's TMA copies of this CTA's load ``fill.count``
         (unit ``q0 + count // KS``, its ``count % KS``-th stage) into slot ``fill.index``."""
-        KS: cutlass.Constexpr = self.split_tiles
-        S: cutlass.Constexpr = self.splits
-        q = q0 + fill.count // KS
-        tile = q // S
-        stage = (q - tile * S) * KS + fill.count % KS
+        wtile, chunk, stage = self._unit_stage(q0, fill.count)
         ring.producer_acquire(fill)
         bar = ring.producer_get_barrier(fill)
-        cute.copy(tma_a, t_ga[(None, tile % self.tiles, stage)], t_sa[(None, fill.index)],
-                  tma_bar_ptr=bar)
-        cute.copy(tma_b, t_gb[(None, tile // self.tiles, stage)], t_sb[(None, fill.index)],
-                  tma_bar_ptr=bar)
+        cute.copy(tma_a, t_ga[(None, wtile, stage)], t_sa[(None, fill.index)], tma_bar_ptr=bar)
+        cute.copy(tma_b, t_gb[(None, chunk, stage)], t_sb[(None, fill.index)], tma_bar_ptr=bar)
         ring.producer_commit(fill)
 
     @cute.jit

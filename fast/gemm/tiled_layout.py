@@ -33,14 +33,14 @@ TILE_TOKENS = tuple(range(32, 161, 16))
 #: warpgroups (168 each), which spill two accumulators of 80 (``tests/test_gemm_tiled.py``)
 PRODUCER_MAX_TOKENS = 144
 #: the options of a tiled kernel beside its shape: ``TiledGemm``'s keyword arguments
-TILED_KEYS = ("tile_tokens", "stages", "cross", "producer", "persistent")
+TILED_KEYS = ("tile_tokens", "stages", "cross", "producer", "persistent", "pdl")
 
 
 def check_tiled_options(owner: str, options, where: str | None = None) -> None:
     """Refuse (ValueError starting with ``owner``) tiled-kernel ``options`` that are not a
     dict of ``TILED_KEYS``: ``tile_tokens`` among ``TILE_TOKENS``, ``stages`` an int in
-    2..8, ``cross``, ``producer`` and ``persistent`` bools (``cross`` and ``persistent``
-    not both), ``producer`` only with ``tile_tokens`` up to ``PRODUCER_MAX_TOKENS`` (an
+    2..8, ``cross``, ``producer``, ``persistent`` and ``pdl`` bools (``cross`` and
+    ``persistent`` not both, ``pdl`` only with ``persistent``), ``producer`` only with ``tile_tokens`` up to ``PRODUCER_MAX_TOKENS`` (an
     absent key takes ``TiledGemm``'s default). Each option is
     named as ``where[key]`` when ``where`` (a form's entry) is given, else by its key."""
     def name(key: str) -> str:
@@ -56,12 +56,15 @@ def check_tiled_options(owner: str, options, where: str | None = None) -> None:
     stages = options.get("stages", 4)
     if type(stages) is not int or not 2 <= stages <= 8:
         raise ValueError(f"{owner}: {name('stages')} must be an int in 2..8, got {stages!r}")
-    for key in ("cross", "producer", "persistent"):
+    for key in ("cross", "producer", "persistent", "pdl"):
         if key in options and not isinstance(options[key], bool):
             raise ValueError(f"{owner}: {name(key)} must be a bool, got {options[key]!r}")
     if options.get("cross") and options.get("persistent"):
         raise ValueError(f"{owner}: {where + ': ' if where else ''}cross and persistent are "
                          f"two forms of the grid: at most one of them")
+    if options.get("pdl") and not options.get("persistent"):
+        raise ValueError(f"{owner}: {where + ': ' if where else ''}pdl (programmatic "
+                         f"dependent launch) is the persistent form's: persistent=True")
     if options.get("producer") and tile_tokens > PRODUCER_MAX_TOKENS:
         raise ValueError(f"{owner}: {where + ': ' if where else ''}a producer warp takes "
                          f"tile_tokens up to {PRODUCER_MAX_TOKENS} (its CTA's registers are "
