@@ -52,6 +52,8 @@ Constraints (checked by the constructor): ``K % (64 splits) == 0``; ``width <= n
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
@@ -180,53 +182,12 @@ class TiledGemmKernel:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
 
-        @cute.struct
-        class Storage:
-            bars: cute.struct.MemRange[cutlass.Int64, 2 * STAGES]
-            last: cute.struct.MemRange[cutlass.Int32, 4]
-
-        smem = SmemAllocator()
-        storage = smem.allocate(Storage)
-        s_a = smem.allocate_tensor(element_type=BFloat16, layout=a_smem.outer,
-                                   byte_alignment=1024, swizzle=a_smem.inner)
-        s_b = smem.allocate_tensor(element_type=BFloat16, layout=b_smem.outer,
-                                   byte_alignment=1024, swizzle=b_smem.inner)
-        tx = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, 0)))
-              + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, 0))))
-        # full: one arrival (the TMA thread) plus the transaction bytes; empty: one arrival
-        # per MMA warp
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.bars.data_ptr(), num_stages=STAGES,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_WARPS),
-            tx_count=tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-
         # this CTA's stages of weights and tokens: (tile, k stage) -> slot
-        g_a_tiles = cute.local_tile(g_a, (TILE_ROWS, STAGE_K), (tile, None))
-        g_b_tiles = cute.local_tile(g_b, (self.tile_tokens, STAGE_K), (chunk, None))
-        t_sa, t_ga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
-                                           cute.group_modes(s_a, 0, 2),
-                                           cute.group_modes(g_a_tiles, 0, 2))
-        t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
-                                           cute.group_modes(s_b, 0, 2),
-                                           cute.group_modes(g_b_tiles, 0, 2))
-
-        # this warpgroup's MMA operands (the warpgroup's slice: wgmma reads them by
-        # descriptor), this thread's accumulators and the tile coordinates (row, token) of
-        # each (the thread's own slice)
-        wg = warp // 4
-        wg_mma = tiled_mma.get_slice(wg * 128)
-        frag_a = tiled_mma.make_fragment_A(wg_mma.partition_A(s_a))
-        frag_b = tiled_mma.make_fragment_B(wg_mma.partition_B(s_b))
-        coords = self.thread_coordinates(tiled_mma, tid)
-        acc = cute.make_rmem_tensor(coords.shape, Float32)
-        total = cute.make_rmem_tensor(coords.shape, Float32)
-        for i in cutlass.range_constexpr(cute.size(total)):
-            total[i] = Float32(-0.0)
-            acc[i] = Float32(0.0)
-        # every step adds into the accumulators, which each split starts at +0.0 (as
-        # SplitKGemmKernel's chains do: the same bits, signed zeros included)
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        cta = self._cta_state(tiled_mma, tma_a, g_a, (tile, None), tma_b, g_b, (chunk, None),
+                              a_smem, b_smem, tid, warp)
+        storage, ring, acc, total, coords = cta.storage, cta.ring, cta.acc, cta.total, cta.coords
+        frag_a, frag_b = cta.frag_a, cta.frag_b
+        t_ga, t_sa, t_gb, t_sb = cta.t_ga, cta.t_sa, cta.t_gb, cta.t_sb
         cute.arch.sync_threads()
 
         fill = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, STAGES)
@@ -278,45 +239,13 @@ class TiledGemmKernel:
             cpasync.prefetch_descriptor(tma_a)
             cpasync.prefetch_descriptor(tma_b)
 
-        @cute.struct
-        class Storage:
-            bars: cute.struct.MemRange[cutlass.Int64, 2 * self.stages]
-            last: cute.struct.MemRange[cutlass.Int32, 4]
-
-        smem = SmemAllocator()
-        storage = smem.allocate(Storage)
-        s_a = smem.allocate_tensor(element_type=BFloat16, layout=a_smem.outer,
-                                   byte_alignment=1024, swizzle=a_smem.inner)
-        s_b = smem.allocate_tensor(element_type=BFloat16, layout=b_smem.outer,
-                                   byte_alignment=1024, swizzle=b_smem.inner)
-        tx = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, 0)))
-              + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, 0))))
-        ring = pipeline.PipelineTmaAsync.create(
-            barrier_storage=storage.bars.data_ptr(), num_stages=self.stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_WARPS),
-            tx_count=tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
-
         # every tile's stages: (weight tile, k stage) and (token tile, k stage) -> slot
-        g_a_all = cute.local_tile(g_a, (TILE_ROWS, STAGE_K), (None, None))
-        g_b_all = cute.local_tile(g_b, (self.tile_tokens, STAGE_K), (None, None))
-        t_sa, t_ga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
-                                           cute.group_modes(s_a, 0, 2),
-                                           cute.group_modes(g_a_all, 0, 2))
-        t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
-                                           cute.group_modes(s_b, 0, 2),
-                                           cute.group_modes(g_b_all, 0, 2))
-        wg = warp // 4
-        wg_mma = tiled_mma.get_slice(wg * 128)
-        frag_a = tiled_mma.make_fragment_A(wg_mma.partition_A(s_a))
-        frag_b = tiled_mma.make_fragment_B(wg_mma.partition_B(s_b))
-        coords = self.thread_coordinates(tiled_mma, tid)
-        acc = cute.make_rmem_tensor(coords.shape, Float32)
-        total = cute.make_rmem_tensor(coords.shape, Float32)
-        for i in cutlass.range_constexpr(cute.size(total)):
-            total[i] = Float32(-0.0)
-            acc[i] = Float32(0.0)
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        state = self._cta_state(tiled_mma, tma_a, g_a, (None, None), tma_b, g_b, (None, None),
+                                a_smem, b_smem, tid, warp)
+        storage, ring, acc, total, coords = (state.storage, state.ring, state.acc, state.total,
+                                             state.coords)
+        frag_a, frag_b = state.frag_a, state.frag_b
+        t_ga, t_sa, t_gb, t_sb = state.t_ga, state.t_sa, state.t_gb, state.t_sb
         cute.arch.sync_threads()
 
         fill = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
@@ -325,7 +254,8 @@ class TiledGemmKernel:
         flag = storage.last.data_ptr().toint()
         if cutlass.const_expr(self.producer):
             if warp == _MMA_WARPS:
-                self._prologue(ring, fill, q0, loads, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
+                fill = self._prologue(ring, fill, q0, loads, tma_a, t_ga, t_sa, tma_b, t_gb,
+                                      t_sb)
                 for _ in cutlass.range(self.stages, loads, unroll=1):
                     self._load_unit(ring, fill, q0, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
                     fill.advance()
@@ -336,7 +266,8 @@ class TiledGemmKernel:
                                        ws, counters, flag, tokens)
         else:
             if warp == 0:
-                self._prologue(ring, fill, q0, loads, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
+                fill = self._prologue(ring, fill, q0, loads, tma_a, t_ga, t_sa, tma_b, t_gb,
+                                      t_sb)
             self._persistent_units(ring, fill, read, done, q0, q1, loads, units, ctas,
                                    tiled_mma, acc, total, frag_a, frag_b, coords, warp, tid,
                                    tma_a, t_ga, t_sa, tma_b, t_gb, t_sb, out, addend, ws,
@@ -410,7 +341,11 @@ class TiledGemmKernel:
         """The persistent form's first ``min(stages, loads)`` loads: the weights of each
         (their slots' full barriers armed for the whole stage), then ``griddepcontrol.wait``
         and ``launch_dependents``, then the tokens of each (the weights never depend on the
-        stream's previous kernel; the tokens may). ``fill`` advances past them."""
+        stream's previous kernel; the tokens may). Returns ``fill`` advanced past them: the
+        caller must rebind it (a state advanced inside this function's dynamic ``if`` is
+        rebound here, not in the caller's object; the first GPU run, which dropped the
+        return, found the steady-state loads restarting at slot 0: a hang without a
+        producer warp, a launch failure with one)."""
         tok = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
         for i in cutlass.range_constexpr(self.stages):
             if i < loads:
@@ -428,6 +363,7 @@ class TiledGemmKernel:
                           tma_bar_ptr=ring.producer_get_barrier(tok))
                 ring.producer_commit(tok)
                 tok.advance()
+        return fill
 
     @cute.jit
     def _unit_stage(self, q0, count):
@@ -608,6 +544,57 @@ class TiledGemmKernel:
                         total[4 * j + i] = cutlass.select_(sp == 0, part,
                                                            h.fadd(total[4 * j + i], part))
             self._epilogue(total, coords, out, addend, tokens, tile, chunk)
+
+    def _cta_state(self, tiled_mma, tma_a, g_a, a_tiles, tma_b, g_b, b_tiles, a_smem, b_smem,
+                   tid, warp):
+        """A CTA's shared memory and registers (both grid forms; traced inline): the ring's
+        barriers and slots (``stages`` slots of weights and tokens, each slot's full barrier
+        taking one arrival, the TMA thread's, plus the transaction bytes, its empty barrier
+        one arrival per MMA warp), the flag of the fold, the TMA partitions of the weights
+        and tokens by (tile, k stage) (``a_tiles``, ``b_tiles``: the tile coordinates,
+        ``(tile, None)`` for one tile or ``(None, None)`` for all, the modes left to index), this warpgroup's MMA operands (the warpgroup's slice: wgmma reads them by
+        descriptor), this thread's accumulators (``+0.0``; every step adds into them, as
+        ``SplitKGemmKernel``'s chains do: the same bits, signed zeros included), its running
+        sum (``-0.0``) and the tile coordinates (row, token) of each."""
+        # the ring's full and empty barriers, and the fold's flag (annotations given as
+        # objects: this module's annotations are strings)
+        storage_type = cute.struct(type("Storage", (), {"__annotations__": {
+            "bars": cute.struct.MemRange[cutlass.Int64, 2 * self.stages],
+            "last": cute.struct.MemRange[cutlass.Int32, 4]}}))
+        smem = SmemAllocator()
+        storage = smem.allocate(storage_type)
+        s_a = smem.allocate_tensor(element_type=BFloat16, layout=a_smem.outer,
+                                   byte_alignment=1024, swizzle=a_smem.inner)
+        s_b = smem.allocate_tensor(element_type=BFloat16, layout=b_smem.outer,
+                                   byte_alignment=1024, swizzle=b_smem.inner)
+        tx = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, 0)))
+              + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, 0))))
+        ring = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.bars.data_ptr(), num_stages=self.stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_WARPS),
+            tx_count=tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+        g_a_tiles = cute.local_tile(g_a, (TILE_ROWS, STAGE_K), a_tiles)
+        g_b_tiles = cute.local_tile(g_b, (self.tile_tokens, STAGE_K), b_tiles)
+        t_sa, t_ga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
+                                           cute.group_modes(s_a, 0, 2),
+                                           cute.group_modes(g_a_tiles, 0, 2))
+        t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
+                                           cute.group_modes(s_b, 0, 2),
+                                           cute.group_modes(g_b_tiles, 0, 2))
+        wg_mma = tiled_mma.get_slice((warp // 4) * 128)
+        frag_a = tiled_mma.make_fragment_A(wg_mma.partition_A(s_a))
+        frag_b = tiled_mma.make_fragment_B(wg_mma.partition_B(s_b))
+        coords = self.thread_coordinates(tiled_mma, tid)
+        acc = cute.make_rmem_tensor(coords.shape, Float32)
+        total = cute.make_rmem_tensor(coords.shape, Float32)
+        for i in range(cute.size(total)):  # traced inline: a Python loop, unrolled
+            total[i] = Float32(-0.0)
+            acc[i] = Float32(0.0)
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        return SimpleNamespace(storage=storage, ring=ring, t_sa=t_sa, t_ga=t_ga, t_sb=t_sb,
+                               t_gb=t_gb, frag_a=frag_a, frag_b=frag_b, coords=coords, acc=acc,
+                               total=total)
 
     def thread_coordinates(self, tiled_mma, tid):
         """The (weight row, token) of the CTA tile that each of thread ``tid``'s
