@@ -27,6 +27,10 @@
   the controller when it finishes, and the controller prints and writes the one merged
   report (``verify.report.merge_reports``); a worker that ends without handing them over
   is a failed row of its own.
+* ``--case-timeout SECONDS`` (default 1200; 0: off): a case that runs longer ends its
+  process with every thread's traceback in ``verify-watchdog-<pid>.log`` (a GPU kernel that
+  never returns cannot be interrupted otherwise; under xdist the case becomes a failed row;
+  ``verify.watchdog``).
 * ``real_dimensions``: the marker of every case at the real dimensions (config
   ``kimi_k3``), added at collection, so that ``-m real_dimensions`` / ``-m "not
   real_dimensions"`` split a GPU run: each process keeps the real layer's weights it built
@@ -52,6 +56,7 @@ from verify.report import (Report, format_table, format_totals, merge_reports, r
                            write_report)
 from verify.seeds import seed_of
 from verify.shard import ShardSelection, parse_shard
+from verify.watchdog import DEFAULT_CASE_TIMEOUT_S, CaseWatchdog, parse_case_timeout
 
 REPORT_KEY = pytest.StashKey[Report]()
 SELECTED_KEY = pytest.StashKey[list]()
@@ -77,6 +82,11 @@ def pytest_addoption(parser):
         help="run only the I-th of N contiguous slices of the selected cases (after -m, -k "
              "and --backend): a suite split over N time-limited calls, joined with "
              "python -m verify.report merge (verify.shard)")
+    parser.getgroup("latentmoe").addoption(
+        "--case-timeout", default=str(DEFAULT_CASE_TIMEOUT_S), metavar="SECONDS",
+        help="end the process of a case that runs longer (a hung GPU kernel; its tracebacks "
+             "go to verify-watchdog-<pid>.log, and under xdist the case is a failed row); "
+             "0: off (verify.watchdog)")
 
 
 def pytest_configure(config):
@@ -86,6 +96,9 @@ def pytest_configure(config):
             config.pluginmanager.register(ShardSelection(*parse_shard(shard)), "latentmoe-shard")
         except ValueError as e:
             raise pytest.UsageError(str(e)) from None
+    seconds = parse_case_timeout(config.getoption("case_timeout", default="0"))
+    if seconds is not None:
+        config.pluginmanager.register(CaseWatchdog(seconds, Path.cwd()), "latentmoe-watchdog")
     cpu_math.warm_up()  # PyTorch's first parallel exp/tanh call in a process (verify.cpu_math)
     report = Report()
     config.stash[REPORT_KEY] = report
