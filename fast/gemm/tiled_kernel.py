@@ -67,7 +67,7 @@ from fast.device import fp32 as h
 from fast.device import ptx as p
 from fast.gemm.kernel import fence_gpu, ld_cg_v4, ld_f32, ld_u16, stg_f32_if, stg_u16_if
 from fast.gemm.tiled_layout import (STAGE_K, THREADS, TILE_ROWS, check_tiled_options,
-                                    tile_grid)
+                                    prefix_end, tile_grid, unit_range)
 
 __all__ = ["TiledGemmKernel", "ADDENDS"]
 
@@ -232,8 +232,7 @@ class TiledGemmKernel:
         ctas = cute.arch.grid_dim()[0]
         chunks = (tokens + self.tile_tokens - 1) // self.tile_tokens
         units = WT * chunks * S
-        q0 = (cta * units) // ctas
-        q1 = ((cta + 1) * units) // ctas
+        q0, q1 = unit_range(cta, ctas, units)
         loads = (q1 - q0) * KS
         if warp == 0:
             cpasync.prefetch_descriptor(tma_a)
@@ -292,21 +291,8 @@ class TiledGemmKernel:
                 for i in cutlass.range_constexpr(cute.size(total)):
                     total[i] = Float32(-0.0)
             if cutlass.const_expr(self.producer):
-                for kt in cutlass.range(KS, unroll=1):
-                    ring.consumer_wait(read)
-                    warpgroup.fence()
-                    for kb in cutlass.range_constexpr(STAGE_K // 16):
-                        cute.gemm(tiled_mma, acc, frag_a[(None, None, kb, read.index)],
-                                  frag_b[(None, None, kb, read.index)], acc)
-                    warpgroup.commit_group()
-                    warpgroup.wait_group(1)
-                    if kt > 0:
-                        ring.consumer_release(done)
-                        done.advance()
-                    read.advance()
-                warpgroup.wait_group(0)
-                ring.consumer_release(done)
-                done.advance()
+                read, done = self._split_overlapped(ring, read, done, tiled_mma, acc, frag_a,
+                                                    frag_b)
             else:
                 for kt in cutlass.range(KS, unroll=1):
                     ring.consumer_wait(read)
@@ -421,9 +407,7 @@ class TiledGemmKernel:
         cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)  # the flag's next write
         if last != 0:
             fence_gpu()
-            base = tile * S
-            c0 = ((base + 1) * ctas - 1) // units
-            first = cutlass.min(((c0 + 1) * units) // ctas, base + S) - base
+            first = prefix_end(tile, S, ctas, units, minimum=cutlass.min)
             for j in cutlass.range_constexpr(PIECES):
                 got = ld_cg_v4(ws + Int64(self.workspace_offset(chunk, wtile, 0, j, tid)))
                 for i in cutlass.range_constexpr(4):
@@ -478,26 +462,35 @@ class TiledGemmKernel:
         serial form, the split folded into the running sum in order. The accumulator chain
         is the same (each MMA adds into the previous one's result): the same bits."""
         SPLITS: cutlass.Constexpr = self.cta_splits
-        KS: cutlass.Constexpr = self.split_tiles
         done = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
         for s in cutlass.range(SPLITS, unroll=1):
-            for kt in cutlass.range(KS, unroll=1):
-                ring.consumer_wait(read)
-                warpgroup.fence()
-                for kb in cutlass.range_constexpr(STAGE_K // 16):
-                    cute.gemm(tiled_mma, acc, frag_a[(None, None, kb, read.index)],
-                              frag_b[(None, None, kb, read.index)], acc)
-                warpgroup.commit_group()
-                warpgroup.wait_group(1)
-                if kt > 0:  # the previous stage's MMAs are done with its slot
-                    ring.consumer_release(done)
-                    done.advance()
-                read.advance()
-            warpgroup.wait_group(0)
-            ring.consumer_release(done)
-            done.advance()
+            read, done = self._split_overlapped(ring, read, done, tiled_mma, acc, frag_a, frag_b)
             if cutlass.const_expr(not self.cross):
                 self._fold_split(total, acc)
+
+    @cute.jit
+    def _split_overlapped(self, ring, read, done, tiled_mma, acc, frag_a, frag_b):
+        """One split's stages beside a producer warp: each stage's MMAs issued while the
+        previous stage's are in flight (``wgmma.wait_group 1``), the previous slot released
+        then (``done``); at the split's end every MMA waited for and its last slot released.
+        Returns ``(read, done)`` advanced past the split: the caller rebinds both
+        (``tools/pipeline_state_lint.py``)."""
+        for kt in cutlass.range(self.split_tiles, unroll=1):
+            ring.consumer_wait(read)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(STAGE_K // 16):
+                cute.gemm(tiled_mma, acc, frag_a[(None, None, kb, read.index)],
+                          frag_b[(None, None, kb, read.index)], acc)
+            warpgroup.commit_group()
+            warpgroup.wait_group(1)
+            if kt > 0:  # the previous stage's MMAs are done with its slot
+                ring.consumer_release(done)
+                done.advance()
+            read.advance()
+        warpgroup.wait_group(0)
+        ring.consumer_release(done)
+        done.advance()
+        return read, done
 
     def workspace_offset(self, chunk, tile, split, piece, tid):
         """Byte offset of thread ``tid``'s accumulators ``4 piece .. 4 piece + 3`` of
@@ -518,9 +511,7 @@ class TiledGemmKernel:
         in the CTA barriers)."""
         PIECES: cutlass.Constexpr = cute.size(acc) // 4
         if warp < _MMA_WARPS:
-            for j in cutlass.range_constexpr(PIECES):
-                p.stg_v4(ws + Int64(self.workspace_offset(chunk, tile, split, j, tid)),
-                         [h.bits(acc[4 * j + i]) for i in range(4)])
+            self._store_partial(acc, ws, chunk, tile, split, tid)
         fence_gpu()
         cute.arch.sync_threads()
         if tid == 0:

@@ -84,18 +84,20 @@ def workspace_bytes(n: int, tokens: int, tile_tokens: int, splits: int) -> int:
     return chunks * tiles * splits * TILE_ROWS * tile_tokens * 4
 
 
-def unit_range(cta: int, ctas: int, units: int) -> tuple[int, int]:
+def unit_range(cta, ctas, units):
     """The persistent form's units ``[q0, q1)`` of CTA ``cta`` of ``ctas`` out of ``units``
     (unit ``q``: split ``q % splits`` of CTA tile ``q // splits``, the tiles weight-tile
-    fastest): ``q0 = cta * units // ctas``, as the kernel computes it."""
+    fastest): ``q0 = cta * units // ctas``. Plain arithmetic: the kernel calls it on its
+    run-time values."""
     return cta * units // ctas, (cta + 1) * units // ctas
 
 
-def prefix_end(tile: int, splits: int, ctas: int, units: int) -> int:
+def prefix_end(tile, splits: int, ctas, units, minimum=min):
     """The persistent form: how many of ``tile``'s splits (from split 0, in order) the CTA
     holding its split 0 folds in its registers before storing the running sum as the
     tile's slot 0 (``splits`` when it holds the whole tile): the CTA ``c0`` whose range
-    holds unit ``q = tile * splits`` is ``((q + 1) * ctas - 1) // units``."""
+    holds unit ``q = tile * splits`` is ``((q + 1) * ctas - 1) // units``. The kernel calls
+    it on its run-time values with ``minimum=cutlass.min``."""
     q = tile * splits
     c0 = ((q + 1) * ctas - 1) // units
-    return min(unit_range(c0, ctas, units)[1], q + splits) - q
+    return minimum(unit_range(c0, ctas, units)[1], q + splits) - q
