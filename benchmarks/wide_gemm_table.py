@@ -22,9 +22,11 @@ gate/up and shared down BF16, up BF16 with a BF16 addend), each at its one K spl
   128-row weight tiles, the same K split folded in the same order) at those token tiles and
   ring depths, one CTA per split (``cross``) or, with an ``s``, the splits in order inside
   each CTA, with a ``k`` one CTA per multiprocessor over ranges of (tile, split) units
-  (``TiledGemm(persistent=True)``), and with a ``p`` a producer warp of its own
-  (``TiledGemm(producer=True)``); its output compared with the ``cw8`` form's in the same
-  way.
+  (``TiledGemm(persistent=True)``), with a ``p`` a producer warp of its own
+  (``TiledGemm(producer=True)``), and with ``c<w><t>`` (the splits in order with a producer
+  warp) in clusters of ``w`` weight tiles by ``t`` token tiles sharing their operand
+  stages by TMA multicast (``TiledGemm(cluster=(w, t))``); its output compared with the
+  ``cw8`` form's in the same way.
 
 ``--forms cw8+cw16,overlap`` times only those ``fast.gemm`` forms, ``+``-separated (the
 labels hold commas; ``cw8``, the bits' reference, always).
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 
 import torch
@@ -126,20 +129,46 @@ def tiled_table(result: dict) -> dict[str, dict]:
     warp, in table order."""
     out = {}
     for variant in result.get("tiled", []):
-        tokens, stages, cross, producer, persistent = _variant(variant)
+        tokens, stages, cross, producer, persistent, cluster = _variant(variant)
         label = (f"tiled{tokens}x{stages}" + ("k" if persistent else ("" if cross else "s"))
-                 + ("p" if producer else ""))
+                 + ("p" if producer else "")
+                 + (f"c{cluster[0]}{cluster[1]}" if cluster != (1, 1) else ""))
         out[label] = {"tiled": {"tile_tokens": tokens, "stages": stages, "cross": bool(cross),
                                 "producer": bool(producer)}}
         if persistent:
             out[label]["tiled"]["persistent"] = True
+        if cluster != (1, 1):
+            out[label]["tiled"]["cluster"] = list(cluster)
     return out
 
 
-def _variant(variant) -> tuple[int, int, bool, bool, bool]:
-    """(tile_tokens, stages, cross, producer, persistent) of a result's tiled variant."""
+def _variant(variant) -> tuple[int, int, bool, bool, bool, tuple[int, int]]:
+    """(tile_tokens, stages, cross, producer, persistent, cluster) of a result's tiled
+    variant (results before the persistent form lack the last two, before the cluster
+    the last)."""
     tokens, stages, cross, producer, *rest = variant
-    return tokens, stages, bool(cross), bool(producer), bool(rest and rest[0])
+    persistent = bool(rest and rest[0])
+    cluster = tuple(rest[1]) if len(rest) > 1 else (1, 1)
+    return tokens, stages, bool(cross), bool(producer), persistent, cluster
+
+
+def parse_tiled(spec: str) -> list:
+    """``--tiled``'s variant ``<tokens>x<stages>[s|k][p][c<w><t>]`` as a result's
+    ``[tile_tokens, stages, cross, producer, persistent, [w, t]]`` (no ``s``/``k``: one CTA
+    per split; ``s``: the splits in order; ``k``: the persistent grid; ``p``: a producer
+    warp; ``c<w><t>``: clusters of ``w`` weight tiles by ``t`` token tiles). ValueError
+    when it is not of that form or ``fast.gemm.tiled_layout.check_tiled_options`` refuses
+    it."""
+    from fast.gemm.tiled_layout import TILED_KEYS, check_tiled_options
+
+    m = re.fullmatch(r"(\d+)x(\d+)([sk]?)(p?)(?:c(\d)(\d))?", spec)
+    if m is None:
+        raise ValueError(f"{spec!r} is not <tokens>x<stages>[s|k][p][c<w><t>]")
+    tokens, stages, grid, producer, cw, ct = m.groups()
+    variant = [int(tokens), int(stages), grid == "", producer == "p", grid == "k",
+               [int(cw), int(ct)] if cw else [1, 1]]
+    check_tiled_options("--tiled", dict(zip(TILED_KEYS, variant[:5] + [False, variant[5]])))
+    return variant
 
 
 def tiled_labels(result: dict) -> list[str]:
@@ -194,8 +223,9 @@ def main(argv=None):
                     help="ring stage widths to time each form at (64, 128; e.g. 64,128)")
     ap.add_argument("--tiled", default="",
                     help="fast.gemm.TiledGemm variants to time beside the forms, as "
-                         "<tile tokens>x<stages>[s][p] (s: serial splits, p: a producer warp; "
-                         "e.g. 128x4,64x4p,128x4s; sm_90a)")
+                         "<tile tokens>x<stages>[s|k][p][c<w><t>] (s: serial splits, k: the "
+                         "persistent grid, p: a producer warp, c: clusters of w weight tiles "
+                         "by t token tiles; e.g. 128x4,64x4p,128x4s,64x4spc12; sm_90a)")
     ap.add_argument("--forms", default="all",
                     help="the fast.gemm forms to time, +-separated labels of the table (e.g. "
                          "cw16+cw16,serial,overlap; cw8 always), or all")
@@ -208,7 +238,6 @@ def main(argv=None):
     from fast.gemm import DenseGemm
     from fast.gemm.host import default_tactic
     from fast.gemm.tiled import TiledGemm
-    from fast.gemm.tiled_layout import TILED_KEYS, check_tiled_options
     from fast.schedules.wide_gemms import gemm_shapes, gemm_splits
     from model.config import LatentMoEConfig
 
@@ -218,17 +247,10 @@ def main(argv=None):
     if not set(stage_ks) <= {64, 128} or 64 not in stage_ks:
         ap.error(f"--stage-k takes 64 and optionally 128, got {args.stage_k!r}")
     try:
-        tiled = [[int(v) for v in spec.rstrip("skp").split("x")]
-                 + [spec.rstrip("p")[-1] not in "sk", spec.endswith("p"),
-                    spec.rstrip("p").endswith("k")]
-                 for spec in args.tiled.split(",") if spec]
-        for v in tiled:
-            if len(v) != 5:
-                raise ValueError(f"{v[:-3]} is not <tokens>x<stages>")
-            check_tiled_options("--tiled", dict(zip(TILED_KEYS, v)))
+        tiled = [parse_tiled(spec) for spec in args.tiled.split(",") if spec]
     except ValueError as e:
-        ap.error(f"--tiled takes <tokens>x<stages>[s|k][p] variants, e.g. 128x4,96x4s,64x4kp; "
-                 f"got {args.tiled!r}: {e}")
+        ap.error(f"--tiled takes <tokens>x<stages>[s|k][p][c<w><t>] variants, e.g. "
+                 f"128x4,96x4s,64x4kp,64x4spc12; got {args.tiled!r}: {e}")
     unknown = (set() if args.forms == "all"
                else set(args.forms.split("+")) - set(form_table({"stage_ks": stage_ks})))
     if unknown:
@@ -268,10 +290,10 @@ def main(argv=None):
                     reps=args.reps, flush=flush)
                 outs[label] = eng(a, out_dtype=out_dtype, addend=addend, tactic=t).clone()
             for variant, label in zip(tiled, tiled_labels(result)):
-                tokens, stages, cross, producer, persistent = _variant(variant)
+                tokens, stages, cross, producer, persistent, cluster = _variant(variant)
                 tg = TiledGemm(weight, splits=splits[g], max_tokens=top, tile_tokens=tokens,
                                stages=stages, cross=cross, producer=producer,
-                               persistent=persistent)
+                               persistent=persistent, cluster=cluster)
                 case["tactics"][label] = tg.label()
                 out = torch.empty(rows, weight.shape[0], dtype=out_dtype, device="cuda")
                 case["times"][label] = device_time_us(

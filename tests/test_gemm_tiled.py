@@ -63,6 +63,66 @@ def test_tiled_kernel_persistent_form_compiles(case, tile_tokens, producer):
     assert compiled(TiledGemmKernel, "sm_90a", frozen(params))
 
 
+@needs_cute
+@pytest.mark.parametrize("cluster", [(1, 2), (2, 1), (2, 2)], ids=lambda c: f"{c[0]}x{c[1]}")
+@pytest.mark.parametrize("case", _wide_kinds(), ids=lambda c: c[0])
+def test_tiled_kernel_cluster_form_compiles(case, cluster):
+    """The serial form in thread-block clusters (``cluster=(weight tiles, token tiles)``,
+    TMA multicast of the shared operand stages) at every TP8 wide GEMM's shape and kind."""
+    from fast.device.compile import compiled, frozen
+    from fast.gemm.tiled_kernel import TiledGemmKernel
+
+    _, n, k, splits, out_f32, addend = case
+    params = dict(n=-(-n // 128) * 128, k=k, width=n, splits=splits, out_f32=out_f32,
+                  addend=addend, tile_tokens=64, stages=4, cross=False, producer=True,
+                  cluster=cluster)
+    assert compiled(TiledGemmKernel, "sm_90a", frozen(params))
+
+
+_PTX = """
+import ast, sys
+from fast.device.compile import compiled, frozen
+from fast.gemm.tiled_kernel import TiledGemmKernel
+compiled(TiledGemmKernel, "sm_90a", frozen(ast.literal_eval(sys.argv[1])))
+"""
+
+
+@needs_cute
+@pytest.mark.parametrize("cluster", [(1, 1), (1, 2), (2, 1), (2, 2)], ids=lambda c: f"{c[0]}x{c[1]}")
+def test_tiled_cluster_multicasts_and_waits_for_its_partners(cluster, tmp_path):
+    """The clustered kernel's PTX (sm_90a): each extent above 1 multicasts its operand's
+    copies (``cp.async.bulk.tensor ... multicast::cluster``: the weights where the cluster
+    spans token tiles, the tokens where it spans weight tiles), the ring's empty barriers
+    are released in the partner CTAs (``mbarrier.arrive.shared::cluster``), and the CTAs
+    wait for each other at the start (barriers initialized) and the end (no CTA leaves
+    while a partner may still write into it); without a cluster none of these."""
+    from tools.ptx_dump import run_compile
+
+    params = dict(n=640, k=7168, width=560, splits=8, out_f32=True, tile_tokens=64, stages=4,
+                  cross=False, producer=True, cluster=cluster)
+    run_compile(_PTX, [repr(params)], keep="ptx", dump_dir=tmp_path)
+    (ptx,) = sorted(tmp_path.rglob("*.ptx"))
+    text = ptx.read_text()
+    copies = [line for line in text.splitlines() if "cp.async.bulk.tensor" in line]
+    multicast = [line for line in copies if "multicast::cluster" in line]
+    assert len(copies) == 2
+    assert len(multicast) == (cluster[0] > 1) + (cluster[1] > 1)
+    assert ("mbarrier.arrive.shared::cluster" in text) == (cluster != (1, 1))
+    assert text.count("barrier.cluster.wait") == (2 if cluster != (1, 1) else 0)
+
+
+@pytest.mark.parametrize("cluster", [(1, 1), (1, 2), (2, 1), (2, 2), (4, 1), (1, 4)])
+@pytest.mark.parametrize("tiles,chunks", [(1, 1), (5, 11), (6, 16), (56, 9), (7, 1)])
+def test_cluster_grid_covers_the_tiles_in_whole_clusters(tiles, chunks, cluster):
+    """``tiled_layout.cluster_grid``: each extent the call's tiles rounded up to a whole
+    number of clusters, less than one cluster over."""
+    from fast.gemm.tiled_layout import cluster_grid
+
+    gt, gc = cluster_grid(tiles, chunks, cluster)
+    assert gt % cluster[0] == 0 and gc % cluster[1] == 0
+    assert tiles <= gt < tiles + cluster[0] and chunks <= gc < chunks + cluster[1]
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3, 8])
 @pytest.mark.parametrize("ctas", [1, 7, 50, 132])
 @pytest.mark.parametrize("tiles", [1, 5, 40, 96, 448])
@@ -118,6 +178,19 @@ def test_tiled_kernel_other_kinds_compile():
     (dict(n=896, k=3584, width=896, splits=2, producer=None), "producer"),
     (dict(n=896, k=3584, width=896, splits=2, cross=True, persistent=True), "persistent"),
     (dict(n=896, k=3584, width=896, splits=2, persistent=True, ctas=0), "ctas"),
+    (dict(n=896, k=3584, width=896, splits=2, cross=True, producer=True, cluster=(1, 2)),
+     "serial form's"),
+    (dict(n=896, k=3584, width=896, splits=2, cross=False, cluster=(1, 2)), "producer warp"),
+    (dict(n=896, k=3584, width=896, splits=2, persistent=True, producer=True, cluster=(2, 1)),
+     "serial form's"),
+    (dict(n=896, k=3584, width=896, splits=2, cross=False, producer=True, cluster=(4, 4)),
+     "at most 8"),
+    (dict(n=896, k=3584, width=896, splits=2, cross=False, producer=True, cluster=(3, 1)),
+     "cluster"),
+    (dict(n=896, k=3584, width=896, splits=2, cross=False, producer=True, cluster=(2,)),
+     "cluster"),
+    (dict(n=896, k=3584, width=896, splits=2, cross=False, producer=True, tile_tokens=48,
+          cluster=(4, 1)), "multiple of 32"),
 ])
 def test_tiled_kernel_refuses_bad_parameters(params, word):
     from fast.gemm.tiled_kernel import TiledGemmKernel
@@ -232,10 +305,11 @@ compiled(TiledGemmKernel, "sm_90a", frozen(ast.literal_eval(sys.argv[1])))
 
 
 @needs_cute
-@pytest.mark.parametrize("tile_tokens,producer,persistent",
-                         [(160, False, False), (144, True, False), (96, True, False),
-                          (144, True, True), (160, False, True)])
-def test_tiled_kernel_fits_its_registers(tile_tokens, producer, persistent, tmp_path):
+@pytest.mark.parametrize("tile_tokens,producer,persistent,cluster",
+                         [(160, False, False, (1, 1)), (144, True, False, (1, 1)),
+                          (96, True, False, (1, 1)), (144, True, True, (1, 1)),
+                          (160, False, True, (1, 1)), (144, True, False, (2, 2))])
+def test_tiled_kernel_fits_its_registers(tile_tokens, producer, persistent, cluster, tmp_path):
     """The widest token tile (160: two accumulators of 80 FP32 per thread) and the widest
     beside a producer warp (144; its 288 threads take registers as three warpgroups, 168
     each: 160 spills there, so it is refused) compile for sm_90a without a stack frame
@@ -245,7 +319,8 @@ def test_tiled_kernel_fits_its_registers(tile_tokens, producer, persistent, tmp_
     from tools.sass_budget import kernel_attributes
 
     params = dict(n=1536, k=7168, width=1536, splits=4, tile_tokens=tile_tokens, stages=4,
-                  cross=not persistent, producer=producer, persistent=persistent)
+                  cross=not persistent and cluster == (1, 1), producer=producer,
+                  persistent=persistent, cluster=cluster)
     run_compile(_ATTRIBUTES, [repr(params)], keep="cubin", dump_dir=tmp_path)
     (cubin,) = sorted(tmp_path.rglob("*.cubin"))
     attrs = kernel_attributes(cubin.read_bytes())

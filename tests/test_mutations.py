@@ -391,6 +391,13 @@ MUTATIONS = [
          "self.workspace_offset(chunk, tile, self.splits - 1 - sp, j, tid)",
          ["verify/test_gemm_fast.py::test_gemm_fast_tiled_same_bits[fast-front]"],
          needs_gpu=True, expect="cross"),
+    _one("fast GEMM, tiled kernel: in a cluster every CTA multicasts the first slice of the "
+         "weight stage (its own slice's coordinate ignored; the stage's bytes still arrive, "
+         "the other rows of the slot stay stale)", "fast/gemm/tiled_kernel.py",
+         "a_place, b_place = (coord[1], cute.make_layout(cn)), (coord[0], cute.make_layout(cm))",
+         "a_place, b_place = (0, cute.make_layout(cn)), (coord[0], cute.make_layout(cm))",
+         ["verify/test_gemm_fast.py::test_gemm_fast_tiled_same_bits[fast-front]"],
+         needs_gpu=True, expect="cluster"),
     _one("fast GEMM, tiled kernel: the persistent form's completing CTA folds the later "
          "splits of a straddling tile in reverse split order", "fast/gemm/tiled_kernel.py",
          "self.workspace_offset(chunk, wtile, sp, j, tid)",

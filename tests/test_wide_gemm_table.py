@@ -117,9 +117,10 @@ def test_best_forms_kernels_compile(tmp_path):
     for name, form in tiled:
         n, k = shapes[name]
         out, addend = CALL_KINDS[name]
+        options = {key: tuple(v) if isinstance(v, list) else v for key, v in form.items()}
         assert compiled(TiledGemmKernel, "sm_90a", frozen(dict(
             n=n, k=k, width=n, splits=splits[name], out_f32=out == "float32",
-            addend="none" if addend is None else "bf16", **form)))
+            addend="none" if addend is None else "bf16", **options)))
 
 
 def test_forms_option_takes_plus_separated_labels(capsys):
@@ -140,9 +141,30 @@ def test_tiled_option_is_checked_as_the_kernel_checks_it(capsys):
     import pytest
 
     for bad, word in (("72x4", "tile_tokens"), ("160x4p", "producer warp"),
-                      ("128x1", "stages"), ("128", "is not <tokens>x<stages>")):
+                      ("128x1", "stages"), ("128", "is not <tokens>x<stages>"),
+                      ("64x4sc12", "serial form's with a producer warp"),
+                      ("64x4kpc21", "serial form's with a producer warp"),
+                      ("48x4spc41", "multiple of 32"), ("64x4spc44", "at most 8"),
+                      ("64x4spc1", "is not <tokens>x<stages>")):
         with pytest.raises(SystemExit):
             table.main(["--tiled", bad])
         assert word in capsys.readouterr().err, bad
     assert table.tiled_labels({"tiled": [[96, 4, False, True], [128, 4, True, False]]}) == \
         ["tiled96x4sp", "tiled128x4"]
+
+
+def test_tiled_variants_parse_and_label_back():
+    """``parse_tiled``: each spelling of a variant to the result's list, and
+    ``tiled_table`` labels it back the same way with the options ``TiledGemm`` takes
+    (a cluster as its pair; the persistent grid and cluster keys only where set)."""
+    specs = ["128x4", "96x6sp", "128x4kp", "64x4spc12", "96x4spc21", "64x2spc22"]
+    variants = [table.parse_tiled(s) for s in specs]
+    assert variants[0] == [128, 4, True, False, False, [1, 1]]
+    assert variants[3] == [64, 4, False, True, False, [1, 2]]
+    labelled = table.tiled_table({"tiled": variants})
+    assert list(labelled) == [f"tiled{s}" for s in specs]
+    assert labelled["tiled64x4spc12"]["tiled"] == {"tile_tokens": 64, "stages": 4,
+                                                   "cross": False, "producer": True,
+                                                   "cluster": [1, 2]}
+    assert labelled["tiled128x4kp"]["tiled"]["persistent"] is True
+    assert "cluster" not in labelled["tiled96x6sp"]["tiled"]

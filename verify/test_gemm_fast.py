@@ -692,7 +692,9 @@ def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
     stages, the splits in their own CTAs (cross), in order inside each CTA (serial) and in
     ranges of (tile, split) units over a persistent grid of 132, 50 or 7 CTAs (the tiles
     whose splits straddle CTAs handed over through the workspace; with a producer warp
-    also launched with programmatic dependent launch), with and without a
+    also launched with programmatic dependent launch), in order inside each CTA in
+    clusters of 1x2, 2x1 and 2x2 CTAs sharing their operand stages by TMA multicast (the
+    grid rounded up to whole clusters: CTAs past the tiles), with and without a
     producer warp (the MMAs of consecutive stages overlapping), one object per variant
     called at every row count in turn (the tile counters re-armed by each call), bitwise
     the first rows of ``DenseGemm``'s 1024-row call on the warpgroup MMA at the same K
@@ -706,19 +708,24 @@ def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
         pytest.skip(f"wgmma is an sm_90a instruction; this GPU is {gpu_arch()}")
     eng, x, addend, out_dtype = wide_case(gemm, "wgmma")
     full, _ = run_wide(gemm, WIDE_TOP, mma="wgmma")
-    for tile_tokens, stages, grid, producer in (
-            (128, 4, "cross", False), (64, 2, "cross", False), (128, 4, "serial", False),
-            (64, 2, "serial", False), (128, 4, "cross", True), (64, 3, "serial", True),
-            (96, 4, "serial", False), (48, 3, "cross", True), (128, 4, 132, False),
-            (128, 4, 132, True), (96, 3, 50, True), (64, 2, 7, False)):
+    for tile_tokens, stages, grid, producer, cluster in (
+            (128, 4, "cross", False, (1, 1)), (64, 2, "cross", False, (1, 1)),
+            (128, 4, "serial", False, (1, 1)), (64, 2, "serial", False, (1, 1)),
+            (128, 4, "cross", True, (1, 1)), (64, 3, "serial", True, (1, 1)),
+            (96, 4, "serial", False, (1, 1)), (48, 3, "cross", True, (1, 1)),
+            (128, 4, 132, False, (1, 1)), (128, 4, 132, True, (1, 1)),
+            (96, 3, 50, True, (1, 1)), (64, 2, 7, False, (1, 1)),
+            (64, 4, "serial", True, (1, 2)), (96, 3, "serial", True, (2, 1)),
+            (64, 2, "serial", True, (2, 2))):
         tiled = TiledGemm(eng.weight, splits=eng.splits, max_tokens=WIDE_TOP,
                           tile_tokens=tile_tokens, stages=stages, cross=grid == "cross",
                           producer=producer, persistent=isinstance(grid, int),
                           ctas=grid if isinstance(grid, int) else None,
-                          pdl=isinstance(grid, int) and producer)
+                          pdl=isinstance(grid, int) and producer, cluster=cluster)
         form = (f"persistent {grid} CTAs" if isinstance(grid, int) else grid) \
             + (" producer pdl" if isinstance(grid, int) and producer else
-               " producer" if producer else "")
+               " producer" if producer else "") \
+            + (f" cluster {cluster[0]}x{cluster[1]}" if cluster != (1, 1) else "")
         for tokens in WIDE_ROWS + (WIDE_TOP,):
             check_guarded(
                 contract, lambda out: tiled(
@@ -732,14 +739,17 @@ def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
         (n, k), seed_of(f"verify/test_gemm_fast.py::wide-designed::{gemm}"), DEVICE)
     adds = None if addend is None else addend[:tokens].contiguous()
     xd, acc = designed_split_operands(designed, tokens, splits, adds)
-    for grid, producer in (("cross", False), ("serial", False), ("cross", True),
-                           ("serial", True), (132, False), (11, True)):
+    for grid, producer, cluster in (("cross", False, (1, 1)), ("serial", False, (1, 1)),
+                                    ("cross", True, (1, 1)), ("serial", True, (1, 1)),
+                                    (132, False, (1, 1)), (11, True, (1, 1)),
+                                    ("serial", True, (2, 2))):
         got = TiledGemm(designed, splits=splits, max_tokens=tokens, cross=grid == "cross",
                         producer=producer, persistent=isinstance(grid, int),
-                        ctas=grid if isinstance(grid, int) else None)(
+                        ctas=grid if isinstance(grid, int) else None, cluster=cluster)(
                             xd.to(DEVICE), out_dtype=out_dtype, addend=adds)
         form = (f"persistent {grid} CTAs" if isinstance(grid, int) else grid) \
-            + (" producer" if producer else "")
+            + (" producer" if producer else "") \
+            + (f" cluster {cluster[0]}x{cluster[1]}" if cluster != (1, 1) else "")
         contract.bitwise(_bits(got).cpu(), _bits(acc.to(out_dtype)),
                          what=f"wide {gemm} tiled {form}, 257 rows: designed split order",
                          index_names=ROWS)

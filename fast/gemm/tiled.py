@@ -60,12 +60,18 @@ class TiledGemm:
         pdl: launch with programmatic dependent launch (the persistent form only): a call
             starts while the stream's previous kernel finishes and streams its first
             stages' weights before waiting for it; moves no bit.
+        cluster: ``(weight tiles, token tiles)``: the serial form (``cross=False``, with a
+            producer warp) in thread-block clusters of that many CTAs, each CTA loading a
+            slice of the weight stage its token tiles share and of the token stage its
+            weight tiles share, multicast by TMA to the others (fewer operand bytes
+            through the L2: at most 8 CTAs, extents of
+            ``fast.gemm.tiled_layout.CLUSTER_EXTENTS``); moves no bit.
     """
 
     def __init__(self, weight: torch.Tensor, *, splits: int, max_tokens: int,
                  tile_tokens: int = 128, stages: int = 4, cross: bool | None = None,
                  producer: bool = False, persistent: bool = False, ctas: int | None = None,
-                 pdl: bool = False):
+                 pdl: bool = False, cluster: tuple[int, int] = (1, 1)):
         n, k = check_weight_shape("TiledGemm", weight)
         check_weight_placement("TiledGemm", weight)
         if isinstance(splits, bool) or not isinstance(splits, int) or splits < 1 \
@@ -88,9 +94,10 @@ class TiledGemm:
                      if ctas is None else ctas)
         kernel = TiledGemmKernel(n=n, k=k, width=n, splits=splits, tile_tokens=tile_tokens,
                                  stages=stages, cross=cross, producer=producer,
-                                 persistent=persistent,
-                                 ctas=self.ctas)  # refuses bad ones by name
+                                 persistent=persistent, ctas=self.ctas,
+                                 cluster=cluster)  # refuses bad ones by name
         self.cross, self.producer, self.persistent = kernel.cross, producer, persistent
+        self.cluster = kernel.cluster
         check_tiled_options("TiledGemm", dict(persistent=persistent, pdl=pdl))
         self.pdl = pdl
         self._null = torch.zeros(8, dtype=_F32, device=self.device)
@@ -107,7 +114,9 @@ class TiledGemm:
         table prints for calls this object serves."""
         grid = "persistent" if self.persistent else ("cross" if self.cross else "serial")
         return (f"tiled t{self.tile_tokens} s{self.stages} {grid}"
-                + (" producer" if self.producer else "") + (" pdl" if self.pdl else ""))
+                + (" producer" if self.producer else "") + (" pdl" if self.pdl else "")
+                + (f" cluster {self.cluster[0]}x{self.cluster[1]}"
+                   if self.cluster != (1, 1) else ""))
 
     def kernel_params(self, out_dtype: torch.dtype, addend_dtype: torch.dtype | None) -> dict:
         """The compile parameters of the kernel that serves this output and addend kind."""
@@ -115,7 +124,7 @@ class TiledGemm:
         return dict(n=self.n, k=self.k, width=self.n, splits=self.splits,
                     out_f32=out_dtype == _F32, addend=kind, tile_tokens=self.tile_tokens,
                     stages=self.stages, cross=self.cross, producer=self.producer,
-                    persistent=self.persistent, ctas=self.ctas)
+                    persistent=self.persistent, ctas=self.ctas, cluster=self.cluster)
 
     def compile_for(self, kinds) -> None:
         """Compile the kernels of ``kinds``: ``(out_dtype, addend_dtype or None)`` pairs."""

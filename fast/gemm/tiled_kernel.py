@@ -67,7 +67,7 @@ from fast.device import fp32 as h
 from fast.device import ptx as p
 from fast.gemm.kernel import fence_gpu, ld_cg_v4, ld_f32, ld_u16, stg_f32_if, stg_u16_if
 from fast.gemm.tiled_layout import (STAGE_K, THREADS, TILE_ROWS, check_tiled_options,
-                                    prefix_end, tile_grid, unit_range)
+                                    cluster_grid, prefix_end, tile_grid, unit_range)
 
 __all__ = ["TiledGemmKernel", "ADDENDS"]
 
@@ -85,7 +85,7 @@ class TiledGemmKernel:
     def __init__(self, *, n: int, k: int, width: int, splits: int, out_f32: bool = False,
                  addend: str = "none", tile_tokens: int = 128, stages: int = 4,
                  cross: bool = False, producer: bool = False, persistent: bool = False,
-                 ctas: int = 132):
+                 ctas: int = 132, cluster: tuple[int, int] = (1, 1)):
         if k % (STAGE_K * splits) or splits < 1:
             raise ValueError(f"TiledGemmKernel: K={k} must be a multiple of {STAGE_K} x "
                              f"splits={splits}")
@@ -95,13 +95,18 @@ class TiledGemmKernel:
             raise ValueError(f"TiledGemmKernel: addend must be one of {ADDENDS}, got {addend!r}")
         check_tiled_options("TiledGemmKernel", dict(tile_tokens=tile_tokens, stages=stages,
                                                     cross=cross, producer=producer,
-                                                    persistent=persistent))
+                                                    persistent=persistent, cluster=cluster))
         if isinstance(ctas, bool) or not isinstance(ctas, int) or ctas < 1:
             raise ValueError(f"TiledGemmKernel: ctas must be an int >= 1, got {ctas!r}")
         #: one CTA per multiprocessor (at most ``ctas``), each a range of (tile, split) units
         self.persistent, self.ctas = persistent, ctas
         #: a warp of its own issues the copies (and the MMAs overlap across stages)
         self.producer = producer
+        #: the serial grid's thread-block clusters, (weight tiles, token tiles) CTAs: each
+        #: CTA loads 1/(token tiles) of the weight stage and 1/(weight tiles) of the token
+        #: stage, multicast to the cluster's CTAs that share it
+        self.cluster = (int(cluster[0]), int(cluster[1]))
+        self.multicast = self.cluster != (1, 1)
         self.n, self.k, self.width, self.splits = n, k, width, splits
         #: one CTA per split (a single split has nothing to fold: the serial form)
         self.cross = cross and splits > 1
@@ -144,12 +149,18 @@ class TiledGemmKernel:
                                    cute.make_layout((self.n, self.k), stride=(self.k, 1)))
         rows = cute.make_tensor(cute.make_ptr(BFloat16, x, _GMEM, assumed_align=16),
                                 cute.make_layout((tokens, self.k), stride=(self.k, 1)))
+        # a weight stage is shared by the cluster's token tiles, a token stage by its weight
+        # tiles: multicast copies where a cluster extent is above 1
+        cm, cn = self.cluster
         tma_a, g_a = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), weights, cute.slice_(a_smem, (None, None, 0)),
-            (TILE_ROWS, STAGE_K))
+            cpasync.CopyBulkTensorTileG2SMulticastOp() if cn > 1
+            else cpasync.CopyBulkTensorTileG2SOp(), weights,
+            cute.slice_(a_smem, (None, None, 0)), (TILE_ROWS, STAGE_K), num_multicast=cn)
         tma_b, g_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), rows, cute.slice_(b_smem, (None, None, 0)),
-            (self.tile_tokens, STAGE_K))
+            cpasync.CopyBulkTensorTileG2SMulticastOp() if cm > 1
+            else cpasync.CopyBulkTensorTileG2SOp(), rows,
+            cute.slice_(b_smem, (None, None, 0)), (self.tile_tokens, STAGE_K),
+            num_multicast=cm)
         tiles = self.tiles
         chunks = (tokens + self.tile_tokens - 1) // self.tile_tokens
         if cutlass.const_expr(self.persistent):
@@ -158,6 +169,13 @@ class TiledGemmKernel:
                                    out, addend, ws, counters, tokens).launch(
                                        grid=(ctas, 1, 1), block=(self.threads, 1, 1),
                                        stream=stream, min_blocks_per_mp=1, use_pdl=pdl)
+            return
+        if cutlass.const_expr(self.multicast):
+            grid_tiles, grid_chunks = cluster_grid(tiles, chunks, self.cluster)
+            self.kernel(self._tiled_mma(), tma_a, g_a, tma_b, g_b, a_smem, b_smem, out,
+                        addend, ws, counters, tokens).launch(
+                            grid=(grid_tiles, grid_chunks, 1), cluster=(cm, cn, 1),
+                            block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
             return
         self.kernel(self._tiled_mma(), tma_a, g_a, tma_b, g_b, a_smem, b_smem, out, addend,
                     ws, counters, tokens).launch(
@@ -184,7 +202,7 @@ class TiledGemmKernel:
 
         # this CTA's stages of weights and tokens: (tile, k stage) -> slot
         cta = self._cta_state(tiled_mma, tma_a, g_a, (tile, None), tma_b, g_b, (chunk, None),
-                              a_smem, b_smem, tid, warp)
+                              a_smem, b_smem, tid, warp, self._cluster_place())
         storage, ring, acc, total, coords = cta.storage, cta.ring, cta.acc, cta.total, cta.coords
         frag_a, frag_b = cta.frag_a, cta.frag_b
         t_ga, t_sa, t_gb, t_sb = cta.t_ga, cta.t_sa, cta.t_gb, cta.t_sb
@@ -195,7 +213,11 @@ class TiledGemmKernel:
         if cutlass.const_expr(self.producer):
             if warp == _MMA_WARPS:
                 for _ in cutlass.range(KT, unroll=1):
-                    self._load(ring, fill, first, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
+                    if cutlass.const_expr(self.multicast):
+                        self._load_multicast(ring, fill, cta.masks, tma_a, t_ga, t_sa, tma_b,
+                                             t_gb, t_sb)
+                    else:
+                        self._load(ring, fill, first, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
                     fill.advance()
             else:
                 self._mma_overlapped(ring, read, tiled_mma, acc, total, frag_a, frag_b)
@@ -207,6 +229,20 @@ class TiledGemmKernel:
                                out, addend, tokens, tile, chunk, split, tid, warp)
         elif warp < _MMA_WARPS:
             self._epilogue(total, coords, out, addend, tokens, tile, chunk)
+        if cutlass.const_expr(self.multicast):
+            # no CTA leaves while a partner may still multicast into its ring or arrive on
+            # its empty barriers
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+
+    def _cluster_place(self):
+        """This CTA's place in its cluster (traced inline): ``None`` without one, else its
+        (weight tile, token tile) coordinates in the cluster and the cluster's layout."""
+        if cutlass.const_expr(not self.multicast):
+            return None
+        layout = cute.make_layout((*self.cluster, 1))
+        rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+        return layout, layout.get_flat_coord(rank)
 
     @cute.kernel
     def persistent_kernel(self, tiled_mma: cute.TiledMma, tma_a: cute.CopyAtom,
@@ -537,7 +573,7 @@ class TiledGemmKernel:
             self._epilogue(total, coords, out, addend, tokens, tile, chunk)
 
     def _cta_state(self, tiled_mma, tma_a, g_a, a_tiles, tma_b, g_b, b_tiles, a_smem, b_smem,
-                   tid, warp):
+                   tid, warp, place=None):
         """A CTA's shared memory and registers (both grid forms; traced inline): the ring's
         barriers and slots (``stages`` slots of weights and tokens, each slot's full barrier
         taking one arrival, the TMA thread's, plus the transaction bytes, its empty barrier
@@ -560,18 +596,30 @@ class TiledGemmKernel:
                                    byte_alignment=1024, swizzle=b_smem.inner)
         tx = (cute.size_in_bytes(BFloat16, cute.slice_(a_smem, (None, None, 0)))
               + cute.size_in_bytes(BFloat16, cute.slice_(b_smem, (None, None, 0))))
+        # a cluster: every slot's empty barrier takes one arrival per MMA warp of each CTA
+        # its copies feed (its own, the other token tiles of its weight tile and the other
+        # weight tiles of its token tile), each full barrier the whole stage's bytes from
+        # the slices' senders; the barriers of every CTA are initialized before any CTA
+        # copies (the pipeline's cluster sync)
+        cm, cn = self.cluster
         ring = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.bars.data_ptr(), num_stages=self.stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, _MMA_WARPS),
-            tx_count=tx, cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)))
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                     _MMA_WARPS * (cm + cn - 1)),
+            tx_count=tx, cta_layout_vmnk=cute.make_layout((1, cm, cn, 1)))
         g_a_tiles = cute.local_tile(g_a, (TILE_ROWS, STAGE_K), a_tiles)
         g_b_tiles = cute.local_tile(g_b, (self.tile_tokens, STAGE_K), b_tiles)
-        t_sa, t_ga = cpasync.tma_partition(tma_a, 0, cute.make_layout(1),
-                                           cute.group_modes(s_a, 0, 2),
+        # each CTA's slice of the weight stage (1/cn) and of the token stage (1/cm)
+        a_place, b_place, masks = (0, cute.make_layout(1)), (0, cute.make_layout(1)), None
+        if cutlass.const_expr(place is not None):
+            layout, coord = place
+            a_place, b_place = (coord[1], cute.make_layout(cn)), (coord[0], cute.make_layout(cm))
+            masks = (cute.make_layout_image_mask(layout, coord, mode=1) if cn > 1 else 0,
+                     cute.make_layout_image_mask(layout, coord, mode=0) if cm > 1 else 0)
+        t_sa, t_ga = cpasync.tma_partition(tma_a, *a_place, cute.group_modes(s_a, 0, 2),
                                            cute.group_modes(g_a_tiles, 0, 2))
-        t_sb, t_gb = cpasync.tma_partition(tma_b, 0, cute.make_layout(1),
-                                           cute.group_modes(s_b, 0, 2),
+        t_sb, t_gb = cpasync.tma_partition(tma_b, *b_place, cute.group_modes(s_b, 0, 2),
                                            cute.group_modes(g_b_tiles, 0, 2))
         wg_mma = tiled_mma.get_slice((warp // 4) * 128)
         frag_a = tiled_mma.make_fragment_A(wg_mma.partition_A(s_a))
@@ -585,7 +633,7 @@ class TiledGemmKernel:
         tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         return SimpleNamespace(storage=storage, ring=ring, t_sa=t_sa, t_ga=t_ga, t_sb=t_sb,
                                t_gb=t_gb, frag_a=frag_a, frag_b=frag_b, coords=coords, acc=acc,
-                               total=total)
+                               total=total, masks=masks)
 
     def thread_coordinates(self, tiled_mma, tid):
         """The (weight row, token) of the CTA tile that each of thread ``tid``'s
@@ -604,6 +652,28 @@ class TiledGemmKernel:
         stage = first + fill.count
         cute.copy(tma_a, t_ga[(None, stage)], t_sa[(None, fill.index)], tma_bar_ptr=bar)
         cute.copy(tma_b, t_gb[(None, stage)], t_sb[(None, fill.index)], tma_bar_ptr=bar)
+        ring.producer_commit(fill)
+
+    @cute.jit
+    def _load_multicast(self, ring, fill, masks, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb):
+        """The clustered serial form's copies of k stage ``fill.count`` into slot
+        ``fill.index``: this CTA's slice of the weight stage multicast to the cluster's CTAs
+        of its weight tile, its slice of the token stage to those of its token tile (each
+        CTA's full barrier counts the whole stage's bytes, from every slice's sender)."""
+        ring.producer_acquire(fill)
+        bar = ring.producer_get_barrier(fill)
+        if cutlass.const_expr(self.cluster[1] > 1):
+            cute.copy(tma_a, t_ga[(None, fill.count)], t_sa[(None, fill.index)],
+                      tma_bar_ptr=bar, mcast_mask=masks[0])
+        else:
+            cute.copy(tma_a, t_ga[(None, fill.count)], t_sa[(None, fill.index)],
+                      tma_bar_ptr=bar)
+        if cutlass.const_expr(self.cluster[0] > 1):
+            cute.copy(tma_b, t_gb[(None, fill.count)], t_sb[(None, fill.index)],
+                      tma_bar_ptr=bar, mcast_mask=masks[1])
+        else:
+            cute.copy(tma_b, t_gb[(None, fill.count)], t_sb[(None, fill.index)],
+                      tma_bar_ptr=bar)
         ring.producer_commit(fill)
 
     @cute.jit

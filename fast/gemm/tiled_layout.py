@@ -33,16 +33,22 @@ TILE_TOKENS = tuple(range(32, 161, 16))
 #: warpgroups (168 each), which spill two accumulators of 80 (``tests/test_gemm_tiled.py``)
 PRODUCER_MAX_TOKENS = 144
 #: the options of a tiled kernel beside its shape: ``TiledGemm``'s keyword arguments
-TILED_KEYS = ("tile_tokens", "stages", "cross", "producer", "persistent", "pdl")
+TILED_KEYS = ("tile_tokens", "stages", "cross", "producer", "persistent", "pdl", "cluster")
+#: a thread-block cluster's extent along weight tiles or token tiles (``cluster``)
+CLUSTER_EXTENTS = (1, 2, 4)
 
 
 def check_tiled_options(owner: str, options, where: str | None = None) -> None:
     """Refuse (ValueError starting with ``owner``) tiled-kernel ``options`` that are not a
     dict of ``TILED_KEYS``: ``tile_tokens`` among ``TILE_TOKENS``, ``stages`` an int in
     2..8, ``cross``, ``producer``, ``persistent`` and ``pdl`` bools (``cross`` and
-    ``persistent`` not both, ``pdl`` only with ``persistent``), ``producer`` only with ``tile_tokens`` up to ``PRODUCER_MAX_TOKENS`` (an
-    absent key takes ``TiledGemm``'s default). Each option is
-    named as ``where[key]`` when ``where`` (a form's entry) is given, else by its key."""
+    ``persistent`` not both, ``pdl`` only with ``persistent``), ``producer`` only with
+    ``tile_tokens`` up to ``PRODUCER_MAX_TOKENS``, ``cluster`` a pair ``(weight tiles,
+    token tiles)`` of ``CLUSTER_EXTENTS`` (at most 8 CTAs; other than ``(1, 1)`` only in
+    the serial form with a producer warp, and ``tile_tokens`` a multiple of 8 times its
+    first extent: each CTA multicasts an 8-row-aligned slice of the token tile) (an absent
+    key takes ``TiledGemm``'s default). Each option is named as ``where[key]`` when
+    ``where`` (a form's entry) is given, else by its key."""
     def name(key: str) -> str:
         return f"{where}[{key!r}]" if where else key
 
@@ -69,11 +75,35 @@ def check_tiled_options(owner: str, options, where: str | None = None) -> None:
         raise ValueError(f"{owner}: {where + ': ' if where else ''}a producer warp takes "
                          f"tile_tokens up to {PRODUCER_MAX_TOKENS} (its CTA's registers are "
                          f"shared by three warpgroups), got {tile_tokens}")
+    cluster = options.get("cluster", (1, 1))
+    if (not isinstance(cluster, (tuple, list)) or len(cluster) != 2
+            or any(type(c) is not int or c not in CLUSTER_EXTENTS for c in cluster)
+            or cluster[0] * cluster[1] > 8):
+        raise ValueError(f"{owner}: {name('cluster')} must be a pair (weight tiles, token "
+                         f"tiles) of {CLUSTER_EXTENTS}, at most 8 CTAs, got {cluster!r}")
+    if tuple(cluster) != (1, 1):
+        if options.get("persistent") or options.get("cross", True) \
+                or not options.get("producer"):
+            raise ValueError(f"{owner}: {where + ': ' if where else ''}a cluster (TMA "
+                             f"multicast) is the serial form's with a producer warp: "
+                             f"cross=False, persistent=False, producer=True")
+        if tile_tokens % (8 * cluster[0]):
+            raise ValueError(f"{owner}: {name('cluster')} {tuple(cluster)} multicasts "
+                             f"1/{cluster[0]} of the token tile from each CTA: tile_tokens "
+                             f"must be a multiple of {8 * cluster[0]}, got {tile_tokens}")
 
 
 def tile_grid(n: int, tokens: int, tile_tokens: int) -> tuple[int, int]:
     """(weight tiles, token tiles) of a call: ``ceil(n / 128)``, ``ceil(tokens / tile_tokens)``."""
     return -(-n // TILE_ROWS), -(-tokens // tile_tokens)
+
+
+def cluster_grid(tiles, chunks, cluster: tuple[int, int]):
+    """The serial grid of a clustered call: (weight tiles, token tiles) each rounded up to
+    a whole number of the cluster's extents (the CTAs past the call's tiles load zeros and
+    store nothing). Plain arithmetic: the kernel calls it on its run-time token tiles."""
+    return (tiles + cluster[0] - 1) // cluster[0] * cluster[0], \
+        (chunks + cluster[1] - 1) // cluster[1] * cluster[1]
 
 
 def workspace_bytes(n: int, tokens: int, tile_tokens: int, splits: int) -> int:
