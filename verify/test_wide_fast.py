@@ -666,17 +666,18 @@ def test_wide_fast_tiled_forms_same_bits(backend, seed, contract):
     ``fast.gemm.TiledGemm``, warpgroup MMA only) in the layer: every stage of every rank
     bitwise the same layer's without forms at 65, 128, 129, 200 and 256 rows, with each GEMM
     on another variant (128- and 64-token tiles, the split in order or one CTA per split,
-    with and without a producer warp) from another row count, the plan naming the tiled
-    kernel where its form applies, and batch invariant across the forms' edges."""
+    with and without a producer warp, in 2x2 clusters sharing operand stages by multicast)
+    from another row count, the plan naming the tiled kernel where its form applies, and
+    batch invariant across the forms' edges."""
     _skip_unless_mma_runs("wgmma")
     ranks, top = 4, 256
 
-    def tiled(tokens, cross, producer):
+    def tiled(tokens, cross, producer, cluster=(1, 1)):
         return {"tiled": {"tile_tokens": tokens, "stages": 3, "cross": cross,
-                          "producer": producer}}
+                          "producer": producer, "cluster": list(cluster)}}
 
     forms = {"front": {129: tiled(128, True, False)},
-             "shared_gate_up": {65: tiled(64, False, True)},
+             "shared_gate_up": {65: tiled(64, False, True), 129: tiled(64, False, True, (2, 2))},
              "shared_down": {65: {"serial": True}, 200: tiled(64, True, True)},
              "up": {65: tiled(128, False, False), 129: {"chunk_windows": 16}}}
     plain = _layer("small", ranks, top, batch_invariant=True, invariant_mma="wgmma")
@@ -687,6 +688,7 @@ def test_wide_fast_tiled_forms_same_bits(backend, seed, contract):
         assert hasattr(plan["front"], "tactic") and plan["up"].label().startswith("tiled t128")
         plan = formed.gemm_plan(r, 200)
         assert plan["front"].label().startswith("tiled t128 s3")
+        assert plan["shared_gate_up"].label().endswith("cluster 2x2")
         assert plan["shared_down"].label().startswith("tiled t64")
         assert plan["up"].tactic.chunk_windows == 16
     _check_same_bits_and_invariant(contract, formed, plain, seed, "tiled forms vs none",

@@ -31,7 +31,16 @@ operands' re-reads through the L2, not by the weight bytes:
   the GPU (the serial form leaves multiprocessors idle at some shapes: 40 CTAs for the TP8
   front at 1024 rows) for a round trip of the partials through the L2 (which, at 8 splits
   and 1024 rows, costs more than the idle multiprocessors do: the H100 ``wide-gemms``
-  table of ``benchmarks/results``).
+  table of ``benchmarks/results``);
+* thread-block clusters (``cluster=(w, t)``, the serial form with a producer warp): the
+  grid rounded up to whole clusters of ``w`` weight tiles by ``t`` token tiles (the CTAs
+  past the call's tiles load zeros and store nothing); each CTA's producer loads ``1/t``
+  of the weight stage and ``1/w`` of the token stage and multicasts them (TMA
+  ``.multicast::cluster``) to the cluster's CTAs that share them, so a weight stage
+  crosses the L2 once per cluster row instead of once per CTA; each slot's empty barrier
+  takes an arrival from every MMA warp of the CTAs it feeds (a slot is refilled only once
+  all of them have read it), and the CTAs meet at a cluster barrier after the barriers'
+  initialization and before leaving.
 
 Summation order of an output (``verify.bounds.mma_matmul_bound``): for each K split ``s``
 (``K / splits`` consecutive k, in order), the split's MMA steps in k order from zero, each
