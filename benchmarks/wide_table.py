@@ -198,12 +198,13 @@ def rank_arguments(ap, *, out: str, tokens: str, reps: int) -> None:
                          "(ExpertsEngine tactic; default the engine's)")
 
 
-def load_forms(path: str | None) -> dict | None:
-    """``--invariant-forms``: None, a JSON file of ``{gemm: {rows_from: form}}`` (its row
-    keys strings in JSON), or a ``benchmarks.wide_gemm_table`` result (its best form per
-    GEMM and row count, ``wide_gemm_table.best_forms``)."""
-    if path is None:
-        return None
+def load_forms(path: str | None) -> dict | str | None:
+    """``--invariant-forms``: None, ``auto`` (the layer's measured table, as
+    ``WideLayer(invariant_forms="auto")`` resolves it), a JSON file of ``{gemm: {rows_from:
+    form}}`` (its row keys strings in JSON), or a ``benchmarks.wide_gemm_table`` result
+    (its best form per GEMM and row count, ``wide_gemm_table.best_forms``)."""
+    if path is None or path == "auto":
+        return path
     with open(path) as f:
         data = json.load(f)
     if "rows" in data and "ranks" in data:
@@ -238,7 +239,8 @@ def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant
         result["serial_from"] = serial_from
         result["invariant_overlap"] = overlap
         result["invariant_chunk_windows"] = chunk_windows
-        result["invariant_forms"] = forms
+        result["invariant_forms"] = layer.invariant_forms  # "auto" resolved
+        result["invariant_forms_asked"] = forms if isinstance(forms, str) else None
     return layer, weights, result, flush
 
 
@@ -359,7 +361,8 @@ def main(argv=None):
                     help="with --batch-invariant on the warpgroup MMA: 16 runs the GEMMs' calls "
                          "of more than 64 rows in 128-row token chunks (the same bits)")
     ap.add_argument("--invariant-forms", default=None,
-                    help="with --batch-invariant: a JSON file of per-GEMM forms ({gemm: "
+                    help="with --batch-invariant: auto (WideLayer(invariant_forms='auto'): the "
+                         "measured TP8 table on sm_90a), a JSON file of per-GEMM forms ({gemm: "
                          "{rows_from: form}}, WideLayer(invariant_forms=...)) or a "
                          "benchmarks.wide_gemm_table result, whose best form per GEMM and row "
                          "count is taken (wide_gemm_table.best_forms)")

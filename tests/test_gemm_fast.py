@@ -1108,7 +1108,7 @@ def test_forms_override_the_default_tactic_per_row_count():
         check_forms("L", "f", {65: {"overlap": True}}, False)
     with pytest.raises(ValueError, match=r"stage_k'\]=128 does not divide the 8 splits of K=3584"):
         check_form_stages("L", "f", {65: {"stage_k": 128}}, 3584, 8)
-    with pytest.raises(ValueError, match=r"WideLayer: invariant_forms must be None or a dict keyed"):
+    with pytest.raises(ValueError, match=r"WideLayer: invariant_forms must be None, 'auto' or a dict keyed"):
         check_batch_invariant("WideLayer", cfg, 8, True, "auto", None, False, 8, {"router": {}})
     with pytest.raises(ValueError, match=r"WideLayer: invariant_forms\['up'\]\[65\]\['stage_k'\]=128"):
         check_batch_invariant("WideLayer", cfg, 8, True, "auto", None, False, 8,

@@ -102,6 +102,7 @@ from fast.schedules.steps import run_steps
 from fast.gemm.host import check_chunk_windows, check_serial_from
 from fast.gemm.mma_kind import check_mma, check_overlap, resolve_mma
 from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes, check_gemm_forms
+from fast.schedules.wide_forms import resolve_forms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
                                          SHARED_PLACEMENTS, WIDE_STEPS, WideCall, WideRank,
                                          WideRankOutputs, WideStageCalls, as_int32)
@@ -334,8 +335,12 @@ class WideLayer(WideStageCalls):
             its default tactic, overriding the three arguments above: ``{gemm: {rows_from:
             {key: value}}}``, ``gemm`` among ``wide_gemms.WIDE_GEMMS``, keys among
             ``fast.gemm.host.FORM_KEYS`` (``chunk_windows``, ``serial``, ``overlap``,
-            ``stage_k``; ``fast.gemm.DenseGemm``'s ``forms``). None (default): none. The
-            K split and the MMA kind are not a form's: the same bits.
+            ``stage_k``; ``fast.gemm.DenseGemm``'s ``forms``) or ``{"tiled": {...}}``
+            (``fast.gemm.TiledGemm``'s options). None (default): none. ``"auto"``: at the
+            real dimensions on 8 ranks on sm_90a with the warpgroup MMA, the measured
+            table ``fast.schedules.wide_forms.TP8_FORMS``, elsewhere none
+            (``wide_forms.resolve_forms``; :attr:`invariant_forms` says which). The K
+            split and the MMA kind are not a form's: the same bits.
     """
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_rows: int | None = None,
@@ -343,7 +348,7 @@ class WideLayer(WideStageCalls):
                  experts_tactic: dict | None = None, batch_invariant: bool = False,
                  invariant_mma: str = "auto", invariant_serial_from: int | None = None,
                  invariant_overlap: bool = False, invariant_chunk_windows: int = 8,
-                 invariant_forms: dict | None = None):
+                 invariant_forms: dict | str | None = None):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
@@ -364,7 +369,11 @@ class WideLayer(WideStageCalls):
         check_overlap("WideLayer", invariant_overlap, self.invariant_mma)
         check_chunk_windows("WideLayer", "invariant_chunk_windows", invariant_chunk_windows,
                             self.invariant_mma == "wgmma")
+        invariant_forms = resolve_forms("WideLayer", invariant_forms, c, ranks,
+                                        self.invariant_mma, self.arch)
         check_gemm_forms("WideLayer", c, ranks, invariant_forms, self.invariant_mma)
+        #: the batch-invariant GEMMs' per-GEMM forms (``invariant_forms`` resolved here)
+        self.invariant_forms = invariant_forms
         #: the batch-invariant wgmma GEMMs leave each stage's MMAs in flight
         self.invariant_overlap = invariant_overlap
         n, on = ranks, dict(device=device)

@@ -94,17 +94,18 @@ def gemm_splits(config: LatentMoEConfig, ranks: int, sms: int = 132) -> dict[str
 
 def check_gemm_forms(owner: str, config: LatentMoEConfig, ranks: int, forms, mma: str,
                      sms: int = 132) -> None:
-    """Refuse by name a wide rank's per-GEMM forms (``invariant_forms``: None or ``{gemm:
-    {rows_from: form}}``, gemm among ``WIDE_GEMMS``, each table as
+    """Refuse by name a wide rank's per-GEMM forms (``invariant_forms``: None, ``"auto"``
+    (``fast.schedules.wide_forms.resolve_forms``) or ``{gemm: {rows_from: form}}``, gemm
+    among ``WIDE_GEMMS``, each table as
     ``fast.gemm.host.check_forms`` on ``mma`` and ``check_form_stages`` at that GEMM's K and
     K split)."""
     from fast.gemm.host import check_form_stages, check_forms
 
-    if forms is None:
+    if forms is None or forms == "auto":  # "auto": fast.schedules.wide_forms resolves it
         return
     if not isinstance(forms, dict) or not set(forms) <= set(WIDE_GEMMS):
-        raise ValueError(f"{owner}: invariant_forms must be None or a dict keyed by GEMM names "
-                         f"among {WIDE_GEMMS}, got {forms!r}")
+        raise ValueError(f"{owner}: invariant_forms must be None, 'auto' or a dict keyed by "
+                         f"GEMM names among {WIDE_GEMMS}, got {forms!r}")
     splits = gemm_splits(config, ranks, sms)
     for name, table in forms.items():
         where = f"invariant_forms[{name!r}]"

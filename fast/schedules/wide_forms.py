@@ -1,0 +1,73 @@
+"""``invariant_forms="auto"``: the per-GEMM forms a batch-invariant wide rank takes by name.
+
+``TP8_FORMS`` is the fastest form or tiled variant of each of the TP8 rank's four GEMMs at
+each timed row count (``{gemm: {rows_from: form}}``, ``fast.gemm.DenseGemm``'s ``forms``):
+the tiled kernel (``fast.gemm.TiledGemm``) at every row count for the front and the shared
+expert's two GEMMs, from 257 rows for the up projection, thread-block clusters from 257
+rows. It was measured on one H100 at commit 13887b8 (``benchmarks.wide_gemm_table
+--rows 256,512,1024``: each GEMM alone at its K split; the table's ``best_forms``;
+``tests/test_wide_forms.py`` holds it to the committed result it came from). A form moves
+no bit (the K split and the MMA kind are not a form's), so a table measured on another
+Hopper part is a speed choice there, never a correctness one.
+
+:func:`resolve_forms` gives the table where it was measured for: the real dimensions at 8
+ranks (the four GEMMs' shapes and K splits equal to ``TP8_SHAPES`` and ``TP8_SPLITS``) on
+sm_90a with the warpgroup MMA; anywhere else "auto" is no forms (the split-K kernel's
+default tactics).
+"""
+
+from __future__ import annotations
+
+from model.config import LatentMoEConfig
+
+__all__ = ["TP8_FORMS", "TP8_SHAPES", "TP8_SPLITS", "FORMS_CHOICES", "resolve_forms"]
+
+#: the TP8 rank's GEMM shapes ``(n, k)`` and K splits (132 multiprocessors) the table is for
+TP8_SHAPES = {"front": (560, 7168), "shared_gate_up": (1536, 7168),
+              "shared_down": (7168, 768), "up": (896, 3584)}
+TP8_SPLITS = {"front": 8, "shared_gate_up": 4, "shared_down": 1, "up": 8}
+
+
+def _tiled(tokens: int, stages: int, cross: bool, producer: bool, cluster=(1, 1)) -> dict:
+    options = {"tile_tokens": tokens, "stages": stages, "cross": cross, "producer": producer}
+    if cluster != (1, 1):
+        options["cluster"] = cluster
+    return {"tiled": options}
+
+
+#: per GEMM, from each row count on, its form (one H100, 13887b8: the module docstring)
+TP8_FORMS = {
+    "front": {65: _tiled(128, 4, True, False), 257: _tiled(64, 8, False, True, (2, 2)),
+              513: _tiled(64, 8, False, True, (1, 4))},
+    "shared_gate_up": {65: _tiled(128, 4, True, False),
+                       257: _tiled(64, 8, False, True, (2, 2)),
+                       513: _tiled(128, 6, False, True)},
+    "shared_down": {65: _tiled(128, 4, False, False), 257: _tiled(128, 4, True, False),
+                    513: _tiled(128, 6, False, True)},
+    "up": {65: {"chunk_windows": 16, "serial": False, "overlap": False, "stage_k": 64},
+           257: _tiled(64, 8, False, True, (2, 2)), 513: _tiled(64, 8, False, True, (1, 4))},
+}
+
+#: what ``invariant_forms`` takes beside a dict of forms
+FORMS_CHOICES = (None, "auto")
+
+
+def resolve_forms(owner: str, forms, config: LatentMoEConfig, ranks: int, mma: str,
+                  arch: str, sms: int = 132):
+    """``invariant_forms`` as a layer runs it: a dict as given, None as None, ``"auto"``
+    as ``TP8_FORMS`` where the rank's four GEMMs have the table's shapes and K splits
+    (``wide_gemms.gemm_shapes`` and ``gemm_splits`` at ``ranks`` and ``sms``), ``arch`` is
+    sm_90a and ``mma`` the warpgroup MMA (the tiled kernel's), else None. Any other value
+    is refused by name."""
+    from fast.schedules.wide_gemms import gemm_shapes, gemm_splits
+
+    if forms is None or isinstance(forms, dict):
+        return forms
+    if forms != "auto":
+        raise ValueError(f"{owner}: invariant_forms must be None, 'auto' or a dict of "
+                         f"per-GEMM forms, got {forms!r}")
+    if arch != "sm_90a" or mma != "wgmma":
+        return None
+    if gemm_shapes(config, ranks) != TP8_SHAPES or gemm_splits(config, ranks, sms) != TP8_SPLITS:
+        return None
+    return {name: dict(table) for name, table in TP8_FORMS.items()}
