@@ -27,7 +27,7 @@ one GPU: each stage of every rank against the reference stage on *that rank's ow
 | batch invariance (``batch_invariant=True``) | the four GEMMs on fast.gemm pass the stage contracts (``mma_matmul_bound`` at their K split, bitwise = the same GEMM alone); each token's every stage output on every rank (front, logits, latent, ids, weights, plan rows, expert rows, partial, routed, normed, shared gate/up, SiTU, shared, up columns, out) at row counts on both sides of every tactic and token-chunk edge bitwise = the same token in the largest batch; TP 2, 4 (small), 8, 16 (small, S = I = 1024) and TP8 at the real widths (65 to 1023 rows against 1024) |
 | serial splits (``invariant_serial_from``) | every stage of every rank bitwise the cross-CTA split layer's at 65..256 rows, and batch invariant across the switch |
 | MMAs in flight (``invariant_overlap``) | every stage of every rank bitwise the same layer's without it at 65..256 rows (with serial splits from 129), and batch invariant |
-| per-GEMM forms (``invariant_forms``) | every stage of every rank bitwise the same layer's without them at 65..256 rows, and batch invariant across the forms' edges |
+| per-GEMM forms (``invariant_forms``) | every stage of every rank bitwise the same layer's without them at 65..256 rows, and batch invariant across the forms' edges; ``invariant_forms="auto"`` (the measured TP8 table, tiled kernel and clusters) at the real widths: every stage bitwise the layer without forms at 65..1024 rows and batch invariant against 1024 |
 | 128-row token chunks (``invariant_chunk_windows=16``) | every stage of every rank bitwise the same layer's in 64-row chunks at 65..256 rows (serial splits from 129, MMAs in flight), and batch invariant |
 | another process | the same batch-invariant layer, weights and rows in a second process: the same bits |
 | 1000 graph replays | on changing inputs, every 50th (and the last) bitwise equal to an eager call |
@@ -498,12 +498,18 @@ def _check_one_split_per_gemm(layer, low: int, high: int, mma: str = "mma.sync")
     """Every GEMM of every rank launches one K split and the layer's one MMA kind
     (``invariant_mma``) at every row count of the layer (the mode's design; a tile or chunk
     change is free to follow the batch)."""
+    def split_and_kind(plan):  # a split-K launch, or a tiled form's TiledGemm (wgmma)
+        if hasattr(plan, "tactic"):
+            return plan.tactic.splits, plan.tactic.wgmma
+        return plan.splits, True
+
     for r in layer.local_ranks:
         plans = [layer.gemm_plan(r, t) for t in range(low, high + 1)]
         assert set(plans[0]) == {"front", "shared_gate_up", "shared_down", "up"}
         for name in plans[0]:
-            assert len({p[name].tactic.splits for p in plans}) == 1, (r, name)
-            assert {p[name].tactic.wgmma for p in plans} == {mma == "wgmma"}, (r, name, mma)
+            assert len({split_and_kind(p[name])[0] for p in plans}) == 1, (r, name)
+            assert {split_and_kind(p[name])[1] for p in plans} == {mma == "wgmma"}, \
+                (r, name, mma)
 
 
 def _skip_unless_mma_runs(mma: str) -> None:
@@ -759,6 +765,39 @@ def test_wide_fast_real_tp8_batch_invariant(backend, mma, seed, contract):
     _check_one_split_per_gemm(layer, 65, 1024, mma)
     few = x[:65].contiguous()
     check_wide_fast(contract, layer, layer(few), few)
+
+
+@pytest.mark.config("kimi_k3")
+def test_wide_fast_real_tp8_auto_forms_same_bits(backend, seed, contract):
+    """``invariant_forms="auto"`` at the real widths (TP8 on sm_90a: the measured table,
+    ``fast.schedules.wide_forms.TP8_FORMS``: the tiled kernel, one CTA per split up to 256
+    rows, thread-block clusters from 257): every stage of every rank at 65, 128, 256, 257,
+    512, 513 and 1024 rows bitwise the same layer's without forms (the split-K kernel), and
+    the same tokens at 65, 66, 256, 257, 512, 513 and 1023 rows bitwise their rows at 1024
+    (across every form's edge); one K split per GEMM at every row count."""
+    _skip_unless_mma_runs("wgmma")
+    caches.release(_real_tp8)  # one real TP8 layer on the card at a time
+    rows = (65, 128, 256, 257, 512, 513, 1024)
+    plain = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_mma="wgmma")
+    x = _inputs(plain.config, 1024, seed)
+    want = {}
+    for t in rows:
+        want[t] = [{n: raw_bits(getattr(o, n)).cpu() for n in TOKEN_STAGES}
+                   for o in plain(x[:t].contiguous())]
+    del plain
+    torch.cuda.empty_cache()
+    layer = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_mma="wgmma",
+                   invariant_forms="auto")
+    assert layer.invariant_forms is not None and "tiled" in layer.invariant_forms["front"][65]
+    assert layer.gemm_plan(0, 600)["front"].label().endswith("cluster 1x4")
+    for t in rows:
+        for r, o in enumerate(layer(x[:t].contiguous())):
+            for name in TOKEN_STAGES:
+                contract.bitwise(raw_bits(getattr(o, name)).cpu(), want[t][r][name],
+                                 what=f"rank {r} {name}: auto forms vs none, T={t}",
+                                 index_names=("pair", "column") if name == "rows" else ROWS)
+    check_wide_batch_invariant(contract, layer, x, (65, 66, 256, 257, 512, 513, 1023))
+    _check_one_split_per_gemm(layer, 65, 1024, "wgmma")
 
 
 
