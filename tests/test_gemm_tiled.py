@@ -64,17 +64,19 @@ def test_tiled_kernel_persistent_form_compiles(case, tile_tokens, producer):
 
 
 @needs_cute
+@pytest.mark.parametrize("cross", [False, True], ids=["serial", "cross"])
 @pytest.mark.parametrize("cluster", [(1, 2), (2, 1), (2, 2)], ids=lambda c: f"{c[0]}x{c[1]}")
 @pytest.mark.parametrize("case", _wide_kinds(), ids=lambda c: c[0])
-def test_tiled_kernel_cluster_form_compiles(case, cluster):
-    """The serial form in thread-block clusters (``cluster=(weight tiles, token tiles)``,
-    TMA multicast of the shared operand stages) at every TP8 wide GEMM's shape and kind."""
+def test_tiled_kernel_cluster_form_compiles(case, cluster, cross):
+    """The serial and cross forms in thread-block clusters (``cluster=(weight tiles, token
+    tiles)``, TMA multicast of the shared operand stages) at every TP8 wide GEMM's shape and
+    kind."""
     from fast.device.compile import compiled, frozen
     from fast.gemm.tiled_kernel import TiledGemmKernel
 
     _, n, k, splits, out_f32, addend = case
     params = dict(n=-(-n // 128) * 128, k=k, width=n, splits=splits, out_f32=out_f32,
-                  addend=addend, tile_tokens=64, stages=4, cross=False, producer=True,
+                  addend=addend, tile_tokens=64, stages=4, cross=cross, producer=True,
                   cluster=cluster)
     assert compiled(TiledGemmKernel, "sm_90a", frozen(params))
 
@@ -88,8 +90,9 @@ compiled(TiledGemmKernel, "sm_90a", frozen(ast.literal_eval(sys.argv[1])))
 
 
 @needs_cute
+@pytest.mark.parametrize("cross", [False, True], ids=["serial", "cross"])
 @pytest.mark.parametrize("cluster", [(1, 1), (1, 2), (2, 1), (2, 2)], ids=lambda c: f"{c[0]}x{c[1]}")
-def test_tiled_cluster_multicasts_and_waits_for_its_partners(cluster, tmp_path):
+def test_tiled_cluster_multicasts_and_waits_for_its_partners(cluster, cross, tmp_path):
     """The clustered kernel's PTX (sm_90a): each extent above 1 multicasts its operand's
     copies (``cp.async.bulk.tensor ... multicast::cluster``: the weights where the cluster
     spans token tiles, the tokens where it spans weight tiles), the ring's empty barriers
@@ -99,7 +102,7 @@ def test_tiled_cluster_multicasts_and_waits_for_its_partners(cluster, tmp_path):
     from tools.ptx_dump import run_compile
 
     params = dict(n=640, k=7168, width=560, splits=8, out_f32=True, tile_tokens=64, stages=4,
-                  cross=False, producer=True, cluster=cluster)
+                  cross=cross, producer=True, cluster=cluster)
     run_compile(_PTX, [repr(params)], keep="ptx", dump_dir=tmp_path)
     (ptx,) = sorted(tmp_path.rglob("*.ptx"))
     text = ptx.read_text()
@@ -178,11 +181,10 @@ def test_tiled_kernel_other_kinds_compile():
     (dict(n=896, k=3584, width=896, splits=2, producer=None), "producer"),
     (dict(n=896, k=3584, width=896, splits=2, cross=True, persistent=True), "persistent"),
     (dict(n=896, k=3584, width=896, splits=2, persistent=True, ctas=0), "ctas"),
-    (dict(n=896, k=3584, width=896, splits=2, cross=True, producer=True, cluster=(1, 2)),
-     "serial form's"),
+    (dict(n=896, k=3584, width=896, splits=2, cross=True, cluster=(1, 2)), "producer warp"),
     (dict(n=896, k=3584, width=896, splits=2, cross=False, cluster=(1, 2)), "producer warp"),
     (dict(n=896, k=3584, width=896, splits=2, persistent=True, producer=True, cluster=(2, 1)),
-     "serial form's"),
+     "serial or cross form's"),
     (dict(n=896, k=3584, width=896, splits=2, cross=False, producer=True, cluster=(4, 4)),
      "at most 8"),
     (dict(n=896, k=3584, width=896, splits=2, cross=False, producer=True, cluster=(3, 1)),

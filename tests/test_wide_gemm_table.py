@@ -142,8 +142,9 @@ def test_tiled_option_is_checked_as_the_kernel_checks_it(capsys):
 
     for bad, word in (("72x4", "tile_tokens"), ("160x4p", "producer warp"),
                       ("128x1", "stages"), ("128", "is not <tokens>x<stages>"),
-                      ("64x4sc12", "serial form's with a producer warp"),
-                      ("64x4kpc21", "serial form's with a producer warp"),
+                      ("64x4sc12", "with a producer warp"),
+                      ("64x4c12", "with a producer warp"),
+                      ("64x4kpc21", "serial or cross form's with a producer warp"),
                       ("48x4spc41", "multiple of 32"), ("64x4spc44", "at most 8"),
                       ("64x4spc1", "is not <tokens>x<stages>")):
         with pytest.raises(SystemExit):
@@ -157,7 +158,7 @@ def test_tiled_variants_parse_and_label_back():
     """``parse_tiled``: each spelling of a variant to the result's list, and
     ``tiled_table`` labels it back the same way with the options ``TiledGemm`` takes
     (a cluster as its pair; the persistent grid and cluster keys only where set)."""
-    specs = ["128x4", "96x6sp", "128x4kp", "64x4spc12", "96x4spc21", "64x2spc22"]
+    specs = ["128x4", "96x6sp", "128x4kp", "64x4spc12", "96x4spc21", "64x2spc22", "128x4pc12"]
     variants = [table.parse_tiled(s) for s in specs]
     assert variants[0] == [128, 4, True, False, False, [1, 1]]
     assert variants[3] == [64, 4, False, True, False, [1, 2]]

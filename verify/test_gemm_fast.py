@@ -693,8 +693,9 @@ def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
     ranges of (tile, split) units over a persistent grid of 132, 50 or 7 CTAs (the tiles
     whose splits straddle CTAs handed over through the workspace; with a producer warp
     also launched with programmatic dependent launch), in order inside each CTA in
-    clusters of 1x2, 2x1 and 2x2 CTAs sharing their operand stages by TMA multicast (the
-    grid rounded up to whole clusters: CTAs past the tiles), with and without a
+    clusters of 1x2, 2x1 and 2x2 CTAs and one CTA per split in clusters of 1x2 and 2x2
+    sharing their operand stages by TMA multicast (the grid rounded up to whole clusters:
+    CTAs past the tiles, which must not touch a partial or counter), with and without a
     producer warp (the MMAs of consecutive stages overlapping), one object per variant
     called at every row count in turn (the tile counters re-armed by each call), bitwise
     the first rows of ``DenseGemm``'s 1024-row call on the warpgroup MMA at the same K
@@ -716,7 +717,8 @@ def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
             (128, 4, 132, False, (1, 1)), (128, 4, 132, True, (1, 1)),
             (96, 3, 50, True, (1, 1)), (64, 2, 7, False, (1, 1)),
             (64, 4, "serial", True, (1, 2)), (96, 3, "serial", True, (2, 1)),
-            (64, 2, "serial", True, (2, 2))):
+            (64, 2, "serial", True, (2, 2)), (128, 4, "cross", True, (1, 2)),
+            (64, 3, "cross", True, (2, 2))):
         tiled = TiledGemm(eng.weight, splits=eng.splits, max_tokens=WIDE_TOP,
                           tile_tokens=tile_tokens, stages=stages, cross=grid == "cross",
                           producer=producer, persistent=isinstance(grid, int),
@@ -742,7 +744,7 @@ def test_gemm_fast_tiled_same_bits(backend, gemm, contract):
     for grid, producer, cluster in (("cross", False, (1, 1)), ("serial", False, (1, 1)),
                                     ("cross", True, (1, 1)), ("serial", True, (1, 1)),
                                     (132, False, (1, 1)), (11, True, (1, 1)),
-                                    ("serial", True, (2, 2))):
+                                    ("serial", True, (2, 2)), ("cross", True, (2, 1))):
         got = TiledGemm(designed, splits=splits, max_tokens=tokens, cross=grid == "cross",
                         producer=producer, persistent=isinstance(grid, int),
                         ctas=grid if isinstance(grid, int) else None, cluster=cluster)(

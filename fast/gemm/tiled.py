@@ -60,8 +60,8 @@ class TiledGemm:
         pdl: launch with programmatic dependent launch (the persistent form only): a call
             starts while the stream's previous kernel finishes and streams its first
             stages' weights before waiting for it; moves no bit.
-        cluster: ``(weight tiles, token tiles)``: the serial form (``cross=False``, with a
-            producer warp) in thread-block clusters of that many CTAs, each CTA loading a
+        cluster: ``(weight tiles, token tiles)``: the serial or cross form (with a producer
+            warp; not persistent) in thread-block clusters of that many CTAs, each CTA loading a
             slice of the weight stage its token tiles share and of the token stage its
             weight tiles share, multicast by TMA to the others (fewer operand bytes
             through the L2: at most 8 CTAs, extents of

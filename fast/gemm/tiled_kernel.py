@@ -32,9 +32,10 @@ operands' re-reads through the L2, not by the weight bytes:
   front at 1024 rows) for a round trip of the partials through the L2 (which, at 8 splits
   and 1024 rows, costs more than the idle multiprocessors do: the H100 ``wide-gemms``
   table of ``benchmarks/results``);
-* thread-block clusters (``cluster=(w, t)``, the serial form with a producer warp): the
-  grid rounded up to whole clusters of ``w`` weight tiles by ``t`` token tiles (the CTAs
-  past the call's tiles load zeros and store nothing); each CTA's producer loads ``1/t``
+* thread-block clusters (``cluster=(w, t)``, the serial or cross form with a producer
+  warp; the cross form's partners share their split): the grid rounded up to whole
+  clusters of ``w`` weight tiles by ``t`` token tiles (the CTAs past the call's tiles load
+  zeros and store nothing: no partial, counter or output); each CTA's producer loads ``1/t``
   of the weight stage and ``1/w`` of the token stage and multicasts them (TMA
   ``.multicast::cluster``) to the cluster's CTAs that share them, so a weight stage
   crosses the L2 once per cluster row instead of once per CTA; each slot's empty barrier
@@ -111,7 +112,7 @@ class TiledGemmKernel:
         self.persistent, self.ctas = persistent, ctas
         #: a warp of its own issues the copies (and the MMAs overlap across stages)
         self.producer = producer
-        #: the serial grid's thread-block clusters, (weight tiles, token tiles) CTAs: each
+        #: the grid's thread-block clusters, (weight tiles, token tiles) CTAs: each
         #: CTA loads 1/(token tiles) of the weight stage and 1/(weight tiles) of the token
         #: stage, multicast to the cluster's CTAs that share it
         self.cluster = (int(cluster[0]), int(cluster[1]))
@@ -183,7 +184,8 @@ class TiledGemmKernel:
             grid_tiles, grid_chunks = cluster_grid(tiles, chunks, self.cluster)
             self.kernel(self._tiled_mma(), tma_a, g_a, tma_b, g_b, a_smem, b_smem, out,
                         addend, ws, counters, tokens).launch(
-                            grid=(grid_tiles, grid_chunks, 1), cluster=(cm, cn, 1),
+                            grid=(grid_tiles, grid_chunks, self.splits if self.cross else 1),
+                            cluster=(cm, cn, 1),
                             block=(self.threads, 1, 1), stream=stream, min_blocks_per_mp=1)
             return
         self.kernel(self._tiled_mma(), tma_a, g_a, tma_b, g_b, a_smem, b_smem, out, addend,
@@ -223,8 +225,8 @@ class TiledGemmKernel:
             if warp == _MMA_WARPS:
                 for _ in cutlass.range(KT, unroll=1):
                     if cutlass.const_expr(self.multicast):
-                        self._load_multicast(ring, fill, cta.masks, tma_a, t_ga, t_sa, tma_b,
-                                             t_gb, t_sb)
+                        self._load_multicast(ring, fill, first, cta.masks, tma_a, t_ga, t_sa,
+                                             tma_b, t_gb, t_sb)
                     else:
                         self._load(ring, fill, first, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
                     fill.advance()
@@ -233,7 +235,14 @@ class TiledGemmKernel:
         else:
             self._mma_with_loads(ring, fill, read, first, tiled_mma, acc, total, frag_a,
                                  frag_b, warp, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
-        if cutlass.const_expr(self.cross):
+        if cutlass.const_expr(self.cross and self.multicast):
+            # a CTA past the call's tiles (the grid rounded up to whole clusters) has no
+            # partial, counter or output: it only fed its partners
+            if (tile < self.tiles) & (chunk * self.tile_tokens < tokens):
+                self._fold_if_last(acc, total, coords, ws, counters,
+                                   storage.last.data_ptr().toint(), out, addend, tokens, tile,
+                                   chunk, split, tid, warp)
+        elif cutlass.const_expr(self.cross):
             self._fold_if_last(acc, total, coords, ws, counters, storage.last.data_ptr().toint(),
                                out, addend, tokens, tile, chunk, split, tid, warp)
         elif warp < _MMA_WARPS:
@@ -664,25 +673,25 @@ class TiledGemmKernel:
         ring.producer_commit(fill)
 
     @cute.jit
-    def _load_multicast(self, ring, fill, masks, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb):
-        """The clustered serial form's copies of k stage ``fill.count`` into slot
-        ``fill.index``: this CTA's slice of the weight stage multicast to the cluster's CTAs
-        of its weight tile, its slice of the token stage to those of its token tile (each
-        CTA's full barrier counts the whole stage's bytes, from every slice's sender)."""
+    def _load_multicast(self, ring, fill, first, masks, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb):
+        """A clustered CTA's copies of k stage ``first + fill.count`` into slot
+        ``fill.index``: its slice of the weight stage multicast to the cluster's CTAs of its
+        weight tile, its slice of the token stage to those of its token tile (each CTA's
+        full barrier counts the whole stage's bytes, from every slice's sender; the cross
+        form's partners share the split, so the same k stages)."""
         ring.producer_acquire(fill)
         bar = ring.producer_get_barrier(fill)
+        stage = first + fill.count
         if cutlass.const_expr(self.cluster[1] > 1):
-            cute.copy(tma_a, t_ga[(None, fill.count)], t_sa[(None, fill.index)],
-                      tma_bar_ptr=bar, mcast_mask=masks[0])
+            cute.copy(tma_a, t_ga[(None, stage)], t_sa[(None, fill.index)], tma_bar_ptr=bar,
+                      mcast_mask=masks[0])
         else:
-            cute.copy(tma_a, t_ga[(None, fill.count)], t_sa[(None, fill.index)],
-                      tma_bar_ptr=bar)
+            cute.copy(tma_a, t_ga[(None, stage)], t_sa[(None, fill.index)], tma_bar_ptr=bar)
         if cutlass.const_expr(self.cluster[0] > 1):
-            cute.copy(tma_b, t_gb[(None, fill.count)], t_sb[(None, fill.index)],
-                      tma_bar_ptr=bar, mcast_mask=masks[1])
+            cute.copy(tma_b, t_gb[(None, stage)], t_sb[(None, fill.index)], tma_bar_ptr=bar,
+                      mcast_mask=masks[1])
         else:
-            cute.copy(tma_b, t_gb[(None, fill.count)], t_sb[(None, fill.index)],
-                      tma_bar_ptr=bar)
+            cute.copy(tma_b, t_gb[(None, stage)], t_sb[(None, fill.index)], tma_bar_ptr=bar)
         ring.producer_commit(fill)
 
     @cute.jit

@@ -44,9 +44,10 @@ def check_tiled_options(owner: str, options, where: str | None = None) -> None:
     2..8, ``cross``, ``producer``, ``persistent`` and ``pdl`` bools (``cross`` and
     ``persistent`` not both, ``pdl`` only with ``persistent``), ``producer`` only with
     ``tile_tokens`` up to ``PRODUCER_MAX_TOKENS``, ``cluster`` a pair ``(weight tiles,
-    token tiles)`` of ``CLUSTER_EXTENTS`` (at most 8 CTAs; other than ``(1, 1)`` only in
-    the serial form with a producer warp, and ``tile_tokens`` a multiple of 8 times its
-    first extent: each CTA multicasts an 8-row-aligned slice of the token tile) (an absent
+    token tiles)`` of ``CLUSTER_EXTENTS`` (at most 8 CTAs; other than ``(1, 1)`` not in
+    the persistent form, only with a producer warp, and ``tile_tokens`` a multiple of 8 times its
+    first extent: each CTA multicasts an 8-row-aligned slice of the token tile; the serial
+    or the cross form) (an absent
     key takes ``TiledGemm``'s default). Each option is named as ``where[key]`` when
     ``where`` (a form's entry) is given, else by its key."""
     def name(key: str) -> str:
@@ -82,11 +83,10 @@ def check_tiled_options(owner: str, options, where: str | None = None) -> None:
         raise ValueError(f"{owner}: {name('cluster')} must be a pair (weight tiles, token "
                          f"tiles) of {CLUSTER_EXTENTS}, at most 8 CTAs, got {cluster!r}")
     if tuple(cluster) != (1, 1):
-        if options.get("persistent") or options.get("cross", True) \
-                or not options.get("producer"):
+        if options.get("persistent") or not options.get("producer"):
             raise ValueError(f"{owner}: {where + ': ' if where else ''}a cluster (TMA "
-                             f"multicast) is the serial form's with a producer warp: "
-                             f"cross=False, persistent=False, producer=True")
+                             f"multicast) is the serial or cross form's with a producer "
+                             f"warp: persistent=False, producer=True")
         if tile_tokens % (8 * cluster[0]):
             raise ValueError(f"{owner}: {name('cluster')} {tuple(cluster)} multicasts "
                              f"1/{cluster[0]} of the token tile from each CTA: tile_tokens "
