@@ -595,7 +595,9 @@ class TiledGemmKernel:
         """A CTA's shared memory and registers (both grid forms; traced inline): the ring's
         barriers and slots (``stages`` slots of weights and tokens, each slot's full barrier
         taking one arrival, the TMA thread's, plus the transaction bytes, its empty barrier
-        one arrival per MMA warp), the flag of the fold, the TMA partitions of the weights
+        one arrival per MMA warp of each CTA the slot's copies feed: in a cluster, ``place``
+        (:meth:`_cluster_place`), also its partners'), the multicast masks of a clustered
+        CTA's two copies, the flag of the fold, the TMA partitions of the weights
         and tokens by (tile, k stage) (``a_tiles``, ``b_tiles``: the tile coordinates,
         ``(tile, None)`` for one tile or ``(None, None)`` for all, the modes left to index), this warpgroup's MMA operands (the warpgroup's slice: wgmma reads them by
         descriptor), this thread's accumulators (``+0.0``; every step adds into them, as

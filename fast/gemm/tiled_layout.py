@@ -44,12 +44,11 @@ def check_tiled_options(owner: str, options, where: str | None = None) -> None:
     2..8, ``cross``, ``producer``, ``persistent`` and ``pdl`` bools (``cross`` and
     ``persistent`` not both, ``pdl`` only with ``persistent``), ``producer`` only with
     ``tile_tokens`` up to ``PRODUCER_MAX_TOKENS``, ``cluster`` a pair ``(weight tiles,
-    token tiles)`` of ``CLUSTER_EXTENTS`` (at most 8 CTAs; other than ``(1, 1)`` not in
-    the persistent form, only with a producer warp, and ``tile_tokens`` a multiple of 8 times its
-    first extent: each CTA multicasts an 8-row-aligned slice of the token tile; the serial
-    or the cross form) (an absent
-    key takes ``TiledGemm``'s default). Each option is named as ``where[key]`` when
-    ``where`` (a form's entry) is given, else by its key."""
+    token tiles)`` of ``CLUSTER_EXTENTS``, at most 8 CTAs, and other than ``(1, 1)`` only in
+    the serial or cross form with a producer warp and with ``tile_tokens`` a multiple of 8
+    times its first extent (each CTA multicasts an 8-row-aligned slice of the token tile).
+    An absent key takes ``TiledGemm``'s default. Each option is named as ``where[key]``
+    when ``where`` (a form's entry) is given, else by its key."""
     def name(key: str) -> str:
         return f"{where}[{key!r}]" if where else key
 
@@ -99,9 +98,10 @@ def tile_grid(n: int, tokens: int, tile_tokens: int) -> tuple[int, int]:
 
 
 def cluster_grid(tiles, chunks, cluster: tuple[int, int]):
-    """The serial grid of a clustered call: (weight tiles, token tiles) each rounded up to
-    a whole number of the cluster's extents (the CTAs past the call's tiles load zeros and
-    store nothing). Plain arithmetic: the kernel calls it on its run-time token tiles."""
+    """The first two grid dimensions of a clustered call: (weight tiles, token tiles) each
+    rounded up to a whole number of the cluster's extents (the CTAs past the call's tiles
+    load zeros and store nothing). Plain arithmetic: the kernel calls it on its run-time
+    token tiles."""
     return (tiles + cluster[0] - 1) // cluster[0] * cluster[0], \
         (chunks + cluster[1] - 1) // cluster[1] * cluster[1]
 
