@@ -81,14 +81,6 @@ def test_tiled_kernel_cluster_form_compiles(case, cluster, cross):
     assert compiled(TiledGemmKernel, "sm_90a", frozen(params))
 
 
-_PTX = """
-import ast, sys
-from fast.device.compile import compiled, frozen
-from fast.gemm.tiled_kernel import TiledGemmKernel
-compiled(TiledGemmKernel, "sm_90a", frozen(ast.literal_eval(sys.argv[1])))
-"""
-
-
 @needs_cute
 @pytest.mark.parametrize("cross", [False, True], ids=["serial", "cross"])
 @pytest.mark.parametrize("cluster", [(1, 1), (1, 2), (2, 1), (2, 2)], ids=lambda c: f"{c[0]}x{c[1]}")
@@ -103,7 +95,7 @@ def test_tiled_cluster_multicasts_and_waits_for_its_partners(cluster, cross, tmp
 
     params = dict(n=640, k=7168, width=560, splits=8, out_f32=True, tile_tokens=64, stages=4,
                   cross=cross, producer=True, cluster=cluster)
-    run_compile(_PTX, [repr(params)], keep="ptx", dump_dir=tmp_path)
+    run_compile(_COMPILE, [repr(params)], keep="ptx", dump_dir=tmp_path)
     (ptx,) = sorted(tmp_path.rglob("*.ptx"))
     text = ptx.read_text()
     copies = [line for line in text.splitlines() if "cp.async.bulk.tensor" in line]
@@ -298,7 +290,7 @@ def test_tiled_cross_workspace_blocks_are_disjoint_and_fit(tile_tokens):
     assert not TiledGemmKernel(n=n, k=256, width=n, splits=1, cross=True).cross
 
 
-_ATTRIBUTES = """
+_COMPILE = """
 import ast, sys
 from fast.device.compile import compiled, frozen
 from fast.gemm.tiled_kernel import TiledGemmKernel
@@ -323,7 +315,7 @@ def test_tiled_kernel_fits_its_registers(tile_tokens, producer, persistent, clus
     params = dict(n=1536, k=7168, width=1536, splits=4, tile_tokens=tile_tokens, stages=4,
                   cross=not persistent and cluster == (1, 1), producer=producer,
                   persistent=persistent, cluster=cluster)
-    run_compile(_ATTRIBUTES, [repr(params)], keep="cubin", dump_dir=tmp_path)
+    run_compile(_COMPILE, [repr(params)], keep="cubin", dump_dir=tmp_path)
     (cubin,) = sorted(tmp_path.rglob("*.cubin"))
     attrs = kernel_attributes(cubin.read_bytes())
     threads = 256 + (32 if producer else 0)

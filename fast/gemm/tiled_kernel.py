@@ -224,11 +224,8 @@ class TiledGemmKernel:
         if cutlass.const_expr(self.producer):
             if warp == _MMA_WARPS:
                 for _ in cutlass.range(KT, unroll=1):
-                    if cutlass.const_expr(self.multicast):
-                        self._load_multicast(ring, fill, first, cta.masks, tma_a, t_ga, t_sa,
-                                             tma_b, t_gb, t_sb)
-                    else:
-                        self._load(ring, fill, first, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb)
+                    self._load(ring, fill, first, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb,
+                               cta.masks)
                     fill.advance()
             else:
                 self._mma_overlapped(ring, read, tiled_mma, acc, total, frag_a, frag_b)
@@ -664,36 +661,23 @@ class TiledGemmKernel:
             cute.make_identity_tensor((TILE_ROWS, self.tile_tokens)))
 
     @cute.jit
-    def _load(self, ring, fill, first, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb):
+    def _load(self, ring, fill, first, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb, masks=None):
         """One thread's TMA copies of k stage ``first + fill.count`` into slot
-        ``fill.index``, on the slot's full barrier (after its empty barrier)."""
+        ``fill.index``, on the slot's full barrier (after its empty barrier). In a cluster
+        (``masks``: the multicast masks of ``_cta_state``) each copy is this CTA's slice of
+        the stage, multicast to the cluster's CTAs of its weight tile (the weights) or of its
+        token tile (the tokens); each CTA's full barrier counts the whole stage's bytes, from
+        every slice's sender (the cross form's partners share the split: the same k stages)."""
+        cm, cn = self.cluster
+        a_mask = dict(mcast_mask=masks[0]) if cutlass.const_expr(cn > 1) else {}
+        b_mask = dict(mcast_mask=masks[1]) if cutlass.const_expr(cm > 1) else {}
         ring.producer_acquire(fill)
         bar = ring.producer_get_barrier(fill)
         stage = first + fill.count
-        cute.copy(tma_a, t_ga[(None, stage)], t_sa[(None, fill.index)], tma_bar_ptr=bar)
-        cute.copy(tma_b, t_gb[(None, stage)], t_sb[(None, fill.index)], tma_bar_ptr=bar)
-        ring.producer_commit(fill)
-
-    @cute.jit
-    def _load_multicast(self, ring, fill, first, masks, tma_a, t_ga, t_sa, tma_b, t_gb, t_sb):
-        """A clustered CTA's copies of k stage ``first + fill.count`` into slot
-        ``fill.index``: its slice of the weight stage multicast to the cluster's CTAs of its
-        weight tile, its slice of the token stage to those of its token tile (each CTA's
-        full barrier counts the whole stage's bytes, from every slice's sender; the cross
-        form's partners share the split, so the same k stages)."""
-        ring.producer_acquire(fill)
-        bar = ring.producer_get_barrier(fill)
-        stage = first + fill.count
-        if cutlass.const_expr(self.cluster[1] > 1):
-            cute.copy(tma_a, t_ga[(None, stage)], t_sa[(None, fill.index)], tma_bar_ptr=bar,
-                      mcast_mask=masks[0])
-        else:
-            cute.copy(tma_a, t_ga[(None, stage)], t_sa[(None, fill.index)], tma_bar_ptr=bar)
-        if cutlass.const_expr(self.cluster[0] > 1):
-            cute.copy(tma_b, t_gb[(None, stage)], t_sb[(None, fill.index)], tma_bar_ptr=bar,
-                      mcast_mask=masks[1])
-        else:
-            cute.copy(tma_b, t_gb[(None, stage)], t_sb[(None, fill.index)], tma_bar_ptr=bar)
+        cute.copy(tma_a, t_ga[(None, stage)], t_sa[(None, fill.index)], tma_bar_ptr=bar,
+                  **a_mask)
+        cute.copy(tma_b, t_gb[(None, stage)], t_sb[(None, fill.index)], tma_bar_ptr=bar,
+                  **b_mask)
         ring.producer_commit(fill)
 
     @cute.jit

@@ -10,22 +10,17 @@ rows. It was measured on one H100 at commit 13887b8 (``benchmarks.wide_gemm_tabl
 no bit (the K split and the MMA kind are not a form's), so a table measured on another
 Hopper part is a speed choice there, never a correctness one.
 
-:func:`resolve_forms` gives the table where it was measured for: the real dimensions at 8
-ranks (the four GEMMs' shapes and K splits equal to ``TP8_SHAPES`` and ``TP8_SPLITS``) on
-sm_90a with the warpgroup MMA; anywhere else "auto" is no forms (the split-K kernel's
-default tactics).
+:func:`resolve_forms` gives the table where it was measured for: a rank whose four GEMMs
+have the shapes and K splits of the real dimensions at 8 ranks (``LatentMoEConfig.
+kimi_k3()``), on sm_90a with the warpgroup MMA; anywhere else "auto" is no forms (the
+split-K kernel's default tactics).
 """
 
 from __future__ import annotations
 
 from model.config import LatentMoEConfig
 
-__all__ = ["TP8_FORMS", "TP8_SHAPES", "TP8_SPLITS", "FORMS_CHOICES", "resolve_forms"]
-
-#: the TP8 rank's GEMM shapes ``(n, k)`` and K splits (132 multiprocessors) the table is for
-TP8_SHAPES = {"front": (560, 7168), "shared_gate_up": (1536, 7168),
-              "shared_down": (7168, 768), "up": (896, 3584)}
-TP8_SPLITS = {"front": 8, "shared_gate_up": 4, "shared_down": 1, "up": 8}
+__all__ = ["TP8_FORMS", "FORMS_CHOICES", "resolve_forms"]
 
 
 def _tiled(tokens: int, stages: int, cross: bool, producer: bool, cluster=(1, 1)) -> dict:
@@ -55,10 +50,11 @@ FORMS_CHOICES = (None, "auto")
 def resolve_forms(owner: str, forms, config: LatentMoEConfig, ranks: int, mma: str,
                   arch: str, sms: int = 132):
     """``invariant_forms`` as a layer runs it: a dict as given, None as None, ``"auto"``
-    as ``TP8_FORMS`` where the rank's four GEMMs have the table's shapes and K splits
-    (``wide_gemms.gemm_shapes`` and ``gemm_splits`` at ``ranks`` and ``sms``), ``arch`` is
-    sm_90a and ``mma`` the warpgroup MMA (the tiled kernel's), else None. Any other value
-    is refused by name."""
+    as ``TP8_FORMS`` where the rank's four GEMMs have the shapes and K splits the table was
+    measured at (``wide_gemms.gemm_shapes`` and ``gemm_splits`` of ``config`` at ``ranks``
+    against the real dimensions' at 8 ranks, both at ``sms``), ``arch`` is sm_90a and
+    ``mma`` the warpgroup MMA (the tiled kernel's), else None. Any other value is refused
+    by name."""
     from fast.schedules.wide_gemms import gemm_shapes, gemm_splits
 
     if forms is None or isinstance(forms, dict):
@@ -68,6 +64,8 @@ def resolve_forms(owner: str, forms, config: LatentMoEConfig, ranks: int, mma: s
                          f"per-GEMM forms, got {forms!r}")
     if arch != "sm_90a" or mma != "wgmma":
         return None
-    if gemm_shapes(config, ranks) != TP8_SHAPES or gemm_splits(config, ranks, sms) != TP8_SPLITS:
+    real = LatentMoEConfig.kimi_k3()
+    if (gemm_shapes(config, ranks), gemm_splits(config, ranks, sms)) != \
+            (gemm_shapes(real, 8), gemm_splits(real, 8, sms)):
         return None
     return {name: dict(table) for name, table in TP8_FORMS.items()}
