@@ -199,11 +199,14 @@ def rank_arguments(ap, *, out: str, tokens: str, reps: int) -> None:
 
 
 def load_forms(path: str | None) -> dict | str | None:
-    """``--invariant-forms``: None, ``auto`` (the layer's measured table, as
-    ``WideLayer(invariant_forms="auto")`` resolves it), a JSON file of ``{gemm: {rows_from:
-    form}}`` (its row keys strings in JSON), or a ``benchmarks.wide_gemm_table`` result
-    (its best form per GEMM and row count, ``wide_gemm_table.best_forms``)."""
-    if path is None or path == "auto":
+    """``--invariant-forms``: ``auto`` (the layer's default: its measured table, as
+    ``WideLayer(invariant_forms="auto")`` resolves it), ``none`` (None: the split-K
+    kernel's default tactics), a JSON file of ``{gemm: {rows_from: form}}`` (its row keys
+    strings in JSON), or a ``benchmarks.wide_gemm_table`` result (its best form per GEMM
+    and row count, ``wide_gemm_table.best_forms``)."""
+    if path is None or path == "none":
+        return None
+    if path == "auto":
         return path
     with open(path) as f:
         data = json.load(f)
@@ -216,7 +219,8 @@ def load_forms(path: str | None) -> dict | str | None:
 
 def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant: bool = False,
                    invariant_mma: str = "auto", serial_from: int | None = None,
-                   overlap: bool = False, chunk_windows: int = 8, forms: dict | None = None):
+                   overlap: bool = False, chunk_windows: int = 8,
+                   forms: dict | str | None = "auto"):
     """(layer, weights, run header, flush) of a GPU-node run: the real layer's weights
     (``verify.cases.device_weights``), its virtual TP ranks at the widest batch (with
     ``batch_invariant``: ``WideLayer(batch_invariant=True, invariant_mma=...)``), the run's
@@ -360,9 +364,9 @@ def main(argv=None):
     ap.add_argument("--invariant-chunk-windows", type=int, default=8, choices=(8, 16),
                     help="with --batch-invariant on the warpgroup MMA: 16 runs the GEMMs' calls "
                          "of more than 64 rows in 128-row token chunks (the same bits)")
-    ap.add_argument("--invariant-forms", default=None,
-                    help="with --batch-invariant: auto (WideLayer(invariant_forms='auto'): the "
-                         "measured TP8 table on sm_90a), a JSON file of per-GEMM forms ({gemm: "
+    ap.add_argument("--invariant-forms", default="auto",
+                    help="with --batch-invariant: auto (default, as WideLayer: the measured "
+                         "TP8 table on sm_90a), none (no forms), a JSON file of per-GEMM forms ({gemm: "
                          "{rows_from: form}}, WideLayer(invariant_forms=...)) or a "
                          "benchmarks.wide_gemm_table result, whose best form per GEMM and row "
                          "count is taken (wide_gemm_table.best_forms)")

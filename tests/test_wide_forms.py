@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fast.schedules.wide_forms import TP8_FORMS, resolve_forms
+from fast.schedules.wide_forms import TP8_FORMS, names_own_forms, resolve_forms
 from model.config import LatentMoEConfig
 
 #: the result the table was taken from (one H100, commit 13887b8)
@@ -60,6 +60,31 @@ def test_auto_resolves_to_the_table_only_where_it_was_measured(config, ranks, mm
     if expect_table:  # a copy: a caller's edit does not reach the module's table
         got["front"][65] = {"chunk_windows": 8}
         assert TP8_FORMS["front"][65] != {"chunk_windows": 8}
+
+
+@pytest.mark.parametrize("serial_from,overlap,chunk_windows,own", [
+    (None, False, 8, False), (257, False, 8, True), (None, True, 8, True), (None, False, 16, True),
+])
+def test_auto_gives_way_to_the_layers_own_form_arguments(serial_from, overlap, chunk_windows,
+                                                         own):
+    """Where the layer was given serial splits, MMAs in flight or 128-row chunks, those shape
+    its calls and "auto" resolves to no table (the table would override them)."""
+    assert names_own_forms(serial_from, overlap, chunk_windows) is own
+    got = resolve_forms("test", "auto", LatentMoEConfig.kimi_k3(), 8, "wgmma", "sm_90a",
+                        own_forms=own)
+    assert (got is None) if own else (got == TP8_FORMS)
+
+
+def test_auto_is_the_wide_layers_default():
+    """Both wide layers (and their checks before the device) take "auto" when no
+    ``invariant_forms`` is given."""
+    import inspect
+
+    from fast.schedules.wide import WideLayer, check_batch_invariant
+    from fast.schedules.wide_peer import WidePeerLayer
+
+    for fn in (WideLayer.__init__, WidePeerLayer.__init__, check_batch_invariant):
+        assert inspect.signature(fn).parameters["invariant_forms"].default == "auto"
 
 
 def test_forms_other_than_auto_pass_through_and_bad_values_are_refused():

@@ -160,8 +160,9 @@ def test_gemm_plan_cells_name_each_launch():
 
 
 def test_batch_invariant_flag_reaches_the_layer(monkeypatch):
-    """``--batch-invariant`` builds the layer with ``batch_invariant=True`` (a stand-in
-    layer records its arguments; the run stops there)."""
+    """``--batch-invariant`` builds the layer with ``batch_invariant=True`` and, unless
+    ``--invariant-forms`` names others, the layer's default forms (a stand-in layer records
+    its arguments; the run stops there)."""
     import fast.schedules.wide as wide
     import verify.cases
 
@@ -186,3 +187,12 @@ def test_batch_invariant_flag_reaches_the_layer(monkeypatch):
         except Stop:
             pass
         assert built["batch_invariant"] is want and built["max_rows"] == 65
+    # the forms: the layer's default "auto" unless named; "none" is no forms
+    for flag, want in (([], "auto"), (["--invariant-forms", "none"], None),
+                       (["--invariant-forms", "auto"], "auto")):
+        built.clear()
+        try:
+            wide_table.main(["--tokens", "65", "--batch-invariant", *flag])
+        except Stop:
+            pass
+        assert built["invariant_forms"] == want

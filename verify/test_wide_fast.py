@@ -27,7 +27,7 @@ one GPU: each stage of every rank against the reference stage on *that rank's ow
 | batch invariance (``batch_invariant=True``) | the four GEMMs on fast.gemm pass the stage contracts (``mma_matmul_bound`` at their K split, bitwise = the same GEMM alone); each token's every stage output on every rank (front, logits, latent, ids, weights, plan rows, expert rows, partial, routed, normed, shared gate/up, SiTU, shared, up columns, out) at row counts on both sides of every tactic and token-chunk edge bitwise = the same token in the largest batch; TP 2, 4 (small), 8, 16 (small, S = I = 1024) and TP8 at the real widths (65 to 1023 rows against 1024) |
 | serial splits (``invariant_serial_from``) | every stage of every rank bitwise the cross-CTA split layer's at 65..256 rows, and batch invariant across the switch |
 | MMAs in flight (``invariant_overlap``) | every stage of every rank bitwise the same layer's without it at 65..256 rows (with serial splits from 129), and batch invariant |
-| per-GEMM forms (``invariant_forms``) | every stage of every rank bitwise the same layer's without them at 65..256 rows, and batch invariant across the forms' edges; ``invariant_forms="auto"`` (the measured TP8 table, tiled kernel and clusters) at the real widths: every stage bitwise the layer without forms at 65..1024 rows and batch invariant against 1024 |
+| per-GEMM forms (``invariant_forms``) | every stage of every rank bitwise the same layer's without them at 65..256 rows, and batch invariant across the forms' edges; ``invariant_forms="auto"`` (the default: the measured TP8 table, tiled kernel and clusters) at the real widths: every stage bitwise the layer without forms (``invariant_forms=None``) at 65..1024 rows and batch invariant against 1024 |
 | 128-row token chunks (``invariant_chunk_windows=16``) | every stage of every rank bitwise the same layer's in 64-row chunks at 65..256 rows (serial splits from 129, MMAs in flight), and batch invariant |
 | another process | the same batch-invariant layer, weights and rows in a second process: the same bits |
 | 1000 graph replays | on changing inputs, every 50th (and the last) bitwise equal to an eager call |
@@ -756,7 +756,8 @@ def test_wide_fast_real_tp8_batch_invariant(backend, mma, seed, contract):
     kind: 65, 66, 128, 129, 257, 512, 513 and 1023 rows against 1024 (token chunks 2 to
     16, both 64- and 128-row tiles), every stage of every rank; then one call of 65 rows
     passes every stage contract (each GEMM on fast.gemm at the real widths, the TP8 front's
-    560 rows padded to 576)."""
+    560 rows padded to 576). On the warpgroup MMA the layer runs its default forms
+    (``invariant_forms="auto"``: the tiled kernel); on ``mma.sync`` none."""
     _skip_unless_mma_runs(mma)
     caches.release(_real_tp8)  # one real TP8 layer at a time (an 80 GB card holds two, not three)
     layer = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_mma=mma)
@@ -769,7 +770,7 @@ def test_wide_fast_real_tp8_batch_invariant(backend, mma, seed, contract):
 
 @pytest.mark.config("kimi_k3")
 def test_wide_fast_real_tp8_auto_forms_same_bits(backend, seed, contract):
-    """``invariant_forms="auto"`` at the real widths (TP8 on sm_90a: the measured table,
+    """``invariant_forms="auto"`` (the default) at the real widths (TP8 on sm_90a: the measured table,
     ``fast.schedules.wide_forms.TP8_FORMS``: the tiled kernel, one CTA per split up to 256
     rows, thread-block clusters from 257): every stage of every rank at 65, 128, 256, 257,
     512, 513 and 1024 rows bitwise the same layer's without forms (the split-K kernel), and
@@ -778,7 +779,9 @@ def test_wide_fast_real_tp8_auto_forms_same_bits(backend, seed, contract):
     _skip_unless_mma_runs("wgmma")
     caches.release(_real_tp8)  # one real TP8 layer on the card at a time
     rows = (65, 128, 256, 257, 512, 513, 1024)
-    plain = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_mma="wgmma")
+    plain = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_mma="wgmma",
+                   invariant_forms=None)
+    assert plain.invariant_forms is None
     x = _inputs(plain.config, 1024, seed)
     want = {}
     for t in rows:
@@ -786,8 +789,7 @@ def test_wide_fast_real_tp8_auto_forms_same_bits(backend, seed, contract):
                    for o in plain(x[:t].contiguous())]
     del plain
     torch.cuda.empty_cache()
-    layer = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_mma="wgmma",
-                   invariant_forms="auto")
+    layer = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_mma="wgmma")
     assert layer.invariant_forms is not None and "tiled" in layer.invariant_forms["front"][65]
     assert layer.gemm_plan(0, 600)["front"].label().endswith("cluster 1x4")
     for t in rows:

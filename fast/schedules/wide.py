@@ -102,7 +102,7 @@ from fast.schedules.steps import run_steps
 from fast.gemm.host import check_chunk_windows, check_serial_from
 from fast.gemm.mma_kind import check_mma, check_overlap, resolve_mma
 from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes, check_gemm_forms
-from fast.schedules.wide_forms import resolve_forms
+from fast.schedules.wide_forms import names_own_forms, resolve_forms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
                                          SHARED_PLACEMENTS, WIDE_STEPS, WideCall, WideRank,
                                          WideRankOutputs, WideStageCalls, as_int32)
@@ -264,7 +264,7 @@ def check_rows_and_timeout(owner: str, config: LatentMoEConfig, max_rows, timeou
 def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
                           batch_invariant, invariant_mma="auto",
                           invariant_serial_from=None, invariant_overlap=False,
-                          invariant_chunk_windows=8, invariant_forms=None) -> None:
+                          invariant_chunk_windows=8, invariant_forms="auto") -> None:
     """A wide layer's ``batch_invariant`` (a bool), its ``invariant_mma``
     (``fast.gemm.mma_kind.MMA_CHOICES``), its ``invariant_serial_from`` (None or a positive int),
     its ``invariant_overlap`` (a bool, not with ``"mma.sync"``), its
@@ -336,9 +336,10 @@ class WideLayer(WideStageCalls):
             {key: value}}}``, ``gemm`` among ``wide_gemms.WIDE_GEMMS``, keys among
             ``fast.gemm.host.FORM_KEYS`` (``chunk_windows``, ``serial``, ``overlap``,
             ``stage_k``; ``fast.gemm.DenseGemm``'s ``forms``) or ``{"tiled": {...}}``
-            (``fast.gemm.TiledGemm``'s options). None (default): none. ``"auto"``: at the
-            real dimensions on 8 ranks on sm_90a with the warpgroup MMA, the measured
-            table ``fast.schedules.wide_forms.TP8_FORMS``, elsewhere none
+            (``fast.gemm.TiledGemm``'s options). None: none. ``"auto"`` (default): at the
+            real dimensions on 8 ranks on sm_90a with the warpgroup MMA and the three
+            arguments above at their defaults, the measured table
+            ``fast.schedules.wide_forms.TP8_FORMS``, elsewhere none
             (``wide_forms.resolve_forms``; :attr:`invariant_forms` says which). The K
             split and the MMA kind are not a form's: the same bits.
     """
@@ -348,7 +349,7 @@ class WideLayer(WideStageCalls):
                  experts_tactic: dict | None = None, batch_invariant: bool = False,
                  invariant_mma: str = "auto", invariant_serial_from: int | None = None,
                  invariant_overlap: bool = False, invariant_chunk_windows: int = 8,
-                 invariant_forms: dict | str | None = None):
+                 invariant_forms: dict | str | None = "auto"):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
@@ -370,7 +371,10 @@ class WideLayer(WideStageCalls):
         check_chunk_windows("WideLayer", "invariant_chunk_windows", invariant_chunk_windows,
                             self.invariant_mma == "wgmma")
         invariant_forms = resolve_forms("WideLayer", invariant_forms, c, ranks,
-                                        self.invariant_mma, self.arch)
+                                        self.invariant_mma, self.arch,
+                                        own_forms=names_own_forms(invariant_serial_from,
+                                                                  invariant_overlap,
+                                                                  invariant_chunk_windows))
         check_gemm_forms("WideLayer", c, ranks, invariant_forms, self.invariant_mma)
         #: the batch-invariant GEMMs' per-GEMM forms (``invariant_forms`` resolved here)
         self.invariant_forms = invariant_forms

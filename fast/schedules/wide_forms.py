@@ -12,15 +12,17 @@ Hopper part is a speed choice there, never a correctness one.
 
 :func:`resolve_forms` gives the table where it was measured for: a rank whose four GEMMs
 have the shapes and K splits of the real dimensions at 8 ranks (``LatentMoEConfig.
-kimi_k3()``), on sm_90a with the warpgroup MMA; anywhere else "auto" is no forms (the
-split-K kernel's default tactics).
+kimi_k3()``), on sm_90a with the warpgroup MMA, built without the layer arguments that name
+a form of their own (``invariant_serial_from``, ``invariant_overlap``,
+``invariant_chunk_windows``); anywhere else "auto" is no forms (the split-K kernel's default
+tactics, shaped by those arguments). "auto" is the wide layers' default.
 """
 
 from __future__ import annotations
 
 from model.config import LatentMoEConfig
 
-__all__ = ["TP8_FORMS", "FORMS_CHOICES", "resolve_forms"]
+__all__ = ["TP8_FORMS", "FORMS_CHOICES", "names_own_forms", "resolve_forms"]
 
 
 def _tiled(tokens: int, stages: int, cross: bool, producer: bool, cluster=(1, 1)) -> dict:
@@ -47,14 +49,22 @@ TP8_FORMS = {
 FORMS_CHOICES = (None, "auto")
 
 
+def names_own_forms(serial_from, overlap: bool, chunk_windows: int) -> bool:
+    """Whether a wide layer's ``invariant_serial_from``, ``invariant_overlap`` and
+    ``invariant_chunk_windows`` name forms of their own (any of them off its default: None,
+    False, 8), in which case ``"auto"`` gives way to them (:func:`resolve_forms`)."""
+    return serial_from is not None or bool(overlap) or chunk_windows != 8
+
+
 def resolve_forms(owner: str, forms, config: LatentMoEConfig, ranks: int, mma: str,
-                  arch: str, sms: int = 132):
+                  arch: str, sms: int = 132, own_forms: bool = False):
     """``invariant_forms`` as a layer runs it: a dict as given, None as None, ``"auto"``
     as ``TP8_FORMS`` where the rank's four GEMMs have the shapes and K splits the table was
     measured at (``wide_gemms.gemm_shapes`` and ``gemm_splits`` of ``config`` at ``ranks``
-    against the real dimensions' at 8 ranks, both at ``sms``), ``arch`` is sm_90a and
-    ``mma`` the warpgroup MMA (the tiled kernel's), else None. Any other value is refused
-    by name."""
+    against the real dimensions' at 8 ranks, both at ``sms``), ``arch`` is sm_90a, ``mma``
+    the warpgroup MMA (the tiled kernel's) and ``own_forms`` False (the layer's serial
+    splits, MMAs in flight and chunk width at their defaults: set, they shape every call,
+    which the table would override), else None. Any other value is refused by name."""
     from fast.schedules.wide_gemms import gemm_shapes, gemm_splits
 
     if forms is None or isinstance(forms, dict):
@@ -62,7 +72,7 @@ def resolve_forms(owner: str, forms, config: LatentMoEConfig, ranks: int, mma: s
     if forms != "auto":
         raise ValueError(f"{owner}: invariant_forms must be None, 'auto' or a dict of "
                          f"per-GEMM forms, got {forms!r}")
-    if arch != "sm_90a" or mma != "wgmma":
+    if arch != "sm_90a" or mma != "wgmma" or own_forms:
         return None
     real = LatentMoEConfig.kimi_k3()
     if (gemm_shapes(config, ranks), gemm_splits(config, ranks, sms)) != \

@@ -87,7 +87,7 @@ from fast.schedules.wide import (compiled_kernel, check_batch_invariant, check_l
 from fast.gemm.host import check_chunk_windows
 from fast.gemm.mma_kind import check_overlap, resolve_mma
 from fast.schedules.wide_gemms import build_fast_gemms, check_gemm_forms
-from fast.schedules.wide_forms import resolve_forms
+from fast.schedules.wide_forms import names_own_forms, resolve_forms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, WIDE_STEPS,
                                          WideCall, WideRank, WideRankOutputs, WideStageCalls,
                                          as_int32, rank_gemm_bf16_into)
@@ -149,8 +149,8 @@ class WidePeerLayer(WideStageCalls):
         invariant_serial_from: as ``WideLayer``'s (None or rows); the same on every rank.
         invariant_overlap: as ``WideLayer``'s (a bool); the same on every rank.
         invariant_chunk_windows: as ``WideLayer``'s (8 or 16); the same on every rank.
-        invariant_forms: as ``WideLayer``'s (None, ``"auto"`` or per-GEMM forms); the same
-            on every rank.
+        invariant_forms: as ``WideLayer``'s (None, ``"auto"`` (default) or per-GEMM forms);
+            the same on every rank.
 
     Construction is collective over ``group`` (the symmetric buffer's rendezvous), and so
     is the first call of each ``T`` (:meth:`_prepare`).
@@ -161,7 +161,7 @@ class WidePeerLayer(WideStageCalls):
                  experts_tactic: dict | None = None, batch_invariant: bool = False,
                  invariant_mma: str = "auto", invariant_serial_from: int | None = None,
                  invariant_overlap: bool = False, invariant_chunk_windows: int = 8,
-                 invariant_forms: dict | str | None = None):
+                 invariant_forms: dict | str | None = "auto"):
         import torch.distributed as dist
 
         from fast.experts import experts_engine_for, prepare_experts_for
@@ -185,7 +185,10 @@ class WidePeerLayer(WideStageCalls):
         check_chunk_windows("WidePeerLayer", "invariant_chunk_windows", invariant_chunk_windows,
                             mma == "wgmma")
         invariant_forms = resolve_forms("WidePeerLayer", invariant_forms, c, n, mma,
-                                        backend.device_arch(device))
+                                        backend.device_arch(device),
+                                        own_forms=names_own_forms(invariant_serial_from,
+                                                                  invariant_overlap,
+                                                                  invariant_chunk_windows))
         check_gemm_forms("WidePeerLayer", c, n, invariant_forms, mma)
         seen = [None] * n
         dist.all_gather_object(seen, (max_rows, c, batch_invariant, mma, invariant_serial_from,
