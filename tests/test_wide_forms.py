@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from fast.schedules.wide_forms import TP8_FORMS, names_own_forms, resolve_forms
+from fast.schedules.wide_forms import TP8_FORMS, resolve_forms
 from model.config import LatentMoEConfig
 
 #: the result the table was taken from (one H100, commit 13887b8)
@@ -69,9 +69,8 @@ def test_auto_gives_way_to_the_layers_own_form_arguments(serial_from, overlap, c
                                                          own):
     """Where the layer was given serial splits, MMAs in flight or 128-row chunks, those shape
     its calls and "auto" resolves to no table (the table would override them)."""
-    assert names_own_forms(serial_from, overlap, chunk_windows) is own
     got = resolve_forms("test", "auto", LatentMoEConfig.kimi_k3(), 8, "wgmma", "sm_90a",
-                        own_forms=own)
+                        serial_from, overlap, chunk_windows)
     assert (got is None) if own else (got == TP8_FORMS)
 
 
@@ -92,7 +91,7 @@ def test_forms_other_than_auto_pass_through_and_bad_values_are_refused():
     table = {"up": {65: {"chunk_windows": 16}}}
     assert resolve_forms("W", table, cfg, 8, "wgmma", "sm_90a") is table
     assert resolve_forms("W", None, cfg, 8, "wgmma", "sm_90a") is None
-    for bad in ("fast", "AUTO", 3, ["auto"]):
+    for bad in ("fast", "AUTO", 3, ["auto"], {"router": {65: {}}}):
         with pytest.raises(ValueError, match="W: invariant_forms"):
             resolve_forms("W", bad, cfg, 8, "wgmma", "sm_90a")
 

@@ -102,7 +102,7 @@ from fast.schedules.steps import run_steps
 from fast.gemm.host import check_chunk_windows, check_serial_from
 from fast.gemm.mma_kind import check_mma, check_overlap, resolve_mma
 from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes, check_gemm_forms
-from fast.schedules.wide_forms import names_own_forms, resolve_forms
+from fast.schedules.wide_forms import resolve_forms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
                                          SHARED_PLACEMENTS, WIDE_STEPS, WideCall, WideRank,
                                          WideRankOutputs, WideStageCalls, as_int32)
@@ -371,11 +371,8 @@ class WideLayer(WideStageCalls):
         check_chunk_windows("WideLayer", "invariant_chunk_windows", invariant_chunk_windows,
                             self.invariant_mma == "wgmma")
         invariant_forms = resolve_forms("WideLayer", invariant_forms, c, ranks,
-                                        self.invariant_mma, self.arch,
-                                        own_forms=names_own_forms(invariant_serial_from,
-                                                                  invariant_overlap,
-                                                                  invariant_chunk_windows))
-        check_gemm_forms("WideLayer", c, ranks, invariant_forms, self.invariant_mma)
+                                        self.invariant_mma, self.arch, invariant_serial_from,
+                                        invariant_overlap, invariant_chunk_windows)
         #: the batch-invariant GEMMs' per-GEMM forms (``invariant_forms`` resolved here)
         self.invariant_forms = invariant_forms
         #: the batch-invariant wgmma GEMMs leave each stage's MMAs in flight

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from model.config import LatentMoEConfig
 
-__all__ = ["TP8_FORMS", "FORMS_CHOICES", "names_own_forms", "resolve_forms"]
+__all__ = ["TP8_FORMS", "resolve_forms"]
 
 
 def _tiled(tokens: int, stages: int, cross: bool, producer: bool, cluster=(1, 1)) -> dict:
@@ -45,37 +45,30 @@ TP8_FORMS = {
            257: _tiled(64, 8, False, True, (2, 2)), 513: _tiled(64, 8, False, True, (1, 4))},
 }
 
-#: what ``invariant_forms`` takes beside a dict of forms
-FORMS_CHOICES = (None, "auto")
-
-
-def names_own_forms(serial_from, overlap: bool, chunk_windows: int) -> bool:
-    """Whether a wide layer's ``invariant_serial_from``, ``invariant_overlap`` and
-    ``invariant_chunk_windows`` name forms of their own (any of them off its default: None,
-    False, 8), in which case ``"auto"`` gives way to them (:func:`resolve_forms`)."""
-    return serial_from is not None or bool(overlap) or chunk_windows != 8
-
 
 def resolve_forms(owner: str, forms, config: LatentMoEConfig, ranks: int, mma: str,
-                  arch: str, sms: int = 132, own_forms: bool = False):
-    """``invariant_forms`` as a layer runs it: a dict as given, None as None, ``"auto"``
-    as ``TP8_FORMS`` where the rank's four GEMMs have the shapes and K splits the table was
-    measured at (``wide_gemms.gemm_shapes`` and ``gemm_splits`` of ``config`` at ``ranks``
-    against the real dimensions' at 8 ranks, both at ``sms``), ``arch`` is sm_90a, ``mma``
-    the warpgroup MMA (the tiled kernel's) and ``own_forms`` False (the layer's serial
-    splits, MMAs in flight and chunk width at their defaults: set, they shape every call,
-    which the table would override), else None. Any other value is refused by name."""
-    from fast.schedules.wide_gemms import gemm_shapes, gemm_splits
+                  arch: str, serial_from=None, overlap: bool = False, chunk_windows: int = 8,
+                  sms: int = 132):
+    """``invariant_forms`` as a layer runs it, checked (``wide_gemms.check_gemm_forms`` on
+    ``mma``): a dict as given, None as None, ``"auto"`` as ``TP8_FORMS`` where the rank's
+    four GEMMs have the shapes and K splits the table was measured at
+    (``wide_gemms.gemm_shapes`` and ``gemm_splits`` of ``config`` at ``ranks`` against the
+    real dimensions' at 8 ranks, both at ``sms``), ``arch`` is sm_90a, ``mma`` the warpgroup
+    MMA (the tiled kernel's) and the layer's ``serial_from``, ``overlap`` and
+    ``chunk_windows`` (its ``invariant_*`` arguments) at their defaults None, False and 8
+    (set, they shape every call, which the table would override), else None. Any other
+    value is refused by name."""
+    from fast.schedules.wide_gemms import check_gemm_forms, gemm_shapes, gemm_splits
 
-    if forms is None or isinstance(forms, dict):
-        return forms
-    if forms != "auto":
+    if forms == "auto":
+        real = LatentMoEConfig.kimi_k3()
+        measured = (arch == "sm_90a" and mma == "wgmma" and serial_from is None
+                    and not overlap and chunk_windows == 8
+                    and (gemm_shapes(config, ranks), gemm_splits(config, ranks, sms))
+                    == (gemm_shapes(real, 8), gemm_splits(real, 8, sms)))
+        forms = {name: dict(table) for name, table in TP8_FORMS.items()} if measured else None
+    elif forms is not None and not isinstance(forms, dict):
         raise ValueError(f"{owner}: invariant_forms must be None, 'auto' or a dict of "
                          f"per-GEMM forms, got {forms!r}")
-    if arch != "sm_90a" or mma != "wgmma" or own_forms:
-        return None
-    real = LatentMoEConfig.kimi_k3()
-    if (gemm_shapes(config, ranks), gemm_splits(config, ranks, sms)) != \
-            (gemm_shapes(real, 8), gemm_splits(real, 8, sms)):
-        return None
-    return {name: dict(table) for name, table in TP8_FORMS.items()}
+    check_gemm_forms(owner, config, ranks, forms, mma, sms)
+    return forms

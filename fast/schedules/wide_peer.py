@@ -86,8 +86,8 @@ from fast.schedules.wide import (compiled_kernel, check_batch_invariant, check_l
                                  kernel_params, mailbox_timeout)
 from fast.gemm.host import check_chunk_windows
 from fast.gemm.mma_kind import check_overlap, resolve_mma
-from fast.schedules.wide_gemms import build_fast_gemms, check_gemm_forms
-from fast.schedules.wide_forms import names_own_forms, resolve_forms
+from fast.schedules.wide_gemms import build_fast_gemms
+from fast.schedules.wide_forms import resolve_forms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, WIDE_STEPS,
                                          WideCall, WideRank, WideRankOutputs, WideStageCalls,
                                          as_int32, rank_gemm_bf16_into)
@@ -185,11 +185,8 @@ class WidePeerLayer(WideStageCalls):
         check_chunk_windows("WidePeerLayer", "invariant_chunk_windows", invariant_chunk_windows,
                             mma == "wgmma")
         invariant_forms = resolve_forms("WidePeerLayer", invariant_forms, c, n, mma,
-                                        backend.device_arch(device),
-                                        own_forms=names_own_forms(invariant_serial_from,
-                                                                  invariant_overlap,
-                                                                  invariant_chunk_windows))
-        check_gemm_forms("WidePeerLayer", c, n, invariant_forms, mma)
+                                        backend.device_arch(device), invariant_serial_from,
+                                        invariant_overlap, invariant_chunk_windows)
         seen = [None] * n
         dist.all_gather_object(seen, (max_rows, c, batch_invariant, mma, invariant_serial_from,
                                       invariant_overlap, invariant_chunk_windows, invariant_forms),
