@@ -23,7 +23,9 @@ flush (the one-graph figures are also given after a write flush).
 
 * ``cublas``: the stock call above;
 * every candidate tactic of the kernel that serves T (``fast.gemm.host.CANDIDATES``) and
-  the default one (``DenseGemm.tactic(T)``);
+  the default one (``DenseGemm.tactic(T)``); with ``--stage-k128`` each also in 128-k ring
+  stages where its K splits hold whole ones (half the stage barriers; the 64-k form's bits,
+  checked in the run);
 * ``dense4``: the four GEMMs back to back in one graph: cuBLAS, the kernel's default
   tactics (programmatic dependent launch as ``DenseGemm`` chooses it, and without; and with
   the router in the front's launch, ``fast.gemm.GroupedGemm``, where it serves T), the
@@ -187,6 +189,10 @@ def main(argv=None):
                     help="with --wgmma: also time each wgmma version with one stage's MMAs in "
                          "flight (Tactic.overlap; labels end in ',wgmma,overlap') and check it "
                          "gives the wgmma version's bits")
+    ap.add_argument("--stage-k128", action="store_true",
+                    help="also time every timed tactic in 128-k ring stages where its K splits "
+                         "hold whole 128-k stages (labels carry ',stage_k128'; the best-tactic "
+                         "rows may pick them) and check each gives its 64-k form's bits")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
@@ -223,6 +229,9 @@ def main(argv=None):
         if args.overlap:
             cands += [dataclasses.replace(t, wgmma=True, overlap=True) for t in CANDIDATES[shape]
                       if t.warps in (4, 8)]
+        if args.stage_k128:
+            cands += [dataclasses.replace(t, stage_k=128) for t in cands
+                      if shape[1] % (t.splits * 128) == 0]
         return cands
 
     engines = {g: DenseGemm(probe[g][0], tactics=timed(tuple(probe[g][0].shape))) for g in gemms}
@@ -260,6 +269,14 @@ def main(argv=None):
                                for v in (t, plain)]
                         key = "overlap_same_bits" if t.overlap else "wgmma_same_bits"
                         case[key][t.label()] = bool(torch.equal(bits(got[0]), bits(got[1])))
+            if args.stage_k128:  # 128-k stages: the 64-k form's bits (one summation order)
+                case["stage_k128_same_bits"] = {}
+                for t in timed(tuple(weight.shape)):
+                    if t.stage_k == 128 and t.serves(tokens):
+                        got = [eng(a, out_dtype=out_dtype, addend=addend, tactic=v).clone()
+                               for v in (t, dataclasses.replace(t, stage_k=64))]
+                        case["stage_k128_same_bits"][t.label()] = bool(
+                            torch.equal(bits(got[0]), bits(got[1])))
             case["median_us"] = {k: statistics.median(v) for k, v in case["times"].items()}
             med = case["median_us"]
             tact = {k: v for k, v in med.items() if k.startswith("r") and ",wgmma" not in k}
@@ -273,13 +290,19 @@ def main(argv=None):
             wg_best += (f" | overlap best {min(ov, key=ov.get)} {min(ov.values()):6.1f} "
                         f"({limit / min(ov.values()):.2f}), bits = wgmma: "
                         f"{sum(ov_same.values())}/{len(ov_same)}") if ov else ""
+            k128 = {k: v for k, v in med.items() if ",stage_k128" in k}
+            k128_same = case.get("stage_k128_same_bits", {})
+            wg_best += (f" | 128-k best {min(k128, key=k128.get)} {min(k128.values()):6.1f} "
+                        f"({limit / min(k128.values()):.2f}), bits = 64-k: "
+                        f"{sum(k128_same.values())}/{len(k128_same)}") if k128 else ""
             print(f"T {tokens:3d} {g:11s} limit {limit:6.1f}us | cublas {med['cublas']:6.1f} "
                   f"({limit / med['cublas']:.2f}) | default {case['default']} {med['default']:6.1f} "
                   f"({limit / med['default']:.2f}) | best {best} {tact[best]:6.1f} "
                   f"({limit / tact[best]:.2f}){wg_best}", flush=True)
             row["gemms"][g] = case
         if len(gemms) == len(GEMMS):
-            best = {g: _best_tactic(row["gemms"][g]["median_us"], CANDIDATES[tuple(data[g][0].shape)])
+            best = {g: _best_tactic(row["gemms"][g]["median_us"],
+                                    [t for t in timed(tuple(data[g][0].shape)) if not t.wgmma])
                     for g in GEMMS}
             row["best"] = {g: t.label() for g, t in best.items()}
             default4 = _dense4(engines, data, None, side=False)
