@@ -90,6 +90,40 @@ def _cublas(name, weight, a, addend, out_dtype):
     return lambda: stock.mm_bf16(a, weight)
 
 
+def timed_tactics(shape: tuple[int, int], *, wgmma: bool = False, overlap: bool = False,
+                  stage_k128: bool = False) -> list:
+    """The tactics a run times for an ``[N, K]`` weight shape: ``fast.gemm.host.CANDIDATES``;
+    with ``wgmma`` their warpgroup-MMA versions (4 or 8 warps), with ``overlap`` those with
+    one stage's MMAs in flight, with ``stage_k128`` every one of them also in 128-k ring
+    stages where its K splits hold whole ones (a tactic's own ring halved: the same bytes
+    per ring)."""
+    from fast.gemm.host import CANDIDATES
+
+    base = CANDIDATES[shape]
+    cands = list(base)
+    if wgmma:
+        cands += [dataclasses.replace(t, wgmma=True) for t in base if t.warps in (4, 8)]
+    if overlap:
+        cands += [dataclasses.replace(t, wgmma=True, overlap=True) for t in base
+                  if t.warps in (4, 8)]
+    if stage_k128:
+        cands += [dataclasses.replace(t, stage_k=128, ring=t.ring and max(2, t.ring // 2))
+                  for t in cands if shape[1] % (t.splits * 128) == 0]
+    return cands
+
+
+def serves_and_fits(tactic, tokens: int) -> bool:
+    """Whether ``tactic`` serves ``tokens`` and its ring fits at that many windows (a 128-k
+    stage form can need more shared memory than its occupancy leaves at many windows)."""
+    if not tactic.serves(tokens):
+        return False
+    try:
+        tactic.kernel_params(tactic.chunks(tokens)[1])
+    except ValueError:
+        return False
+    return True
+
+
 def _best_tactic(medians: dict, candidates):
     """The candidate with the smallest median at this T."""
     timed = [t for t in candidates if t.label() in medians]
@@ -202,7 +236,6 @@ def main(argv=None):
     from benchmarks.experts_table import device_time_us
     from benchmarks.readbw import read_bandwidth_gbs
     from fast.gemm import DenseGemm
-    from fast.gemm.host import CANDIDATES
     from model.config import LatentMoEConfig
     from verify import cases
 
@@ -221,18 +254,8 @@ def main(argv=None):
     gemms = [g for g in args.gemms.split(",") if g]
     probe = _inputs(cfg, w, 1, 0)
     def timed(shape):
-        """The candidates timed for a weight shape (with ``--wgmma`` their wgmma versions)."""
-        cands = list(CANDIDATES[shape])
-        if args.wgmma:
-            cands += [dataclasses.replace(t, wgmma=True) for t in CANDIDATES[shape]
-                      if t.warps in (4, 8)]
-        if args.overlap:
-            cands += [dataclasses.replace(t, wgmma=True, overlap=True) for t in CANDIDATES[shape]
-                      if t.warps in (4, 8)]
-        if args.stage_k128:
-            cands += [dataclasses.replace(t, stage_k=128) for t in cands
-                      if shape[1] % (t.splits * 128) == 0]
-        return cands
+        return timed_tactics(shape, wgmma=args.wgmma, overlap=args.overlap,
+                             stage_k128=args.stage_k128)
 
     engines = {g: DenseGemm(probe[g][0], tactics=timed(tuple(probe[g][0].shape))) for g in gemms}
     group = None  # the front and the router in one launch (fast.gemm.GroupedGemm)
@@ -253,7 +276,7 @@ def main(argv=None):
                     "times": {}}
             case["times"]["cublas"] = device_time_us(_cublas(g, weight, a, addend, out_dtype),
                                                      reps=args.reps, flush=flush)
-            for t in [None] + [c for c in timed(tuple(weight.shape)) if c.serves(tokens)]:
+            for t in [None] + [c for c in timed(tuple(weight.shape)) if serves_and_fits(c, tokens)]:
                 name = "default" if t is None else t.label()
                 case["times"][name] = device_time_us(
                     lambda: eng(a, out_dtype=out_dtype, addend=addend, out=out, tactic=t),
@@ -262,7 +285,7 @@ def main(argv=None):
             if args.wgmma:  # does warpgroup MMA give mma.sync's bits at the same splits?
                 case["wgmma_same_bits"], case["overlap_same_bits"] = {}, {}
                 for t in timed(tuple(weight.shape)):
-                    if t.wgmma and t.serves(tokens):  # overlap: against the plain wgmma form
+                    if t.wgmma and serves_and_fits(t, tokens):  # overlap: against the plain wgmma form
                         plain = dataclasses.replace(t, overlap=False) if t.overlap else \
                             dataclasses.replace(t, wgmma=False)
                         got = [eng(a, out_dtype=out_dtype, addend=addend, tactic=v).clone()
@@ -272,7 +295,7 @@ def main(argv=None):
             if args.stage_k128:  # 128-k stages: the 64-k form's bits (one summation order)
                 case["stage_k128_same_bits"] = {}
                 for t in timed(tuple(weight.shape)):
-                    if t.stage_k == 128 and t.serves(tokens):
+                    if t.stage_k == 128 and serves_and_fits(t, tokens):
                         got = [eng(a, out_dtype=out_dtype, addend=addend, tactic=v).clone()
                                for v in (t, dataclasses.replace(t, stage_k=64))]
                         case["stage_k128_same_bits"][t.label()] = bool(

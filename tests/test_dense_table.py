@@ -21,3 +21,24 @@ def test_the_grouped_column():
     assert "| 100.0 (0.85) |" in row
     old = [line for line in render(_result(False)).splitlines() if line.startswith("| 1 |")][0]
     assert "| 110.0 / 104.0 | - |" in old
+
+
+def test_128k_forms_are_timed_only_where_their_ring_fits():
+    """``--stage-k128`` halves a tactic's own ring (the same bytes per ring) and times a
+    form at a T only where its ring fits there: the 12-stage 64-row tactic's 6-stage form
+    fits at every T, its 12-stage one only at one window; the wgmma forms with MMAs in
+    flight need 3 stages and so stop at 2 windows; no form raises."""
+    import dataclasses
+
+    from benchmarks.dense_table import serves_and_fits
+    from fast.gemm.host import CANDIDATES
+
+    deep = next(t for t in CANDIDATES[(7168, 6144)] if t.ring == 12)
+    wide = dataclasses.replace(deep, stage_k=128, ring=deep.ring // 2)
+    assert all(serves_and_fits(wide, t) for t in range(1, 65))
+    twelve = dataclasses.replace(deep, stage_k=128)
+    assert serves_and_fits(twelve, 8) and not serves_and_fits(twelve, 9)  # 12 stages of 128 k at 2 windows
+    front = CANDIDATES[(15872, 7168)][0]
+    overlap = dataclasses.replace(front, stage_k=128, wgmma=True, overlap=True)
+    assert serves_and_fits(overlap, 16) and not serves_and_fits(overlap, 17)
+    assert all(serves_and_fits(front, t) for t in range(1, 65))
