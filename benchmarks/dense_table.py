@@ -108,8 +108,8 @@ def timed_tactics(shape: tuple[int, int], *, wgmma: bool = False, overlap: bool 
                   if t.warps in (4, 8)]
     if stage_k128:
         cands += [dataclasses.replace(t, stage_k=128, ring=t.ring and max(2, t.ring // 2))
-                  for t in cands if shape[1] % (t.splits * 128) == 0]
-    return cands
+                  for t in cands if t.stage_k == 64 and shape[1] % (t.splits * 128) == 0]
+    return list(dict.fromkeys(cands))  # a candidate's own 128-k form once
 
 
 def serves_and_fits(tactic, tokens: int) -> bool:

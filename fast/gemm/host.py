@@ -35,29 +35,36 @@ __all__ = ["DenseGemm", "choose_tactic", "splits_of", "splits_for_rows", "CANDID
 _R64, _R128 = dict(warps=2, mtiles=2), dict(warps=4, mtiles=2)
 _R128M4, _R256M4 = dict(warps=2, mtiles=4), dict(warps=4, mtiles=4, occupancy=1)
 _R64DEEP = dict(warps=2, mtiles=2, occupancy=1, ring=12)
+_K128 = dict(stage_k=128)
 
 #: The tactics considered for the layer's four dense GEMMs (kimi_k3 shapes ``(N, K)``): each
 #: is verified (``verify/test_gemm_fast.py``) and timed (``benchmarks/dense_table.py``); all
-#: launch one wave on an H200 (132 multiprocessors). Five kernel shapes serve them all
+#: launch one wave on an H200 (132 multiprocessors). Seven kernel shapes serve them all
 #: (``splits`` is a run-time value): tiles of 64 rows (2 warps x 2 m-tiles), 128 rows (4 x 2,
 #: or 2 x 4: each B fragment feeds 4 m-tiles) at 2 CTAs per multiprocessor, 256 rows (4 x 4)
 #: at one, and 64 rows at one CTA per multiprocessor with a 12-stage ring (more bytes in
-#: flight where the grid has fewer CTAs than multiprocessors).
+#: flight where the grid has fewer CTAs than multiprocessors); and the 64- and 128-row tiles
+#: in 128-k ring stages (``_K128``: half the stage barriers, the same bits as their 64-k
+#: forms), the forms that one H100 measured fastest at T <= 8 (the four GEMMs in one graph at
+#: 0.85-0.86 of their bytes against 0.80-0.81; ``docs/ledger.md``), not yet timed on the H200.
 CANDIDATES: dict[tuple[int, int], tuple[Tactic, ...]] = {
     (15872, 7168): (  # front [shared gate_up | latent down], BF16 out
         Tactic(**_R128, splits=1), Tactic(**_R128, splits=2), Tactic(**_R64, splits=1),
-        Tactic(**_R128M4, splits=1), Tactic(**_R128M4, splits=2), Tactic(**_R256M4, splits=2)),
+        Tactic(**_R128M4, splits=1), Tactic(**_R128M4, splits=2), Tactic(**_R256M4, splits=2),
+        Tactic(**_R128, splits=1, **_K128), Tactic(**_R64, splits=1, **_K128)),
     (896, 7168): (  # router gate, FP32 out
         Tactic(**_R64, splits=4), Tactic(**_R64, splits=8), Tactic(**_R64, splits=16),
-        Tactic(**_R128M4, splits=16)),
+        Tactic(**_R128M4, splits=16), Tactic(**_R64, splits=8, **_K128)),
     (7168, 6144): (  # shared down, BF16 out
         Tactic(**_R128, splits=2), Tactic(**_R128, splits=4), Tactic(**_R64, splits=1),
         Tactic(**_R64, splits=2), Tactic(**_R128M4, splits=2), Tactic(**_R128M4, splits=4),
-        Tactic(**_R64DEEP, splits=1)),
+        Tactic(**_R64DEEP, splits=1), Tactic(**_R64, splits=1, **_K128),
+        Tactic(**_R64, splits=2, **_K128), Tactic(**_R128, splits=2, **_K128)),
     (7168, 3584): (  # latent up + shared (addend), BF16 out
         Tactic(**_R128, splits=2), Tactic(**_R128, splits=4), Tactic(**_R64, splits=1),
         Tactic(**_R64, splits=2), Tactic(**_R128M4, splits=2), Tactic(**_R128M4, splits=4),
-        Tactic(**_R64DEEP, splits=1)),
+        Tactic(**_R64DEEP, splits=1), Tactic(**_R64, splits=1, **_K128),
+        Tactic(**_R64, splits=2, **_K128), Tactic(**_R128, splits=2, **_K128)),
 }
 
 #: Default tactic per shape and batch bucket (largest T of the bucket -> tactic). **One
