@@ -31,10 +31,11 @@ from pathlib import Path
 
 from benchmarks.dense_table import serves_and_fits, timed_tactics
 from fast.gemm.layout import MAX_TOKENS, Tactic
+from fast.schedules.dense import gemm_shapes
+from model.config import LatentMoEConfig
 
-#: The weight shape ``[N, K]`` of each GEMM the table times (kimi_k3).
-SHAPES = {"front": (15872, 7168), "router": (896, 7168), "shared_down": (7168, 6144),
-          "up": (7168, 3584)}
+#: The weight shape ``[N, K]`` of each GEMM the table times (kimi_k3's dense GEMMs).
+SHAPES = gemm_shapes(LatentMoEConfig.kimi_k3())
 FAMILIES = ("mma.sync", "wgmma")
 
 

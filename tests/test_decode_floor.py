@@ -40,16 +40,14 @@ def _funnel(r: int, low_first: bool, mask=MASK_BITS) -> frozenset:
 
 
 def _exact_covers(universe: frozenset, candidates: list[frozenset], parts: int) -> int:
-    """How many ways ``parts`` of ``candidates`` partition ``universe``."""
-    def cover(rest, left, start):
-        if not rest:
-            return 1 if left == 0 else 0
-        if left == 0:
-            return 0
+    """How many ways ``parts`` of ``candidates`` partition ``universe`` (each partition
+    counted once: the set covering the lowest uncovered bit is chosen first)."""
+    def cover(rest, left):
+        if not rest or left == 0:
+            return int(not rest and left == 0)
         low = min(rest)
-        return sum(cover(rest - c, left - 1, i + 1) for i, c in enumerate(candidates)
-                   if i >= start and low in c and c <= rest)
-    return cover(universe, parts, 0)
+        return sum(cover(rest - c, left - 1) for c in candidates if low in c and c <= rest)
+    return cover(universe, parts)
 
 
 def one_word_tilings(mask=MASK_BITS) -> int:
