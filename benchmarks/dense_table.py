@@ -370,9 +370,9 @@ def main(argv=None):
             print(f"T {tokens:3d} dense4: " + ", ".join(f"{k} {v:.1f} ({lim / v:.2f})"
                                                        for k, v in row["dense4"].items()), flush=True)
         result["rows"].append(row)
-    result["wall_s"] = time.time() - t0
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+        result["wall_s"] = time.time() - t0
+        with open(args.out, "w") as f:  # after every T: a run cut short keeps its rows
+            json.dump(result, f, indent=1)
     print(render(result))
 
 
