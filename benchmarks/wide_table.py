@@ -220,7 +220,7 @@ def load_forms(path: str | None) -> dict | str | None:
 def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant: bool = False,
                    invariant_mma: str = "auto", serial_from: int | None = None,
                    overlap: bool = False, chunk_windows: int = 8,
-                   forms: dict | str | None = "auto"):
+                   forms: dict | str | None = "auto", invariant_gemms: str = "fast"):
     """(layer, weights, run header, flush) of a GPU-node run: the real layer's weights
     (``verify.cases.device_weights``), its virtual TP ranks at the widest batch (with
     ``batch_invariant``: ``WideLayer(batch_invariant=True, invariant_mma=...)``), the run's
@@ -237,8 +237,10 @@ def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant
                       experts_tactic=parse_tactic(experts_tactic),
                       batch_invariant=bool(batch_invariant), invariant_mma=invariant_mma,
                       invariant_serial_from=serial_from, invariant_overlap=overlap,
-                      invariant_chunk_windows=chunk_windows, invariant_forms=forms)
+                      invariant_chunk_windows=chunk_windows, invariant_forms=forms,
+                      invariant_gemms=invariant_gemms)
     if batch_invariant:  # the kind the layer runs ("auto" resolved on this GPU)
+        result["invariant_gemms"] = invariant_gemms
         result["invariant_mma"] = layer.invariant_mma
         result["serial_from"] = serial_from
         result["invariant_overlap"] = overlap
@@ -318,7 +320,10 @@ def render(result: dict) -> str:
     experts and at the tail (runs before those placements existed show "-"), the best
     stock composition and the speed-up of the front step and of the beside step (the
     layer's default placement, ``fast.schedules.wide.DEFAULT_SHARED_PLACEMENT``)."""
-    mode = (f"batch invariant (--batch-invariant: the four GEMMs on fast.gemm, one K split "
+    on_fast = ("the front on fast.gemm, the other three on cuBLASLt without split-K "
+               "(--invariant-gemms stock); " if result.get("invariant_gemms") == "stock"
+               else "the four GEMMs on fast.gemm, ")
+    mode = (f"batch invariant (--batch-invariant: {on_fast}one K split "
             f"per GEMM at every row count, on {result.get('invariant_mma', 'mma.sync')}"
             + (f", serial splits from {result['serial_from']} rows"
                if result.get("serial_from") else "")
@@ -370,6 +375,10 @@ def main(argv=None):
                          "{rows_from: form}}, WideLayer(invariant_forms=...)) or a "
                          "benchmarks.wide_gemm_table result, whose best form per GEMM and row "
                          "count is taken (wide_gemm_table.best_forms)")
+    ap.add_argument("--invariant-gemms", default="fast", choices=("fast", "stock"),
+                    help="with --batch-invariant: fast (default: the four GEMMs on fast.gemm) "
+                         "or stock (the front on fast.gemm, the other three on cuBLASLt "
+                         "without split-K; WideLayer(invariant_gemms=...))")
     ap.add_argument("--invariant-mma", default="auto", choices=MMA_CHOICES,
                     help="with --batch-invariant: the GEMMs' MMA (auto: the layer's default, "
                          "wgmma on sm_90a, else mma.sync; wgmma: sm_90a's warpgroup MMA)")
@@ -382,7 +391,8 @@ def main(argv=None):
                                              args.batch_invariant, args.invariant_mma,
                                              args.serial_from, args.invariant_overlap,
                                              args.invariant_chunk_windows,
-                                             load_forms(args.invariant_forms))
+                                             load_forms(args.invariant_forms),
+                                             args.invariant_gemms)
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     c = w.config
     result["experts_tactic"] = args.experts_tactic or "default"

@@ -27,20 +27,47 @@ __all__ = [
 
 
 @contextlib.contextmanager
-def fp32_reduction():
+def fp32_reduction(split_k: bool = True):
     """cuBLAS with FP32 accumulation throughout: PyTorch lets cuBLAS reduce split-K
     partials of BF16 GEMMs in reduced precision by default
     (``torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction``), which is not
     the stock contract (FP32 accumulation, one rounding: ``docs/design.md``) and which
-    ``verify/test_stock.py`` catches on the H200 (the up addmm at batch 1). The flag is
-    restored on exit."""
+    ``verify/test_stock.py`` catches on the H200 (the up addmm at batch 1).
+
+    ``split_k=False`` also forbids split-K (PyTorch's ``allow_splitk``, which it honours on
+    cuBLASLt only, so the BF16 GEMMs inside go to cuBLASLt): each output element is then
+    summed by one CTA along the whole K. Measured on an H100 with cuBLAS 13 at the real
+    dimensions, the BF16-output GEMMs then give every row the same bits at every row count
+    (``benchmarks/cublas_splitk_probe.py``), which the batch-invariant contracts check on
+    each node rather than assume; FP32-output GEMMs (``mm_fp32_out``) are not invariant
+    that way (a one-row call takes another kernel) and are far slower, so nothing uses
+    this for them. Both settings and the preferred BLAS library are restored on exit.
+
+    Raises:
+        RuntimeError: ``split_k=False`` on a PyTorch without the ``allow_splitk`` flag."""
     flags = torch.backends.cuda.matmul
     saved = flags.allow_bf16_reduced_precision_reduction
-    flags.allow_bf16_reduced_precision_reduction = False
+    if split_k:
+        flags.allow_bf16_reduced_precision_reduction = False
+        try:
+            yield
+        finally:
+            flags.allow_bf16_reduced_precision_reduction = saved
+        return
+    try:
+        saved_split = flags.allow_bf16_reduced_precision_reduction_split_k
+    except AttributeError as e:
+        raise RuntimeError("fp32_reduction(split_k=False) needs PyTorch's allow_splitk flag "
+                           "(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction"
+                           f" = (False, False)), which torch {torch.__version__} lacks") from e
+    library = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library("cublaslt")
+    flags.allow_bf16_reduced_precision_reduction = (False, False)
     try:
         yield
     finally:
-        flags.allow_bf16_reduced_precision_reduction = saved
+        flags.allow_bf16_reduced_precision_reduction = (saved, saved_split)
+        torch.backends.cuda.preferred_blas_library(library)
 
 
 def _check_2d(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:
@@ -64,22 +91,25 @@ def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.mm(a.float(), b.float().t())
 
 
-def mm_bf16(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def mm_bf16(a: torch.Tensor, b: torch.Tensor, *, split_k: bool = True) -> torch.Tensor:
     """``a @ b.T`` in BF16: a [M,K], b [N,K] BF16 -> BF16 [M,N] (cuBLAS / CPU BLAS: FP32
-    accumulation, one rounding to BF16 — which the contracts check, not assume)."""
+    accumulation, one rounding to BF16 — which the contracts check, not assume);
+    ``split_k=False``: cuBLASLt without split-K (:func:`fp32_reduction`; CUDA only)."""
     _check_2d("a", a, torch.bfloat16)
     _check_2d("b", b, torch.bfloat16)
-    with fp32_reduction():
+    with fp32_reduction(split_k or not a.is_cuda):
         return torch.mm(a, b.t())
 
 
-def addmm_bf16(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+def addmm_bf16(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *,
+               split_k: bool = True) -> torch.Tensor:
     """``c + a @ b.T`` in BF16 (``torch.addmm``, beta = alpha = 1): c [M,N], a [M,K],
-    b [N,K] BF16 -> BF16 [M,N]."""
+    b [N,K] BF16 -> BF16 [M,N]; ``split_k=False``: cuBLASLt without split-K
+    (:func:`fp32_reduction`; CUDA only)."""
     _check_2d("c", c, torch.bfloat16)
     _check_2d("a", a, torch.bfloat16)
     _check_2d("b", b, torch.bfloat16)
-    with fp32_reduction():
+    with fp32_reduction(split_k or not a.is_cuda):
         return torch.addmm(c, a, b.t())
 
 

@@ -363,6 +363,15 @@ MUTATIONS = [
          "                        serial=serial,\n",
          ["verify/test_wide_fast.py::test_wide_fast_batch_invariant"], needs_gpu=True,
          expect="vs the same tokens at T="),
+    # invariant_gemms="stock": the cuBLAS GEMMs of the mode must not split K (cuBLAS picks
+    # its split per row count; measured at the real TP8 widths: rows differ at up to 203
+    # row counts of 65..1024 with it)
+    _one("wide layer: the batch-invariant mode's cuBLAS GEMMs may split K again",
+         "fast/schedules/wide.py",
+         'stock_split_k=not (batch_invariant and invariant_gemms == "stock")) for r in range(n)]',
+         "stock_split_k=True) for r in range(n)]",
+         ["verify/test_wide_fast.py::test_wide_fast_real_tp8_stock_gemms_batch_invariant"],
+         needs_gpu=True, expect="vs the same tokens at T="),
     # Tactic.serial: the splits in one CTA must fold exactly where a split CTA's chain ends
     _one("fast GEMM: serial splits fold their partial sum at every stage, not at each "
          "split's end",

@@ -44,6 +44,7 @@ import pytest
 import torch
 
 from fast.gemm.mma_kind import INVARIANT_MMAS
+from fast.schedules.wide_gemms import INVARIANT_GEMMS
 from model.config import LatentMoEConfig
 from model.weights import LatentMoEWeights
 from reference.schedules.mailbox import SENTINEL_BF16, SENTINEL_F32
@@ -432,6 +433,8 @@ def test_wide_fast_bad_input(backend, contract):
     with pytest.raises(ValueError, match=r"K must be a multiple of 64; at 8 ranks shared_down "
                                          r"K=32"):
         _layer("small_i1024", 8, 96, batch_invariant=True)
+    with pytest.raises(ValueError, match="invariant_gemms must be one of"):
+        _layer("small", 2, 96, batch_invariant=True, invariant_gemms="cublas")
 
 
 # -- batch invariance ----------------------------------------------------------------------
@@ -505,7 +508,7 @@ def _check_one_split_per_gemm(layer, low: int, high: int, mma: str = "mma.sync")
 
     for r in layer.local_ranks:
         plans = [layer.gemm_plan(r, t) for t in range(low, high + 1)]
-        assert set(plans[0]) == {"front", "shared_gate_up", "shared_down", "up"}
+        assert set(plans[0]) == set(INVARIANT_GEMMS[layer.invariant_gemms])
         for name in plans[0]:
             assert len({split_and_kind(p[name])[0] for p in plans}) == 1, (r, name)
             assert {split_and_kind(p[name])[1] for p in plans} == {mma == "wgmma"}, \
@@ -561,6 +564,39 @@ def test_wide_fast_batch_invariant(backend, config_name, ranks, top, mma, seed, 
     x = _inputs(layer.config, top, seed)
     check_wide_batch_invariant(contract, layer, x, batches)
     _check_one_split_per_gemm(layer, low, top, mma)
+
+
+@pytest.mark.parametrize("config_name,ranks,top", [("small", 2, 256), ("small_s1024", 8, 200)])
+def test_wide_fast_stock_gemms_batch_invariant(backend, config_name, ranks, top, seed, contract):
+    """``invariant_gemms="stock"`` (the front on fast.gemm, the shared expert's GEMMs and
+    the up projection on cuBLASLt without split-K): every row count from 65 to ``top - 1``
+    against ``top``, each token's every stage on every rank bitwise (cuBLAS may change its
+    kernel at any row count, so every one is checked); then every stage contract at 65 and
+    ``top`` rows (the cuBLAS GEMMs within their bound, the front bitwise fast.gemm alone)."""
+    layer = _layer(config_name, ranks, top, batch_invariant=True, invariant_gemms="stock")
+    assert layer.batch_invariant and set(layer.gemm_plan(0, 65)) == {"front"}
+    x = _inputs(layer.config, top, seed)
+    check_wide_batch_invariant(contract, layer, x, range(65, top))
+    _check_one_split_per_gemm(layer, 65, top, layer.invariant_mma)
+    for tokens in (65, top):
+        xs = x[:tokens].contiguous()
+        check_wide_fast(contract, layer, layer(xs), xs)
+
+
+@pytest.mark.config("kimi_k3")
+def test_wide_fast_real_tp8_stock_gemms_batch_invariant(backend, seed, contract):
+    """The real layer over 8 virtual TP ranks with ``invariant_gemms="stock"``: 42 row
+    counts from 65 to 1023 (a stride of 29 and both sides of 128, 256 and 512) against
+    1024, every stage of every rank bitwise; then every stage contract at 65 rows. The
+    planted bug that lets cuBLAS split K again must fail here."""
+    caches.release(_real_tp8)  # one real TP8 layer on the card at a time
+    layer = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_gemms="stock")
+    x = _inputs(layer.config, 1024, seed)
+    rows = sorted(set(range(65, 1024, 29)) | {66, 128, 129, 256, 257, 512, 513, 1023})
+    check_wide_batch_invariant(contract, layer, x, rows)
+    _check_one_split_per_gemm(layer, 65, 1024, layer.invariant_mma)
+    few = x[:65].contiguous()
+    check_wide_fast(contract, layer, layer(few), few)
 
 
 @pytest.mark.config("small")

@@ -101,7 +101,8 @@ from fast.schedules.dense import check_hidden_rows
 from fast.schedules.steps import run_steps
 from fast.gemm.host import check_chunk_windows, check_serial_from
 from fast.gemm.mma_kind import check_mma, check_overlap, resolve_mma
-from fast.schedules.wide_gemms import build_fast_gemms, check_fast_gemm_shapes, check_gemm_forms
+from fast.schedules.wide_gemms import (build_fast_gemms, check_fast_gemm_shapes, check_gemm_forms,
+                                       fast_gemm_names)
 from fast.schedules.wide_forms import resolve_forms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
                                          SHARED_PLACEMENTS, WIDE_STEPS, WideCall, WideRank,
@@ -264,14 +265,16 @@ def check_rows_and_timeout(owner: str, config: LatentMoEConfig, max_rows, timeou
 def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
                           batch_invariant, invariant_mma="auto",
                           invariant_serial_from=None, invariant_overlap=False,
-                          invariant_chunk_windows=8, invariant_forms="auto") -> None:
+                          invariant_chunk_windows=8, invariant_forms="auto",
+                          invariant_gemms="fast") -> None:
     """A wide layer's ``batch_invariant`` (a bool), its ``invariant_mma``
     (``fast.gemm.mma_kind.MMA_CHOICES``), its ``invariant_serial_from`` (None or a positive int),
     its ``invariant_overlap`` (a bool, not with ``"mma.sync"``), its
     ``invariant_chunk_windows`` (8, or 16 not with ``"mma.sync"``), its ``invariant_forms``
-    (``wide_gemms.check_gemm_forms``) and, when True, whether the
-    rank's four GEMMs fit ``fast.gemm`` at ``ranks`` ranks
-    (``wide_gemms.check_fast_gemm_shapes``); refused by name before any device work."""
+    (``wide_gemms.check_gemm_forms``), its ``invariant_gemms``
+    (``wide_gemms.INVARIANT_GEMMS``) and, when True, whether the rank's GEMMs that run on
+    ``fast.gemm`` fit it at ``ranks`` ranks (``wide_gemms.check_fast_gemm_shapes``); refused
+    by name before any device work."""
     if not isinstance(batch_invariant, bool):
         raise ValueError(f"{owner}: batch_invariant must be a bool, got {batch_invariant!r}")
     check_mma(owner, invariant_mma, allow_auto=True)
@@ -281,8 +284,9 @@ def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
                         invariant_mma != "mma.sync")
     check_gemm_forms(owner, config, ranks, invariant_forms,
                      "mma.sync" if invariant_mma == "mma.sync" else "wgmma")
+    names = fast_gemm_names(owner, invariant_gemms)
     if batch_invariant:
-        check_fast_gemm_shapes(owner, config, ranks)
+        check_fast_gemm_shapes(owner, config, ranks, names)
 
 
 def check_call_options(owner: str, order: str, shared: str) -> None:
@@ -342,6 +346,11 @@ class WideLayer(WideStageCalls):
             ``fast.schedules.wide_forms.TP8_FORMS``, elsewhere none
             (``wide_forms.resolve_forms``; :attr:`invariant_forms` says which). The K
             split and the MMA kind are not a form's: the same bits.
+        invariant_gemms: with ``batch_invariant=True``, which GEMMs run on ``fast.gemm``
+            (``wide_gemms.INVARIANT_GEMMS``): ``"fast"`` (default) all four; ``"stock"``
+            the FP32-output front only, the three BF16-output GEMMs staying on cuBLAS
+            with split-K forbidden (cuBLASLt; ``fast.stock.fp32_reduction``), whose
+            invariance the contracts check on each node (``wide_gemms``' docstring).
     """
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_rows: int | None = None,
@@ -349,7 +358,7 @@ class WideLayer(WideStageCalls):
                  experts_tactic: dict | None = None, batch_invariant: bool = False,
                  invariant_mma: str = "auto", invariant_serial_from: int | None = None,
                  invariant_overlap: bool = False, invariant_chunk_windows: int = 8,
-                 invariant_forms: dict | str | None = "auto"):
+                 invariant_forms: dict | str | None = "auto", invariant_gemms: str = "fast"):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):
@@ -359,7 +368,7 @@ class WideLayer(WideStageCalls):
         max_rows = check_rows_and_timeout("WideLayer", c, max_rows, timeout_s)
         check_batch_invariant("WideLayer", c, ranks, batch_invariant, invariant_mma,
                               invariant_serial_from, invariant_overlap, invariant_chunk_windows,
-                              invariant_forms)
+                              invariant_forms, invariant_gemms)
         device = backend.cuda_device("WideLayer", device)
         backend.require_supported("WideLayer")
         self.config, self.ranks, self.max_rows, self.device = c, ranks, max_rows, device
@@ -395,16 +404,20 @@ class WideLayer(WideStageCalls):
         self.shared_down = [slice_to_device(weights.shared_down[:, r * s_n:(r + 1) * s_n])
                             for r in range(n)]
         self.up = [slice_to_device(weights.up[r * h_n:(r + 1) * h_n]) for r in range(n)]
+        #: which GEMMs the batch-invariant mode runs on fast.gemm (``"fast"``: all four;
+        #: ``"stock"``: the front, the others on cuBLASLt without split-K)
+        self.invariant_gemms = invariant_gemms
+        names = fast_gemm_names("WideLayer", invariant_gemms)
         #: per rank, its GEMMs on fast.gemm (``batch_invariant``), else None (cuBLAS)
         self.fast_gemms = [None] * n
         if batch_invariant:
             for r in range(n):
+                every = {"front": self.front_weights[r], "shared_gate_up": self.shared_gate_up[r],
+                         "shared_down": self.shared_down[r], "up": self.up[r]}
                 self.fast_gemms[r] = build_fast_gemms(
-                    "WideLayer", {"front": self.front_weights[r],
-                                  "shared_gate_up": self.shared_gate_up[r],
-                                  "shared_down": self.shared_down[r], "up": self.up[r]},
+                    "WideLayer", {name: every[name] for name in names},
                     c, n, max_rows, self.invariant_mma, invariant_serial_from,
-                    invariant_overlap, invariant_chunk_windows, invariant_forms)
+                    invariant_overlap, invariant_chunk_windows, invariant_forms, names)
                 # the front GEMM's weight may be a view of its zero-padded copy: one copy
                 self.front_weights[r] = self.fast_gemms[r]["front"].weight
         self.bias = slice_to_device(weights.bias)
@@ -461,7 +474,8 @@ class WideLayer(WideStageCalls):
             mailbox_table=self.mailbox_table, partial_table=self.partial_table,
             shared_tables=(self.shared_table,) * MAILBOX_BUFFERS,
             up_tables=(self.up_table,) * MAILBOX_BUFFERS, error=self.error, side=self._side,
-            kernels=self._fn, gemms=self.fast_gemms[r]) for r in range(n)]
+            kernels=self._fn, gemms=self.fast_gemms[r],
+            stock_split_k=not (batch_invariant and invariant_gemms == "stock")) for r in range(n)]
         self.calls = 0
         self.reset()
 

@@ -42,6 +42,20 @@ per split: the same summation order, so the same bits at every row count, withou
 split partials' round trip through global memory. None (the default) keeps the cross-CTA
 splits at every row count.
 
+**The GEMMs on cuBLAS without split-K** (``invariant_gemms="stock"``): the three
+BF16-output GEMMs (``shared_gate_up``, ``shared_down``, ``up``) stay on cuBLAS with split-K
+forbidden (``fast.stock.fp32_reduction(split_k=False)``: cuBLASLt, each output element
+summed along the whole K by one CTA), and only the FP32-output ``front`` runs on
+``fast.gemm``. cuBLAS documents no batch invariance: that the kernels it then picks sum
+each element in one order at every row count was measured (an H100 with cuBLAS 13, every
+row count 65..1024 at the real TP8 dimensions, ``benchmarks/cublas_splitk_probe.py``: no
+row differed; with split-K allowed, rows of up to 203 row counts did), and
+``verify/test_wide_fast.py`` holds each node to it. FP32-output GEMMs fare worse there
+(without split-K the DEP router's one-row call took a kernel with other bits, and the TP8
+front took 157 us at 65 rows against 10 with split-K), hence the front on ``fast.gemm``.
+The ``up`` GEMM is cuBLAS's ``addmm``, held to the default mode's bound (not the fast
+kernel's one rounding).
+
 The mode's cost against cuBLAS: ``benchmarks/wide_table.py --batch-invariant`` (with
 ``--invariant-mma wgmma`` for the warpgroup MMA); ``docs/schedules/wide.md`` has the
 measured figures.
@@ -52,7 +66,8 @@ from __future__ import annotations
 from fast.gemm.mma_kind import check_mma
 from model.config import LatentMoEConfig
 
-__all__ = ["WIDE_GEMMS", "CALL_KINDS", "gemm_shapes", "check_fast_gemm_shapes", "check_gemm_forms",
+__all__ = ["WIDE_GEMMS", "CALL_KINDS", "INVARIANT_GEMMS", "fast_gemm_names", "gemm_shapes",
+           "check_fast_gemm_shapes", "check_gemm_forms",
            "gemm_splits", "gemm_launches", "kernel_params", "build_fast_gemms"]
 
 #: The wide rank's dense GEMMs, by name (the table of the module docstring).
@@ -61,6 +76,9 @@ WIDE_GEMMS = ("front", "shared_gate_up", "shared_down", "up")
 #: the kinds its tiled forms compile (``fast.gemm.DenseGemm.compile_for``)
 CALL_KINDS = {"front": ("float32", None), "shared_gate_up": ("bfloat16", None),
               "shared_down": ("bfloat16", None), "up": ("bfloat16", "bfloat16")}
+#: The wide layers' ``invariant_gemms``: the GEMMs the batch-invariant mode runs on
+#: ``fast.gemm``; the others run on cuBLASLt without split-K (the module docstring).
+INVARIANT_GEMMS = {"fast": WIDE_GEMMS, "stock": ("front",)}
 
 
 def gemm_shapes(config: LatentMoEConfig, ranks: int) -> dict[str, tuple[int, int]]:
@@ -72,11 +90,22 @@ def gemm_shapes(config: LatentMoEConfig, ranks: int) -> dict[str, tuple[int, int
             "up": (c.hidden // n, c.latent)}
 
 
-def check_fast_gemm_shapes(owner: str, config: LatentMoEConfig, ranks: int) -> None:
-    """Raise a ValueError, starting with ``owner`` and naming every GEMM whose reduction
-    width ``K`` is not a multiple of 64 (``fast.gemm``'s stage), where ``ranks`` TP ranks
-    cannot run the batch-invariant mode."""
-    bad = [f"{name} K={k}" for name, (_, k) in gemm_shapes(config, ranks).items() if k % 64]
+def fast_gemm_names(owner: str, invariant_gemms) -> tuple[str, ...]:
+    """The GEMMs the batch-invariant mode runs on ``fast.gemm`` under ``invariant_gemms``
+    (``INVARIANT_GEMMS``), refused by name when it is not one of them."""
+    if not isinstance(invariant_gemms, str) or invariant_gemms not in INVARIANT_GEMMS:
+        raise ValueError(f"{owner}: invariant_gemms must be one of {tuple(INVARIANT_GEMMS)}, "
+                         f"got {invariant_gemms!r}")
+    return INVARIANT_GEMMS[invariant_gemms]
+
+
+def check_fast_gemm_shapes(owner: str, config: LatentMoEConfig, ranks: int,
+                           names: tuple[str, ...] = WIDE_GEMMS) -> None:
+    """Raise a ValueError, starting with ``owner`` and naming every GEMM of ``names`` whose
+    reduction width ``K`` is not a multiple of 64 (``fast.gemm``'s stage), where ``ranks``
+    TP ranks cannot run the batch-invariant mode."""
+    bad = [f"{name} K={k}" for name, (_, k) in gemm_shapes(config, ranks).items()
+           if name in names and k % 64]
     if bad:
         raise ValueError(f"{owner}: batch_invariant=True runs the rank's GEMMs on fast.gemm, "
                          f"whose K must be a multiple of 64; at {ranks} ranks " + ", ".join(bad)
@@ -163,9 +192,10 @@ def kernel_params(config: LatentMoEConfig, ranks: int, rows, sms: int = 132,
 def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: int,
                      max_rows: int, mma: str = "mma.sync",
                      serial_from: int | None = None, overlap: bool = False,
-                     chunk_windows: int = 8, forms: dict | None = None) -> dict:
-    """One ``fast.gemm.DenseGemm`` per GEMM of one rank (``weights``: name -> its BF16
-    weight on the device, ``WIDE_GEMMS``), each with its K split (:func:`gemm_splits` on
+                     chunk_windows: int = 8, forms: dict | None = None,
+                     names: tuple[str, ...] = WIDE_GEMMS) -> dict:
+    """One ``fast.gemm.DenseGemm`` per GEMM of ``names`` of one rank (``weights``: name ->
+    its BF16 weight on the device, ``WIDE_GEMMS``; :func:`fast_gemm_names`), each with its K split (:func:`gemm_splits` on
     this GPU), on ``mma`` (``fast.gemm.mma_kind.INVARIANT_MMAS``; ``"wgmma"`` needs an sm_90a device), with
     serial splits from ``serial_from`` rows (None: never; the same bits), on ``"wgmma"``
     with ``overlap`` (each stage's MMAs in flight; the same bits) and token chunks of
@@ -179,19 +209,19 @@ def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: 
 
     from fast.gemm import DenseGemm
 
-    check_fast_gemm_shapes(owner, config, ranks)
+    check_fast_gemm_shapes(owner, config, ranks, names)
     check_mma(owner, mma)
     check_gemm_forms(owner, config, ranks, forms, mma)
-    if set(weights) != set(WIDE_GEMMS):
-        raise ValueError(f"{owner}: the fast GEMMs need the weights {WIDE_GEMMS}, got "
-                         f"{sorted(weights)}")
+    if not set(names) <= set(WIDE_GEMMS) or set(weights) != set(names):
+        raise ValueError(f"{owner}: the fast GEMMs {names} (among {WIDE_GEMMS}) need exactly "
+                         f"their weights, got {sorted(weights)}")
     device = next(iter(weights.values())).device
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = gemm_splits(config, ranks, sms)
     gemms = {name: DenseGemm(weights[name], max_tokens=max_rows, splits=splits[name],
                              wgmma=mma == "wgmma", serial_from=serial_from, overlap=overlap,
                              chunk_windows=chunk_windows, forms=(forms or {}).get(name))
-             for name in WIDE_GEMMS}
+             for name in names}
     for name, gemm in gemms.items():
         out_dtype, addend_dtype = CALL_KINDS[name]
         gemm.compile_for(range(config.front_max + 1, max_rows + 1),

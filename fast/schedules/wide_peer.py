@@ -86,7 +86,7 @@ from fast.schedules.wide import (compiled_kernel, check_batch_invariant, check_l
                                  kernel_params, mailbox_timeout)
 from fast.gemm.host import check_chunk_windows
 from fast.gemm.mma_kind import check_overlap, resolve_mma
-from fast.schedules.wide_gemms import build_fast_gemms
+from fast.schedules.wide_gemms import build_fast_gemms, fast_gemm_names
 from fast.schedules.wide_forms import resolve_forms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, WIDE_STEPS,
                                          WideCall, WideRank, WideRankOutputs, WideStageCalls,
@@ -151,6 +151,8 @@ class WidePeerLayer(WideStageCalls):
         invariant_chunk_windows: as ``WideLayer``'s (8 or 16); the same on every rank.
         invariant_forms: as ``WideLayer``'s (None, ``"auto"`` (default) or per-GEMM forms);
             the same on every rank.
+        invariant_gemms: as ``WideLayer``'s (``"fast"``, default, or ``"stock"``); the same
+            on every rank.
 
     Construction is collective over ``group`` (the symmetric buffer's rendezvous), and so
     is the first call of each ``T`` (:meth:`_prepare`).
@@ -161,7 +163,7 @@ class WidePeerLayer(WideStageCalls):
                  experts_tactic: dict | None = None, batch_invariant: bool = False,
                  invariant_mma: str = "auto", invariant_serial_from: int | None = None,
                  invariant_overlap: bool = False, invariant_chunk_windows: int = 8,
-                 invariant_forms: dict | str | None = "auto"):
+                 invariant_forms: dict | str | None = "auto", invariant_gemms: str = "fast"):
         import torch.distributed as dist
 
         from fast.experts import experts_engine_for, prepare_experts_for
@@ -177,7 +179,7 @@ class WidePeerLayer(WideStageCalls):
         check_ranks(c, n)
         check_batch_invariant("WidePeerLayer", c, n, batch_invariant, invariant_mma,
                               invariant_serial_from, invariant_overlap, invariant_chunk_windows,
-                              invariant_forms)
+                              invariant_forms, invariant_gemms)
         device = backend.cuda_device("WidePeerLayer", device)
         backend.require_supported("WidePeerLayer")
         mma = resolve_mma("WidePeerLayer", invariant_mma, backend.device_arch(device))
@@ -189,18 +191,19 @@ class WidePeerLayer(WideStageCalls):
                                         invariant_overlap, invariant_chunk_windows)
         seen = [None] * n
         dist.all_gather_object(seen, (max_rows, c, batch_invariant, mma, invariant_serial_from,
-                                      invariant_overlap, invariant_chunk_windows, invariant_forms),
+                                      invariant_overlap, invariant_chunk_windows, invariant_forms,
+                                      invariant_gemms),
                                group=group)
         if any(s != seen[0] for s in seen):
             raise ValueError("WidePeerLayer: every rank must build the layer with the same "
                              f"config, max_rows, batch_invariant, invariant_mma, "
                              f"invariant_serial_from, invariant_overlap, "
-                             f"invariant_chunk_windows and invariant_forms; got max_rows "
+                             f"invariant_chunk_windows, invariant_forms and invariant_gemms; got max_rows "
                              f"{[s[0] for s in seen]}, batch_invariant {[s[2] for s in seen]}, "
                              f"invariant_mma {[s[3] for s in seen]}, invariant_serial_from "
                              f"{[s[4] for s in seen]}, invariant_overlap {[s[5] for s in seen]}, "
                              f"invariant_chunk_windows {[s[6] for s in seen]}, invariant_forms "
-                             f"{[s[7] for s in seen]}")
+                             f"{[s[7] for s in seen]}, invariant_gemms {[s[8] for s in seen]}")
         self.config, self.group, self.rank, self.ranks = c, group, rank, n
         self.max_rows, self.device, self.timeout_s = max_rows, device, float(timeout_s)
         self.arch = backend.device_arch(device)
@@ -225,15 +228,18 @@ class WidePeerLayer(WideStageCalls):
                                                        gu[s + r * s_n:s + (r + 1) * s_n]]))}
         self.shared_down = {r: to_device(weights.shared_down[:, r * s_n:(r + 1) * s_n])}
         self.up = {r: to_device(weights.up[r * h_n:(r + 1) * h_n])}
+        #: which GEMMs the batch-invariant mode runs on fast.gemm (``WideLayer``'s)
+        self.invariant_gemms = invariant_gemms
+        names = fast_gemm_names("WidePeerLayer", invariant_gemms)
         #: this rank's GEMMs on fast.gemm (``batch_invariant``), else None (cuBLAS)
         self.fast_gemms = None
         if batch_invariant:
+            every = {"front": self.front_weights[r], "shared_gate_up": self.shared_gate_up[r],
+                     "shared_down": self.shared_down[r], "up": self.up[r]}
             self.fast_gemms = build_fast_gemms(
-                "WidePeerLayer", {"front": self.front_weights[r],
-                                  "shared_gate_up": self.shared_gate_up[r],
-                                  "shared_down": self.shared_down[r], "up": self.up[r]},
+                "WidePeerLayer", {name: every[name] for name in names},
                 c, n, max_rows, self.invariant_mma, invariant_serial_from, invariant_overlap,
-                invariant_chunk_windows, invariant_forms)
+                invariant_chunk_windows, invariant_forms, names)
             # the front GEMM's weight may be a view of its zero-padded copy: one copy
             self.front_weights[r] = self.fast_gemms["front"].weight
         self.bias = to_device(weights.bias)
@@ -296,7 +302,8 @@ class WidePeerLayer(WideStageCalls):
             mailbox_table=self.mailbox_table, partial_table=self.partial_table,
             shared_tables=tuple(self.shared_tables), up_tables=tuple(self.up_tables),
             error=self.error, side=self._side, kernels=self._fn, wait=self._signal_and_wait,
-            gemms=self.fast_gemms)
+            gemms=self.fast_gemms,
+            stock_split_k=not (batch_invariant and invariant_gemms == "stock"))
         self.calls = 0
         self._prepared: set[int] = set()
         self._arm()
@@ -340,13 +347,15 @@ class WidePeerLayer(WideStageCalls):
         rank = self._resources
         self.engine.compile_for(tokens)
         x = torch.zeros(tokens, c.hidden, dtype=torch.bfloat16, **on)
-        if self.fast_gemms is None:
-            stock.mm_fp32_out(x, self.front_weights[r])
+        gemms = self.fast_gemms or {}
+        if "front" in gemms:
+            gemms["front"](x, out_dtype=torch.float32)
         else:
-            self.fast_gemms["front"](x, out_dtype=torch.float32)
+            stock.mm_fp32_out(x, self.front_weights[r])
+        if "up" in gemms:
             normed = torch.zeros(tokens, c.latent, dtype=torch.bfloat16, **on)
-            self.fast_gemms["up"](normed, addend=torch.zeros(tokens, self.columns,
-                                                             dtype=torch.bfloat16, **on))
+            gemms["up"](normed, addend=torch.zeros(tokens, self.columns,
+                                                   dtype=torch.bfloat16, **on))
         h = torch.empty(tokens, self.shared_gate_up[r].shape[0], dtype=torch.bfloat16, **on)
         rank_gemm_bf16_into(rank, "shared_gate_up", x, h)
         act = activation.situ_and_mul(h, beta=c.situ_beta, linear_beta=c.situ_linear_beta)

@@ -140,8 +140,11 @@ class WideRank:
     * ``wait(what, tokens)``: called after the finalize (``what`` 0: the routed partials)
       and after the up columns (1: the hidden partials); :func:`no_wait` for a virtual rank;
     * ``gemms``: None (the four GEMMs on cuBLAS) or the batch-invariant mode's
-      ``fast.gemm.DenseGemm`` per GEMM, by ``fast.schedules.wide_gemms.WIDE_GEMMS`` name
-      (their weights are the ones above; the front's may be a view of a zero-padded copy);
+      ``fast.gemm.DenseGemm`` per GEMM that runs on it, by
+      ``fast.schedules.wide_gemms.WIDE_GEMMS`` name (their weights are the ones above; the
+      front's may be a view of a zero-padded copy); a GEMM without one runs on cuBLAS;
+    * ``stock_split_k``: whether those cuBLAS GEMMs may split K (False: cuBLASLt without
+      split-K, the batch-invariant mode's ``invariant_gemms="stock"``);
     * per call: ``front`` (the last front stage's FP32 output) and ``shared_ready`` (the
       side stream's event of the last shared stage; None after a serial one).
     """
@@ -172,6 +175,7 @@ class WideRank:
     kernels: dict
     wait: Callable[[int, int], None] = no_wait
     gemms: dict | None = None
+    stock_split_k: bool = True
     front: torch.Tensor | None = None
     shared_ready: object = None
 
@@ -202,29 +206,35 @@ def as_int32(word: int) -> int:
     return word - (1 << 32) if word >= 1 << 31 else word
 
 
-def mm_bf16_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+def mm_bf16_into(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
+                 split_k: bool = True) -> None:
     """``out = a @ b^T`` in BF16 (cuBLAS, FP32 accumulation, one rounding: the call of
-    ``fast.stock.mm_bf16`` writing into a given buffer)."""
-    with stock.fp32_reduction():
+    ``fast.stock.mm_bf16`` writing into a given buffer; ``split_k=False``: cuBLASLt without
+    split-K, ``fast.stock.fp32_reduction``)."""
+    with stock.fp32_reduction(split_k):
         torch.mm(a, b.t(), out=out)
 
 
-def _addmm_bf16_into(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor) -> None:
+def _addmm_bf16_into(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: torch.Tensor, *,
+                     split_k: bool = True) -> None:
     """``out = c + a @ b^T`` in BF16 (cuBLAS ``addmm``: ``fast.stock.addmm_bf16`` writing
-    into a given buffer). ``c`` may be ``out`` itself (accumulated in place, no copy) or
-    another tensor, which torch copies into ``out`` first."""
-    with stock.fp32_reduction():
+    into a given buffer; ``split_k`` as :func:`mm_bf16_into`). ``c`` may be ``out`` itself
+    (accumulated in place, no copy) or another tensor, which torch copies into ``out``
+    first."""
+    with stock.fp32_reduction(split_k):
         torch.addmm(c, a, b.t(), out=out)
 
 
 def rank_gemm_bf16_into(rank: WideRank, name: str, a: torch.Tensor, out: torch.Tensor) -> None:
     """``out = a @ W^T`` in BF16 for the rank's GEMM ``name`` (``"shared_gate_up"`` or
     ``"shared_down"``, the weight of that name): FP32 accumulation, one rounding; cuBLAS
-    (:func:`mm_bf16_into`), or the rank's ``fast.gemm`` GEMM when it has ``gemms``."""
-    if rank.gemms is None:
-        mm_bf16_into(a, getattr(rank, name), out)
+    (:func:`mm_bf16_into`, without split-K when ``rank.stock_split_k`` is False), or the
+    rank's ``fast.gemm`` GEMM of that name when its ``gemms`` hold one."""
+    gemm = (rank.gemms or {}).get(name)
+    if gemm is None:
+        mm_bf16_into(a, getattr(rank, name), out, split_k=rank.stock_split_k)
     else:
-        rank.gemms[name](a, out=out)
+        gemm(a, out=out)
 
 
 # -- one rank's stages ----------------------------------------------------------------------
@@ -233,7 +243,7 @@ def front_stage(rank: WideRank, x: torch.Tensor) -> torch.Tensor:
     """The rank's FP32-out GEMM ``x @ [gate_r; down_r]^T`` (cuBLAS, or its ``fast.gemm``
     GEMM when it has ``gemms``): FP32 ``[T, E/N + L/N]``, one rounding to FP32, kept in
     ``rank.front`` for this call's outputs."""
-    if rank.gemms is None:
+    if "front" not in (rank.gemms or {}):
         rank.front = stock.mm_fp32_out(x, rank.front_weights)
     else:
         rank.front = rank.gemms["front"](x, out_dtype=torch.float32)
@@ -350,8 +360,8 @@ def latent_stage(rank: WideRank, tokens: int, index: int, *, wait_shared: bool =
     if wait_shared and rank.shared_ready is not None:
         torch.cuda.current_stream(rank.device).wait_event(rank.shared_ready)
     up = rank.up_columns[index][:tokens]
-    if rank.gemms is None:
-        _addmm_bf16_into(up, b["normed"][:tokens], rank.up, up)
+    if "up" not in (rank.gemms or {}):
+        _addmm_bf16_into(up, b["normed"][:tokens], rank.up, up, split_k=rank.stock_split_k)
     else:
         rank.gemms["up"](b["normed"][:tokens], addend=up, out=up)
 
@@ -484,16 +494,16 @@ class WideStageCalls:
     @property
     def batch_invariant(self) -> bool:
         """Whether every token's outputs are bitwise independent of the batch it is decoded
-        in: the four GEMMs on ``fast.gemm`` with one K split each
-        (``fast.schedules.wide_gemms``; every other stage is row-wise or sums in a fixed
-        rank or slot order)."""
+        in: the GEMMs on ``fast.gemm`` with one K split each (``fast.schedules.wide_gemms``),
+        the others (``invariant_gemms="stock"``) on cuBLASLt without split-K; every other
+        stage is row-wise or sums in a fixed rank or slot order."""
         return self.rank_resources(self.local_ranks[0]).gemms is not None
 
     def gemm_plan(self, r: int, tokens: int) -> dict:
         """What each GEMM of rank ``r`` runs at ``tokens`` rows (``WIDE_GEMMS`` name ->
         ``fast.gemm.Launch``: tactic, K split, token chunks, windows; or the
-        ``fast.gemm.TiledGemm`` of a tiled form, ``DenseGemm.plan``), or, on cuBLAS, an
-        empty dict."""
+        ``fast.gemm.TiledGemm`` of a tiled form, ``DenseGemm.plan``); GEMMs on cuBLAS are
+        absent (all four by default)."""
         gemms = self.rank_resources(r).gemms
         return {} if gemms is None else {name: g.plan(tokens) for name, g in gemms.items()}
 
