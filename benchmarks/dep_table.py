@@ -171,7 +171,8 @@ def main(argv=None):
                     help="the experts engine's tactic in the layer, e.g. 'wgmma=1,fused=1' "
                          "(ExpertsEngine tactic; default the engine's)")
     ap.add_argument("--peers", default="triton")
-    ap.add_argument("--dense-gemm", default="auto", choices=("auto", "cublas", "fast"),
+    ap.add_argument("--dense-gemm", default="auto",
+                    choices=("auto", "cublas", "fast", "invariant_stock"),
                     help="the dense GEMMs' backend (DepLayer(dense_gemm=...)); default auto")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="DepLayer(batch_invariant=True): every dense GEMM on fast.gemm, one K "

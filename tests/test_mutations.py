@@ -372,6 +372,12 @@ MUTATIONS = [
          "stock_split_k=True) for r in range(n)]",
          ["verify/test_wide_fast.py::test_wide_fast_real_tp8_stock_gemms_batch_invariant"],
          needs_gpu=True, expect="vs the same tokens at T="),
+    _one("DEP dense part: the batch-invariant mode's cuBLAS GEMMs may split K again",
+         "fast/schedules/dense.py",
+         '        return stock.mm_bf16(a, self._weight[gemm], split_k=self.gemm != "invariant_stock")',
+         "        return stock.mm_bf16(a, self._weight[gemm], split_k=True)",
+         ["verify/test_dep_fast.py::test_dep_fast_real_dep16_stock_batch_invariant"],
+         needs_gpu=True, expect="vs the same tokens at T="),
     # Tactic.serial: the splits in one CTA must fold exactly where a split CTA's chain ends
     _one("fast GEMM: serial splits fold their partial sum at every stage, not at each "
          "split's end",

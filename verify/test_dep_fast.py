@@ -82,7 +82,10 @@ def _gemm(contract, layer, name, got, a, b, out_dtype, what, addend=None):
     same operands (its default tactic at ``T``, the one the layer ran)."""
     dense = layer.dense
     choice = dense.plan(a.shape[0])[name]
-    assert dense.gemm == "auto" or choice.backend == dense.gemm, (
+    want = (None if dense.gemm == "auto" else
+            ("fast" if name == "router" else "cublas") if dense.gemm == "invariant_stock"
+            else dense.gemm)
+    assert want is None or choice.backend == want, (
         f"{what}: the layer was built with dense_gemm={dense.gemm!r} but ran {choice.backend}")
     if choice.backend == "fast":
         ref, bound = bounds.mma_matmul_bound(a, b, splits=choice.tactic.splits, addend=addend,
@@ -303,7 +306,7 @@ def test_dep_fast_bad_input(backend):
         _layer("small", 2, 4, "cuBLAS")
     with pytest.raises(ValueError, match="serves at most 64 tokens, but max_tokens=65"):
         _layer("small", 2, 65, "fast")
-    with pytest.raises(ValueError, match="batch_invariant=True runs every dense GEMM on fast.gemm"):
+    with pytest.raises(ValueError, match="batch_invariant=True runs the dense GEMMs on fast.gemm"):
         _layer("small", 2, 4, "cublas", batch_invariant=True)
     with pytest.raises(ValueError, match="batch_invariant must be a bool"):
         _layer("small", 2, 4, "auto", batch_invariant=1)
@@ -414,6 +417,47 @@ def test_dep_fast_batch_invariant(backend, ranks, mma, seed, contract):
         assert {p[name].tactic.wgmma for p in plans} == {mma == "wgmma"}, name
     xs = cases.rank_rows(cfg, ranks, MAX_TOKENS, seed, "cuda")
     check_batch_invariant(contract, layer, xs, range(1, MAX_TOKENS))
+
+
+@pytest.mark.config("small")
+def test_dep_fast_stock_batch_invariant(backend, seed, contract):
+    """``DepLayer(batch_invariant=True, dense_gemm="invariant_stock")`` (the router on
+    fast.gemm, the other three dense GEMMs on cuBLASLt without split-K): every T = 1..63
+    against T = 64 (cuBLAS may change its kernel at any T, so every one is checked), every
+    stage of every rank of 4; the router keeps one K split, the others run cuBLAS at every
+    T; then every stage contract at T = 1 and 64 (the cuBLAS GEMMs within their bound)."""
+    from fast.gemm.layout import MAX_TOKENS
+
+    cfg = cases.config("small")
+    layer = _layer("small", 4, MAX_TOKENS, "invariant_stock", batch_invariant=True)
+    assert layer.dense.batch_invariant and layer.dense.gemm == "invariant_stock"
+    plans = [layer.dense.plan(t) for t in range(1, MAX_TOKENS + 1)]
+    assert {p["router"].backend for p in plans} == {"fast"}
+    assert len({p["router"].tactic.splits for p in plans}) == 1
+    for name in ("front", "shared_down", "up"):
+        assert {p[name].backend for p in plans} == {"cublas"}, name
+    xs = cases.rank_rows(cfg, 4, MAX_TOKENS, seed, "cuda")
+    check_batch_invariant(contract, layer, xs, range(1, MAX_TOKENS))
+    for t in (1, MAX_TOKENS):
+        few = [x[:t].contiguous() for x in xs]
+        check_dep_fast(contract, layer, layer(few), few)
+
+
+@pytest.mark.config("kimi_k3")
+def test_dep_fast_real_dep16_stock_batch_invariant(backend, seed, contract):
+    """The real layer over 16 virtual ranks with ``dense_gemm="invariant_stock"``: every
+    T = 1..63 against T = 64, every stage of every rank; then one batch of T = 2 passes
+    every stage contract (the front, shared down and up on cuBLAS within their bound)."""
+    cfg = cases.config("kimi_k3")
+    w = cases.layer_weights("kimi_k3")
+    from fast.schedules.dep import DepLayer
+
+    layer = DepLayer(w, ranks=16, max_tokens=64, device="cuda", batch_invariant=True,
+                     dense_gemm="invariant_stock")
+    xs = cases.rank_rows(cfg, 16, 64, seed, "cuda")
+    check_batch_invariant(contract, layer, xs, range(1, 64))
+    few = [x[:2].contiguous() for x in xs]
+    check_dep_fast(contract, layer, layer(few), few)
 
 
 @pytest.mark.config("kimi_k3")

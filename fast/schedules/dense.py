@@ -40,6 +40,18 @@ token's logits (and, near a tie, its experts) can change with ``T``. ``DenseFron
 of ``T`` tokens runs. A GEMM whose chosen backend is ``"fast"`` never falls back to cuBLAS:
 input it cannot take raises.
 
+**Batch invariance on cuBLAS** (``gemm="invariant_stock"``): the router (FP32 out) on
+fast.gemm, the three BF16-output GEMMs on cuBLAS with split-K forbidden
+(``fast.stock.fp32_reduction(split_k=False)``: cuBLASLt, each output element summed along
+the whole K by one CTA). cuBLAS documents no batch invariance; that its kernels then give a
+row the same bits at every batch was measured at the real dimensions (an H100 with cuBLAS
+13, every T of 1..64: ``benchmarks/cublas_splitk_probe.py``; with split-K allowed the
+shared down-projection's rows differed at T = 1..8) and ``verify/test_dep_fast.py`` holds
+each node to it at every T. The FP32-output router does not behave so on cuBLAS without
+split-K (its one-token call took a kernel with other bits, and 25-160 us against 10), so it
+stays on fast.gemm. The up projection is cuBLAS's ``addmm`` (two roundings, the cuBLAS
+bound).
+
 **The router in the front's launch** (``router_with_front=True``, with every GEMM on
 fast.gemm): one ``fast.gemm.GroupedGemm`` grid computes the front and the logits (the
 front's CTAs, then the router's, on the front's kernel shape with the router's own K
@@ -72,6 +84,7 @@ from model.config import LatentMoEConfig
 from model.weights import LatentMoEWeights
 
 __all__ = ["check_hidden_rows", "DenseFront", "DenseOutputs", "GemmChoice", "GEMMS", "GEMM_MODES",
+           "INVARIANT_MODES",
            "DENSE_BACKENDS", "DENSE_BACKENDS_SOURCE", "FAST_MAX_TOKENS", "gemm_shapes",
            "choose_backend", "fast_tactics", "fast_kernel_params"]
 
@@ -81,8 +94,11 @@ __all__ = ["check_hidden_rows", "DenseFront", "DenseOutputs", "GemmChoice", "GEM
 GEMMS = ("router", "front", "shared_down", "up")
 
 #: ``DenseFront(gemm=...)``: ``"auto"`` per GEMM and batch from ``DENSE_BACKENDS``;
-#: ``"cublas"`` / ``"fast"`` that backend for all four GEMMs at every batch.
-GEMM_MODES = ("auto", "cublas", "fast")
+#: ``"cublas"`` / ``"fast"`` that backend for all four GEMMs at every batch;
+#: ``"invariant_stock"`` the router on fast.gemm, the others on cuBLASLt without split-K.
+GEMM_MODES = ("auto", "cublas", "fast", "invariant_stock")
+#: The modes whose every output is batch invariant (the module docstring).
+INVARIANT_MODES = ("fast", "invariant_stock")
 
 #: Where ``DENSE_BACKENDS`` comes from (``tests/test_dense_front.py`` re-derives it from them).
 DENSE_BACKENDS_SOURCE = ("benchmarks/results/h200/dense.json",
@@ -144,6 +160,8 @@ def choose_backend(gemm: str, n: int, k: int, tokens: int, mode: str = "auto") -
     ``tokens`` rows under ``mode`` (``GEMM_MODES``; ``"auto"``: ``DENSE_BACKENDS``)."""
     if mode not in GEMM_MODES:
         raise ValueError(f"dense GEMM mode must be one of {GEMM_MODES}, got {mode!r}")
+    if mode == "invariant_stock":
+        return "fast" if gemm == "router" else "cublas"
     if mode != "auto":
         return mode
     table = DENSE_BACKENDS.get((gemm, n, k), {})
@@ -225,11 +243,15 @@ class DenseFront:
         device: the CUDA device.
         max_tokens: the most tokens a call may have; None: any (the fast GEMMs serve at most
             ``FAST_MAX_TOKENS`` = 64, so above that only cuBLAS runs).
-        gemm: ``"auto"`` (``DENSE_BACKENDS``), ``"cublas"`` or ``"fast"`` (``GEMM_MODES``);
-            ``"fast"`` needs ``max_tokens <= 64`` (None is taken as 64).
+        gemm: ``"auto"`` (``DENSE_BACKENDS``), ``"cublas"``, ``"fast"`` or
+            ``"invariant_stock"`` (the router on fast.gemm, the front, the shared down and
+            the up projection on cuBLASLt with split-K forbidden) (``GEMM_MODES``);
+            ``"fast"`` and ``"invariant_stock"`` need ``max_tokens <= 64`` (None is taken
+            as 64).
         batch_invariant: every token's outputs bitwise independent of its batch (size and
             batch-mates): every GEMM on fast.gemm (``gemm`` ``"auto"`` is taken as
-            ``"fast"``; ``"cublas"`` is refused). ``gemm="fast"`` alone gives the same.
+            ``"fast"``), or ``gemm="invariant_stock"``; ``"cublas"`` is refused.
+            ``gemm="fast"`` or ``"invariant_stock"`` alone gives the same.
         invariant_mma: the MMA of every fast.gemm GEMM: ``"mma.sync"`` (default; the
             measured tactic table's) or ``"wgmma"`` (sm_90a's warpgroup MMA, on
             ``choose_tactic``'s rule at every T: other bits than ``mma.sync``, the same at
@@ -263,17 +285,20 @@ class DenseFront:
         check_overlap("DenseFront", invariant_overlap, invariant_mma)
         if batch_invariant:
             if gemm == "cublas":
-                raise ValueError("DenseFront: batch_invariant=True runs every dense GEMM on "
-                                 "fast.gemm (one K split per GEMM at every batch); gemm='cublas' "
-                                 "picks its kernel per batch and cannot give it")
-            gemm = "fast"
+                raise ValueError("DenseFront: batch_invariant=True runs the dense GEMMs on "
+                                 "fast.gemm (one K split per GEMM at every batch) or, with "
+                                 "gemm='invariant_stock', on cuBLASLt without split-K; "
+                                 "gemm='cublas' picks its kernel and split per batch and "
+                                 "cannot give it")
+            if gemm != "invariant_stock":
+                gemm = "fast"
         if max_tokens is not None and (isinstance(max_tokens, bool)
                                        or not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"DenseFront: max_tokens must be None or a positive int, got "
                              f"{max_tokens!r}")
-        if gemm == "fast":
+        if gemm in INVARIANT_MODES:
             if max_tokens is not None and max_tokens > FAST_MAX_TOKENS:
-                raise ValueError(f"DenseFront: gemm='fast' runs fast.gemm, which serves at most "
+                raise ValueError(f"DenseFront: gemm={gemm!r} runs fast.gemm, which serves at most "
                                  f"{FAST_MAX_TOKENS} tokens, but max_tokens={max_tokens} (gemm="
                                  f"'auto' gives the batches above {FAST_MAX_TOKENS} to cuBLAS)")
             max_tokens = FAST_MAX_TOKENS if max_tokens is None else max_tokens
@@ -347,8 +372,9 @@ class DenseFront:
     @property
     def batch_invariant(self) -> bool:
         """Whether every token's outputs are bitwise independent of its batch: every GEMM on
-        fast.gemm at every batch (``gemm == "fast"``; the module docstring says why)."""
-        return self.gemm == "fast"
+        fast.gemm at every batch (``gemm == "fast"``), or the router on it and the others on
+        cuBLASLt without split-K (``"invariant_stock"``; the module docstring says why)."""
+        return self.gemm in INVARIANT_MODES
 
     # -- which backend --------------------------------------------------------------------
 
@@ -376,7 +402,7 @@ class DenseFront:
             return self.fast_gemms[gemm](a, out_dtype=out_dtype)
         if out_dtype == torch.float32:
             return stock.mm_fp32_out(a, self._weight[gemm])
-        return stock.mm_bf16(a, self._weight[gemm])
+        return stock.mm_bf16(a, self._weight[gemm], split_k=self.gemm != "invariant_stock")
 
     def _check(self, x: torch.Tensor) -> int:
         tokens = check_hidden_rows("DenseFront", "x", x, config=self.config, device=self.device)
@@ -452,4 +478,5 @@ class DenseFront:
         fast.gemm.host.PDL_MAX_TOKENS`` its programmatic dependent launch overlaps it."""
         if self.backend("up", normed.shape[0]) == "fast":
             return self.fast_gemms["up"](normed, addend=dense.shared)
-        return stock.addmm_bf16(dense.shared, normed, self.up)
+        return stock.addmm_bf16(dense.shared, normed, self.up,
+                                split_k=self.gemm != "invariant_stock")

@@ -40,8 +40,10 @@ the default); ``order="serial"`` runs everything on one stream with the same bit
 The dense GEMMs run on cuBLAS or on the project's split-K GEMM (``fast.gemm``), per GEMM
 and batch: ``DepLayer(dense_gemm="auto")`` takes ``fast.schedules.dense.DENSE_BACKENDS``
 (measured on the H200), ``"cublas"`` / ``"fast"`` force one backend.
-``DepLayer(batch_invariant=True)`` (all four on fast.gemm) makes every token's outputs
-bitwise independent of the batch it is decoded in (``verify/test_dep_fast.py``). Real ranks over
+``DepLayer(batch_invariant=True)`` (all four on fast.gemm, or with
+``dense_gemm="invariant_stock"`` the router on it and the other three on cuBLASLt without
+split-K) makes every token's outputs bitwise independent of the batch it is decoded in
+(``verify/test_dep_fast.py``). Real ranks over
 symmetric memory: ``fast.schedules.dep_peer``.
 """
 
@@ -129,13 +131,16 @@ class DepLayer:
         max_tokens: the most tokens per rank one call may have (buffers are sized for it).
         device: the CUDA device.
         dense_gemm: the dense GEMMs' backend (``fast.schedules.dense.DenseFront``'s
-            ``gemm``): ``"auto"`` (per GEMM and batch, ``DENSE_BACKENDS``), ``"cublas"`` or
-            ``"fast"`` (fast.gemm, ``max_tokens <= 64``).
+            ``gemm``): ``"auto"`` (per GEMM and batch, ``DENSE_BACKENDS``), ``"cublas"``,
+            ``"fast"`` (fast.gemm, ``max_tokens <= 64``) or ``"invariant_stock"`` (the
+            router on fast.gemm, the others on cuBLASLt without split-K; batch invariant,
+            ``max_tokens <= 64``).
         batch_invariant: every token's outputs, at every stage, bitwise independent of the
             batch it is decoded in (its size and its batch-mates), routing included: every
             dense GEMM on fast.gemm, whose K split is the same at every batch
             (``fast.schedules.dense.DenseFront``'s ``batch_invariant``; ``dense_gemm``
-            ``"auto"`` is then taken as ``"fast"``, ``"cublas"`` is refused). The routed
+            ``"auto"`` is then taken as ``"fast"``, ``"invariant_stock"`` kept, ``"cublas"``
+            refused). The routed
             part is batch invariant in every mode (each pair's expert row, the owner's
             finalize and the combine read only that token's rows).
         experts_tactic: the experts engine's FC kernel settings for every call
