@@ -276,10 +276,11 @@ def stand_ins(monkeypatch):
         rec.add("mm_fp32_out", value(x), value(w)),
         torch.zeros(x.shape[0], w.shape[0]))[1])
     monkeypatch.setattr(wide_program, "mm_bf16_into",
-                        lambda a, b, out: rec.add("mm_bf16", value(a), value(b), value(out)))
+                        lambda a, b, out, split_k=True: rec.add("mm_bf16", value(a), value(b),
+                                                                value(out), split_k))
     monkeypatch.setattr(wide_program, "_addmm_bf16_into",
-                        lambda c, a, b, out: rec.add("addmm_bf16", value(c), value(a), value(b),
-                                                     value(out)))
+                        lambda c, a, b, out, split_k=True: rec.add("addmm_bf16", value(c), value(a),
+                                                                   value(b), value(out), split_k))
     monkeypatch.setattr(wide_program.activation, "situ_and_mul", lambda h, *, out, **kw: (
         rec.add("situ_and_mul", value(h), value(out), tuple(sorted(kw.items()))), out)[1])
     monkeypatch.setattr(wide_program.finalize, "finalize", lambda rows, w, *, out: rec.add(
@@ -437,6 +438,49 @@ class FastGemm:
         return self.launch(tokens)
 
 
+def test_wide_stock_invariant_ranks_run_one_program(stand_ins, monkeypatch):
+    """``invariant_gemms="stock"``: the virtual and the real ranks build a fast GEMM for the
+    front only and run the same program: the front on it (FP32 out), the shared gate/up and
+    down and the up columns on cuBLAS with split-K forbidden (``split_k=False`` in every
+    call), no FP32-output cuBLAS GEMM."""
+    from fast.schedules import wide, wide_peer
+
+    w, rec = weights(), stand_ins
+    built = []
+
+    def build(owner, gemm_weights, config, ranks, max_rows, mma, serial_from, overlap,
+              chunk_windows, forms, names):
+        assert tuple(names) == ("front",) and set(gemm_weights) == {"front"}
+        built.append(owner)
+        return {n: FastGemm(rec, n, t) for n, t in gemm_weights.items()}
+
+    monkeypatch.setattr(wide, "build_fast_gemms", build)
+    monkeypatch.setattr(wide_peer, "build_fast_gemms", build)
+    tokens = CFG.front_max + 1
+    x = torch.randn(tokens, CFG.hidden).to(torch.bfloat16)
+    virtual = wide.WideLayer(w, ranks=RANKS, max_rows=tokens, device="cuda", timeout_s=1.0,
+                             batch_invariant=True, invariant_gemms="stock")
+    assert virtual.batch_invariant and len(built) == RANKS
+    assert virtual.gemm_plan(1, tokens) == {"front": ("launch", "front", tokens)}
+    rec.clear()
+    virtual(x, check=False)
+    want = {r: rec.of(r) for r in range(RANKS)}
+    for r in range(RANKS):
+        assert [e[1] for e in want[r] if e[0] == "fast_gemm"] == ["front"]
+        stock_calls = [e for e in want[r] if e[0] in ("mm_fp32_out", "mm_bf16", "addmm_bf16")]
+        assert [e[0] for e in stock_calls] == ["mm_bf16", "mm_bf16", "addmm_bf16"]
+        assert all(e[-1] is False for e in stock_calls)  # split_k=False in every call
+    for r in range(RANKS):
+        peer_world(monkeypatch, wide_peer, r, RANKS)
+        real = wide_peer.WidePeerLayer(w, max_rows=tokens, timeout_s=1.0, batch_invariant=True,
+                                       invariant_gemms="stock")
+        real._prepared.add(tokens)
+        rec.clear()
+        real(x, check=False)
+        got = [e for e in rec.of(r) if e[:2] not in (("kernel", "signal"), ("kernel", "wait"))]
+        assert numbered(got) == numbered(want[r])
+
+
 def test_wide_batch_invariant_ranks_run_one_program(stand_ins, monkeypatch):
     """``batch_invariant=True``: the virtual and the real ranks build one fast GEMM per
     GEMM of their rank (the same weights) and run the same program with them: the front
@@ -449,7 +493,7 @@ def test_wide_batch_invariant_ranks_run_one_program(stand_ins, monkeypatch):
     built = []
 
     def build(owner, gemm_weights, config, ranks, max_rows, mma, serial_from, overlap,
-              chunk_windows, forms):
+              chunk_windows, forms, names):
         # invariant_mma="auto" on the stand-ins' sm_90a: the warpgroup MMA, on both layers;
         # no serial splits or MMAs in flight unless asked for
         assert set(gemm_weights) == set(WIDE_GEMMS) and ranks == RANKS and mma == "wgmma"

@@ -55,7 +55,7 @@ def launches(monkeypatch):
     monkeypatch.setattr(wide_program.backend, "stream", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "current_stream", rec.stream)
     monkeypatch.setattr(wide_program, "_addmm_bf16_into",
-                        lambda c, a, b, out: rec.log.append(("addmm", tuple(c.shape),
+                        lambda c, a, b, out, split_k=True: rec.log.append(("addmm", tuple(c.shape),
                                                              tuple(out.shape))))
     return rec
 
