@@ -31,7 +31,8 @@ flush (the one-graph figures are also given after a write flush).
   the router in the front's launch, ``fast.gemm.GroupedGemm``, where it serves T), the
   kernel with this run's best tactic of each GEMM at this T; the same with the router on a second stream beside the
   front (the DEP schedule's side stream); cuBLAS and the default kernel after a write
-  flush.
+  flush; with ``--invariant-stock`` the batch-invariant stock arrangement (the router on the
+  kernel beside the front, the other three on cuBLASLt without split-K).
 
 The byte limit of a GEMM is what it must move (weight, activations, output, addend) at
 the read bandwidth measured in the same run (``benchmarks.readbw``: a 4 GiB streaming
@@ -80,14 +81,16 @@ def _bytes(weight, a, addend, out_dtype) -> int:
             + (0 if addend is None else addend.numel() * addend.element_size()))
 
 
-def _cublas(name, weight, a, addend, out_dtype):
+def _cublas(name, weight, a, addend, out_dtype, split_k: bool = True):
+    """The stock call of GEMM ``name`` (``fast.stock``); ``split_k=False``: cuBLASLt with
+    split-K forbidden (BF16-output GEMMs only)."""
     from fast import stock
 
     if name == "router":
         return lambda: stock.mm_fp32_out(a, weight)
     if addend is not None:
-        return lambda: stock.addmm_bf16(addend, a, weight)
-    return lambda: stock.mm_bf16(a, weight)
+        return lambda: stock.addmm_bf16(addend, a, weight, split_k=split_k)
+    return lambda: stock.mm_bf16(a, weight, split_k=split_k)
 
 
 def timed_tactics(shape: tuple[int, int], *, wgmma: bool = False, overlap: bool = False,
@@ -130,17 +133,20 @@ def _best_tactic(medians: dict, candidates):
     return min(timed, key=lambda t: medians[t.label()])
 
 
-def _dense4(engines, data, tactics, *, side: bool, grouped=None):
+def _dense4(engines, data, tactics, *, side: bool, grouped=None, invariant_stock=False):
     """The four GEMMs back to back (one graph when captured): the kernel (``engines``, with
     ``tactics`` per GEMM or the defaults) or cuBLAS (``engines=None``); ``side``: the router
     on a second stream beside the front (the DEP schedule), joined before the shared
     down-projection; ``grouped``: a ``fast.gemm.GroupedGemm`` of the front and the router,
-    the two in one launch."""
+    the two in one launch; ``invariant_stock``: the router on the kernel (``engines``), the
+    other three on cuBLASLt without split-K (``DenseFront(gemm="invariant_stock")``)."""
     outs = {g: torch.empty(d[1].shape[0], d[0].shape[0], dtype=d[3], device="cuda")
             for g, d in data.items()}
 
     def one(g):
         weight, a, addend, out_dtype = data[g]
+        if invariant_stock and g != "router":
+            return _cublas(g, weight, a, addend, out_dtype, split_k=False)()
         if engines is None:
             return _cublas(g, weight, a, addend, out_dtype)()
         t = None if tactics is None else tactics[g]
@@ -179,8 +185,9 @@ def render(result: dict) -> str:
              "the timed run).", "",
              "| T | limit us | cuBLAS us (frac) | kernel default us (frac) | no PDL us | "
              "kernel best us (frac) | side stream: cuBLAS / kernel us | router in the front's "
-             "launch us (frac) | write flush: cuBLAS / kernel us | cuBLAS / kernel |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "launch us (frac) | batch-invariant stock us (frac) | write flush: cuBLAS / "
+             "kernel us | cuBLAS / kernel |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         lim, d = row["limit_us"], row.get("dense4")
         if not d:
@@ -189,6 +196,7 @@ def render(result: dict) -> str:
         lines.append(f"| {row['tokens']} | {lim:.1f} | {cell(d['cublas'])} | {cell(d['kernel'])} | "
                      f"{d['kernel_nopdl']:.1f} | {cell(d['kernel_best'])} | {d['cublas_side']:.1f} / {d['kernel_side']:.1f} | "
                      f"{cell(d['kernel_grouped']) if 'kernel_grouped' in d else '-'} | "
+                     f"{cell(d['invariant_stock_side']) if 'invariant_stock_side' in d else '-'} | "
                      f"{d['cublas_write_flush']:.1f} / {d['kernel_write_flush']:.1f} | "
                      f"{d['cublas'] / d['kernel']:.2f}x |")
     lines += ["", "Each GEMM alone:", "",
@@ -227,6 +235,10 @@ def main(argv=None):
                     help="also time every timed tactic in 128-k ring stages where its K splits "
                          "hold whole 128-k stages (labels carry ',stage_k128'; the best-tactic "
                          "rows may pick them) and check each gives its 64-k form's bits")
+    ap.add_argument("--invariant-stock", action="store_true",
+                    help="also time the four in one graph as DenseFront(gemm='invariant_stock') "
+                         "runs them: the router on the kernel on the side stream, the other "
+                         "three on cuBLASLt without split-K (dense4 'invariant_stock_side')")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return
@@ -349,6 +361,9 @@ def main(argv=None):
             }
             if group is not None and group.serves(tokens):
                 runs["kernel_grouped"] = _dense4(engines, data, None, side=False, grouped=group)
+            if args.invariant_stock:
+                runs["invariant_stock_side"] = _dense4(engines, data, None, side=True,
+                                                       invariant_stock=True)
             row["dense4_times"] = {k: device_time_us(f, reps=args.reps, flush=flush)
                                    for k, f in runs.items()}
             for k in ("kernel", "cublas"):  # the write flush: its dirty lines drain in the run
