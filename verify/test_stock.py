@@ -195,3 +195,66 @@ def test_gemm_rounding_designed(backend, contract):
 def test_layer_stock(backend, tokens, seed, contract):
     """A backend's whole S0 layer (``verify.layers``)."""
     check_layer(contract, backend, "stock", 1, tokens, seed)
+
+
+#: The BF16-output GEMMs the batch-invariant stock modes run on cuBLASLt without split-K
+#: (``DenseFront(gemm="invariant_stock")``, ``WideLayer(invariant_gemms="stock")``), by
+#: schedule: the DEP rank's at every T = 1..64, the TP8 rank's at every row count 65..1024.
+NO_SPLIT_K_GEMMS = ("dep.front", "dep.shared_down", "dep.up",
+                    "tp8.shared_gate_up", "tp8.shared_down", "tp8.up")
+
+
+def _no_split_k_case(config, name: str):
+    """(weight shape ``(N, K)``, row counts, whether the call is ``addmm``) of one of
+    ``NO_SPLIT_K_GEMMS`` at the real dimensions."""
+    from fast.schedules import dense, wide_gemms
+
+    schedule, gemm_name = name.split(".")
+    if schedule == "dep":
+        return dense.gemm_shapes(config)[gemm_name], range(1, 65), gemm_name == "up"
+    return (wide_gemms.gemm_shapes(config, 8)[gemm_name], range(config.front_max + 1, 1025),
+            gemm_name == "up")
+
+
+@pytest.mark.backends("stock")
+@pytest.mark.config("kimi_k3")
+@pytest.mark.parametrize("name", NO_SPLIT_K_GEMMS)
+def test_stock_no_split_k_batch_invariant(backend, name, seed, contract):
+    """``fast.stock.mm_bf16`` / ``addmm_bf16`` with ``split_k=False`` (cuBLASLt, split-K
+    forbidden) at the real dimensions: at every row count the schedule serves, every row
+    bitwise its row in the largest call, on operands of a wide dynamic range (each K column
+    scaled by a power of two in 2^-8..2^8, so another summation order shows in BF16 too).
+    cuBLAS documents no such property; the batch-invariant stock modes rest on it, so each
+    node checks it here. The largest call is also within the cuBLAS bound."""
+    if backend.device != "cuda":
+        pytest.skip("split_k=False is cuBLASLt's flag; the CPU BLAS is not what the stock "
+                    "invariant modes run")
+    cfg = cases.config("kimi_k3")
+    (n, k), rows, is_addmm = _no_split_k_case(cfg, name)
+    top = max(rows)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, generator=g, device="cuda").to(torch.bfloat16)
+    scale = torch.exp2(torch.randint(-8, 9, (k,), generator=g, device="cuda").float())
+    a = (torch.randn(top, k, generator=g, device="cuda") * scale).to(torch.bfloat16)
+    c = torch.randn(top, n, generator=g, device="cuda").to(torch.bfloat16) if is_addmm else None
+
+    def call(m):
+        if is_addmm:
+            return stock.addmm_bf16(c[:m], a[:m], w, split_k=False)
+        return stock.mm_bf16(a[:m], w, split_k=False)
+
+    want = call(top)
+    bad = [m for m in rows if not torch.equal(call(m).view(torch.int16), want[:m].view(torch.int16))]
+    shown = bad[0] if bad else min(rows)
+    contract.bitwise(call(shown).cpu(), want[:shown].cpu(), index_names=TOKENS,
+                     what=f"{name} without split-K: rows at M={shown} vs the same rows at "
+                          f"M={top} (row counts with other rows: {bad[:12]}, {len(bad)} of "
+                          f"{len(rows)})")
+    if is_addmm:
+        exact = bounds.reference_matmul(a, w) + c.double()
+        product = bounds.matmul_bf16_out_bound(a, w, accum_rounding=bounds.gemm_accum_rounding(want.device))
+        contract.bounded(want, exact, bounds.final_rounding_bound(exact, product, torch.bfloat16),
+                         what=f"{name} without split-K", index_names=TOKENS,
+                         bound_name=GEMM_BOUND + ", then the BF16 add (two roundings)")
+    else:
+        _check_gemm(contract, want, a, w, what=f"{name} without split-K")

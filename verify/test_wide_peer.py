@@ -175,11 +175,14 @@ def test_wide_peer_real_dims(backend, process_group, seed, contract):
 
 @pytest.mark.multi_gpu(2)
 @pytest.mark.config("small")
-def test_wide_peer_batch_invariant(backend, process_group, seed, contract):
-    """``WidePeerLayer(batch_invariant=True)`` (the rank's four GEMMs on fast.gemm, one K
-    split each): at 65, 128, 129 and 200 rows every stage output of this rank equals the
-    virtual batch-invariant layer's rank on the same inputs, and every token stage at a
-    smaller row count is bitwise the first rows of the 200-row call."""
+@pytest.mark.parametrize("gemms", ["fast", "stock"])
+def test_wide_peer_batch_invariant(backend, process_group, gemms, seed, contract):
+    """``WidePeerLayer(batch_invariant=True)`` with ``invariant_gemms`` ``"fast"`` (the
+    rank's four GEMMs on fast.gemm, one K split each) or ``"stock"`` (the front on it, the
+    other three on cuBLASLt without split-K): at 65, 128, 129 and 200 rows every stage
+    output of this rank equals the virtual batch-invariant layer's rank on the same inputs,
+    and every token stage at a smaller row count is bitwise the first rows of the 200-row
+    call."""
     import torch.distributed as dist
 
     from fast.schedules.wide import WideLayer
@@ -188,8 +191,9 @@ def test_wide_peer_batch_invariant(backend, process_group, seed, contract):
     cfg = cases.config("small")
     w = cases.layer_weights("small")
     rank, n = dist.get_rank(), dist.get_world_size()
-    real = WidePeerLayer(w, max_rows=200, batch_invariant=True)
-    virtual = WideLayer(w, ranks=n, max_rows=200, device="cuda", batch_invariant=True)
+    real = WidePeerLayer(w, max_rows=200, batch_invariant=True, invariant_gemms=gemms)
+    virtual = WideLayer(w, ranks=n, max_rows=200, device="cuda", batch_invariant=True,
+                        invariant_gemms=gemms)
     assert real.batch_invariant and virtual.batch_invariant
     assert real.invariant_mma == virtual.invariant_mma  # "auto" resolves alike on one GPU kind
     xs = cases.rank_rows(cfg, n, 200, seed, "cuda")
