@@ -142,6 +142,13 @@ def _stock_real_dimensions(target: Target, ctx) -> tuple[str, str] | None:
     return None
 
 
+def _stock_no_split_k(target: Target, ctx) -> tuple[str, str] | None:
+    if ctx.device != "cuda":
+        return "no-gpu", ("split_k=False is cuBLASLt's flag; the CPU BLAS is not what the stock "
+                          "invariant modes run")
+    return None
+
+
 def _small_tp_ranks(target: Target, ctx) -> tuple[str, str] | None:
     from model.config import LatentMoEConfig
 
@@ -218,6 +225,7 @@ RUNTIME_SKIPS = {
     ("test_gemm_fast.py", "test_gemm_fast_tiled_same_bits"): _sm90a_only,
     ("test_gemm_fast.py", "test_gemm_fast_tiled_bad_input"): _sm90a_only,
     ("test_stock.py", "_model"): _stock_real_dimensions,
+    ("test_stock.py", "test_stock_no_split_k_batch_invariant"): _stock_no_split_k,
     ("test_distributed.py", "test_wide_real_ranks"): _small_tp_ranks,
     ("test_flashinfer_allreduce.py", "fused"): _flashinfer_comm,
     ("test_mx.py", "test_flashinfer_mxfp8_quantize"): _flashinfer_installed,
