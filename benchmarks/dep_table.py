@@ -129,7 +129,11 @@ def render(result: dict) -> str:
     mode = result.get("dense_gemm")
     dense = (f"dense GEMMs: --dense-gemm {mode} (per T: router/front/shared down/up)"
              if mode else "dense GEMMs: cuBLAS (a run from before --dense-gemm)")
-    if result.get("batch_invariant"):
+    if result.get("batch_invariant") and mode == "invariant_stock":
+        dense += ("; batch invariant (--batch-invariant: the router on fast.gemm with one K "
+                  f"split at every T, on {result.get('invariant_mma', 'mma.sync')}; the front, "
+                  "shared down and up on cuBLASLt without split-K)")
+    elif result.get("batch_invariant"):
         dense += ("; batch invariant (--batch-invariant: one K split per GEMM at every T, on "
                   f"{result.get('invariant_mma', 'mma.sync')}"
                   + (", MMAs in flight across stages" if result.get("invariant_overlap") else "")
@@ -176,7 +180,8 @@ def main(argv=None):
                     help="the dense GEMMs' backend (DepLayer(dense_gemm=...)); default auto")
     ap.add_argument("--batch-invariant", action="store_true",
                     help="DepLayer(batch_invariant=True): every dense GEMM on fast.gemm, one K "
-                         "split per GEMM at every T")
+                         "split per GEMM at every T (with --dense-gemm invariant_stock: the "
+                         "router on it, the other three on cuBLASLt without split-K)")
     ap.add_argument("--invariant-mma", default="auto", choices=MMA_CHOICES,
                     help="the fast.gemm dense GEMMs' MMA (DepLayer(invariant_mma=...); default "
                          "auto: with --batch-invariant sm_90a's warpgroup MMA, wgmma)")
