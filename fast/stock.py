@@ -47,27 +47,22 @@ def fp32_reduction(split_k: bool = True):
         RuntimeError: ``split_k=False`` on a PyTorch without the ``allow_splitk`` flag."""
     flags = torch.backends.cuda.matmul
     saved = flags.allow_bf16_reduced_precision_reduction
-    if split_k:
-        flags.allow_bf16_reduced_precision_reduction = False
-        try:
-            yield
-        finally:
-            flags.allow_bf16_reduced_precision_reduction = saved
-        return
-    try:
-        saved_split = flags.allow_bf16_reduced_precision_reduction_split_k
-    except AttributeError as e:
+    saved_split = getattr(flags, "allow_bf16_reduced_precision_reduction_split_k", None)
+    if not split_k and saved_split is None:
         raise RuntimeError("fp32_reduction(split_k=False) needs PyTorch's allow_splitk flag "
                            "(torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction"
-                           f" = (False, False)), which torch {torch.__version__} lacks") from e
-    library = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    flags.allow_bf16_reduced_precision_reduction = (False, False)
+                           f" = (False, False)), which torch {torch.__version__} lacks")
+    library = None if split_k else torch.backends.cuda.preferred_blas_library()
     try:
+        if library is not None:
+            torch.backends.cuda.preferred_blas_library("cublaslt")
+        flags.allow_bf16_reduced_precision_reduction = (False, split_k)
         yield
     finally:
-        flags.allow_bf16_reduced_precision_reduction = (saved, saved_split)
-        torch.backends.cuda.preferred_blas_library(library)
+        flags.allow_bf16_reduced_precision_reduction = \
+            saved if saved_split is None else (saved, saved_split)
+        if library is not None:
+            torch.backends.cuda.preferred_blas_library(library)
 
 
 def _check_2d(name: str, t: torch.Tensor, dtype: torch.dtype) -> None:

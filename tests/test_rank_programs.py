@@ -438,47 +438,60 @@ class FastGemm:
         return self.launch(tokens)
 
 
-def test_wide_stock_invariant_ranks_run_one_program(stand_ins, monkeypatch):
-    """``invariant_gemms="stock"``: the virtual and the real ranks build a fast GEMM for the
-    front only and run the same program: the front on it (FP32 out), the shared gate/up and
-    down and the up columns on cuBLAS with split-K forbidden (``split_k=False`` in every
-    call), no FP32-output cuBLAS GEMM."""
+def _wide_invariant_programs(rec, monkeypatch, build, **options):
+    """Both wide layers with ``batch_invariant=True`` and ``options``, ``build_fast_gemms``
+    replaced by ``build``: the virtual layer's call recorded per rank, then each real rank's
+    call, which must record the same program (its own signals and waits aside). Returns
+    the virtual layer and its program per rank."""
     from fast.schedules import wide, wide_peer
-
-    w, rec = weights(), stand_ins
-    built = []
-
-    def build(owner, gemm_weights, config, ranks, max_rows, mma, serial_from, overlap,
-              chunk_windows, forms, names):
-        assert tuple(names) == ("front",) and set(gemm_weights) == {"front"}
-        built.append(owner)
-        return {n: FastGemm(rec, n, t) for n, t in gemm_weights.items()}
 
     monkeypatch.setattr(wide, "build_fast_gemms", build)
     monkeypatch.setattr(wide_peer, "build_fast_gemms", build)
-    tokens = CFG.front_max + 1
+    w, tokens = weights(), CFG.front_max + 1
     x = torch.randn(tokens, CFG.hidden).to(torch.bfloat16)
     virtual = wide.WideLayer(w, ranks=RANKS, max_rows=tokens, device="cuda", timeout_s=1.0,
-                             batch_invariant=True, invariant_gemms="stock")
-    assert virtual.batch_invariant and len(built) == RANKS
-    assert virtual.gemm_plan(1, tokens) == {"front": ("launch", "front", tokens)}
+                             batch_invariant=True, **options)
+    assert virtual.batch_invariant
     rec.clear()
     virtual(x, check=False)
     want = {r: rec.of(r) for r in range(RANKS)}
     for r in range(RANKS):
-        assert [e[1] for e in want[r] if e[0] == "fast_gemm"] == ["front"]
-        stock_calls = [e for e in want[r] if e[0] in ("mm_fp32_out", "mm_bf16", "addmm_bf16")]
-        assert [e[0] for e in stock_calls] == ["mm_bf16", "mm_bf16", "addmm_bf16"]
-        assert all(e[-1] is False for e in stock_calls)  # split_k=False in every call
-    for r in range(RANKS):
         peer_world(monkeypatch, wide_peer, r, RANKS)
         real = wide_peer.WidePeerLayer(w, max_rows=tokens, timeout_s=1.0, batch_invariant=True,
-                                       invariant_gemms="stock")
+                                       **options)
+        assert real.batch_invariant
         real._prepared.add(tokens)
         rec.clear()
         real(x, check=False)
         got = [e for e in rec.of(r) if e[:2] not in (("kernel", "signal"), ("kernel", "wait"))]
         assert numbered(got) == numbered(want[r])
+    return virtual, want
+
+
+def test_wide_stock_invariant_ranks_run_one_program(stand_ins, monkeypatch):
+    """``invariant_gemms="stock"``: the virtual and the real ranks build a fast GEMM for the
+    front only and run the same program: the front on it (FP32 out), the shared gate/up and
+    down and the up columns on cuBLAS with split-K forbidden (``split_k=False`` in every
+    call), no FP32-output cuBLAS GEMM."""
+    from fast.schedules.wide_gemms import WIDE_GEMMS
+
+    rec, built = stand_ins, []
+
+    def build(owner, gemm_weights, config, ranks, max_rows, mma, serial_from, overlap,
+              chunk_windows, forms, names):
+        assert tuple(names) == ("front",) and set(gemm_weights) == set(WIDE_GEMMS)
+        built.append(owner)
+        return {n: FastGemm(rec, n, gemm_weights[n]) for n in names}
+
+    virtual, want = _wide_invariant_programs(rec, monkeypatch, build, invariant_gemms="stock")
+    assert built == ["WideLayer"] * RANKS + ["WidePeerLayer"] * RANKS
+    tokens = CFG.front_max + 1
+    assert virtual.gemm_plan(1, tokens) == {"front": ("launch", "front", tokens)}
+    for r in range(RANKS):
+        assert [e[1] for e in want[r] if e[0] == "fast_gemm"] == ["front"]
+        stock_calls = [e for e in want[r] if e[0] in ("mm_fp32_out", "mm_bf16", "addmm_bf16")]
+        assert [e[0] for e in stock_calls] == ["mm_bf16", "mm_bf16", "addmm_bf16"]
+        assert all(e[-1] is False for e in stock_calls)  # split_k=False in every call
 
 
 def test_wide_batch_invariant_ranks_run_one_program(stand_ins, monkeypatch):
@@ -486,34 +499,27 @@ def test_wide_batch_invariant_ranks_run_one_program(stand_ins, monkeypatch):
     GEMM of their rank (the same weights) and run the same program with them: the front
     (FP32 out), the shared gate/up and down, the up columns accumulated in place, in the
     same order with the same buffers; no cuBLAS GEMM runs."""
-    from fast.schedules import wide, wide_peer
+    from fast.schedules import wide
     from fast.schedules.wide_gemms import WIDE_GEMMS, gemm_shapes
 
-    w, rec = weights(), stand_ins
-    built = []
+    rec, built = stand_ins, []
 
     def build(owner, gemm_weights, config, ranks, max_rows, mma, serial_from, overlap,
               chunk_windows, forms, names):
         # invariant_mma="auto" on the stand-ins' sm_90a: the warpgroup MMA, on both layers;
         # no serial splits or MMAs in flight unless asked for
-        assert set(gemm_weights) == set(WIDE_GEMMS) and ranks == RANKS and mma == "wgmma"
+        assert set(gemm_weights) == set(WIDE_GEMMS) and tuple(names) == WIDE_GEMMS
+        assert ranks == RANKS and mma == "wgmma"
         assert serial_from is None and overlap is False and chunk_windows == 8 and forms is None
         shapes = {n: tuple(t.shape) for n, t in gemm_weights.items()}
         assert shapes == gemm_shapes(config, ranks)  # the table the compile set is built from
         built.append((owner, shapes))
-        return {n: FastGemm(rec, n, t) for n, t in gemm_weights.items()}
+        return {n: FastGemm(rec, n, gemm_weights[n]) for n in names}
 
-    monkeypatch.setattr(wide, "build_fast_gemms", build)
-    monkeypatch.setattr(wide_peer, "build_fast_gemms", build)
+    virtual, want = _wide_invariant_programs(rec, monkeypatch, build)
+    assert len(built) == 2 * RANKS and all(b[1] == built[0][1] for b in built)  # the same shapes
     tokens = CFG.front_max + 1
-    x = torch.randn(tokens, CFG.hidden).to(torch.bfloat16)
-    virtual = wide.WideLayer(w, ranks=RANKS, max_rows=tokens, device="cuda", timeout_s=1.0,
-                             batch_invariant=True)
-    assert virtual.batch_invariant and len(built) == RANKS
     assert virtual.gemm_plan(1, tokens) == {n: ("launch", n, tokens) for n in WIDE_GEMMS}
-    rec.clear()
-    virtual(x, check=False)
-    want = {r: rec.of(r) for r in range(RANKS)}
     for r in range(RANKS):
         gemm_calls = [e[1] for e in want[r] if e[0] == "fast_gemm"]
         assert gemm_calls == ["front", "shared_gate_up", "shared_down", "up"]
@@ -522,14 +528,6 @@ def test_wide_batch_invariant_ranks_run_one_program(stand_ins, monkeypatch):
         assert front[3] == torch.float32
         up = [e for e in want[r] if e[:2] == ("fast_gemm", "up")][0]
         assert up[4] == up[5]  # the addend is the output: accumulated in place
-    for r in range(RANKS):
-        peer_world(monkeypatch, wide_peer, r, RANKS)
-        real = wide_peer.WidePeerLayer(w, max_rows=tokens, timeout_s=1.0, batch_invariant=True)
-        assert real.batch_invariant and built[-1][1] == built[r][1]  # the same shapes
-        real._prepared.add(tokens)
-        rec.clear()
-        real(x, check=False)
-        got = [e for e in rec.of(r) if e[:2] not in (("kernel", "signal"), ("kernel", "wait"))]
-        assert numbered(got) == numbered(want[r])
+    w = weights()
     with pytest.raises(ValueError, match="batch_invariant must be a bool"):
         wide.WideLayer(w, ranks=RANKS, max_rows=tokens, device="cuda", batch_invariant="yes")

@@ -373,7 +373,8 @@ class DenseFront:
     def batch_invariant(self) -> bool:
         """Whether every token's outputs are bitwise independent of its batch: every GEMM on
         fast.gemm at every batch (``gemm == "fast"``), or the router on it and the others on
-        cuBLASLt without split-K (``"invariant_stock"``; the module docstring says why)."""
+        cuBLASLt without split-K (``"invariant_stock"``; the module docstring says why).
+        The cuBLAS calls of a batch-invariant mode never split K."""
         return self.gemm in INVARIANT_MODES
 
     # -- which backend --------------------------------------------------------------------
@@ -402,7 +403,7 @@ class DenseFront:
             return self.fast_gemms[gemm](a, out_dtype=out_dtype)
         if out_dtype == torch.float32:
             return stock.mm_fp32_out(a, self._weight[gemm])
-        return stock.mm_bf16(a, self._weight[gemm], split_k=self.gemm != "invariant_stock")
+        return stock.mm_bf16(a, self._weight[gemm], split_k=not self.batch_invariant)
 
     def _check(self, x: torch.Tensor) -> int:
         tokens = check_hidden_rows("DenseFront", "x", x, config=self.config, device=self.device)
@@ -478,5 +479,4 @@ class DenseFront:
         fast.gemm.host.PDL_MAX_TOKENS`` its programmatic dependent launch overlaps it."""
         if self.backend("up", normed.shape[0]) == "fast":
             return self.fast_gemms["up"](normed, addend=dense.shared)
-        return stock.addmm_bf16(dense.shared, normed, self.up,
-                                split_k=self.gemm != "invariant_stock")
+        return stock.addmm_bf16(dense.shared, normed, self.up, split_k=not self.batch_invariant)

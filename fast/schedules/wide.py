@@ -407,17 +407,17 @@ class WideLayer(WideStageCalls):
         #: which GEMMs the batch-invariant mode runs on fast.gemm (``"fast"``: all four;
         #: ``"stock"``: the front, the others on cuBLASLt without split-K)
         self.invariant_gemms = invariant_gemms
-        names = fast_gemm_names("WideLayer", invariant_gemms)
         #: per rank, its GEMMs on fast.gemm (``batch_invariant``), else None (cuBLAS)
         self.fast_gemms = [None] * n
         if batch_invariant:
             for r in range(n):
-                every = {"front": self.front_weights[r], "shared_gate_up": self.shared_gate_up[r],
-                         "shared_down": self.shared_down[r], "up": self.up[r]}
                 self.fast_gemms[r] = build_fast_gemms(
-                    "WideLayer", {name: every[name] for name in names},
+                    "WideLayer", {"front": self.front_weights[r],
+                                  "shared_gate_up": self.shared_gate_up[r],
+                                  "shared_down": self.shared_down[r], "up": self.up[r]},
                     c, n, max_rows, self.invariant_mma, invariant_serial_from,
-                    invariant_overlap, invariant_chunk_windows, invariant_forms, names)
+                    invariant_overlap, invariant_chunk_windows, invariant_forms,
+                    fast_gemm_names("WideLayer", invariant_gemms))
                 # the front GEMM's weight may be a view of its zero-padded copy: one copy
                 self.front_weights[r] = self.fast_gemms[r]["front"].weight
         self.bias = slice_to_device(weights.bias)
@@ -474,8 +474,7 @@ class WideLayer(WideStageCalls):
             mailbox_table=self.mailbox_table, partial_table=self.partial_table,
             shared_tables=(self.shared_table,) * MAILBOX_BUFFERS,
             up_tables=(self.up_table,) * MAILBOX_BUFFERS, error=self.error, side=self._side,
-            kernels=self._fn, gemms=self.fast_gemms[r],
-            stock_split_k=not (batch_invariant and invariant_gemms == "stock")) for r in range(n)]
+            kernels=self._fn, gemms=self.fast_gemms[r]) for r in range(n)]
         self.calls = 0
         self.reset()
 

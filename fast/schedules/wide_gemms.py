@@ -194,8 +194,8 @@ def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: 
                      serial_from: int | None = None, overlap: bool = False,
                      chunk_windows: int = 8, forms: dict | None = None,
                      names: tuple[str, ...] = WIDE_GEMMS) -> dict:
-    """One ``fast.gemm.DenseGemm`` per GEMM of ``names`` of one rank (``weights``: name ->
-    its BF16 weight on the device, ``WIDE_GEMMS``; :func:`fast_gemm_names`), each with its K split (:func:`gemm_splits` on
+    """One ``fast.gemm.DenseGemm`` per GEMM of ``names`` (:func:`fast_gemm_names`) of one
+    rank (``weights``: every ``WIDE_GEMMS`` name -> its BF16 weight on the device), each with its K split (:func:`gemm_splits` on
     this GPU), on ``mma`` (``fast.gemm.mma_kind.INVARIANT_MMAS``; ``"wgmma"`` needs an sm_90a device), with
     serial splits from ``serial_from`` rows (None: never; the same bits), on ``"wgmma"``
     with ``overlap`` (each stage's MMAs in flight; the same bits) and token chunks of
@@ -212,9 +212,9 @@ def build_fast_gemms(owner: str, weights: dict, config: LatentMoEConfig, ranks: 
     check_fast_gemm_shapes(owner, config, ranks, names)
     check_mma(owner, mma)
     check_gemm_forms(owner, config, ranks, forms, mma)
-    if not set(names) <= set(WIDE_GEMMS) or set(weights) != set(names):
-        raise ValueError(f"{owner}: the fast GEMMs {names} (among {WIDE_GEMMS}) need exactly "
-                         f"their weights, got {sorted(weights)}")
+    if set(weights) != set(WIDE_GEMMS) or not set(names) <= set(WIDE_GEMMS):
+        raise ValueError(f"{owner}: the fast GEMMs need the weights {WIDE_GEMMS} and names "
+                         f"among them, got weights {sorted(weights)}, names {names}")
     device = next(iter(weights.values())).device
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     splits = gemm_splits(config, ranks, sms)

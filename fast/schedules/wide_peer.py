@@ -230,16 +230,16 @@ class WidePeerLayer(WideStageCalls):
         self.up = {r: to_device(weights.up[r * h_n:(r + 1) * h_n])}
         #: which GEMMs the batch-invariant mode runs on fast.gemm (``WideLayer``'s)
         self.invariant_gemms = invariant_gemms
-        names = fast_gemm_names("WidePeerLayer", invariant_gemms)
         #: this rank's GEMMs on fast.gemm (``batch_invariant``), else None (cuBLAS)
         self.fast_gemms = None
         if batch_invariant:
-            every = {"front": self.front_weights[r], "shared_gate_up": self.shared_gate_up[r],
-                     "shared_down": self.shared_down[r], "up": self.up[r]}
             self.fast_gemms = build_fast_gemms(
-                "WidePeerLayer", {name: every[name] for name in names},
+                "WidePeerLayer", {"front": self.front_weights[r],
+                                  "shared_gate_up": self.shared_gate_up[r],
+                                  "shared_down": self.shared_down[r], "up": self.up[r]},
                 c, n, max_rows, self.invariant_mma, invariant_serial_from, invariant_overlap,
-                invariant_chunk_windows, invariant_forms, names)
+                invariant_chunk_windows, invariant_forms,
+                fast_gemm_names("WidePeerLayer", invariant_gemms))
             # the front GEMM's weight may be a view of its zero-padded copy: one copy
             self.front_weights[r] = self.fast_gemms["front"].weight
         self.bias = to_device(weights.bias)
@@ -302,8 +302,7 @@ class WidePeerLayer(WideStageCalls):
             mailbox_table=self.mailbox_table, partial_table=self.partial_table,
             shared_tables=tuple(self.shared_tables), up_tables=tuple(self.up_tables),
             error=self.error, side=self._side, kernels=self._fn, wait=self._signal_and_wait,
-            gemms=self.fast_gemms,
-            stock_split_k=not (batch_invariant and invariant_gemms == "stock"))
+            gemms=self.fast_gemms)
         self.calls = 0
         self._prepared: set[int] = set()
         self._arm()

@@ -142,9 +142,8 @@ class WideRank:
     * ``gemms``: None (the four GEMMs on cuBLAS) or the batch-invariant mode's
       ``fast.gemm.DenseGemm`` per GEMM that runs on it, by
       ``fast.schedules.wide_gemms.WIDE_GEMMS`` name (their weights are the ones above; the
-      front's may be a view of a zero-padded copy); a GEMM without one runs on cuBLAS;
-    * ``stock_split_k``: whether those cuBLAS GEMMs may split K (False: cuBLASLt without
-      split-K, the batch-invariant mode's ``invariant_gemms="stock"``);
+      front's may be a view of a zero-padded copy); a GEMM without one runs on cuBLAS,
+      without split-K in that mode (:func:`stock_may_split_k`);
     * per call: ``front`` (the last front stage's FP32 output) and ``shared_ready`` (the
       side stream's event of the last shared stage; None after a serial one).
     """
@@ -175,7 +174,6 @@ class WideRank:
     kernels: dict
     wait: Callable[[int, int], None] = no_wait
     gemms: dict | None = None
-    stock_split_k: bool = True
     front: torch.Tensor | None = None
     shared_ready: object = None
 
@@ -225,14 +223,21 @@ def _addmm_bf16_into(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor, out: tor
         torch.addmm(c, a, b.t(), out=out)
 
 
+def stock_may_split_k(rank: WideRank) -> bool:
+    """Whether the rank's cuBLAS GEMMs may split K: in the default mode (no ``gemms``);
+    not in the batch-invariant mode, whose GEMMs without a ``fast.gemm`` one
+    (``invariant_gemms="stock"``) run on cuBLASLt with split-K forbidden."""
+    return rank.gemms is None
+
+
 def rank_gemm_bf16_into(rank: WideRank, name: str, a: torch.Tensor, out: torch.Tensor) -> None:
     """``out = a @ W^T`` in BF16 for the rank's GEMM ``name`` (``"shared_gate_up"`` or
     ``"shared_down"``, the weight of that name): FP32 accumulation, one rounding; cuBLAS
-    (:func:`mm_bf16_into`, without split-K when ``rank.stock_split_k`` is False), or the
+    (:func:`mm_bf16_into`, split-K as :func:`stock_may_split_k`), or the
     rank's ``fast.gemm`` GEMM of that name when its ``gemms`` hold one."""
     gemm = (rank.gemms or {}).get(name)
     if gemm is None:
-        mm_bf16_into(a, getattr(rank, name), out, split_k=rank.stock_split_k)
+        mm_bf16_into(a, getattr(rank, name), out, split_k=stock_may_split_k(rank))
     else:
         gemm(a, out=out)
 
@@ -361,7 +366,7 @@ def latent_stage(rank: WideRank, tokens: int, index: int, *, wait_shared: bool =
         torch.cuda.current_stream(rank.device).wait_event(rank.shared_ready)
     up = rank.up_columns[index][:tokens]
     if "up" not in (rank.gemms or {}):
-        _addmm_bf16_into(up, b["normed"][:tokens], rank.up, up, split_k=rank.stock_split_k)
+        _addmm_bf16_into(up, b["normed"][:tokens], rank.up, up, split_k=stock_may_split_k(rank))
     else:
         rank.gemms["up"](b["normed"][:tokens], addend=up, out=up)
 
