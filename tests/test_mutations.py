@@ -40,8 +40,10 @@ ROOT = Path(__file__).resolve().parents[1]
 @dataclasses.dataclass(frozen=True)
 class Mutation:
     """A planted bug: ``edits`` (path, old snippet, new snippet), the contracts that must
-    fail, the ``--backend`` they run against (None: the built-in ones) and, optionally, a
-    phrase the failure report must contain."""
+    fail, the ``--backend`` they run against (None: the built-in ones), optionally a phrase
+    the failure report must contain, and the ``-k`` keyword that picks the contracts' cases
+    (a bug in a fast kernel: ``"fast"``, its backend's cases; a bug in ``fast.stock``:
+    ``"stock"``)."""
 
     name: str
     edits: tuple[tuple[str, str, str], ...]
@@ -49,11 +51,15 @@ class Mutation:
     needs_gpu: bool = False
     backend: str | None = None
     expect: str | None = None
+    keyword: str | None = None
 
 
 def _one(name, path, old, new, contracts, needs_gpu=False, backend=None,
-         expect=None) -> Mutation:
-    return Mutation(name, ((path, old, new),), tuple(contracts), needs_gpu, backend, expect)
+         expect=None, keyword=None) -> Mutation:
+    if keyword is None and needs_gpu:
+        keyword = "fast"
+    return Mutation(name, ((path, old, new),), tuple(contracts), needs_gpu, backend, expect,
+                    keyword)
 
 
 MUTATIONS = [
@@ -377,7 +383,7 @@ MUTATIONS = [
          "        flags.allow_bf16_reduced_precision_reduction = (False, split_k)",
          "        flags.allow_bf16_reduced_precision_reduction = (False, True)",
          ["verify/test_stock.py::test_stock_no_split_k_batch_invariant[stock-tp8.shared_gate_up]"],
-         needs_gpu=True, expect="without split-K: rows at M="),
+         needs_gpu=True, expect="without split-K: rows at M=", keyword="stock"),
     _one("DEP dense part: the batch-invariant mode's cuBLAS GEMMs may split K again",
          "fast/schedules/dense.py",
          "        return stock.mm_bf16(a, self._weight[gemm], split_k=not self.batch_invariant)",
@@ -466,6 +472,39 @@ def test_planted_bug_snippets_exist(mutation):
         assert count == 1, f"{mutation.name}: the snippet occurs {count} times in {path}, not once"
 
 
+def _collected(backend: str | None) -> list[str]:
+    """The node ids ``pytest --collect-only`` lists over every contract file the planted
+    bugs name (with ``--backend``, if given): collection needs no GPU."""
+    files = sorted({c.split("::")[0] for m in MUTATIONS if m.backend == backend
+                    for c in m.contracts})
+    cmd = [sys.executable, "-m", "pytest", *files, "--collect-only", "-q",
+           "-p", "no:cacheprovider"] + (["--backend", backend] if backend else [])
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    return [line for line in done.stdout.splitlines() if "::" in line]
+
+
+_COLLECTED: dict[str | None, list[str]] = {}
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS, ids=_id)
+def test_planted_bug_contracts_select_a_case(mutation):
+    """On any machine: the contracts and ``-k`` keyword of every planted bug select at least
+    one case, so a GPU run never reports a bug as missed because nothing ran (one did: a
+    ``fast.stock`` bug run with the fast kernels' keyword). ``-k WORD`` is matched as pytest
+    matches one word, a case-insensitive substring of the case's names, which its node id
+    (module, function, parameters) holds."""
+    if mutation.backend not in _COLLECTED:
+        _COLLECTED[mutation.backend] = _collected(mutation.backend)
+    ids = _COLLECTED[mutation.backend]
+    for contract in mutation.contracts:
+        chosen = [i for i in ids if i == contract or i.startswith((contract + "[", contract + "::"))]
+        if mutation.keyword:
+            chosen = [i for i in chosen if mutation.keyword.lower() in i.lower()]
+        assert chosen, (f"{mutation.name}: {contract} with -k {mutation.keyword!r} selects no "
+                        f"case of the {len(ids)} collected")
+
+
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=_id)
 def test_planted_bug_fails_verify(mutation, tmp_path):
     if mutation.needs_gpu and not torch.cuda.is_available():
@@ -476,8 +515,8 @@ def test_planted_bug_fails_verify(mutation, tmp_path):
     env = dict(os.environ, PYTHONPATH=path, LATENTMOE_REPORT_DIR=str(tmp_path),
                PYTHONDONTWRITEBYTECODE="1")
     args = list(mutation.contracts)
-    if mutation.needs_gpu:
-        args += ["-k", "fast"]
+    if mutation.keyword:
+        args += ["-k", mutation.keyword]
     if mutation.backend:
         args += ["--backend", mutation.backend]
     cmd = [sys.executable, "-m", "pytest", *args, "-x", "-q",
@@ -485,6 +524,9 @@ def test_planted_bug_fails_verify(mutation, tmp_path):
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=900)
     tail = (done.stdout + done.stderr)[-3000:]
+    assert done.returncode != 5, (
+        f"planted bug '{mutation.name}': {mutation.contracts} with -k {mutation.keyword!r} "
+        f"selected no test, so nothing could catch it:\n{tail}")
     assert done.returncode == 1, (
         f"planted bug '{mutation.name}' was NOT caught by {mutation.contracts} "
         f"(pytest exit {done.returncode}):\n{tail}")
