@@ -320,17 +320,19 @@ def render(result: dict) -> str:
     experts and at the tail (runs before those placements existed show "-"), the best
     stock composition and the speed-up of the front step and of the beside step (the
     layer's default placement, ``fast.schedules.wide.DEFAULT_SHARED_PLACEMENT``)."""
-    on_fast = ("the front on fast.gemm, the other three on cuBLASLt without split-K "
-               "(--invariant-gemms stock); " if result.get("invariant_gemms") == "stock"
-               else "the four GEMMs on fast.gemm, ")
-    mode = (f"batch invariant (--batch-invariant: {on_fast}one K split "
-            f"per GEMM at every row count, on {result.get('invariant_mma', 'mma.sync')}"
+    stock = result.get("invariant_gemms") == "stock"
+    mode = (f"batch invariant (--batch-invariant: {'the front' if stock else 'the four GEMMs'} "
+            f"on fast.gemm with one K split {'' if stock else 'per GEMM '}at every row count, "
+            f"on {result.get('invariant_mma', 'mma.sync')}"
             + (f", serial splits from {result['serial_from']} rows"
                if result.get("serial_from") else "")
             + (", MMAs in flight across stages" if result.get("invariant_overlap") else "")
             + (", 128-row token chunks" if result.get("invariant_chunk_windows") == 16 else "")
-            + (", per-GEMM forms (invariant_forms in the JSON)"
+            + ((", the front's form of invariant_forms in the JSON" if stock
+                else ", per-GEMM forms (invariant_forms in the JSON)")
                if result.get("invariant_forms") else "")
+            + ("; the other three on cuBLASLt without split-K (--invariant-gemms stock)"
+               if stock else "")
             + ")" if result.get("batch_invariant") else "GEMMs on cuBLAS (the default)")
     lines = [f"Device {result['device']}, torch {result['torch']}{tree_note(result)}; "
              f"{result['ranks']} virtual TP ranks, rank 0 timed; read bandwidth {result['read_gbs']:.0f} GB/s (this "

@@ -132,12 +132,18 @@ def test_published_case_snapshots_rank_0s_mailbox_after_every_publish():
 def test_render_says_which_mode_ran():
     """A run's header names its GEMM mode: ``--batch-invariant`` (``WideLayer(
     batch_invariant=True)``, recorded as ``batch_invariant`` in the JSON) or cuBLAS, which
-    every committed run before the flag used."""
+    every committed run before the flag used; in the mode, which GEMMs run on fast.gemm
+    (``--invariant-gemms``: all four, or the front alone with the others on cuBLASLt)."""
     result = json.loads(RUN.read_text())
     assert "GEMMs on cuBLAS (the default)" in wide_table.render(result)
     result["batch_invariant"] = True
     text = wide_table.render(result)
     assert "batch invariant (--batch-invariant" in text and "cuBLAS (the default)" not in text
+    assert "the four GEMMs on fast.gemm" in text and "without split-K" not in text
+    result["invariant_gemms"] = "stock"
+    text = wide_table.render(result)
+    assert "the front on fast.gemm" in text and "the four GEMMs" not in text
+    assert "the other three on cuBLASLt without split-K (--invariant-gemms stock)" in text
 
 
 def test_gemm_plan_cells_name_each_launch():
