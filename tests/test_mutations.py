@@ -25,6 +25,7 @@ on an SM90/SM100 node.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import shutil
 import subprocess
@@ -42,8 +43,8 @@ class Mutation:
     """A planted bug: ``edits`` (path, old snippet, new snippet), the contracts that must
     fail, the ``--backend`` they run against (None: the built-in ones), optionally a phrase
     the failure report must contain, and the ``-k`` keyword that picks the contracts' cases
-    (a bug in a fast kernel: ``"fast"``, its backend's cases; a bug in ``fast.stock``:
-    ``"stock"``)."""
+    (None: ``"fast"``, the fast backend's cases, for a bug that needs the GPU, and every case
+    otherwise; a bug in ``fast.stock`` names ``"stock"``)."""
 
     name: str
     edits: tuple[tuple[str, str, str], ...]
@@ -53,11 +54,14 @@ class Mutation:
     expect: str | None = None
     keyword: str | None = None
 
+    @property
+    def selection(self) -> str | None:
+        """The ``-k`` keyword its contracts run under (None: no ``-k``)."""
+        return self.keyword or ("fast" if self.needs_gpu else None)
+
 
 def _one(name, path, old, new, contracts, needs_gpu=False, backend=None,
          expect=None, keyword=None) -> Mutation:
-    if keyword is None and needs_gpu:
-        keyword = "fast"
     return Mutation(name, ((path, old, new),), tuple(contracts), needs_gpu, backend, expect,
                     keyword)
 
@@ -472,7 +476,8 @@ def test_planted_bug_snippets_exist(mutation):
         assert count == 1, f"{mutation.name}: the snippet occurs {count} times in {path}, not once"
 
 
-def _collected(backend: str | None) -> list[str]:
+@functools.cache
+def _collected(backend: str | None) -> tuple[str, ...]:
     """The node ids ``pytest --collect-only`` lists over every contract file the planted
     bugs name (with ``--backend``, if given): collection needs no GPU."""
     files = sorted({c.split("::")[0] for m in MUTATIONS if m.backend == backend
@@ -481,10 +486,7 @@ def _collected(backend: str | None) -> list[str]:
            "-p", "no:cacheprovider"] + (["--backend", backend] if backend else [])
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
-    return [line for line in done.stdout.splitlines() if "::" in line]
-
-
-_COLLECTED: dict[str | None, list[str]] = {}
+    return tuple(line for line in done.stdout.splitlines() if "::" in line)
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=_id)
@@ -494,14 +496,12 @@ def test_planted_bug_contracts_select_a_case(mutation):
     ``fast.stock`` bug run with the fast kernels' keyword). ``-k WORD`` is matched as pytest
     matches one word, a case-insensitive substring of the case's names, which its node id
     (module, function, parameters) holds."""
-    if mutation.backend not in _COLLECTED:
-        _COLLECTED[mutation.backend] = _collected(mutation.backend)
-    ids = _COLLECTED[mutation.backend]
+    ids = _collected(mutation.backend)
     for contract in mutation.contracts:
         chosen = [i for i in ids if i == contract or i.startswith((contract + "[", contract + "::"))]
-        if mutation.keyword:
-            chosen = [i for i in chosen if mutation.keyword.lower() in i.lower()]
-        assert chosen, (f"{mutation.name}: {contract} with -k {mutation.keyword!r} selects no "
+        if mutation.selection:
+            chosen = [i for i in chosen if mutation.selection.lower() in i.lower()]
+        assert chosen, (f"{mutation.name}: {contract} with -k {mutation.selection!r} selects no "
                         f"case of the {len(ids)} collected")
 
 
@@ -515,8 +515,8 @@ def test_planted_bug_fails_verify(mutation, tmp_path):
     env = dict(os.environ, PYTHONPATH=path, LATENTMOE_REPORT_DIR=str(tmp_path),
                PYTHONDONTWRITEBYTECODE="1")
     args = list(mutation.contracts)
-    if mutation.keyword:
-        args += ["-k", mutation.keyword]
+    if mutation.selection:
+        args += ["-k", mutation.selection]
     if mutation.backend:
         args += ["--backend", mutation.backend]
     cmd = [sys.executable, "-m", "pytest", *args, "-x", "-q",
@@ -525,7 +525,7 @@ def test_planted_bug_fails_verify(mutation, tmp_path):
                           timeout=900)
     tail = (done.stdout + done.stderr)[-3000:]
     assert done.returncode != 5, (
-        f"planted bug '{mutation.name}': {mutation.contracts} with -k {mutation.keyword!r} "
+        f"planted bug '{mutation.name}': {mutation.contracts} with -k {mutation.selection!r} "
         f"selected no test, so nothing could catch it:\n{tail}")
     assert done.returncode == 1, (
         f"planted bug '{mutation.name}' was NOT caught by {mutation.contracts} "
