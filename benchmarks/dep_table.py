@@ -12,11 +12,16 @@ received, its partial finalize, and its combine + RMSNorm + up-projection (readi
 other owners' partials from the full call). Each stage and the whole rank run are
 captured in CUDA graphs, the L2 flushed before every replay (``benchmarks.experts_table``).
 
-The dense GEMMs (router, front, shared down in "dense"; the up-projection in "home") run on
-the backend ``--dense-gemm`` picks (``DepLayer(dense_gemm=...)``): ``auto`` (default) per
-GEMM and batch from ``fast.schedules.dense.DENSE_BACKENDS``, ``cublas`` or ``fast``
-(fast.gemm) for all four. The JSON records the mode and, per T, each GEMM's backend and
-fast.gemm tactic; the table states them.
+The layer is built as ``DepLayer``'s defaults build it (batch invariant: the router on
+fast.gemm with one K split at every T, the front, shared down and up on cuBLASLt without
+split-K) unless ``--no-batch-invariant`` (``DepLayer(batch_invariant=False)``) or
+``--dense-gemm`` say otherwise. The dense GEMMs (router, front, shared down in "dense"; the
+up-projection in "home") run on the backend ``--dense-gemm`` picks
+(``DepLayer(dense_gemm=...)``): ``auto`` (default; batch invariant, ``invariant_stock``;
+with ``--no-batch-invariant`` per GEMM and batch from
+``fast.schedules.dense.DENSE_BACKENDS``), ``cublas`` (needs ``--no-batch-invariant``),
+``fast`` (fast.gemm) for all four, or ``invariant_stock``. The JSON records the mode and,
+per T, each GEMM's backend and fast.gemm tactic; the table states them.
 
 The stock composition of the same rank, one graph: cuBLAS router (FP32 out), front and
 shared GEMMs; PyTorch sigmoid top-k and SiTU; the dispatch as one copy of the token rows
@@ -177,11 +182,14 @@ def main(argv=None):
     ap.add_argument("--peers", default="triton")
     ap.add_argument("--dense-gemm", default="auto",
                     choices=("auto", "cublas", "fast", "invariant_stock"),
-                    help="the dense GEMMs' backend (DepLayer(dense_gemm=...)); default auto")
-    ap.add_argument("--batch-invariant", action="store_true",
-                    help="DepLayer(batch_invariant=True): every dense GEMM on fast.gemm, one K "
-                         "split per GEMM at every T (with --dense-gemm invariant_stock: the "
-                         "router on it, the other three on cuBLASLt without split-K)")
+                    help="the dense GEMMs' backend (DepLayer(dense_gemm=...)); default auto "
+                         "(with --batch-invariant taken as invariant_stock)")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                    help="DepLayer(batch_invariant=...), default on as the layer's: every "
+                         "token's bits independent of its batch (--dense-gemm auto then runs "
+                         "the router on fast.gemm with one K split at every T and the other "
+                         "three on cuBLASLt without split-K; --dense-gemm fast all four on "
+                         "fast.gemm); --no-batch-invariant: the backends per GEMM and batch")
     ap.add_argument("--invariant-mma", default="auto", choices=MMA_CHOICES,
                     help="the fast.gemm dense GEMMs' MMA (DepLayer(invariant_mma=...); default "
                          "auto: with --batch-invariant sm_90a's warpgroup MMA, wgmma)")
@@ -191,7 +199,7 @@ def main(argv=None):
                          "warpgroup MMA")
     ap.add_argument("--router-with-front", action="store_true",
                     help="DepLayer(router_with_front=True): the router in the front's launch "
-                         "(fast.gemm.GroupedGemm; needs --dense-gemm fast or --batch-invariant)")
+                         "(fast.gemm.GroupedGemm; needs --dense-gemm fast)")
     args = ap.parse_args(argv)
     if rendered(args, render):
         return

@@ -22,12 +22,14 @@ over the rank's TP slice of every expert (best of ``num_warps`` 4 and 8, as vLLM
 MoE on Hopper; its scatter-combine is the Finalize); the two all-reduces as FP32 sums of the
 ranks' partial rows (the reads a one-shot all-reduce makes); PyTorch RMSNorm; cuBLAS addmm.
 
-``--batch-invariant`` builds ``WideLayer(batch_invariant=True)``: each rank's four GEMMs
-(front, shared gate/up and down, up columns) on ``fast.gemm`` with one K split per GEMM at
-every row count (``fast.schedules.wide_gemms``), so every token's outputs are bitwise
-independent of its batch; run it beside a run without the flag on the same GPU for the
-mode's cost per row count (the render says which mode a run used, and each case records
-what each GEMM launched). ``--invariant-mma`` picks those GEMMs' MMA: ``auto`` (the layer's
+The layer is built as ``WideLayer``'s defaults build it (``--batch-invariant``, on by
+default): the front on ``fast.gemm`` with one K split at every row count and the shared
+gate/up, shared down and up columns on cuBLASLt without split-K (``--invariant-gemms
+stock``; ``fast``: all four on ``fast.gemm``, ``fast.schedules.wide_gemms``), so every
+token's outputs are bitwise independent of its batch; run it beside a
+``--no-batch-invariant`` run (cuBLAS, split-K allowed) on the same GPU for the mode's cost
+per row count (the render says which mode a run used, and each case records what each GEMM
+launched). ``--invariant-mma`` picks those GEMMs' MMA: ``auto`` (the layer's
 default: the warpgroup MMA on sm_90a, ``mma.sync`` elsewhere), ``mma.sync`` or ``wgmma``;
 the result records the kind that ran.
 
@@ -217,13 +219,13 @@ def load_forms(path: str | None) -> dict | str | None:
     return {gemm: {int(r): form for r, form in table.items()} for gemm, table in data.items()}
 
 
-def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant: bool = False,
+def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant: bool = True,
                    invariant_mma: str = "auto", serial_from: int | None = None,
                    overlap: bool = False, chunk_windows: int = 8,
-                   forms: dict | str | None = "auto", invariant_gemms: str = "fast"):
+                   forms: dict | str | None = "auto", invariant_gemms: str = "stock"):
     """(layer, weights, run header, flush) of a GPU-node run: the real layer's weights
-    (``verify.cases.device_weights``), its virtual TP ranks at the widest batch (with
-    ``batch_invariant``: ``WideLayer(batch_invariant=True, invariant_mma=...)``), the run's
+    (``verify.cases.device_weights``), its virtual TP ranks at the widest batch (the
+    arguments as ``WideLayer``'s, with its defaults: batch invariant), the run's
     device/torch/python, the mode and the read bandwidth measured now, and the L2 flush."""
     from fast.schedules.wide import WideLayer
     from verify import cases
@@ -333,7 +335,8 @@ def render(result: dict) -> str:
                if result.get("invariant_forms") else "")
             + ("; the other three on cuBLASLt without split-K (--invariant-gemms stock)"
                if stock else "")
-            + ")" if result.get("batch_invariant") else "GEMMs on cuBLAS (the default)")
+            + ")" if result.get("batch_invariant")
+            else "GEMMs on cuBLAS, split-K allowed (batch_invariant=False)")
     lines = [f"Device {result['device']}, torch {result['torch']}{tree_note(result)}; "
              f"{result['ranks']} virtual TP ranks, rank 0 timed; read bandwidth {result['read_gbs']:.0f} GB/s (this "
              f"run); fraction = byte limit / time; {mode}.", "",
@@ -359,9 +362,11 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     rank_arguments(ap, out="wide_table.json", tokens="65,128,256,512,1024", reps=20)
     ap.add_argument("--peers", default="triton")
-    ap.add_argument("--batch-invariant", action="store_true",
-                    help="WideLayer(batch_invariant=True): the four GEMMs on fast.gemm, one K "
-                         "split per GEMM at every row count")
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
+                    help="WideLayer(batch_invariant=...), default on as the layer's: the front "
+                         "(with --invariant-gemms fast all four GEMMs) on fast.gemm, one K "
+                         "split per GEMM at every row count; --no-batch-invariant: cuBLAS with "
+                         "split-K allowed")
     ap.add_argument("--serial-from", type=int, default=None,
                     help="with --batch-invariant: calls of at least this many rows run each "
                          "GEMM's K splits serially in each CTA (the same bits; default never)")
@@ -377,10 +382,10 @@ def main(argv=None):
                          "{rows_from: form}}, WideLayer(invariant_forms=...)) or a "
                          "benchmarks.wide_gemm_table result, whose best form per GEMM and row "
                          "count is taken (wide_gemm_table.best_forms)")
-    ap.add_argument("--invariant-gemms", default="fast", choices=("fast", "stock"),
-                    help="with --batch-invariant: fast (default: the four GEMMs on fast.gemm) "
-                         "or stock (the front on fast.gemm, the other three on cuBLASLt "
-                         "without split-K; WideLayer(invariant_gemms=...))")
+    ap.add_argument("--invariant-gemms", default="stock", choices=("fast", "stock"),
+                    help="with --batch-invariant: stock (default, as WideLayer: the front on "
+                         "fast.gemm, the other three on cuBLASLt without split-K) or fast (the "
+                         "four GEMMs on fast.gemm; WideLayer(invariant_gemms=...))")
     ap.add_argument("--invariant-mma", default="auto", choices=MMA_CHOICES,
                     help="with --batch-invariant: the GEMMs' MMA (auto: the layer's default, "
                          "wgmma on sm_90a, else mma.sync; wgmma: sm_90a's warpgroup MMA)")

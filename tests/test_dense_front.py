@@ -56,7 +56,7 @@ def test_dense_backends_follow_the_committed_measurements():
 
 
 def test_batch_invariant_mode_runs_one_order_per_gemm():
-    """``DenseFront(batch_invariant=True)``'s mode (``"fast"``) runs every GEMM of both DEP
+    """``DenseFront(gemm="fast")`` (with ``batch_invariant=True``: all four) runs every GEMM of both DEP
     configs on fast.gemm at every T = 1..64 with one K split per GEMM; ``"auto"`` does not
     (it moves GEMMs between cuBLAS and fast.gemm at bucket edges: not batch invariant)."""
     for config in (LatentMoEConfig.kimi_k3(), LatentMoEConfig.small()):
@@ -137,10 +137,24 @@ def test_dense_front_refuses_bad_modes_before_touching_a_device():
                          invariant_overlap=1)
 
 
+def test_batch_invariant_auto_is_the_stock_mode_and_names_the_way_out():
+    """With ``batch_invariant=True`` (the DEP layers' default) ``gemm="auto"`` is taken as
+    ``"invariant_stock"`` (the router on fast.gemm, the others on cuBLASLt without split-K)
+    and a ``max_tokens`` above 64 is refused naming ``batch_invariant=False``, before any
+    device work; ``"cublas"`` is refused in the mode."""
+    with pytest.raises(ValueError, match=r"gemm='invariant_stock' runs fast.gemm, which serves "
+                                         r"at most 64 tokens, but max_tokens=65 "
+                                         r"\(batch_invariant=True; batch_invariant=False"):
+        dense.DenseFront(None, "cpu", max_tokens=65, batch_invariant=True)
+    with pytest.raises(ValueError, match="gemm='cublas' picks its kernel and split per batch"):
+        dense.DenseFront(None, "cpu", gemm="cublas", batch_invariant=True)
+    with pytest.raises(ValueError, match="router_with_front=True launches the router and the front"):
+        dense.DenseFront(None, "cpu", batch_invariant=True, router_with_front=True)
+
+
 def test_router_with_front_needs_every_gemm_on_fast_gemm():
     """``router_with_front`` is a bool, and needs the router and the front on fast.gemm at
-    every batch (``gemm="fast"`` or ``batch_invariant``): refused by name before any device
-    work otherwise."""
+    every batch (``gemm="fast"``): refused by name before any device work otherwise."""
     with pytest.raises(ValueError, match="router_with_front must be a bool"):
         dense.DenseFront(None, "cpu", gemm="fast", router_with_front=1)
     with pytest.raises(ValueError, match="router_with_front=True launches the router and the front"):

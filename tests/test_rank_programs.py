@@ -373,7 +373,8 @@ def without_waits_and_signals(events):
 
 
 def test_wide_virtual_and_real_ranks_run_one_program(stand_ins, monkeypatch):
-    """Two calls (both mailbox buffers; each call's addresses numbered on their own: a real
+    """``batch_invariant=False`` (every GEMM on cuBLAS; the default's program is the next
+    tests'): two calls (both mailbox buffers; each call's addresses numbered on their own: a real
     rank's shared and up buffers rotate with the mailbox, a virtual rank's do not), every
     placement of the shared expert."""
     from fast.schedules import wide, wide_peer
@@ -382,11 +383,13 @@ def test_wide_virtual_and_real_ranks_run_one_program(stand_ins, monkeypatch):
     w, rec = weights(), stand_ins
     tokens = CFG.front_max + 1
     x = torch.randn(tokens, CFG.hidden).to(torch.bfloat16)
-    virtual = wide.WideLayer(w, ranks=RANKS, max_rows=tokens + 2, device="cuda", timeout_s=1.0)
+    virtual = wide.WideLayer(w, ranks=RANKS, max_rows=tokens + 2, device="cuda", timeout_s=1.0,
+                             batch_invariant=False)
     reals = []
     for r in range(RANKS):
         peer_world(monkeypatch, wide_peer, r, RANKS)
-        reals.append(wide_peer.WidePeerLayer(w, max_rows=tokens + 2, timeout_s=1.0))
+        reals.append(wide_peer.WidePeerLayer(w, max_rows=tokens + 2, timeout_s=1.0,
+                                             batch_invariant=False))
         reals[-1]._prepared.add(tokens)
     for shared in SHARED_PLACEMENTS:
         for _ in range(2):
@@ -469,7 +472,7 @@ def _wide_invariant_programs(rec, monkeypatch, build, **options):
 
 
 def test_wide_stock_invariant_ranks_run_one_program(stand_ins, monkeypatch):
-    """``invariant_gemms="stock"``: the virtual and the real ranks build a fast GEMM for the
+    """``invariant_gemms="stock"`` (the layers' default): the virtual and the real ranks build a fast GEMM for the
     front only and run the same program: the front on it (FP32 out), the shared gate/up and
     down and the up columns on cuBLAS with split-K forbidden (``split_k=False`` in every
     call), no FP32-output cuBLAS GEMM."""
@@ -483,7 +486,7 @@ def test_wide_stock_invariant_ranks_run_one_program(stand_ins, monkeypatch):
         built.append(owner)
         return {n: FastGemm(rec, n, gemm_weights[n]) for n in names}
 
-    virtual, want = _wide_invariant_programs(rec, monkeypatch, build, invariant_gemms="stock")
+    virtual, want = _wide_invariant_programs(rec, monkeypatch, build)
     assert built == ["WideLayer"] * RANKS + ["WidePeerLayer"] * RANKS
     tokens = CFG.front_max + 1
     assert virtual.gemm_plan(1, tokens) == {"front": ("launch", "front", tokens)}
@@ -495,7 +498,7 @@ def test_wide_stock_invariant_ranks_run_one_program(stand_ins, monkeypatch):
 
 
 def test_wide_batch_invariant_ranks_run_one_program(stand_ins, monkeypatch):
-    """``batch_invariant=True``: the virtual and the real ranks build one fast GEMM per
+    """``batch_invariant=True, invariant_gemms="fast"``: the virtual and the real ranks build one fast GEMM per
     GEMM of their rank (the same weights) and run the same program with them: the front
     (FP32 out), the shared gate/up and down, the up columns accumulated in place, in the
     same order with the same buffers; no cuBLAS GEMM runs."""
@@ -516,7 +519,7 @@ def test_wide_batch_invariant_ranks_run_one_program(stand_ins, monkeypatch):
         built.append((owner, shapes))
         return {n: FastGemm(rec, n, gemm_weights[n]) for n in names}
 
-    virtual, want = _wide_invariant_programs(rec, monkeypatch, build)
+    virtual, want = _wide_invariant_programs(rec, monkeypatch, build, invariant_gemms="fast")
     assert len(built) == 2 * RANKS and all(b[1] == built[0][1] for b in built)  # the same shapes
     tokens = CFG.front_max + 1
     assert virtual.gemm_plan(1, tokens) == {n: ("launch", n, tokens) for n in WIDE_GEMMS}

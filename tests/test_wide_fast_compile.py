@@ -99,10 +99,11 @@ def test_wide_layer_refuses_bad_arguments_before_any_device_work():
 
 
 def test_batch_invariant_refused_by_name_before_any_device_work():
-    """``batch_invariant`` must be a bool, and True needs every GEMM's K a multiple of 64
-    (fast.gemm's stage): every TP rank count of the real layer has it; the small configs'
-    shared down-projection at 8 and 16 ranks (K = S/N = 32, 16) does not and is refused
-    naming the GEMM and K (the default, cuBLAS, takes any K)."""
+    """``batch_invariant`` must be a bool, and True needs the K of every GEMM it runs on
+    fast.gemm a multiple of 64 (fast.gemm's stage): every TP rank count of the real layer
+    has it; with ``invariant_gemms="fast"`` the small configs' shared down-projection at 8
+    and 16 ranks (K = S/N = 32, 16) does not and is refused naming the GEMM and K; the
+    default (``"stock"``: the front alone on fast.gemm, K = H) and cuBLAS take it."""
     from fast.schedules.wide import WideLayer, check_batch_invariant
     from verify import cases
 
@@ -111,15 +112,18 @@ def test_batch_invariant_refused_by_name_before_any_device_work():
         with pytest.raises(ValueError, match="WideLayer: batch_invariant must be a bool"):
             WideLayer(w, ranks=2, max_rows=128, device="cpu", batch_invariant=bad)
     for ranks in (1, 2, 4, 8, 16):
-        check_batch_invariant("WideLayer", CONFIGS["kimi_k3"], ranks, True)
+        check_batch_invariant("WideLayer", CONFIGS["kimi_k3"], ranks, True, invariant_gemms="fast")
     for ranks, k in ((8, 32), (16, 16)):
         with pytest.raises(ValueError, match=rf"WideLayer: batch_invariant=True runs the rank's "
                                              rf"GEMMs on fast.gemm, whose K must be a multiple "
                                              rf"of 64; at {ranks} ranks shared_down K={k} "):
-            check_batch_invariant("WideLayer", CONFIGS["small_i1024"], ranks, True)
-        check_batch_invariant("WideLayer", CONFIGS["small_i1024"], ranks, False)
+            check_batch_invariant("WideLayer", CONFIGS["small_i1024"], ranks, True,
+                                  invariant_gemms="fast")
+        check_batch_invariant("WideLayer", CONFIGS["small_i1024"], ranks, True)
+        check_batch_invariant("WideLayer", CONFIGS["small_i1024"], ranks, False,
+                              invariant_gemms="fast")
     wide = dataclasses.replace(WIDE16, shared_intermediate=1024)  # verify's small_s1024
-    check_batch_invariant("WidePeerLayer", wide, 16, True)
+    check_batch_invariant("WidePeerLayer", wide, 16, True, invariant_gemms="fast")
 
 
 _POLL_PTX = """

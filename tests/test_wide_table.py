@@ -135,7 +135,7 @@ def test_render_says_which_mode_ran():
     every committed run before the flag used; in the mode, which GEMMs run on fast.gemm
     (``--invariant-gemms``: all four, or the front alone with the others on cuBLASLt)."""
     result = json.loads(RUN.read_text())
-    assert "GEMMs on cuBLAS (the default)" in wide_table.render(result)
+    assert "GEMMs on cuBLAS, split-K allowed (batch_invariant=False)" in wide_table.render(result)
     result["batch_invariant"] = True
     text = wide_table.render(result)
     assert "batch invariant (--batch-invariant" in text and "cuBLAS (the default)" not in text
@@ -186,7 +186,7 @@ def test_batch_invariant_flag_reaches_the_layer(monkeypatch):
     monkeypatch.setattr(wide_table, "l2_flush", lambda: None)
     monkeypatch.setattr(wide_table, "read_bandwidth_gbs", lambda: 1.0)
     monkeypatch.setattr(wide_table.torch.cuda, "get_device_name", lambda: "stand-in")
-    for flag, want in (([], False), (["--batch-invariant"], True)):
+    for flag, want in (([], True), (["--no-batch-invariant"], False), (["--batch-invariant"], True)):
         built.clear()
         try:
             wide_table.main(["--tokens", "65", *flag])

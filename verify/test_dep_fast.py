@@ -13,8 +13,11 @@ The dense GEMMs run on the backend the layer chose for the batch (``DepLayer(den
   operands (the kernel really ran, and neither the other stream's GEMM nor the layer's
   launch order moved a bit).
 
-The small config runs every case with all four GEMMs on cuBLAS and on fast.gemm; the real
-layer (DEP16) runs ``"auto"``, which mixes the two (``DENSE_BACKENDS``).
+The small config runs every case with all four GEMMs on cuBLAS, with all four on fast.gemm
+and as the default layer runs them (``batch_invariant=True``: the router on fast.gemm, the
+others on cuBLASLt without split-K); the real layer (DEP16) runs the default at every T and
+``batch_invariant=False, dense_gemm="auto"``, which mixes the two backends per batch
+(``DENSE_BACKENDS``).
 
 | stage | contract |
 |---|---|
@@ -35,7 +38,7 @@ layer (DEP16) runs ``"auto"``, which mixes the two (``DENSE_BACKENDS``).
 | 1000 graph replays | on changing inputs, every 50th bitwise equal to an eager call |
 | MMAs in flight (``invariant_overlap``) | on the warpgroup MMA, every stage of every rank bitwise the same layer's without it at T = 1, 9, 33, 64 |
 | a bad token | one token's row NaN, infinite or overflowing (``verify.isolation``): the call completes and every other token's every stage, home and owner, is bitwise as with its ordinary row |
-| batch invariance (``batch_invariant=True``) | every rank's first ``t`` tokens as a batch of ``t``: every stage bitwise the same tokens' at ``T = 64`` (home: logits to out; owner: received ids/weights, local expert rows, partials), every ``t`` on the small config, both sides of every bucket edge at the real one |
+| batch invariance (``batch_invariant=True``, the default; dense GEMMs ``"invariant_stock"``, the default's, and ``"fast"``) | every rank's first ``t`` tokens as a batch of ``t``: every stage bitwise the same tokens' at ``T = 64`` (home: logits to out; owner: received ids/weights, local expert rows, partials), every ``t`` on the small config, both sides of every bucket edge at the real one |
 """
 
 from __future__ import annotations
@@ -62,13 +65,19 @@ GEMM_BOUND = bounds.ANY_ORDER_GEMM_BOUND
 CUBLAS = dict(accum_rounding=bounds.gemm_accum_rounding("cuda"))
 MMA_BOUND = ("verify.bounds.mma_matmul_bound: gamma_{c+c/16+splits-1(+1)}(2^-23) sum|a w| "
              "(+|addend|) (+ BF16 half-ULP): fast.gemm's tensor-core split-K order")
-#: The dense backends the small-config cases run (every GEMM forced onto one of them).
-DENSE_GEMMS = ("cublas", "fast")
+#: The dense backends the small-config cases run (every GEMM forced onto one of them, or
+#: ``"invariant_stock"``, the default layer's: the router on fast.gemm, the others on
+#: cuBLASLt without split-K).
+DENSE_GEMMS = ("cublas", "fast", "invariant_stock")
 
 
 def _layer(config_name: str, ranks: int, max_tokens: int, dense_gemm: str, **options):
+    """A ``DepLayer`` on the dense backend ``dense_gemm`` as given: ``batch_invariant``
+    False unless ``options`` set it (the layer's default is True, which takes ``"auto"``
+    as ``"invariant_stock"`` and refuses ``"cublas"``)."""
     from fast.schedules.dep import DepLayer
 
+    options.setdefault("batch_invariant", False)
     # the real layer from the GPU generator (the CPU one takes minutes at that size)
     w = cases.layer_weights(config_name)
     return DepLayer(w, ranks=ranks, max_tokens=max_tokens, device="cuda", dense_gemm=dense_gemm,
@@ -399,7 +408,7 @@ BATCH_INVARIANT_CASES = [(1, "mma.sync"), (4, "mma.sync"), (16, "mma.sync"), (4,
 @pytest.mark.config("small")
 @pytest.mark.parametrize("ranks,mma", BATCH_INVARIANT_CASES)
 def test_dep_fast_batch_invariant(backend, ranks, mma, seed, contract):
-    """``DepLayer(batch_invariant=True)`` on each MMA kind of its dense GEMMs
+    """``DepLayer(batch_invariant=True, dense_gemm="fast")`` on each MMA kind of its dense GEMMs
     (``invariant_mma``): every T = 1..63 against T = 64 (every window and bucket edge of
     the GEMMs and the engine), every stage of every rank, and the check itself: the layer
     reports the mode and runs every dense GEMM on fast.gemm with one K split and one MMA
@@ -408,7 +417,7 @@ def test_dep_fast_batch_invariant(backend, ranks, mma, seed, contract):
 
     _skip_unless_mma_runs(mma)
     cfg = cases.config("small")
-    layer = _layer("small", ranks, MAX_TOKENS, "auto", batch_invariant=True, invariant_mma=mma)
+    layer = _layer("small", ranks, MAX_TOKENS, "fast", batch_invariant=True, invariant_mma=mma)
     assert layer.dense.batch_invariant
     plans = [layer.dense.plan(t) for t in range(1, MAX_TOKENS + 1)]
     for name in plans[0]:
@@ -421,7 +430,7 @@ def test_dep_fast_batch_invariant(backend, ranks, mma, seed, contract):
 
 @pytest.mark.config("small")
 def test_dep_fast_stock_batch_invariant(backend, seed, contract):
-    """``DepLayer(batch_invariant=True, dense_gemm="invariant_stock")`` (the router on
+    """``DepLayer(batch_invariant=True, dense_gemm="invariant_stock")``, the default layer (the router on
     fast.gemm, the other three dense GEMMs on cuBLASLt without split-K): every T = 1..63
     against T = 64 (cuBLAS may change its kernel at any T, so every one is checked), every
     stage of every rank of 4; the router keeps one K split, the others run cuBLAS at every
@@ -445,15 +454,16 @@ def test_dep_fast_stock_batch_invariant(backend, seed, contract):
 
 @pytest.mark.config("kimi_k3")
 def test_dep_fast_real_dep16_stock_batch_invariant(backend, seed, contract):
-    """The real layer over 16 virtual ranks with ``dense_gemm="invariant_stock"``: every
+    """The real layer over 16 virtual ranks as built by default (``batch_invariant=True``,
+    ``dense_gemm="auto"`` taken as ``"invariant_stock"``): every
     T = 1..63 against T = 64, every stage of every rank; then one batch of T = 2 passes
     every stage contract (the front, shared down and up on cuBLAS within their bound)."""
     cfg = cases.config("kimi_k3")
     w = cases.layer_weights("kimi_k3")
     from fast.schedules.dep import DepLayer
 
-    layer = DepLayer(w, ranks=16, max_tokens=64, device="cuda", batch_invariant=True,
-                     dense_gemm="invariant_stock")
+    layer = DepLayer(w, ranks=16, max_tokens=64, device="cuda")
+    assert layer.dense.batch_invariant and layer.dense.gemm == "invariant_stock"
     xs = cases.rank_rows(cfg, 16, 64, seed, "cuda")
     check_batch_invariant(contract, layer, xs, range(1, 64))
     few = [x[:2].contiguous() for x in xs]
@@ -474,7 +484,7 @@ def test_dep_fast_real_dep16_batch_invariant(backend, mma, seed, contract):
     from fast.schedules.dep import DepLayer
 
     layer = DepLayer(w, ranks=16, max_tokens=64, device="cuda", batch_invariant=True,
-                     invariant_mma=mma)
+                     dense_gemm="fast", invariant_mma=mma)
     xs = cases.rank_rows(cfg, 16, 64, seed, "cuda")
     check_batch_invariant(contract, layer, xs, (1, 2, 8, 9, 16, 17, 24, 25, 32, 33, 63))
     few = [x[:2].contiguous() for x in xs]
@@ -484,7 +494,7 @@ def test_dep_fast_real_dep16_batch_invariant(backend, mma, seed, contract):
 @pytest.mark.config("small")
 @pytest.mark.parametrize("mma", ("wgmma",))
 def test_dep_fast_overlap_same_bits(backend, mma, seed, contract):
-    """``DepLayer(batch_invariant=True, invariant_mma="wgmma", invariant_overlap=True)``
+    """``DepLayer(dense_gemm="fast", invariant_mma="wgmma", invariant_overlap=True)``
     (each dense GEMM's warpgroup MMAs in flight across a stage, ``fast.gemm.Tactic.overlap``)
     on 4 virtual ranks: every stage of every rank bitwise the same layer's without it at
     T = 1, 9, 33 and 64 (home stages, received rows, local expert rows, partials of sent
@@ -492,9 +502,9 @@ def test_dep_fast_overlap_same_bits(backend, mma, seed, contract):
     none without it."""
     _skip_unless_mma_runs(mma)
     ranks, top = 4, 64
-    plain = _layer("small", ranks, top, "auto", batch_invariant=True, invariant_mma=mma,
+    plain = _layer("small", ranks, top, "fast", batch_invariant=True, invariant_mma=mma,
                    invariant_overlap=False)
-    flying = _layer("small", ranks, top, "auto", batch_invariant=True, invariant_mma=mma,
+    flying = _layer("small", ranks, top, "fast", batch_invariant=True, invariant_mma=mma,
                     invariant_overlap=True)
     assert all(choice.tactic.overlap for t in (1, 33, top)
                for choice in flying.dense.plan(t).values())
@@ -644,14 +654,14 @@ def test_dep_fast_graph_1000_replays(backend, seed, contract):
 @pytest.mark.config("small")
 @pytest.mark.parametrize("mma", INVARIANT_MMAS)
 def test_dep_fast_router_with_front_same_bits(backend, mma, seed, contract):
-    """``DepLayer(batch_invariant=True, router_with_front=True)`` (the router in the
+    """``DepLayer(batch_invariant=True, dense_gemm="fast", router_with_front=True)`` (the router in the
     front's launch, ``fast.gemm.GroupedGemm``) on 4 virtual ranks: every stage of every rank
     bitwise the same layer's without it at T = 1, 9, 16, 17, 33 and 64, the router running
     in the front's launch at T = 1 (``DenseFront.grouped``) and with its own K split there."""
     _skip_unless_mma_runs(mma)
     ranks, top = 4, 64
-    plain = _layer("small", ranks, top, "auto", batch_invariant=True, invariant_mma=mma)
-    grouped = _layer("small", ranks, top, "auto", batch_invariant=True, invariant_mma=mma,
+    plain = _layer("small", ranks, top, "fast", batch_invariant=True, invariant_mma=mma)
+    grouped = _layer("small", ranks, top, "fast", batch_invariant=True, invariant_mma=mma,
                      router_with_front=True)
     assert grouped.dense.grouped(1) and not plain.dense.grouped(1)
     assert grouped.dense.plan(1)["router"].tactic.splits == plain.dense.plan(1)["router"].tactic.splits

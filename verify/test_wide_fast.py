@@ -4,7 +4,7 @@ one GPU: each stage of every rank against the reference stage on *that rank's ow
 
 | stage | contract |
 |---|---|
-| front (FP32 out), shared gate/up, shared partial | within the FP32-accumulated GEMM bound of the exact product (cuBLAS's order) |
+| front (FP32 out), shared gate/up, shared partial | on cuBLAS within the FP32-accumulated GEMM bound of the exact product; on fast.gemm within ``mma_matmul_bound`` at its K split and bitwise = the same GEMM alone (the default layer: the front on fast.gemm, the others on cuBLASLt without split-K) |
 | shared SiTU | bitwise = the activation kernel's emulation on own gate/up |
 | mailbox (after the publishes) | every rank's words bitwise = each writer's own front: logits' FP32 bits, the latent's RNE BF16, ``-0`` stored as ``+0`` (``reference.schedules.mailbox.sanitize_negative_zero``); rows at and beyond T and the other buffer armed |
 | polled logits, latent | bitwise = those words (every writer's shard in its columns) |
@@ -24,7 +24,7 @@ one GPU: each stage of every rank against the reference stage on *that rank's ow
 | CUDA graph, stream orders | replays (both mailbox buffers, interleaved with eager calls) and the side stream (plain, delayed by a spin) bitwise equal to the serialized eager call |
 | a bad token | one row NaN, infinite or overflowing (``verify.isolation``): the call completes and every other row's every token stage on every rank is bitwise as with its ordinary row |
 | bad input | rows outside 65..max_rows, a rank count that does not match, a wrong dtype: a clear error before any launch |
-| batch invariance (``batch_invariant=True``) | the four GEMMs on fast.gemm pass the stage contracts (``mma_matmul_bound`` at their K split, bitwise = the same GEMM alone); each token's every stage output on every rank (front, logits, latent, ids, weights, plan rows, expert rows, partial, routed, normed, shared gate/up, SiTU, shared, up columns, out) at row counts on both sides of every tactic and token-chunk edge bitwise = the same token in the largest batch; TP 2, 4 (small), 8, 16 (small, S = I = 1024) and TP8 at the real widths (65 to 1023 rows against 1024) |
+| batch invariance (``batch_invariant=True``, the default; ``invariant_gemms`` ``"stock"`` and ``"fast"``) | the GEMMs on fast.gemm pass the stage contracts (``mma_matmul_bound`` at their K split, bitwise = the same GEMM alone); each token's every stage output on every rank (front, logits, latent, ids, weights, plan rows, expert rows, partial, routed, normed, shared gate/up, SiTU, shared, up columns, out) at row counts on both sides of every tactic and token-chunk edge bitwise = the same token in the largest batch; TP 2, 4 (small), 8, 16 (small, S = I = 1024) and TP8 at the real widths (65 to 1023 rows against 1024) |
 | serial splits (``invariant_serial_from``) | every stage of every rank bitwise the cross-CTA split layer's at 65..256 rows, and batch invariant across the switch |
 | MMAs in flight (``invariant_overlap``) | every stage of every rank bitwise the same layer's without it at 65..256 rows (with serial splits from 129), and batch invariant |
 | per-GEMM forms (``invariant_forms``) | every stage of every rank bitwise the same layer's without them at 65..256 rows, and batch invariant across the forms' edges; ``invariant_forms="auto"`` (the default: the measured TP8 table, tiled kernel and clusters) at the real widths: every stage bitwise the layer without forms (``invariant_forms=None``) at 65..1024 rows and batch invariant against 1024 |
@@ -115,9 +115,13 @@ GRID = [("small", 1, 65), ("small", 2, 100), ("small", 4, 65), ("small", 4, 256)
         ("small_i1024", 8, 65), ("small_i1024", 16, 80)]
 
 
+@pytest.mark.parametrize("batch_invariant", (True, False), ids=("default", "split_k"))
 @pytest.mark.parametrize("config_name,ranks,tokens", GRID)
-def test_wide_fast_stages(backend, config_name, ranks, tokens, seed, contract):
-    layer = _layer(config_name, ranks, max(tokens, 128))
+def test_wide_fast_stages(backend, config_name, ranks, tokens, batch_invariant, seed, contract):
+    """Every stage of every rank, on the default layer (batch invariant: the front on
+    fast.gemm, the other GEMMs on cuBLASLt without split-K) and with
+    ``batch_invariant=False`` (the four GEMMs on cuBLAS, split-K allowed)."""
+    layer = _layer(config_name, ranks, max(tokens, 128), batch_invariant=batch_invariant)
     x = _inputs(layer.config, tokens, seed)
     check_wide_fast(contract, layer, layer(x), x)
     check_armed(contract, layer, "after the call")
@@ -429,10 +433,10 @@ def test_wide_fast_bad_input(backend, contract):
     with pytest.raises(ValueError, match="batch_invariant must be a bool"):
         _layer("small", 2, 96, batch_invariant=1)
     with pytest.raises(ValueError, match="invariant_mma must be one of"):
-        _layer("small", 2, 96, batch_invariant=True, invariant_mma="hmma")
+        _layer("small", 2, 96, batch_invariant=True, invariant_gemms="fast", invariant_mma="hmma")
     with pytest.raises(ValueError, match=r"K must be a multiple of 64; at 8 ranks shared_down "
                                          r"K=32"):
-        _layer("small_i1024", 8, 96, batch_invariant=True)
+        _layer("small_i1024", 8, 96, batch_invariant=True, invariant_gemms="fast")
     with pytest.raises(ValueError, match="invariant_gemms must be one of"):
         _layer("small", 2, 96, batch_invariant=True, invariant_gemms="cublas")
 
@@ -545,7 +549,8 @@ def test_wide_fast_stages_batch_invariant(backend, config_name, ranks, top, mma,
 
 @functools.cache
 def _batch_invariant_layer(config_name: str, ranks: int, max_rows: int, mma: str):
-    return _layer(config_name, ranks, max_rows, batch_invariant=True, invariant_mma=mma)
+    return _layer(config_name, ranks, max_rows, batch_invariant=True, invariant_gemms="fast",
+                  invariant_mma=mma)
 
 
 @pytest.mark.parametrize("mma", INVARIANT_MMAS)
@@ -607,7 +612,8 @@ def test_wide_fast_serial_splits_same_bits(backend, seed, contract):
     batch invariant across the switch (its first ``t`` tokens against its 256-row call)."""
     ranks, top = 4, 256
     cross = _batch_invariant_layer("small", ranks, top, "auto")
-    serial = _layer("small", ranks, top, batch_invariant=True, invariant_serial_from=129)
+    serial = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast",
+                    invariant_serial_from=129)
     assert serial.invariant_mma == cross.invariant_mma
     for r in serial.local_ranks:
         assert not any(p.tactic.serial for p in serial.gemm_plan(r, 128).values())
@@ -628,9 +634,9 @@ def test_wide_fast_overlap_same_bits(backend, mma, seed, contract):
     row counts."""
     _skip_unless_mma_runs(mma)
     ranks, top = 4, 256
-    plain = _layer("small", ranks, top, batch_invariant=True, invariant_mma=mma,
+    plain = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma=mma,
                    invariant_serial_from=129)
-    flying = _layer("small", ranks, top, batch_invariant=True, invariant_mma=mma,
+    flying = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma=mma,
                     invariant_serial_from=129, invariant_overlap=True)
     for r in flying.local_ranks:
         for t in (65, 129, top):
@@ -662,9 +668,9 @@ def test_wide_fast_wide_chunks_same_bits(backend, mma, seed, contract):
     GEMM launch in 128-row chunks, and batch invariant across those row counts."""
     _skip_unless_mma_runs(mma)
     ranks, top = 4, 256
-    narrow = _layer("small", ranks, top, batch_invariant=True, invariant_mma=mma,
+    narrow = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma=mma,
                     invariant_serial_from=129, invariant_overlap=True)
-    wide = _layer("small", ranks, top, batch_invariant=True, invariant_mma=mma,
+    wide = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma=mma,
                   invariant_serial_from=129, invariant_overlap=True, invariant_chunk_windows=16)
     for r in wide.local_ranks:
         for t in (65, 129, top):
@@ -688,8 +694,8 @@ def test_wide_fast_forms_same_bits(backend, mma, seed, contract):
              "shared_gate_up": {65: {"chunk_windows": 16, "overlap": True}},
              "shared_down": {200: {"serial": True}},
              "up": {65: {"serial": True}, 129: {"serial": False, "chunk_windows": 16}}}
-    plain = _layer("small", ranks, top, batch_invariant=True, invariant_mma=mma)
-    formed = _layer("small", ranks, top, batch_invariant=True, invariant_mma=mma,
+    plain = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma=mma)
+    formed = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma=mma,
                     invariant_forms=forms)
     for r in formed.local_ranks:
         front, up = formed.gemm_plan(r, 128)["front"], formed.gemm_plan(r, 128)["up"]
@@ -722,8 +728,8 @@ def test_wide_fast_tiled_forms_same_bits(backend, seed, contract):
              "shared_gate_up": {65: tiled(64, False, True), 129: tiled(64, False, True, (2, 2))},
              "shared_down": {65: {"serial": True}, 200: tiled(64, True, True)},
              "up": {65: tiled(128, False, False), 129: {"chunk_windows": 16}}}
-    plain = _layer("small", ranks, top, batch_invariant=True, invariant_mma="wgmma")
-    formed = _layer("small", ranks, top, batch_invariant=True, invariant_mma="wgmma",
+    plain = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma="wgmma")
+    formed = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma="wgmma",
                     invariant_forms=forms)
     for r in formed.local_ranks:
         plan = formed.gemm_plan(r, 128)
@@ -739,18 +745,17 @@ def test_wide_fast_tiled_forms_same_bits(backend, seed, contract):
 
 @pytest.mark.config("small")
 def test_wide_fast_same_bits_in_another_process(backend, seed, contract, tmp_path):
-    """The S2 layer (4 virtual TP ranks, ``batch_invariant=True``, 129 rows: three token
+    """The default S2 layer (4 virtual TP ranks, batch invariant, 129 rows: three token
     chunks) built again in a second process from the same weights: the polled logits, the
     routing, the shared expert and the output of every rank are the same bits there."""
     from verify.other_process import check_same_bits_as_another_process
 
-    layer = _batch_invariant_layer("small", 4, 256, "auto")
+    layer = _layer("small", 4, 256)
     outs = layer(_inputs(layer.config, 129, seed))
     check_same_bits_as_another_process(
         contract, outs,
         "from fast.schedules.wide import WideLayer\n"
-        "layer = WideLayer(cases.weights('small'), ranks=4, max_rows=256, device='cuda', "
-        "batch_invariant=True)",
+        "layer = WideLayer(cases.weights('small'), ranks=4, max_rows=256, device='cuda')",
         f"layer(cases.hidden_rows(layer.config, 129, {seed}).cuda())",
         ("logits", "ids", "weights", "shared", "out"), tmp_path / "other_process.pt", ROWS)
 
@@ -763,7 +768,7 @@ def test_wide_fast_graph_1000_replays(backend, seed, contract):
     other mailbox buffer (no state drifts: mailboxes re-armed, tile counters re-armed, no
     stale scratch)."""
     ranks, tokens = 4, 100
-    layer = _batch_invariant_layer("small", ranks, 256, "auto")
+    layer = _layer("small", ranks, 256)
     static = _inputs(layer.config, tokens, seed)
     replay, _ = layer.graph(static)
     pool = [_inputs(layer.config, tokens, seed + 1 + i) for i in range(8)]
@@ -796,7 +801,7 @@ def test_wide_fast_real_tp8_batch_invariant(backend, mma, seed, contract):
     (``invariant_forms="auto"``: the tiled kernel); on ``mma.sync`` none."""
     _skip_unless_mma_runs(mma)
     caches.release(_real_tp8)  # one real TP8 layer at a time (an 80 GB card holds two, not three)
-    layer = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_mma=mma)
+    layer = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_gemms="fast", invariant_mma=mma)
     x = _inputs(layer.config, 1024, seed)
     check_wide_batch_invariant(contract, layer, x, (65, 66, 128, 129, 257, 512, 513, 1023))
     _check_one_split_per_gemm(layer, 65, 1024, mma)
@@ -815,7 +820,7 @@ def test_wide_fast_real_tp8_auto_forms_same_bits(backend, seed, contract):
     _skip_unless_mma_runs("wgmma")
     caches.release(_real_tp8)  # one real TP8 layer on the card at a time
     rows = (65, 128, 256, 257, 512, 513, 1024)
-    plain = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_mma="wgmma",
+    plain = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_gemms="fast", invariant_mma="wgmma",
                    invariant_forms=None)
     assert plain.invariant_forms is None
     x = _inputs(plain.config, 1024, seed)
@@ -825,7 +830,7 @@ def test_wide_fast_real_tp8_auto_forms_same_bits(backend, seed, contract):
                    for o in plain(x[:t].contiguous())]
     del plain
     torch.cuda.empty_cache()
-    layer = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_mma="wgmma")
+    layer = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_gemms="fast", invariant_mma="wgmma")
     assert layer.invariant_forms is not None and "tiled" in layer.invariant_forms["front"][65]
     assert layer.gemm_plan(0, 600)["front"].label().endswith("cluster 1x4")
     for t in rows:

@@ -249,9 +249,10 @@ class DenseFront:
             ``"fast"`` and ``"invariant_stock"`` need ``max_tokens <= 64`` (None is taken
             as 64).
         batch_invariant: every token's outputs bitwise independent of its batch (size and
-            batch-mates): every GEMM on fast.gemm (``gemm`` ``"auto"`` is taken as
-            ``"fast"``), or ``gemm="invariant_stock"``; ``"cublas"`` is refused.
-            ``gemm="fast"`` or ``"invariant_stock"`` alone gives the same.
+            batch-mates): ``gemm`` ``"auto"`` is taken as ``"invariant_stock"`` (the
+            router on fast.gemm, the others on cuBLASLt without split-K), ``"fast"`` and
+            ``"invariant_stock"`` are kept, ``"cublas"`` is refused. ``gemm="fast"`` or
+            ``"invariant_stock"`` alone gives the same.
         invariant_mma: the MMA of every fast.gemm GEMM: ``"mma.sync"`` (default; the
             measured tactic table's) or ``"wgmma"`` (sm_90a's warpgroup MMA, on
             ``choose_tactic``'s rule at every T: other bits than ``mma.sync``, the same at
@@ -263,8 +264,7 @@ class DenseFront:
             where both run fast.gemm and the router's rows are whole tiles of the front's
             tactic (:meth:`grouped`; :meth:`plan` says which); the same bits as two launches
             (each GEMM keeps its K split), one fixed cost instead of two, and the router's
-            logits come with the front's output instead of before it. Needs ``gemm="fast"``
-            (or ``batch_invariant``).
+            logits come with the front's output instead of before it. Needs ``gemm="fast"``.
 
     Raises:
         ValueError: a bad ``gemm``, ``max_tokens``, ``batch_invariant`` or
@@ -290,8 +290,8 @@ class DenseFront:
                                  "gemm='invariant_stock', on cuBLASLt without split-K; "
                                  "gemm='cublas' picks its kernel and split per batch and "
                                  "cannot give it")
-            if gemm != "invariant_stock":
-                gemm = "fast"
+            if gemm == "auto":
+                gemm = "invariant_stock"
         if max_tokens is not None and (isinstance(max_tokens, bool)
                                        or not isinstance(max_tokens, int) or max_tokens < 1):
             raise ValueError(f"DenseFront: max_tokens must be None or a positive int, got "
@@ -299,15 +299,18 @@ class DenseFront:
         if gemm in INVARIANT_MODES:
             if max_tokens is not None and max_tokens > FAST_MAX_TOKENS:
                 raise ValueError(f"DenseFront: gemm={gemm!r} runs fast.gemm, which serves at most "
-                                 f"{FAST_MAX_TOKENS} tokens, but max_tokens={max_tokens} (gemm="
-                                 f"'auto' gives the batches above {FAST_MAX_TOKENS} to cuBLAS)")
+                                 f"{FAST_MAX_TOKENS} tokens, but max_tokens={max_tokens} "
+                                 + ("(batch_invariant=True; batch_invariant=False with "
+                                    if batch_invariant else "(")
+                                 + f"gemm='auto' gives the batches above {FAST_MAX_TOKENS} to "
+                                 f"cuBLAS)")
             max_tokens = FAST_MAX_TOKENS if max_tokens is None else max_tokens
         if not isinstance(router_with_front, bool):
             raise ValueError(f"DenseFront: router_with_front must be a bool, got {router_with_front!r}")
         if router_with_front and gemm != "fast":
             raise ValueError(f"DenseFront: router_with_front=True launches the router and the front "
                              f"as one fast.gemm grid; gemm={gemm!r} runs them on cuBLAS at some "
-                             f"batches (pass gemm='fast' or batch_invariant=True)")
+                             f"batches or on cuBLASLt (pass gemm='fast')")
         self.config = c = weights.config
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:

@@ -37,14 +37,16 @@ error words), so a call can be captured in a CUDA graph (``DepLayer.graph``).
 The router and the shared expert run on a side stream beside the front (``order="side"``,
 the default); ``order="serial"`` runs everything on one stream with the same bits.
 
-The dense GEMMs run on cuBLAS or on the project's split-K GEMM (``fast.gemm``), per GEMM
-and batch: ``DepLayer(dense_gemm="auto")`` takes ``fast.schedules.dense.DENSE_BACKENDS``
-(measured on the H200), ``"cublas"`` / ``"fast"`` force one backend.
-``DepLayer(batch_invariant=True)`` (all four on fast.gemm, or with
-``dense_gemm="invariant_stock"`` the router on it and the other three on cuBLASLt without
-split-K) makes every token's outputs bitwise independent of the batch it is decoded in
-(``verify/test_dep_fast.py``). Real ranks over
-symmetric memory: ``fast.schedules.dep_peer``.
+**Batch invariance is the default** (``DepLayer(batch_invariant=True)``): every token's
+outputs, at every stage, are bitwise independent of the batch it is decoded in
+(``verify/test_dep_fast.py``). The router (FP32 logits) runs on the project's GEMM
+(``fast.gemm``) with one K split at every T, and the front, the shared down projection and
+the up projection on cuBLASLt with split-K forbidden (``dense_gemm="auto"`` taken as
+``"invariant_stock"``), or all four on fast.gemm (``dense_gemm="fast"``); the mode serves
+at most 64 tokens per rank. ``batch_invariant=False`` lets the dense GEMMs' backend change
+with the batch: ``dense_gemm="auto"`` then takes ``fast.schedules.dense.DENSE_BACKENDS``
+per GEMM and batch (measured on the H200), ``"cublas"`` / ``"fast"`` force one backend.
+Real ranks over symmetric memory: ``fast.schedules.dep_peer``.
 """
 
 from __future__ import annotations
@@ -131,18 +133,19 @@ class DepLayer:
         max_tokens: the most tokens per rank one call may have (buffers are sized for it).
         device: the CUDA device.
         dense_gemm: the dense GEMMs' backend (``fast.schedules.dense.DenseFront``'s
-            ``gemm``): ``"auto"`` (per GEMM and batch, ``DENSE_BACKENDS``), ``"cublas"``,
-            ``"fast"`` (fast.gemm, ``max_tokens <= 64``) or ``"invariant_stock"`` (the
-            router on fast.gemm, the others on cuBLASLt without split-K; batch invariant,
-            ``max_tokens <= 64``).
+            ``gemm``): ``"auto"`` (default: with ``batch_invariant``, ``"invariant_stock"``;
+            without it, per GEMM and batch, ``DENSE_BACKENDS``), ``"cublas"`` (refused with
+            ``batch_invariant``), ``"fast"`` (fast.gemm, ``max_tokens <= 64``) or
+            ``"invariant_stock"`` (the router on fast.gemm, the others on cuBLASLt without
+            split-K; batch invariant, ``max_tokens <= 64``).
         batch_invariant: every token's outputs, at every stage, bitwise independent of the
-            batch it is decoded in (its size and its batch-mates), routing included: every
-            dense GEMM on fast.gemm, whose K split is the same at every batch
-            (``fast.schedules.dense.DenseFront``'s ``batch_invariant``; ``dense_gemm``
-            ``"auto"`` is then taken as ``"fast"``, ``"invariant_stock"`` kept, ``"cublas"``
-            refused). The routed
-            part is batch invariant in every mode (each pair's expert row, the owner's
-            finalize and the combine read only that token's rows).
+            batch it is decoded in (its size and its batch-mates), routing included
+            (default True; ``fast.schedules.dense.DenseFront``'s ``batch_invariant``): each
+            dense GEMM sums every output element in one order at every batch. Needs
+            ``max_tokens <= 64``. False: the dense GEMMs' backend and cuBLAS's split of K
+            may change with the batch, and so may a token's logits and, near a tie, its
+            experts. The routed part is batch invariant in every mode (each pair's expert
+            row, the owner's finalize and the combine read only that token's rows).
         experts_tactic: the experts engine's FC kernel settings for every call
             (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
             the engine's defaults.
@@ -159,7 +162,7 @@ class DepLayer:
             ``"mma.sync"``).
         router_with_front: the router in the front's launch (``DenseFront``'s: one
             ``fast.gemm.GroupedGemm`` grid, the same bits, one fixed cost instead of two);
-            needs ``dense_gemm="fast"`` or ``batch_invariant``.
+            needs ``dense_gemm="fast"``.
     """
 
     #: ``fast.schedules.graphs.BucketGraphs``' input: every virtual rank's tokens (a list).
@@ -167,7 +170,7 @@ class DepLayer:
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_tokens: int,
                  device: str | torch.device = "cuda", dense_gemm: str = "auto",
-                 batch_invariant: bool = False, experts_tactic: dict | None = None,
+                 batch_invariant: bool = True, experts_tactic: dict | None = None,
                  invariant_mma: str = "auto", invariant_overlap: bool | None = None,
                  router_with_front: bool = False):
         from fast.experts import experts_engine_for, prepare_experts_for

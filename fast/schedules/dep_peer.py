@@ -134,11 +134,11 @@ class DepPeerLayer:
         timeout_s: how long a wait for the peers' rows may take before it gives up.
         scratch: the buffers of the model's layers (:class:`DepPeerScratch`, shared: pass
             the first layer's ``.scratch`` to the others); default: a new one.
-        dense_gemm: the dense GEMMs' backend (``fast.schedules.dense.DenseFront``'s
-            ``gemm``: ``"auto"`` per GEMM and batch, ``"cublas"`` or ``"fast"``).
-        batch_invariant: as ``fast.schedules.dep.DepLayer``'s: every token's outputs
-            bitwise independent of the batch it is decoded in (every dense GEMM on
-            fast.gemm, one K split per GEMM at every batch).
+        dense_gemm: as ``fast.schedules.dep.DepLayer``'s (``"auto"``, default,
+            ``"cublas"``, ``"fast"`` or ``"invariant_stock"``).
+        batch_invariant: as ``fast.schedules.dep.DepLayer``'s (default True): every
+            token's outputs bitwise independent of the batch it is decoded in (each dense
+            GEMM sums every output element in one order at every batch).
         experts_tactic: the experts engine's FC kernel settings for every call
             (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
             the engine's defaults.
@@ -156,7 +156,7 @@ class DepPeerLayer:
     def __init__(self, weights: LatentMoEWeights, *, max_tokens: int | None = None, group=None,
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
                  scratch: DepPeerScratch | None = None, dense_gemm: str = "auto",
-                 batch_invariant: bool = False, experts_tactic: dict | None = None,
+                 batch_invariant: bool = True, experts_tactic: dict | None = None,
                  invariant_mma: str = "auto", invariant_overlap: bool | None = None,
                  router_with_front: bool = False):
         from fast.experts import experts_engine_for, prepare_experts_for

@@ -23,17 +23,22 @@ per rank, in the order of ``reference.schedules.wide.wide_rank``::
             hidden_stage   HiddenAllReduceKernel: every rank's hidden partial (shared_o,
                            rank o's columns taken from up_o), rank order -> out [T, H]
 
-    * with ``batch_invariant=True``: ``fast.gemm`` (``fast.schedules.wide_gemms``), one K
-      split per GEMM at every row count, the up columns' addend added before the one
-      rounding
+    * cuBLAS's kernels with split-K forbidden (cuBLASLt), except the front: ``fast.gemm``
+      (``fast.schedules.wide_gemms``), one K split at every row count (the default,
+      ``batch_invariant=True``, ``invariant_gemms="stock"``); with
+      ``invariant_gemms="fast"`` all four on ``fast.gemm``, the up columns' addend added
+      before the one rounding; with ``batch_invariant=False`` all four on cuBLAS, split-K
+      allowed
 
-**Batch invariance** (``WideLayer(batch_invariant=True)``): every token's outputs, at every
-stage and on every rank, are bitwise the same whatever batch of ``65..max_rows`` rows it is
-decoded in and whatever its batch-mates. Stage by stage:
+**Batch invariance is the default** (``WideLayer(batch_invariant=True)``): every token's
+outputs, at every stage and on every rank, are bitwise the same whatever batch of
+``65..max_rows`` rows it is decoded in and whatever its batch-mates. Stage by stage:
 
-* the four GEMMs: ``fast.gemm`` with one K split per GEMM for the layer's whole row range
-  and token chunks of at most 64 rows (``fast.schedules.wide_gemms``): one summation order
-  per output element at every ``T``;
+* the four GEMMs: the FP32-output front on ``fast.gemm`` with one K split for the layer's
+  whole row range and token chunks of at most 64 rows (``fast.schedules.wide_gemms``), the
+  three BF16-output GEMMs on cuBLASLt with split-K forbidden (``invariant_gemms="stock"``,
+  the default; each node's contracts hold cuBLAS to it), or all four on ``fast.gemm``
+  (``invariant_gemms="fast"``): one summation order per output element at every ``T``;
 * publish, polled routing (mailbox words, router, MXFP8 plan rows), SiTU, Finalize: one
   token's row at a time (one CTA or thread group per token, no sum across tokens);
 * the experts: each pair's row from its own activation row in one order whatever the
@@ -45,7 +50,7 @@ decoded in and whatever its batch-mates. Stage by stage:
   ranks 1..N-1, one BF16 rounding), the norm's fixed reduction tree on that row: already
   independent of ``T`` and of the other tokens in the default mode too.
 
-The default (``batch_invariant=False``) keeps cuBLAS for the four GEMMs: it picks its
+``batch_invariant=False`` leaves the four GEMMs to cuBLAS with split-K allowed: it picks its
 kernel and its split of K per row count, so a token's logits (and, near a tie, its experts)
 can change with ``T``. ``verify/test_wide_fast.py`` checks the mode at every tactic and
 chunk edge against the largest batch, bit for bit.
@@ -59,10 +64,10 @@ that waited for a later launch would only time out); a virtual rank's ``wait`` d
 Rounding points and what the contracts (``verify/test_wide_fast.py``) compare, per rank
 on its own inputs:
 
-* front (FP32), shared, up columns: cuBLAS GEMMs; within the FP32-accumulated GEMM bound
-  (``addmm``: the two-rounding bound of cuBLAS's BF16 ``addmm``); with
-  ``batch_invariant=True`` ``fast.gemm``, within ``verify.bounds.mma_matmul_bound`` at the
-  GEMM's K split and bitwise equal to the same GEMM run alone;
+* front (FP32), shared, up columns: on cuBLAS within the FP32-accumulated GEMM bound
+  (``addmm``: the two-rounding bound of cuBLAS's BF16 ``addmm``); on ``fast.gemm`` within
+  ``verify.bounds.mma_matmul_bound`` at the GEMM's K split and bitwise equal to the same
+  GEMM run alone;
 * the mailbox: the published words are the front's bits (logits) and its RNE BF16 rounding
   (latent), ``-0`` stored as ``+0``, bitwise; polled logits and latent bitwise the words;
 * ids, weights: bitwise ``reference.emulation.route`` of the polled logits; plan rows
@@ -266,7 +271,7 @@ def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
                           batch_invariant, invariant_mma="auto",
                           invariant_serial_from=None, invariant_overlap=False,
                           invariant_chunk_windows=8, invariant_forms="auto",
-                          invariant_gemms="fast") -> None:
+                          invariant_gemms="stock") -> None:
     """A wide layer's ``batch_invariant`` (a bool), its ``invariant_mma``
     (``fast.gemm.mma_kind.MMA_CHOICES``), its ``invariant_serial_from`` (None or a positive int),
     its ``invariant_overlap`` (a bool, not with ``"mma.sync"``), its
@@ -317,8 +322,9 @@ class WideLayer(WideStageCalls):
             independent of the batch it is decoded in (its row count and its batch-mates):
             each rank's four GEMMs on ``fast.gemm`` with one K split per GEMM at every row
             count (``fast.schedules.wide_gemms``; the module docstring says why the other
-            stages already are). Default False: cuBLAS, which is not. Needs each GEMM's K
-            a multiple of 64 (every TP rank count of the real layer); refused otherwise.
+            stages already are). Default True; False: cuBLAS with split-K allowed, which is
+            not. Needs the K of each GEMM on ``fast.gemm`` a multiple of 64 (every TP rank
+            count of the real layer); refused otherwise.
         invariant_mma: the MMA of those GEMMs: ``"auto"`` (default: ``"wgmma"`` on sm_90a,
             the faster there, ``"mma.sync"`` elsewhere; ``fast.gemm.mma_kind.resolve_mma``),
             ``"mma.sync"`` or ``"wgmma"`` (sm_90a's warpgroup MMA; other bits than
@@ -347,18 +353,18 @@ class WideLayer(WideStageCalls):
             (``wide_forms.resolve_forms``; :attr:`invariant_forms` says which). The K
             split and the MMA kind are not a form's: the same bits.
         invariant_gemms: with ``batch_invariant=True``, which GEMMs run on ``fast.gemm``
-            (``wide_gemms.INVARIANT_GEMMS``): ``"fast"`` (default) all four; ``"stock"``
-            the FP32-output front only, the three BF16-output GEMMs staying on cuBLAS
-            with split-K forbidden (cuBLASLt; ``fast.stock.fp32_reduction``), whose
-            invariance the contracts check on each node (``wide_gemms``' docstring).
+            (``wide_gemms.INVARIANT_GEMMS``): ``"stock"`` (default) the FP32-output front
+            only, the three BF16-output GEMMs staying on cuBLAS with split-K forbidden
+            (cuBLASLt; ``fast.stock.fp32_reduction``), whose invariance the contracts check
+            on each node (``wide_gemms``' docstring); ``"fast"`` all four.
     """
 
     def __init__(self, weights: LatentMoEWeights, *, ranks: int, max_rows: int | None = None,
                  device: str | torch.device = "cuda", timeout_s: float = 10.0,
-                 experts_tactic: dict | None = None, batch_invariant: bool = False,
+                 experts_tactic: dict | None = None, batch_invariant: bool = True,
                  invariant_mma: str = "auto", invariant_serial_from: int | None = None,
                  invariant_overlap: bool = False, invariant_chunk_windows: int = 8,
-                 invariant_forms: dict | str | None = "auto", invariant_gemms: str = "fast"):
+                 invariant_forms: dict | str | None = "auto", invariant_gemms: str = "stock"):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):

@@ -61,9 +61,11 @@ wait loads with ``ld.acquire.sys``; the all-reduces then load peers' rows with
 ``ld.global.nc`` in a later kernel (their rows do not change while it runs: the reuse
 analysis above).
 
-``WidePeerLayer(batch_invariant=True)`` runs the rank's four GEMMs on ``fast.gemm``, one K
-split per GEMM at every row count (``fast.schedules.wide_gemms``, the rule the virtual
-layer uses, so a real rank's bits stay the virtual rank's): every token's outputs bitwise
+``WidePeerLayer(batch_invariant=True)`` (the default) runs the rank's GEMMs as the
+virtual layer does (the front on ``fast.gemm`` with one K split at every row count, the
+others on cuBLASLt without split-K, or with ``invariant_gemms="fast"`` all four on
+``fast.gemm``; ``fast.schedules.wide_gemms``), so a real rank's bits stay the virtual
+rank's: every token's outputs bitwise
 independent of the batch it is decoded in (``fast.schedules.wide``'s "Batch invariance":
 the other stages are row-wise, the two all-reduces sum every rank's row in rank order).
 
@@ -139,10 +141,10 @@ class WidePeerLayer(WideStageCalls):
         experts_tactic: the experts engine's FC kernel settings for every call
             (``fast.experts.ExpertsEngine``'s ``tactic``, e.g. ``{"wgmma": 1}``); default
             the engine's defaults.
-        batch_invariant: as ``fast.schedules.wide.WideLayer``'s: the rank's four GEMMs on
-            ``fast.gemm`` with one K split per GEMM at every row count, so every token's
-            outputs are bitwise independent of the batch it is decoded in; the same on
-            every rank.
+        batch_invariant: as ``fast.schedules.wide.WideLayer``'s (default True): every
+            token's outputs bitwise independent of the batch it is decoded in (each of the
+            rank's GEMMs sums every output element in one order at every row count); the
+            same on every rank.
         invariant_mma: as ``WideLayer``'s: ``"auto"`` (default), ``"mma.sync"`` or
             ``"wgmma"``; the same on every rank, and so is the kind it resolves to
             (``self.invariant_mma``).
@@ -151,7 +153,7 @@ class WidePeerLayer(WideStageCalls):
         invariant_chunk_windows: as ``WideLayer``'s (8 or 16); the same on every rank.
         invariant_forms: as ``WideLayer``'s (None, ``"auto"`` (default) or per-GEMM forms);
             the same on every rank.
-        invariant_gemms: as ``WideLayer``'s (``"fast"``, default, or ``"stock"``); the same
+        invariant_gemms: as ``WideLayer``'s (``"stock"``, default, or ``"fast"``); the same
             on every rank.
 
     Construction is collective over ``group`` (the symmetric buffer's rendezvous), and so
@@ -160,10 +162,10 @@ class WidePeerLayer(WideStageCalls):
 
     def __init__(self, weights: LatentMoEWeights, *, max_rows: int | None = None, group=None,
                  device: str | torch.device | None = None, timeout_s: float = 10.0,
-                 experts_tactic: dict | None = None, batch_invariant: bool = False,
+                 experts_tactic: dict | None = None, batch_invariant: bool = True,
                  invariant_mma: str = "auto", invariant_serial_from: int | None = None,
                  invariant_overlap: bool = False, invariant_chunk_windows: int = 8,
-                 invariant_forms: dict | str | None = "auto", invariant_gemms: str = "fast"):
+                 invariant_forms: dict | str | None = "auto", invariant_gemms: str = "stock"):
         import torch.distributed as dist
 
         from fast.experts import experts_engine_for, prepare_experts_for
