@@ -30,8 +30,8 @@ of two backends, chosen per GEMM and per batch size ``T``:
 ``DENSE_BACKENDS`` (measured on the H200), ``"cublas"`` / ``"fast"`` force one backend for
 all four (the contracts and the benchmark run both).
 
-**Batch invariance.** With every GEMM on fast.gemm (``gemm="fast"``, or
-``batch_invariant=True``) every output of the dense part is, for each token, bitwise the
+**Batch invariance.** With every GEMM on fast.gemm (``gemm="fast"``) every output of the
+dense part is, for each token, bitwise the
 same at every batch size and whatever its batch-mates: each GEMM sums every output
 element in one order at every ``T``, and the router, SiTU and MXFP8 kernels work row by
 row. ``"auto"`` is not batch invariant: cuBLAS picks its kernel (and its split of K) per
@@ -40,7 +40,8 @@ token's logits (and, near a tie, its experts) can change with ``T``. ``DenseFron
 of ``T`` tokens runs. A GEMM whose chosen backend is ``"fast"`` never falls back to cuBLAS:
 input it cannot take raises.
 
-**Batch invariance on cuBLAS** (``gemm="invariant_stock"``): the router (FP32 out) on
+**Batch invariance on cuBLAS** (``gemm="invariant_stock"``, what ``batch_invariant=True``
+takes ``"auto"`` as: the DEP layers' default): the router (FP32 out) on
 fast.gemm, the three BF16-output GEMMs on cuBLAS with split-K forbidden
 (``fast.stock.fp32_reduction(split_k=False)``: cuBLASLt, each output element summed along
 the whole K by one CTA). cuBLAS documents no batch invariance; that its kernels then give a
