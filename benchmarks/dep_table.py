@@ -184,8 +184,8 @@ def main(argv=None):
                     choices=("auto", "cublas", "fast", "invariant_stock"),
                     help="the dense GEMMs' backend (DepLayer(dense_gemm=...)); default auto "
                          "(with --batch-invariant taken as invariant_stock)")
-    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
-                    help="DepLayer(batch_invariant=...), default on as the layer's: every "
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                    help="DepLayer(batch_invariant=...); default the layer's (on): every "
                          "token's bits independent of its batch (--dense-gemm auto then runs "
                          "the router on fast.gemm with one K split at every T and the other "
                          "three on cuBLASLt without split-K; --dense-gemm fast all four on "
@@ -210,18 +210,18 @@ def main(argv=None):
     torch.manual_seed(0)
     tokens_list = [int(t) for t in args.tokens.split(",")]
     flush = l2_flush()
-    result = {**run_header(), "ranks": args.ranks,
-              "batch_invariant": args.batch_invariant, "cases": []}
+    result = {**run_header(), "ranks": args.ranks, "cases": []}
     result["read_gbs"] = read_bandwidth_gbs()
     print(f"read {result['read_gbs']:.0f} GB/s", flush=True)
     w = cases.device_weights("kimi_k3")
     c = w.config
+    named = {} if args.batch_invariant is None else {"batch_invariant": args.batch_invariant}
     layer = DepLayer(w, ranks=args.ranks, max_tokens=max(tokens_list), dense_gemm=args.dense_gemm,
-                     batch_invariant=args.batch_invariant,
                      experts_tactic=parse_tactic(args.experts_tactic),
                      invariant_mma=args.invariant_mma,
                      invariant_overlap=args.invariant_overlap,
-                     router_with_front=args.router_with_front)
+                     router_with_front=args.router_with_front, **named)
+    result["batch_invariant"] = layer.dense.batch_invariant  # the layer's default unless named
     result["dense_gemm"] = layer.dense.gemm
     # the batches whose router ran in the front's launch (empty: none)
     result["router_with_front"] = sorted(t for t in tokens_list if layer.dense.grouped(t))

@@ -219,30 +219,31 @@ def load_forms(path: str | None) -> dict | str | None:
     return {gemm: {int(r): form for r, form in table.items()} for gemm, table in data.items()}
 
 
-def measured_layer(ranks: int, tokens_list, experts_tactic: str, batch_invariant: bool = True,
-                   invariant_mma: str = "auto", serial_from: int | None = None,
-                   overlap: bool = False, chunk_windows: int = 8,
-                   forms: dict | str | None = "auto", invariant_gemms: str = "stock"):
+def measured_layer(ranks: int, tokens_list, experts_tactic: str,
+                   batch_invariant: bool | None = None, invariant_mma: str = "auto",
+                   serial_from: int | None = None, overlap: bool = False, chunk_windows: int = 8,
+                   forms: dict | str | None = "auto", invariant_gemms: str | None = None):
     """(layer, weights, run header, flush) of a GPU-node run: the real layer's weights
     (``verify.cases.device_weights``), its virtual TP ranks at the widest batch (the
-    arguments as ``WideLayer``'s, with its defaults: batch invariant), the run's
-    device/torch/python, the mode and the read bandwidth measured now, and the L2 flush."""
+    arguments as ``WideLayer``'s; ``batch_invariant`` and ``invariant_gemms`` None: the
+    layer's defaults), the run's device/torch/python, the mode the layer runs (read from
+    it) and the read bandwidth measured now, and the L2 flush."""
     from fast.schedules.wide import WideLayer
     from verify import cases
 
     torch.manual_seed(0)
     flush = l2_flush()
-    result = {**run_header(), "ranks": ranks, "cases": [],
-              "batch_invariant": bool(batch_invariant), "read_gbs": read_bandwidth_gbs()}
+    result = {**run_header(), "ranks": ranks, "cases": [], "read_gbs": read_bandwidth_gbs()}
     weights = cases.device_weights("kimi_k3")
+    named = {k: v for k, v in (("batch_invariant", batch_invariant),
+                               ("invariant_gemms", invariant_gemms)) if v is not None}
     layer = WideLayer(weights, ranks=ranks, max_rows=max(tokens_list),
-                      experts_tactic=parse_tactic(experts_tactic),
-                      batch_invariant=bool(batch_invariant), invariant_mma=invariant_mma,
+                      experts_tactic=parse_tactic(experts_tactic), invariant_mma=invariant_mma,
                       invariant_serial_from=serial_from, invariant_overlap=overlap,
-                      invariant_chunk_windows=chunk_windows, invariant_forms=forms,
-                      invariant_gemms=invariant_gemms)
-    if batch_invariant:  # the kind the layer runs ("auto" resolved on this GPU)
-        result["invariant_gemms"] = invariant_gemms
+                      invariant_chunk_windows=chunk_windows, invariant_forms=forms, **named)
+    result["batch_invariant"] = layer.batch_invariant
+    if layer.batch_invariant:  # the kind the layer runs ("auto" resolved on this GPU)
+        result["invariant_gemms"] = layer.invariant_gemms
         result["invariant_mma"] = layer.invariant_mma
         result["serial_from"] = serial_from
         result["invariant_overlap"] = overlap
@@ -362,8 +363,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser()
     rank_arguments(ap, out="wide_table.json", tokens="65,128,256,512,1024", reps=20)
     ap.add_argument("--peers", default="triton")
-    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=True,
-                    help="WideLayer(batch_invariant=...), default on as the layer's: the front "
+    ap.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction, default=None,
+                    help="WideLayer(batch_invariant=...); default the layer's (on): the front "
                          "(with --invariant-gemms fast all four GEMMs) on fast.gemm, one K "
                          "split per GEMM at every row count; --no-batch-invariant: cuBLAS with "
                          "split-K allowed")
@@ -382,8 +383,8 @@ def main(argv=None):
                          "{rows_from: form}}, WideLayer(invariant_forms=...)) or a "
                          "benchmarks.wide_gemm_table result, whose best form per GEMM and row "
                          "count is taken (wide_gemm_table.best_forms)")
-    ap.add_argument("--invariant-gemms", default="stock", choices=("fast", "stock"),
-                    help="with --batch-invariant: stock (default, as WideLayer: the front on "
+    ap.add_argument("--invariant-gemms", default=None, choices=("fast", "stock"),
+                    help="with --batch-invariant: stock (the layer's default: the front on "
                          "fast.gemm, the other three on cuBLASLt without split-K) or fast (the "
                          "four GEMMs on fast.gemm; WideLayer(invariant_gemms=...))")
     ap.add_argument("--invariant-mma", default="auto", choices=MMA_CHOICES,

@@ -166,9 +166,10 @@ def test_gemm_plan_cells_name_each_launch():
 
 
 def test_batch_invariant_flag_reaches_the_layer(monkeypatch):
-    """``--batch-invariant`` builds the layer with ``batch_invariant=True`` and, unless
-    ``--invariant-forms`` names others, the layer's default forms (a stand-in layer records
-    its arguments; the run stops there)."""
+    """``--batch-invariant`` / ``--no-batch-invariant`` and ``--invariant-gemms`` reach the
+    layer as named, and without them the layer keeps its own defaults (the run does not
+    restate them); unless ``--invariant-forms`` names others, the layer's default forms (a
+    stand-in layer records its arguments; the run stops there)."""
     import fast.schedules.wide as wide
     import verify.cases
 
@@ -186,13 +187,16 @@ def test_batch_invariant_flag_reaches_the_layer(monkeypatch):
     monkeypatch.setattr(wide_table, "l2_flush", lambda: None)
     monkeypatch.setattr(wide_table, "read_bandwidth_gbs", lambda: 1.0)
     monkeypatch.setattr(wide_table.torch.cuda, "get_device_name", lambda: "stand-in")
-    for flag, want in (([], True), (["--no-batch-invariant"], False), (["--batch-invariant"], True)):
+    for flag, want in (([], {}), (["--no-batch-invariant"], {"batch_invariant": False}),
+                       (["--batch-invariant"], {"batch_invariant": True}),
+                       (["--invariant-gemms", "fast"], {"invariant_gemms": "fast"})):
         built.clear()
         try:
             wide_table.main(["--tokens", "65", *flag])
         except Stop:
             pass
-        assert built["batch_invariant"] is want and built["max_rows"] == 65
+        named = {k: built[k] for k in ("batch_invariant", "invariant_gemms") if k in built}
+        assert named == want and built["max_rows"] == 65
     # the forms: the layer's default "auto" unless named; "none" is no forms
     for flag, want in (([], "auto"), (["--invariant-forms", "none"], None),
                        (["--invariant-forms", "auto"], "auto")):
