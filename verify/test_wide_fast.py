@@ -105,6 +105,13 @@ def _layer(config_name: str, ranks: int, max_rows: int, **kwargs):
                      **kwargs)
 
 
+def _fast_gemms_layer(config_name: str, ranks: int, max_rows: int, **kwargs):
+    """The batch-invariant layer with all four GEMMs on fast.gemm
+    (``invariant_gemms="fast"``), whose forms, MMA kinds and splits the cases below vary."""
+    return _layer(config_name, ranks, max_rows, batch_invariant=True, invariant_gemms="fast",
+                  **kwargs)
+
+
 def _inputs(cfg: LatentMoEConfig, tokens: int, seed: int) -> torch.Tensor:
     return cases.hidden_rows(cfg, tokens, seed).cuda()
 
@@ -433,10 +440,10 @@ def test_wide_fast_bad_input(backend, contract):
     with pytest.raises(ValueError, match="batch_invariant must be a bool"):
         _layer("small", 2, 96, batch_invariant=1)
     with pytest.raises(ValueError, match="invariant_mma must be one of"):
-        _layer("small", 2, 96, batch_invariant=True, invariant_gemms="fast", invariant_mma="hmma")
+        _fast_gemms_layer("small", 2, 96, invariant_mma="hmma")
     with pytest.raises(ValueError, match=r"K must be a multiple of 64; at 8 ranks shared_down "
                                          r"K=32"):
-        _layer("small_i1024", 8, 96, batch_invariant=True, invariant_gemms="fast")
+        _fast_gemms_layer("small_i1024", 8, 96)
     with pytest.raises(ValueError, match="invariant_gemms must be one of"):
         _layer("small", 2, 96, batch_invariant=True, invariant_gemms="cublas")
 
@@ -549,8 +556,7 @@ def test_wide_fast_stages_batch_invariant(backend, config_name, ranks, top, mma,
 
 @functools.cache
 def _batch_invariant_layer(config_name: str, ranks: int, max_rows: int, mma: str):
-    return _layer(config_name, ranks, max_rows, batch_invariant=True, invariant_gemms="fast",
-                  invariant_mma=mma)
+    return _fast_gemms_layer(config_name, ranks, max_rows, invariant_mma=mma)
 
 
 @pytest.mark.parametrize("mma", INVARIANT_MMAS)
@@ -594,8 +600,8 @@ def test_wide_fast_real_tp8_stock_gemms_batch_invariant(backend, seed, contract)
     counts from 65 to 1023 (a stride of 29 and both sides of 128, 256 and 512) against
     1024, every stage of every rank bitwise; then every stage contract at 65 rows. The
     planted bug that lets cuBLAS split K again must fail here."""
-    caches.release(_real_tp8)  # one real TP8 layer on the card at a time
-    layer = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_gemms="stock")
+    layer = _real_tp8()  # the default layer is this mode
+    assert layer.batch_invariant and layer.invariant_gemms == "stock"
     x = _inputs(layer.config, 1024, seed)
     rows = sorted(set(range(65, 1024, 29)) | {66, 128, 129, 256, 257, 512, 513, 1023})
     check_wide_batch_invariant(contract, layer, x, rows)
@@ -612,8 +618,7 @@ def test_wide_fast_serial_splits_same_bits(backend, seed, contract):
     batch invariant across the switch (its first ``t`` tokens against its 256-row call)."""
     ranks, top = 4, 256
     cross = _batch_invariant_layer("small", ranks, top, "auto")
-    serial = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast",
-                    invariant_serial_from=129)
+    serial = _fast_gemms_layer("small", ranks, top, invariant_serial_from=129)
     assert serial.invariant_mma == cross.invariant_mma
     for r in serial.local_ranks:
         assert not any(p.tactic.serial for p in serial.gemm_plan(r, 128).values())
@@ -634,10 +639,10 @@ def test_wide_fast_overlap_same_bits(backend, mma, seed, contract):
     row counts."""
     _skip_unless_mma_runs(mma)
     ranks, top = 4, 256
-    plain = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma=mma,
-                   invariant_serial_from=129)
-    flying = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma=mma,
-                    invariant_serial_from=129, invariant_overlap=True)
+    plain = _fast_gemms_layer("small", ranks, top, invariant_mma=mma,
+                              invariant_serial_from=129)
+    flying = _fast_gemms_layer("small", ranks, top, invariant_mma=mma,
+                               invariant_serial_from=129, invariant_overlap=True)
     for r in flying.local_ranks:
         for t in (65, 129, top):
             assert all(p.tactic.overlap for p in flying.gemm_plan(r, t).values())
@@ -668,10 +673,11 @@ def test_wide_fast_wide_chunks_same_bits(backend, mma, seed, contract):
     GEMM launch in 128-row chunks, and batch invariant across those row counts."""
     _skip_unless_mma_runs(mma)
     ranks, top = 4, 256
-    narrow = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma=mma,
-                    invariant_serial_from=129, invariant_overlap=True)
-    wide = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma=mma,
-                  invariant_serial_from=129, invariant_overlap=True, invariant_chunk_windows=16)
+    narrow = _fast_gemms_layer("small", ranks, top, invariant_mma=mma,
+                               invariant_serial_from=129, invariant_overlap=True)
+    wide = _fast_gemms_layer("small", ranks, top, invariant_mma=mma,
+                             invariant_serial_from=129, invariant_overlap=True,
+                             invariant_chunk_windows=16)
     for r in wide.local_ranks:
         for t in (65, 129, top):
             assert all(p.tactic.chunk_windows == 16 and p.chunks == -(-t // 128)
@@ -694,9 +700,9 @@ def test_wide_fast_forms_same_bits(backend, mma, seed, contract):
              "shared_gate_up": {65: {"chunk_windows": 16, "overlap": True}},
              "shared_down": {200: {"serial": True}},
              "up": {65: {"serial": True}, 129: {"serial": False, "chunk_windows": 16}}}
-    plain = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma=mma)
-    formed = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma=mma,
-                    invariant_forms=forms)
+    plain = _fast_gemms_layer("small", ranks, top, invariant_mma=mma)
+    formed = _fast_gemms_layer("small", ranks, top, invariant_mma=mma,
+                               invariant_forms=forms)
     for r in formed.local_ranks:
         front, up = formed.gemm_plan(r, 128)["front"], formed.gemm_plan(r, 128)["up"]
         assert not front.tactic.serial and front.tactic.chunk_windows == 8 and up.tactic.serial
@@ -728,9 +734,9 @@ def test_wide_fast_tiled_forms_same_bits(backend, seed, contract):
              "shared_gate_up": {65: tiled(64, False, True), 129: tiled(64, False, True, (2, 2))},
              "shared_down": {65: {"serial": True}, 200: tiled(64, True, True)},
              "up": {65: tiled(128, False, False), 129: {"chunk_windows": 16}}}
-    plain = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma="wgmma")
-    formed = _layer("small", ranks, top, batch_invariant=True, invariant_gemms="fast", invariant_mma="wgmma",
-                    invariant_forms=forms)
+    plain = _fast_gemms_layer("small", ranks, top, invariant_mma="wgmma")
+    formed = _fast_gemms_layer("small", ranks, top, invariant_mma="wgmma",
+                               invariant_forms=forms)
     for r in formed.local_ranks:
         plan = formed.gemm_plan(r, 128)
         assert hasattr(plan["front"], "tactic") and plan["up"].label().startswith("tiled t128")
@@ -801,7 +807,7 @@ def test_wide_fast_real_tp8_batch_invariant(backend, mma, seed, contract):
     (``invariant_forms="auto"``: the tiled kernel); on ``mma.sync`` none."""
     _skip_unless_mma_runs(mma)
     caches.release(_real_tp8)  # one real TP8 layer at a time (an 80 GB card holds two, not three)
-    layer = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_gemms="fast", invariant_mma=mma)
+    layer = _fast_gemms_layer("kimi_k3", 8, 1024, invariant_mma=mma)
     x = _inputs(layer.config, 1024, seed)
     check_wide_batch_invariant(contract, layer, x, (65, 66, 128, 129, 257, 512, 513, 1023))
     _check_one_split_per_gemm(layer, 65, 1024, mma)
@@ -820,8 +826,8 @@ def test_wide_fast_real_tp8_auto_forms_same_bits(backend, seed, contract):
     _skip_unless_mma_runs("wgmma")
     caches.release(_real_tp8)  # one real TP8 layer on the card at a time
     rows = (65, 128, 256, 257, 512, 513, 1024)
-    plain = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_gemms="fast", invariant_mma="wgmma",
-                   invariant_forms=None)
+    plain = _fast_gemms_layer("kimi_k3", 8, 1024, invariant_mma="wgmma",
+                              invariant_forms=None)
     assert plain.invariant_forms is None
     x = _inputs(plain.config, 1024, seed)
     want = {}
@@ -830,7 +836,7 @@ def test_wide_fast_real_tp8_auto_forms_same_bits(backend, seed, contract):
                    for o in plain(x[:t].contiguous())]
     del plain
     torch.cuda.empty_cache()
-    layer = _layer("kimi_k3", 8, 1024, batch_invariant=True, invariant_gemms="fast", invariant_mma="wgmma")
+    layer = _fast_gemms_layer("kimi_k3", 8, 1024, invariant_mma="wgmma")
     assert layer.invariant_forms is not None and "tiled" in layer.invariant_forms["front"][65]
     assert layer.gemm_plan(0, 600)["front"].label().endswith("cluster 1x4")
     for t in rows:
