@@ -6,6 +6,7 @@ case set-up shared with ``benchmarks.wide_timeline`` on a stand-in layer."""
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmarks import wide_table
@@ -165,44 +166,26 @@ def test_gemm_plan_cells_name_each_launch():
                                                               "up": "r128w4s8 x16c8w"}
 
 
-def test_batch_invariant_flag_reaches_the_layer(monkeypatch):
+def test_batch_invariant_flag_reaches_the_layer(layer_stand_in):
     """``--batch-invariant`` / ``--no-batch-invariant`` and ``--invariant-gemms`` reach the
     layer as named, and without them the layer keeps its own defaults (the run does not
     restate them); unless ``--invariant-forms`` names others, the layer's default forms (a
     stand-in layer records its arguments; the run stops there)."""
     import fast.schedules.wide as wide
-    import verify.cases
 
-    built = {}
-
-    class Stop(Exception):
-        pass
-
-    def layer(weights, **kw):
-        built.update(kw)
-        raise Stop
-
-    monkeypatch.setattr(wide, "WideLayer", layer)
-    monkeypatch.setattr(verify.cases, "device_weights", lambda name: None)
-    monkeypatch.setattr(wide_table, "l2_flush", lambda: None)
-    monkeypatch.setattr(wide_table, "read_bandwidth_gbs", lambda: 1.0)
-    monkeypatch.setattr(wide_table.torch.cuda, "get_device_name", lambda: "stand-in")
+    built = layer_stand_in(wide_table, wide, "WideLayer")
     for flag, want in (([], {}), (["--no-batch-invariant"], {"batch_invariant": False}),
                        (["--batch-invariant"], {"batch_invariant": True}),
                        (["--invariant-gemms", "fast"], {"invariant_gemms": "fast"})):
         built.clear()
-        try:
+        with pytest.raises(layer_stand_in.stop):
             wide_table.main(["--tokens", "65", *flag])
-        except Stop:
-            pass
         named = {k: built[k] for k in ("batch_invariant", "invariant_gemms") if k in built}
         assert named == want and built["max_rows"] == 65
     # the forms: the layer's default "auto" unless named; "none" is no forms
     for flag, want in (([], "auto"), (["--invariant-forms", "none"], None),
                        (["--invariant-forms", "auto"], "auto")):
         built.clear()
-        try:
+        with pytest.raises(layer_stand_in.stop):
             wide_table.main(["--tokens", "65", "--batch-invariant", *flag])
-        except Stop:
-            pass
         assert built["invariant_forms"] == want
