@@ -106,8 +106,8 @@ from fast.schedules.dense import check_hidden_rows
 from fast.schedules.steps import run_steps
 from fast.gemm.host import check_chunk_windows, check_serial_from
 from fast.gemm.mma_kind import check_mma, check_overlap, resolve_mma
-from fast.schedules.wide_gemms import (build_fast_gemms, check_fast_gemm_shapes, check_gemm_forms,
-                                       fast_gemm_names)
+from fast.schedules.wide_gemms import (DEFAULT_INVARIANT_GEMMS, build_fast_gemms,
+                                       check_fast_gemm_shapes, check_gemm_forms, fast_gemm_names)
 from fast.schedules.wide_forms import resolve_forms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS,
                                          SHARED_PLACEMENTS, WIDE_STEPS, WideCall, WideRank,
@@ -271,7 +271,7 @@ def check_batch_invariant(owner: str, config: LatentMoEConfig, ranks: int,
                           batch_invariant, invariant_mma="auto",
                           invariant_serial_from=None, invariant_overlap=False,
                           invariant_chunk_windows=8, invariant_forms="auto",
-                          invariant_gemms="stock") -> None:
+                          invariant_gemms=DEFAULT_INVARIANT_GEMMS) -> None:
     """A wide layer's ``batch_invariant`` (a bool), its ``invariant_mma``
     (``fast.gemm.mma_kind.MMA_CHOICES``), its ``invariant_serial_from`` (None or a positive int),
     its ``invariant_overlap`` (a bool, not with ``"mma.sync"``), its
@@ -364,7 +364,8 @@ class WideLayer(WideStageCalls):
                  experts_tactic: dict | None = None, batch_invariant: bool = True,
                  invariant_mma: str = "auto", invariant_serial_from: int | None = None,
                  invariant_overlap: bool = False, invariant_chunk_windows: int = 8,
-                 invariant_forms: dict | str | None = "auto", invariant_gemms: str = "stock"):
+                 invariant_forms: dict | str | None = "auto",
+                 invariant_gemms: str = DEFAULT_INVARIANT_GEMMS):
         from fast.experts import experts_engine_for, prepare_experts_for
 
         if not isinstance(weights, LatentMoEWeights):

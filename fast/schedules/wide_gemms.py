@@ -66,7 +66,8 @@ from __future__ import annotations
 from fast.gemm.mma_kind import check_mma
 from model.config import LatentMoEConfig
 
-__all__ = ["WIDE_GEMMS", "CALL_KINDS", "INVARIANT_GEMMS", "fast_gemm_names", "gemm_shapes",
+__all__ = ["WIDE_GEMMS", "CALL_KINDS", "INVARIANT_GEMMS", "DEFAULT_INVARIANT_GEMMS",
+           "fast_gemm_names", "gemm_shapes",
            "check_fast_gemm_shapes", "check_gemm_forms",
            "gemm_splits", "gemm_launches", "kernel_params", "build_fast_gemms"]
 
@@ -79,6 +80,9 @@ CALL_KINDS = {"front": ("float32", None), "shared_gate_up": ("bfloat16", None),
 #: The wide layers' ``invariant_gemms``: the GEMMs the batch-invariant mode runs on
 #: ``fast.gemm``; the others run on cuBLASLt without split-K (the module docstring).
 INVARIANT_GEMMS = {"fast": WIDE_GEMMS, "stock": ("front",)}
+#: The default of every wide layer's ``invariant_gemms`` (``WideLayer``, ``WidePeerLayer``
+#: and their checks): one value, so a real rank's GEMMs stay the virtual rank's.
+DEFAULT_INVARIANT_GEMMS = "stock"
 
 
 def gemm_shapes(config: LatentMoEConfig, ranks: int) -> dict[str, tuple[int, int]]:

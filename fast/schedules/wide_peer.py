@@ -88,7 +88,7 @@ from fast.schedules.wide import (compiled_kernel, check_batch_invariant, check_l
                                  kernel_params, mailbox_timeout)
 from fast.gemm.host import check_chunk_windows
 from fast.gemm.mma_kind import check_overlap, resolve_mma
-from fast.schedules.wide_gemms import build_fast_gemms, fast_gemm_names
+from fast.schedules.wide_gemms import DEFAULT_INVARIANT_GEMMS, build_fast_gemms, fast_gemm_names
 from fast.schedules.wide_forms import resolve_forms
 from fast.schedules.wide_program import (DEFAULT_SHARED_PLACEMENT, MAILBOX_BUFFERS, WIDE_STEPS,
                                          WideCall, WideRank, WideRankOutputs, WideStageCalls,
@@ -165,7 +165,8 @@ class WidePeerLayer(WideStageCalls):
                  experts_tactic: dict | None = None, batch_invariant: bool = True,
                  invariant_mma: str = "auto", invariant_serial_from: int | None = None,
                  invariant_overlap: bool = False, invariant_chunk_windows: int = 8,
-                 invariant_forms: dict | str | None = "auto", invariant_gemms: str = "stock"):
+                 invariant_forms: dict | str | None = "auto",
+                 invariant_gemms: str = DEFAULT_INVARIANT_GEMMS):
         import torch.distributed as dist
 
         from fast.experts import experts_engine_for, prepare_experts_for
